@@ -1,0 +1,170 @@
+"""Frozen configuration objects. Every user-facing value is validated here, failing closed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvcap.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "fp32", "fp8_e4m3")
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+_KV_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture facts kvcap needs, read from a HF `config.json`."""
+
+    architecture: str  # one of SUPPORTED_ARCHITECTURES' values
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    layer_prefix: str = "model.layers"
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelSpec:
+        archs = cfg.get("architectures") or []
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            model_type = cfg.get("model_type")
+            by_type = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+            arch = by_type.get(model_type)
+        if arch is None:
+            raise ConfigError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}: kvcap supports "
+                f"{sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            num_heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or None
+            rope_theta = float(
+                cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+            )
+            if rope is not None and rope.get("rope_type", rope.get("type")) in (None, "default"):
+                rope = None
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            return cls(
+                architecture=arch,
+                hidden_size=hidden,
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+                head_dim=head_dim,
+                intermediate_size=int(cfg["intermediate_size"]),
+                vocab_size=int(cfg["vocab_size"]),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=dict(rope) if rope else None,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+                qk_norm=arch == "qwen3",
+                eos_token_ids=eos_ids,
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks required field {e.args[0]!r}") from None
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def scale_names(self) -> list[str]:
+        """The overlay tensor names for every scaled layer, K then V per layer."""
+        names = []
+        for layer in range(self.num_layers):
+            names.append(f"{self.layer_prefix}.{layer}.self_attn.k_scale")
+            names.append(f"{self.layer_prefix}.{layer}.self_attn.v_scale")
+        return names
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto` is FP32 on CPU and BF16 (FP16 where BF16 is missing) on GPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if dtype not in _TORCH_DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not one of auto, {', '.join(_TORCH_DTYPES)}")
+    return _TORCH_DTYPES[dtype]
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> str:
+    """Return the canonical KV storage name: fp32 | fp16 | bf16 | fp8_e4m3."""
+    aliases = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "float16": "fp16",
+               "bfloat16": "bf16", "float32": "fp32"}
+    kv = aliases.get(kv_cache_dtype, kv_cache_dtype)
+    if kv == "fp8_e5m2":
+        raise ConfigError("kv_cache_dtype fp8_e5m2 is not supported: kvcap's calibrated path is "
+                          "E4M3 only (use fp8_e4m3)")
+    if kv not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
+    if kv == "auto":
+        return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[model_dtype]
+    return kv
+
+
+def kv_storage_dtype(kv: str) -> torch.dtype:
+    """Torch dtype of the cache tensors: uint8 for E4M3 (raw bytes), else the float type."""
+    return torch.uint8 if kv == "fp8_e4m3" else _KV_TORCH[kv]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Scheduler and cache sizing. `num_gpu_blocks=None` sizes the pool from memory."""
+
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    num_blocks: int | None = None
+    kv_cache_memory_gib: float | None = None
+    gpu_memory_utilization: float = 0.90
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # auto | torch | triton
+    enforce_eager: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ConfigError("max_num_batched_tokens must be >= block_size")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ConfigError(
+                f"attention_backend {self.attention_backend!r} is not one of auto, torch, triton"
+            )

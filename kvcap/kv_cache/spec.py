@@ -1,0 +1,46 @@
+"""Bytes per token and capacity arithmetic for a paged KV cache (no allocation here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcap.config import ModelSpec
+
+_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8_e4m3": 1}
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    kv_dtype: str  # fp32 | fp16 | bf16 | fp8_e4m3
+    side_bytes_per_token: int = 0  # FP16 side caches (QSA indexer) that stay unquantized
+
+    @classmethod
+    def for_model(cls, spec: ModelSpec, block_size: int, kv_dtype: str) -> KVCacheSpec:
+        return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, kv_dtype)
+
+    @property
+    def element_bytes(self) -> int:
+        return _BYTES[self.kv_dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        kv = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_bytes
+        return kv + self.side_bytes_per_token
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def num_blocks_for(self, memory_bytes: int) -> int:
+        return max(0, memory_bytes // self.bytes_per_block)
+
+    def tokens_for(self, memory_bytes: int) -> int:
+        return self.num_blocks_for(memory_bytes) * self.block_size
+
+    def max_concurrency(self, memory_bytes: int, context_len: int) -> int:
+        blocks_per_seq = -(-context_len // self.block_size)
+        return self.num_blocks_for(memory_bytes) // blocks_per_seq
