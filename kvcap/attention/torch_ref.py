@@ -1,0 +1,92 @@
+"""Eager torch attention backend: the CPU engine's backend and the twin of every kernel.
+
+Deliberately plain: store by slot (E4M3 through `kvcap.numerics.e4m3.encode`), then per
+sequence gather its pages, dequantize (`decode(q) * scale`), and run causal GQA attention with
+an FP32 softmax. No per-token Python loops; one loop over sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcap.attention.base import AttentionBackend
+from kvcap.attention.metadata import AttentionMetadata
+from kvcap.kv_cache.pool import LayerKVCache
+from kvcap.numerics import e4m3
+
+
+def store_kv_reference(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
+                       slot_mapping: torch.Tensor) -> None:
+    """Write k/v [T, Hkv, D] into the paged cache at slot_mapping [T] (int64, -1 = skip)."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    if slots.numel() == 0:
+        return
+    bs = cache.block_size
+    blk, off = slots // bs, slots % bs
+    for src, dst, scale in ((k, cache.k_cache, cache.k_scale), (v, cache.v_cache, cache.v_scale)):
+        rows = src[: slot_mapping.shape[0]][valid]
+        if cache.is_fp8:
+            vals = e4m3.encode(rows, scale)
+        else:
+            vals = rows.to(dst.dtype)
+        dst[blk, :, off] = vals  # advanced indices first: [n, Hkv, D]
+
+
+def gather_kv_reference(cache: LayerKVCache, block_table: torch.Tensor, seq_len: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized FP32 K and V of one sequence: [Hkv, seq_len, D] each."""
+    bs = cache.block_size
+    nblk = (seq_len + bs - 1) // bs
+    blocks = block_table[:nblk].long()
+    if blocks.numel() < nblk or bool((blocks < 0).any()):
+        raise ValueError(f"block table covers fewer than the {nblk} blocks of {seq_len} tokens")
+    out = []
+    for src, scale in ((cache.k_cache, cache.k_scale), (cache.v_cache, cache.v_scale)):
+        pages = src[blocks]  # [nblk, Hkv, bs, D]
+        hkv, d = pages.shape[1], pages.shape[3]
+        x = pages.permute(1, 0, 2, 3).reshape(hkv, nblk * bs, d)[:, :seq_len]
+        x = e4m3.decode(x, scale) if cache.is_fp8 else x.float()
+        out.append(x)
+    return out[0], out[1]
+
+
+def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int,
+                     softmax_scale: float) -> torch.Tensor:
+    """Causal GQA attention of n new queries q [n, Hq, D] over k/v [Hkv, S, D] (FP32), where
+    query j sits at position context_len + j. Returns FP32 [n, Hq, D]."""
+    n, hq, _ = q.shape
+    hkv, s, _ = k.shape
+    group = hq // hkv
+    qf = q.float().transpose(0, 1)  # [Hq, n, D]
+    kf = k.repeat_interleave(group, dim=0)
+    vf = v.repeat_interleave(group, dim=0)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * softmax_scale  # [Hq, n, S]
+    qpos = context_len + torch.arange(n, device=q.device)
+    kpos = torch.arange(s, device=q.device)
+    mask = kpos[None, :] <= qpos[:, None]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, vf).transpose(0, 1)
+
+
+class TorchReferenceBackend(AttentionBackend):
+    """Eager reference backend (see module docstring). Padding rows of `out` stay untouched."""
+
+    name = "torch"
+
+    def forward(self, q, k, v, cache: LayerKVCache, meta: AttentionMetadata,
+                softmax_scale: float, out: torch.Tensor) -> torch.Tensor:
+        if q.shape[1] % k.shape[1] != 0:
+            raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]}")
+        store_kv_reference(k, v, cache, meta.slot_mapping)
+        qsl = meta.query_start_loc_cpu
+        for i, seq_len in enumerate(meta.seq_lens_cpu):
+            start, end = qsl[i], qsl[i + 1]
+            n = end - start
+            if n == 0:
+                continue
+            kf, vf = gather_kv_reference(cache, meta.block_tables[i], seq_len)
+            res = attend_reference(q[start:end], kf, vf, seq_len - n, softmax_scale)
+            out[start:end] = res.to(out.dtype)
+        return out
