@@ -1,0 +1,223 @@
+"""Paged KV-cache bookkeeping: free list, reference counts and prefix caching. Pure Python.
+
+The pool holds `num_blocks` physical blocks of `block_size` token slots. A request owns the
+blocks listed in `req.block_ids` (in token order); block `i` holds the K/V of tokens
+`[i * block_size, (i + 1) * block_size)`.
+
+Prefix caching (FULL blocks only). A block whose `block_size` tokens all have their K/V written
+gets a chained hash `hash((parent_hash, tuple(block_token_ids)))` (parent = previous block's hash,
+`None` for the first block), registered by `commit_full_blocks`. A later request whose token
+prefix chains to the same hashes shares those blocks (ref count + 1) instead of recomputing them.
+When the last reference is dropped a hashed block stays in the cache, unreferenced; it counts as
+free and is evicted (least recently freed first) only when the free list needs it. Unhashed free
+blocks are always handed out before any cached block is evicted. Python's hash of a tuple of ints
+is deterministic (no per-process salt), so the same tokens map to the same blocks.
+
+API (what the scheduler calls):
+    num_free_blocks / num_used_blocks / num_total_blocks   free + used == total, always
+    allocate_prompt(req) -> bool        admission: prefix-cache lookup, take refs, set
+                                        req.num_computed_tokens = req.num_cached_prefix_tokens
+    ensure_slots(req, n) -> bool        cover num_computed_tokens + n tokens with blocks
+    commit_full_blocks(req)             hash blocks that became full of computed tokens
+    free(req)                           drop req's references; idempotent
+    num_blocks_for(num_tokens) -> int   blocks needed to hold that many tokens
+    reset_prefix_cache()                forget every hash (e.g. after KV scales change)
+    check_invariants(requests=None)     internal consistency, for tests
+Every method that returns False has changed nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvcap.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+BlockHash = int
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._num_blocks = num_blocks
+        self._ref = [0] * num_blocks
+        self._block_hash: list[BlockHash | None] = [None] * num_blocks
+        self._cache: dict[BlockHash, int] = {}  # hash -> block holding those tokens
+        # Free blocks: unhashed ones (handed out first) and cached ones in LRU order.
+        self._free_plain: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() from the end
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        # Chained hashes of each request's leading full blocks (request_id -> hashes).
+        self._req_hashes: dict[str, list[BlockHash]] = {}
+
+    # ----------------------------------------------------------------- counts
+    @property
+    def num_total_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_plain) + len(self._free_cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cache)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ----------------------------------------------------------------- hashing
+    def _hash(self, parent: BlockHash | None, tokens: list[int]) -> BlockHash:
+        return hash((parent, tuple(tokens)))
+
+    def _lookup_prefix(self, req: Request) -> tuple[list[int], list[BlockHash]]:
+        """Cached blocks (and their hashes) for the longest prefix, leaving >= 1 token."""
+        if not self.enable_prefix_caching:
+            return [], []
+        tokens = req.all_token_ids
+        bs = self.block_size
+        blocks: list[int] = []
+        hashes: list[BlockHash] = []
+        parent: BlockHash | None = None
+        for i in range((len(tokens) - 1) // bs):
+            h = self._hash(parent, tokens[i * bs:(i + 1) * bs])
+            block = self._cache.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(h)
+            parent = h
+        return blocks, hashes
+
+    # ----------------------------------------------------------------- allocation
+    def _take_free(self) -> int:
+        if self._free_plain:
+            block = self._free_plain.pop()
+        else:
+            block, _ = self._free_cached.popitem(last=False)  # evict least recently freed
+            h = self._block_hash[block]
+            assert h is not None and self._cache.get(h) == block
+            del self._cache[h]
+            self._block_hash[block] = None
+        assert self._ref[block] == 0
+        self._ref[block] = 1
+        return block
+
+    def allocate_prompt(self, req: Request) -> bool:
+        """Admit `req`: share its longest cached prefix and check one more block is free.
+
+        Sets `req.num_computed_tokens` and `req.num_cached_prefix_tokens` to the cached length
+        (a multiple of block_size, always < req.num_tokens). Returns False, changing nothing, if
+        after taking the cached blocks no free block would remain for the next token.
+        """
+        if req.block_ids:
+            raise ValueError(f"request {req.request_id} already holds blocks")
+        if req.num_tokens < 1:
+            raise ValueError(f"request {req.request_id} has no tokens")
+        blocks, hashes = self._lookup_prefix(req)
+        reused_free = sum(1 for b in blocks if self._ref[b] == 0)
+        if self.num_free_blocks - reused_free < 1:
+            return False
+        for block in blocks:
+            if self._ref[block] == 0:
+                del self._free_cached[block]
+            self._ref[block] += 1
+        req.block_ids = list(blocks)
+        self._req_hashes[req.request_id] = hashes
+        cached = len(blocks) * self.block_size
+        req.num_computed_tokens = cached
+        req.num_cached_prefix_tokens = cached
+        if blocks:
+            logger.debug("prefix hit: request %s reuses %d blocks (%d tokens)",
+                         req.request_id, len(blocks), cached)
+        return True
+
+    def ensure_slots(self, req: Request, num_new_tokens: int) -> bool:
+        """Make req.block_ids cover num_computed_tokens + num_new_tokens tokens."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        need = self.num_blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
+        if need > self.num_free_blocks:
+            return False
+        for _ in range(need):
+            req.block_ids.append(self._take_free())
+        return True
+
+    def commit_full_blocks(self, req: Request) -> None:
+        """Register hashes of req's blocks that are now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._req_hashes.setdefault(req.request_id, [])
+        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        tokens = req.all_token_ids
+        bs = self.block_size
+        for i in range(len(hashes), num_full):
+            h = self._hash(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs])
+            hashes.append(h)
+            block = req.block_ids[i]
+            # Another request may have computed the same tokens first: keep its block cached.
+            if h not in self._cache and self._block_hash[block] is None:
+                self._cache[h] = block
+                self._block_hash[block] = h
+
+    def free(self, req: Request) -> None:
+        """Drop req's references; hashed blocks stay cached. Clears req.block_ids."""
+        # Reverse order: a chain's tail is evicted before its head, which keeps heads reusable.
+        for block in reversed(req.block_ids):
+            assert self._ref[block] > 0, f"double free of block {block}"
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                if self._block_hash[block] is None:
+                    self._free_plain.append(block)
+                else:
+                    self._free_cached[block] = None
+        req.block_ids = []
+        self._req_hashes.pop(req.request_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached prefixes; unreferenced cached blocks become plain free blocks."""
+        for block in self._free_cached:
+            self._free_plain.append(block)
+        self._free_cached.clear()
+        self._cache.clear()
+        self._block_hash = [None] * self._num_blocks
+        logger.info("prefix cache reset")
+
+    # ----------------------------------------------------------------- tests
+    def check_invariants(self, requests: Iterable[Request] | None = None) -> None:
+        """Raise AssertionError on any inconsistency. With `requests` (every request that may
+        hold blocks), also check that ref counts equal the number of holders of each block."""
+        plain, cached = set(self._free_plain), set(self._free_cached)
+        assert len(plain) == len(self._free_plain), "duplicate in free list"
+        assert not plain & cached, "block in both free lists"
+        assert self.num_free_blocks + self.num_used_blocks == self._num_blocks
+        for b in range(self._num_blocks):
+            assert self._ref[b] >= 0
+            assert (self._ref[b] == 0) == (b in plain or b in cached), f"block {b} free-list state"
+            if b in plain:
+                assert self._block_hash[b] is None, f"hashed block {b} in plain free list"
+            if b in cached:
+                assert self._block_hash[b] is not None, f"unhashed block {b} in cached list"
+        for h, b in self._cache.items():
+            assert self._block_hash[b] == h, f"cache entry for block {b} is stale"
+        assert sum(h is not None for h in self._block_hash) == len(self._cache)
+        if requests is not None:
+            holders = [0] * self._num_blocks
+            for req in requests:
+                assert len(set(req.block_ids)) == len(req.block_ids), "block listed twice"
+                for b in req.block_ids:
+                    holders[b] += 1
+            assert holders == self._ref, "ref counts differ from the requests' block lists"

@@ -1,0 +1,253 @@
+"""Continuous-batching scheduler with chunked prefill and preemption by recompute. Pure Python.
+
+Every `schedule()` call fills one step under a token budget (`max_num_batched_tokens`):
+
+1. Running requests, oldest arrival first. A request in decode gets 1 token; one still in
+   prefill (or recomputing after preemption) gets its next chunk, `min(remaining, budget)`.
+   If its blocks cannot be allocated, the NEWEST running request is preempted by recompute
+   (blocks freed, `num_computed_tokens = 0`, status PREEMPTED, front of the waiting queue) until
+   they can; if the newest is the request itself, it is preempted and the loop moves on. A
+   request that cannot fit even with the whole pool to itself is finished (`finished_early`).
+2. If nothing was preempted this step: admit waiting requests FCFS while the budget and
+   `max_num_seqs` allow. Admission looks up the prefix cache (cached full blocks are shared and
+   not recomputed; at least one token is always computed so the model yields logits) and
+   schedules the first chunk, clipped to the budget and to the free blocks. A request whose
+   tokens need more blocks than the whole pool is finished with an error reason instead.
+
+A chunk covers `request.all_token_ids[start:start + num_tokens]` at positions
+`start .. start + num_tokens - 1`, with `request.block_ids` as its block table; `samples` is True
+when the chunk ends at the last known token, so the model's last-row logits sample a new token.
+
+`update_from_output(output, sampled)` advances `num_computed_tokens`, appends sampled tokens,
+applies stop conditions (stop_token_ids, EOS unless ignore_eos, max_tokens, max_model_len),
+registers newly full blocks in the prefix cache, frees finished requests and returns them. Stop
+strings need detokenized text: the engine calls `finish_request(req, status, reason)` for those.
+Never-fit requests finish with status FINISHED_ABORTED and `stop_reason` starting "error: ".
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvcap.engine.block_manager import BlockManager
+from kvcap.engine.request import Request, RequestStatus
+from kvcap.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerConfig(Protocol):
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int | None
+    block_size: int
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int  # == request.num_computed_tokens when scheduled
+    num_tokens: int
+    samples: bool  # chunk reaches the last known token: sample from its last row
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    finished_early: list[Request] = field(default_factory=list)  # never fits in the pool
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 eos_token_ids: Iterable[int] = ()):
+        if config.max_model_len is None:
+            raise ConfigError("max_model_len must be resolved before building the Scheduler")
+        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if config.block_size != block_manager.block_size:
+            raise ConfigError(f"block_size {config.block_size} differs from the block "
+                              f"manager's {block_manager.block_size}")
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len: int = config.max_model_len
+        self.block_manager = block_manager
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted by arrival order
+        self._order: dict[str, int] = {}  # request_id -> arrival sequence number
+        self._next_order = 0
+
+    # ----------------------------------------------------------------- queues
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self._order:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.num_prompt_tokens < 1:
+            raise ConfigError(f"request {req.request_id}: the prompt is empty")
+        if req.num_tokens > self.max_model_len:
+            raise ConfigError(f"request {req.request_id}: prompt of {req.num_tokens} tokens is "
+                              f"longer than max_model_len={self.max_model_len}")
+        req.status = RequestStatus.WAITING
+        self._order[req.request_id] = self._next_order
+        self._next_order += 1
+        self.waiting.append(req)
+
+    def _find(self, request_id: str) -> Request | None:
+        for req in self.running:
+            if req.request_id == request_id:
+                return req
+        for req in self.waiting:
+            if req.request_id == request_id:
+                return req
+        return None
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a waiting or running request; False if unknown or already finished."""
+        req = self._find(request_id)
+        if req is None:
+            return False
+        self.finish_request(req, RequestStatus.FINISHED_ABORTED, "abort")
+        return True
+
+    def finish_request(self, req: Request, status: RequestStatus,
+                       reason: str | int | None = None) -> None:
+        """Finish `req` (stop string, abort, error): leave the queues and free its blocks."""
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status")
+        if req.is_finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.block_manager.free(req)
+        req.status = status
+        req.stop_reason = reason
+        self._order.pop(req.request_id, None)
+
+    # ----------------------------------------------------------------- scheduling
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+        logger.info("preempted request %s (recompute; %d tokens)", req.request_id, req.num_tokens)
+
+    def _never_fits(self, req: Request, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        reason = (f"error: request needs {bm.num_blocks_for(req.num_tokens)} KV blocks for "
+                  f"{req.num_tokens} tokens but the pool has {bm.num_total_blocks}")
+        logger.warning("finishing request %s: %s", req.request_id, reason)
+        self.finish_request(req, RequestStatus.FINISHED_ABORTED, reason)
+        out.finished_early.append(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert n >= 1, f"running request {req.request_id} has nothing to compute"
+            while not bm.ensure_slots(req, n):
+                victim = self.running[-1]
+                if victim is not req:
+                    self._preempt(victim, out)
+                elif i == 0:  # alone with the whole pool and still too big
+                    self._never_fits(req, out)
+                    break
+                else:
+                    self._preempt(req, out)
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n,
+                                                 req.num_computed_tokens + n == req.num_tokens))
+                budget -= n
+                i += 1
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if bm.num_blocks_for(req.num_tokens) > bm.num_total_blocks:
+                self._never_fits(req, out)
+                continue
+            if not bm.allocate_prompt(req):
+                break
+            start = req.num_computed_tokens
+            fits = (len(req.block_ids) + bm.num_free_blocks) * bm.block_size - start
+            n = min(req.num_tokens - start, budget, fits)
+            assert n >= 1 and bm.ensure_slots(req, n)
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            keys = [self._order[r.request_id] for r in self.running]
+            self.running.insert(bisect.bisect(keys, self._order[req.request_id]), req)
+            out.chunks.append(ScheduledChunk(req, start, n, start + n == req.num_tokens))
+            budget -= n
+
+    # ----------------------------------------------------------------- results
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled: dict[str, int]) -> list[Request]:
+        """Apply one executed step; return the requests that finished in it."""
+        finished: list[Request] = []
+        for chunk in output.chunks:
+            req = chunk.request
+            if req.is_finished:  # aborted while the step ran
+                continue
+            assert req.num_computed_tokens == chunk.start, "chunk applied twice or out of order"
+            req.num_computed_tokens += chunk.num_tokens
+            if chunk.samples:
+                if req.request_id not in sampled:
+                    raise ValueError(f"no sampled token for request {req.request_id}")
+                req.output_token_ids.append(int(sampled[req.request_id]))
+            self.block_manager.commit_full_blocks(req)
+            if chunk.samples:
+                stop = self._check_stop(req)
+                if stop is not None:
+                    self.finish_request(req, *stop)
+                    finished.append(req)
+        return finished
+
+    def _check_stop(self, req: Request) -> tuple[RequestStatus, str | int | None] | None:
+        params = req.sampling_params
+        token = req.output_token_ids[-1]
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if len(req.output_token_ids) >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH, None
+        if req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None
