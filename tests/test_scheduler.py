@@ -197,6 +197,10 @@ def test_prefix_hit_through_scheduler() -> None:
     s.update_from_output(out, model.execute(out))
     finished, _ = run_all(s, bm, model)
     assert b.output_token_ids == reference_output(b.prompt_token_ids, b.sampling_params, 256)
+    # A request asking for prompt logprobs needs every prompt row: no prefix-cache skip.
+    s.add_request(req("c", shared + [31, 32], max_tokens=2, prompt_logprobs=1))
+    out = s.schedule()
+    assert out.chunks[0].start == 0 and out.chunks[0].request.num_cached_prefix_tokens == 0
 
 
 def test_abort_waiting_and_running_frees_blocks() -> None:
@@ -280,7 +284,7 @@ def test_bad_input() -> None:
 @pytest.mark.parametrize("seed", range(6))
 def test_randomized_simulation(seed: int) -> None:
     rng = random.Random(seed)
-    num_blocks = rng.choice([8, 16, 40])
+    num_blocks = rng.choice([8, 12, 24, 48])
     s, bm, model = make(num_blocks=num_blocks, max_num_seqs=rng.choice([1, 3, 8]),
                         max_num_batched_tokens=rng.choice([8, 16, 48]), max_model_len=64)
     s.eos_token_ids = {EOS}

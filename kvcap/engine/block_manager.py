@@ -15,7 +15,8 @@ is deterministic (no per-process salt), so the same tokens map to the same block
 
 API (what the scheduler calls):
     num_free_blocks / num_used_blocks / num_total_blocks   free + used == total, always
-    allocate_prompt(req) -> bool        admission: prefix-cache lookup, take refs, set
+    allocate_prompt(req, use_prefix_cache=True) -> bool
+                                        admission: prefix-cache lookup, take refs, set
                                         req.num_computed_tokens = req.num_cached_prefix_tokens
     ensure_slots(req, n) -> bool        cover num_computed_tokens + n tokens with blocks
     commit_full_blocks(req)             hash blocks that became full of computed tokens
@@ -116,8 +117,10 @@ class BlockManager:
         self._ref[block] = 1
         return block
 
-    def allocate_prompt(self, req: Request) -> bool:
+    def allocate_prompt(self, req: Request, use_prefix_cache: bool = True) -> bool:
         """Admit `req`: share its longest cached prefix and check one more block is free.
+
+        `use_prefix_cache=False` (e.g. prompt logprobs wanted) computes the whole sequence.
 
         Sets `req.num_computed_tokens` and `req.num_cached_prefix_tokens` to the cached length
         (a multiple of block_size, always < req.num_tokens). Returns False, changing nothing, if
@@ -127,7 +130,7 @@ class BlockManager:
             raise ValueError(f"request {req.request_id} already holds blocks")
         if req.num_tokens < 1:
             raise ValueError(f"request {req.request_id} has no tokens")
-        blocks, hashes = self._lookup_prefix(req)
+        blocks, hashes = self._lookup_prefix(req) if use_prefix_cache else ([], [])
         reused_free = sum(1 for b in blocks if self._ref[b] == 0)
         if self.num_free_blocks - reused_free < 1:
             return False

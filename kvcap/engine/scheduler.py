@@ -10,9 +10,10 @@ Every `schedule()` call fills one step under a token budget (`max_num_batched_to
    request that cannot fit even with the whole pool to itself is finished (`finished_early`).
 2. If nothing was preempted this step: admit waiting requests FCFS while the budget and
    `max_num_seqs` allow. Admission looks up the prefix cache (cached full blocks are shared and
-   not recomputed; at least one token is always computed so the model yields logits) and
-   schedules the first chunk, clipped to the budget and to the free blocks. A request whose
-   tokens need more blocks than the whole pool is finished with an error reason instead.
+   not recomputed; at least one token is always computed so the model yields logits; requests
+   asking for prompt_logprobs skip the lookup) and schedules the first chunk, clipped to the
+   budget and to the free blocks. A request whose tokens need more blocks than the whole pool
+   is finished with an error reason instead.
 
 A chunk covers `request.all_token_ids[start:start + num_tokens]` at positions
 `start .. start + num_tokens - 1`, with `request.block_ids` as its block table; `samples` is True
@@ -203,7 +204,8 @@ class Scheduler:
             if bm.num_blocks_for(req.num_tokens) > bm.num_total_blocks:
                 self._never_fits(req, out)
                 continue
-            if not bm.allocate_prompt(req):
+            # Prompt logprobs need logits at every prompt position: no prefix-cache skipping.
+            if not bm.allocate_prompt(req, req.sampling_params.prompt_logprobs is None):
                 break
             start = req.num_computed_tokens
             fits = (len(req.block_ids) + bm.num_free_blocks) * bm.block_size - start
