@@ -1,0 +1,162 @@
+"""Engine-facing sampler: per-row temperature / top-k / top-p / min-p with per-request seeds.
+
+Semantics are written once, in ``kvcap/sampling/reference.py``. On CUDA the fused Triton kernel
+(``kvcap/kernels/sampling_topk_topp.py``) runs; elsewhere, or with
+``KVCAP_DISABLE_FUSED_SAMPLER=1``, the sort-based torch reference runs. Both pick the same token
+from the same (seed, step) up to float32 rounding at a boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvcap.sampling.reference import reference_sample
+from kvcap.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MODE_GREEDY = 0  # temperature 0: arg-max
+MODE_FILTERED = 1  # top-k, top-p or min-p active
+MODE_PLAIN = 2  # temperature only: Gumbel-max over the whole vocabulary
+
+
+def _split_seed(seed: int) -> tuple[int, int]:
+    """seed mod 2**64 as two int32 bit patterns (low, high)."""
+    s = seed % (1 << 64)
+    lo, hi = s & 0xFFFFFFFF, s >> 32
+    return (lo - (1 << 32) if lo >= 1 << 31 else lo), (hi - (1 << 32) if hi >= 1 << 31 else hi)
+
+
+def _i32(x: int) -> int:
+    x %= 1 << 32
+    return x - (1 << 32) if x >= 1 << 31 else x
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters of one step, on the logits' device.
+
+    temperature: float32 [B] (0 = greedy). top_k: int32 [B] (0 = off; values >= V act as off).
+    top_p: float32 [B] (1 = off). min_p: float32 [B] (0 = off).
+    rng: int32 [B, 3] = (seed low 32 bits, seed high 32 bits, step) bit patterns.
+    mode: int32 [B] (MODE_GREEDY / MODE_FILTERED / MODE_PLAIN).
+    Host-side summaries (no device sync needed): ``all_greedy``, ``max_top_k``.
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    rng: torch.Tensor
+    mode: torch.Tensor
+    all_greedy: bool
+    max_top_k: int
+
+    @property
+    def size(self) -> int:
+        return int(self.temperature.shape[0])
+
+    @staticmethod
+    def from_params(
+        params: list[SamplingParams],
+        seeds: list[int],
+        steps: list[int],
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        """Build a batch: one SamplingParams, seed and step (tokens generated so far) per row."""
+        if not len(params) == len(seeds) == len(steps):
+            raise ValueError(
+                f"params/seeds/steps lengths differ: {len(params)}/{len(seeds)}/{len(steps)}"
+            )
+        temps, ks, ps, mps, rng, modes = [], [], [], [], [], []
+        for sp, seed, step in zip(params, seeds, steps, strict=True):
+            greedy = sp.temperature == 0.0
+            k = 0 if greedy or sp.top_k <= 0 else int(sp.top_k)
+            p = 1.0 if greedy else float(sp.top_p)
+            mp = 0.0 if greedy else float(sp.min_p)
+            temps.append(float(sp.temperature))
+            ks.append(k)
+            ps.append(p)
+            mps.append(mp)
+            rng.append((*_split_seed(int(seed)), _i32(int(step))))
+            filtered = k > 0 or p < 1.0 or mp > 0.0
+            modes.append(MODE_GREEDY if greedy else MODE_FILTERED if filtered else MODE_PLAIN)
+        dev = torch.device(device)
+
+        def t(vals: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(vals, dtype=dtype).to(dev, non_blocking=True)
+
+        return SamplingBatch(
+            temperature=t(temps, torch.float32),
+            top_k=t(ks, torch.int32),
+            top_p=t(ps, torch.float32),
+            min_p=t(mps, torch.float32),
+            rng=t(rng, torch.int32).reshape(-1, 3),
+            mode=t(modes, torch.int32),
+            all_greedy=all(m == MODE_GREEDY for m in modes),
+            max_top_k=max(ks, default=0),
+        )
+
+
+def fused_sampler_enabled(device: torch.device) -> bool:
+    """True when the Triton kernel path runs on ``device`` (CUDA, triton importable, no env)."""
+    if os.environ.get("KVCAP_DISABLE_FUSED_SAMPLER", "0") not in ("", "0"):
+        return False
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class Sampler:
+    """Logits to token ids: ``Sampler(device).sample(logits [B, V] f32, batch) -> [B] int64``."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.fused = fused_sampler_enabled(self.device)
+        logger.info(
+            "sampler: %s path on %s",
+            "fused Triton top-k/top-p" if self.fused else "torch sort-based reference",
+            self.device,
+        )
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """logits float32 [B, V] (other float dtypes are upcast) -> token ids int64 [B]."""
+        if logits.dim() != 2 or logits.shape[0] != batch.size:
+            raise ValueError(f"logits {tuple(logits.shape)} do not match batch of {batch.size}")
+        if batch.all_greedy:
+            return torch.argmax(torch.nan_to_num(logits.float(), nan=float("-inf")), dim=1)
+        if self.fused and logits.is_cuda:
+            from kvcap.kernels.sampling_topk_topp import fused_sample
+
+            return fused_sample(
+                logits,
+                batch.temperature,
+                batch.top_k,
+                batch.top_p,
+                batch.min_p,
+                batch.rng,
+                batch.mode,
+                max_top_k=batch.max_top_k,
+            )
+        return reference_sample(
+            logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.rng
+        )
+
+
+def compute_topn_logprobs(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-n of log_softmax(logits). logits [B, V] -> (values float32 [B, n], ids int64 [B, n]).
+
+    Values are in descending order; n = 0 gives empty [B, 0] tensors.
+    """
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    n = max(0, min(int(n), lp.shape[-1]))
+    values, ids = torch.topk(lp, n, dim=-1)
+    return values, ids
