@@ -181,3 +181,17 @@ def test_unrecognized_scale_names_refused(extra: str) -> None:
 ])
 def test_is_kv_scale_name(name: str, expected: bool) -> None:
     assert is_kv_scale_name(name) is expected
+
+
+def test_non_kv_attention_scales_are_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    spec = make_spec()
+    found = full_scales(spec)
+    found["model.layers.0.self_attn.q_scale"] = torch.tensor(0.5)
+    found["model.layers.0.self_attn.prob_scale"] = torch.tensor(0.5)
+    with caplog.at_level(logging.WARNING, logger="kvcap.scales.gate"):
+        k, _ = run_gate(spec, found, "t")
+    assert "ignoring 2 non-K/V scale tensors" in caplog.text
+    assert k[0] == pytest.approx(0.01)
+    del found["model.layers.0.self_attn.k_scale"]
+    with pytest.raises(ScaleGateError, match=r"Loaded 7/8 K/V scales"):
+        run_gate(spec, found, "t")

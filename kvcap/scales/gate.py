@@ -80,7 +80,8 @@ def run_gate(spec: ModelSpec, found: Mapping[str, torch.Tensor],
 
     Args:
         spec: the model's architecture (num_layers, layer_prefix).
-        found: every tensor whose name `is_kv_scale_name`, read after all weights were consumed.
+        found: every tensor whose name `is_kv_scale_name`, read after all weights were consumed
+            (other scale-like names such as `q_scale`/`prob_scale` are logged and ignored).
         source: where they came from (path and overlay fingerprint), for the log.
 
     Returns:
@@ -93,6 +94,11 @@ def run_gate(spec: ModelSpec, found: Mapping[str, torch.Tensor],
     n_layers = spec.num_layers
     total = 2 * n_layers
     table = alias_table(spec)
+    ignored = sorted(name for name in found if not is_kv_scale_name(name))
+    if ignored:  # e.g. q_scale / prob_scale of FP8 attention: not K/V cache scales
+        logger.warning("ignoring %d non-K/V scale tensors from %s: %s", len(ignored), source,
+                       _listing(ignored))
+    found = {name: t for name, t in found.items() if is_kv_scale_name(name)}
     unknown = sorted(name for name in found if name not in table)
     if unknown:
         raise ScaleGateError(

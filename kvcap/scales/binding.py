@@ -1,0 +1,141 @@
+"""Binding of a scale overlay to one base checkpoint revision.
+
+Fingerprint (the revision identity, SYSTEM.md §3): SHA-256 of the base's
+`model.safetensors.index.json`, or of its single `model.safetensors` when it has no index.
+The index alone does not change when a fine-tune keeps names and shapes, so the manifest also
+records the SHA-256 and size of `config.json` and of every weight file the checkpoint uses, and
+every binding check (materialize, load in memory, verify) re-hashes them: weights changed after
+calibration are refused even when the index is byte-identical. Hashing costs one sequential read
+of the weights (about a second per GB).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+from kvcap.config import ModelSpec
+from kvcap.errors import ConfigError, OverlayError
+from kvcap.scales.fsutil import sha256_file
+from kvcap.scales.gate import is_kv_scale_name
+
+logger = logging.getLogger(__name__)
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+SCALE_FILE = "model-kvscales.safetensors"
+MANIFEST_NAME = "kvscales-manifest.json"
+SCHEMA_VERSION = 1
+MANIFEST_KIND = "kvcap.kvscales-overlay"
+SCALE_CONTRACT = "e4m3fn(x/scale), max_abs/448"
+
+
+def read_json(path: Path, error: type[Exception] = OverlayError) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise error(f"{path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"cannot read {path}: {e}") from None
+
+
+def safetensors_names(path: Path) -> list[str]:
+    """Tensor names in a safetensors file (header only); OverlayError if unreadable."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    except Exception as e:  # safetensors raises its own error types
+        raise OverlayError(f"cannot read safetensors file {path}: {e}") from None
+
+
+@dataclass(frozen=True)
+class BaseCheckpoint:
+    """What binds an overlay to a base checkpoint: identity, files, tensor names, spec."""
+
+    path: Path
+    spec: ModelSpec
+    fingerprint: dict[str, str]  # {"scheme", "file", "sha256"}
+    files: dict[str, dict[str, Any]]  # name -> {"size", "sha256"} (config + weight files)
+    tensor_names: frozenset[str]
+    index: dict[str, Any] | None  # parsed index file, None for a single-file base
+
+    @classmethod
+    def inspect(cls, path: Path | str) -> BaseCheckpoint:
+        path = Path(path)
+        if not path.is_dir():
+            raise OverlayError(f"base checkpoint {path} is not a directory")
+        cfg = read_json(path / CONFIG_NAME)
+        try:
+            spec = ModelSpec.from_hf_config(cfg)
+        except ConfigError as e:
+            raise OverlayError(f"base checkpoint {path}: {e}") from None
+        index: dict[str, Any] | None = None
+        if (path / INDEX_NAME).is_file():
+            index = read_json(path / INDEX_NAME)
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise OverlayError(f"{path / INDEX_NAME} has no weight_map")
+            weight_files = sorted(set(weight_map.values()))
+            names = frozenset(weight_map)
+            fp_file = INDEX_NAME
+        elif (path / SINGLE_NAME).is_file():
+            weight_files = [SINGLE_NAME]
+            names = frozenset(safetensors_names(path / SINGLE_NAME))
+            fp_file = SINGLE_NAME
+        else:
+            raise OverlayError(f"base checkpoint {path} has neither {INDEX_NAME} nor "
+                               f"{SINGLE_NAME}")
+        files: dict[str, dict[str, Any]] = {}
+        for name in [CONFIG_NAME, *weight_files]:
+            f = path / name
+            if not f.is_file():
+                raise OverlayError(f"base checkpoint {path} lacks {name} (named by its index)")
+            files[name] = {"size": f.stat().st_size, "sha256": sha256_file(f)}
+        fp_sha = files[fp_file]["sha256"] if fp_file in files else sha256_file(path / fp_file)
+        fingerprint = {"scheme": f"sha256({fp_file})", "file": fp_file, "sha256": fp_sha}
+        return cls(path, spec, fingerprint, files, names, index)
+
+    def scale_keys_present(self) -> list[str]:
+        return sorted(n for n in self.tensor_names if is_kv_scale_name(n))
+
+    def refuse_existing_scales(self) -> None:
+        present = self.scale_keys_present()
+        if present:
+            raise OverlayError(f"base checkpoint {self.path} already has K/V scale tensors "
+                               f"({', '.join(present[:4])}{' ...' if len(present) > 4 else ''});"
+                               " refusing to overlay another set")
+
+    def describe(self) -> dict[str, Any]:
+        """The JSON record of this base (stored in reports and manifests)."""
+        return {"fingerprint": dict(self.fingerprint), "files": self.files,
+                "layer_prefix": self.spec.layer_prefix, "num_layers": self.spec.num_layers}
+
+
+def check_same_base(recorded: dict[str, Any], base: BaseCheckpoint, what: str) -> None:
+    """Refuse unless `recorded` (from a manifest or report) describes exactly `base`."""
+    try:
+        fp = recorded["fingerprint"]
+        files = recorded["files"]
+        want, scheme = fp["sha256"], fp["scheme"]
+    except (KeyError, TypeError):
+        raise OverlayError(f"{what} lacks the base checkpoint fingerprint") from None
+    have = base.fingerprint
+    if scheme != have["scheme"] or want != have["sha256"]:
+        raise OverlayError(
+            f"{what} was made for base revision {scheme}={want[:16]} but {base.path} has "
+            f"{have['scheme']}={have['sha256'][:16]}: wrong checkpoint revision")
+    if not isinstance(files, dict) or set(files) != set(base.files):
+        raise OverlayError(f"{what} records base files {sorted(files or {})} but {base.path} "
+                           f"uses {sorted(base.files)}: wrong checkpoint revision")
+    for name, rec in sorted(files.items()):
+        now = base.files[name]
+        if rec.get("sha256") != now["sha256"] or rec.get("size") != now["size"]:
+            raise OverlayError(f"base file {base.path / name} changed since calibration "
+                               f"(sha256 {now['sha256'][:16]}, recorded "
+                               f"{str(rec.get('sha256'))[:16]}); recalibrate for this revision")
