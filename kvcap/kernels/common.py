@@ -1,0 +1,147 @@
+"""Shared pieces of the attention kernels: E4M3 tile decoders, paged addressing, routing
+switches and launch heuristics. Imports nothing else of kvcap (kernels take tensors and ints).
+
+E4M3 decode on read, two exact routes:
+  * native: uint8 -> bitcast float8e4nv -> .to(fp16/bf16), the hardware conversion (SM89+);
+  * software ("packed"): four bytes per 32-bit word; two integer ops per pair of bytes move
+    each byte's `eeeemmm` into FP16 exponent/mantissa positions (sign already in place), which
+    is the E4M3 value times 2^-8 exactly (subnormals included). The 2^8 is folded into the
+    hoisted scales, so the decoder costs no float multiply at all. A word yields bytes 0..3 as
+    four column groups (column 4c + j), so the kernels split the head dimension the same way.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Environment rollback switches (read at every launch so tests can flip them).
+ENV_FORCE_SOFTWARE_FP8 = "KVCAP_FORCE_SOFTWARE_FP8"
+ENV_DISABLE_GROUPED = "KVCAP_DISABLE_GROUPED_DECODE"
+ENV_DISABLE_SPLIT_K = "KVCAP_DISABLE_SPLIT_K"
+
+SOFTWARE_FP8_FACTOR = 256.0  # the packed decoder yields value * 2^-8
+LOG2E = 1.4426950408889634
+
+_SIGN_PAIR = -2147450880  # 0x80008000 as a signed int32
+_MAG_PAIR = 0x3F803F80  # 0x7F007F00 >> 1
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no")
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def has_native_fp8(device: torch.device) -> bool:
+    """SM89+ converts E4M3 in hardware; the CPU interpreter emulates the conversion."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def use_software_fp8(device: torch.device, fp8_mode: str = "auto") -> bool:
+    """fp8_mode: "auto" (native where the GPU has it, unless KVCAP_FORCE_SOFTWARE_FP8=1),
+    "native" or "software"."""
+    if fp8_mode == "software":
+        return True
+    if fp8_mode == "native":
+        if not has_native_fp8(device):
+            raise ValueError("native E4M3 conversion needs SM89+; use fp8_mode='software'")
+        return False
+    if fp8_mode != "auto":
+        raise ValueError(f"fp8_mode must be auto|native|software, got {fp8_mode!r}")
+    return _flag(ENV_FORCE_SOFTWARE_FP8) or not has_native_fp8(device)
+
+
+def grouped_enabled() -> bool:
+    return not _flag(ENV_DISABLE_GROUPED)
+
+
+def split_k_enabled() -> bool:
+    return not _flag(ENV_DISABLE_SPLIT_K)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def dot_dtype(q_dtype: torch.dtype):
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+            torch.float32: tl.float32}[q_dtype]
+
+
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> None:
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError("K and V caches must have the same shape and dtype")
+    if k_cache.shape[-1] != head_dim or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("cache head_dim must match and be contiguous")
+    if head_dim not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head_dim {head_dim} not supported (16/32/64/128/256)")
+
+
+@triton.jit
+def paged_row_offsets(bt_ptr, bt_stride, seq, pos, mask, BLOCK_SIZE: tl.constexpr,
+                      stride_b, stride_t, head_off):
+    """Element offset (int64) of the first element of token `pos` [N] of one KV head."""
+    blk = tl.load(bt_ptr + seq.to(tl.int64) * bt_stride + pos // BLOCK_SIZE, mask=mask, other=0)
+    return blk.to(tl.int64) * stride_b + (pos % BLOCK_SIZE).to(tl.int64) * stride_t + head_off
+
+
+@triton.jit
+def load_tile(cache_ptr, row_off, mask, HEAD_DIM: tl.constexpr, FP8: tl.constexpr,
+              OUT_DTYPE: tl.constexpr):
+    """[N, HEAD_DIM] tile in OUT_DTYPE; E4M3 through the hardware conversion. Masked rows = 0."""
+    d = tl.arange(0, HEAD_DIM)
+    x = tl.load(cache_ptr + row_off[:, None] + d[None, :], mask=mask[:, None], other=0)
+    if FP8:
+        x = x.to(tl.float8e4nv, bitcast=True)
+    return x.to(OUT_DTYPE)
+
+
+@triton.jit
+def _half_to(h, OUT_DTYPE: tl.constexpr):
+    x = h.to(tl.int16).to(tl.float16, bitcast=True)
+    return x.to(OUT_DTYPE)
+
+
+@triton.jit
+def load_tile_sw(cache_ptr, row_off, mask, HEAD_DIM: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """Packed software E4M3 decode of a [N, HEAD_DIM] uint8 tile into four column groups
+    (t0, t1, t2, t3), tj[:, c] = value(col 4c + j) * 2^-8, each [N, HEAD_DIM // 4]."""
+    c = tl.arange(0, HEAD_DIM // 4)
+    wptr = cache_ptr.to(tl.pointer_type(tl.int32))
+    w = tl.load(wptr + (row_off // 4)[:, None] + c[None, :], mask=mask[:, None], other=0)
+    odd = (w & _SIGN_PAIR) | ((w >> 1) & _MAG_PAIR)  # bytes 1 (low half) and 3 (high half)
+    even = ((w << 8) & _SIGN_PAIR) | ((w << 7) & _MAG_PAIR)  # bytes 0 and 2
+    t0 = _half_to(even, OUT_DTYPE)
+    t1 = _half_to(odd, OUT_DTYPE)
+    t2 = _half_to(even >> 16, OUT_DTYPE)
+    t3 = _half_to(odd >> 16, OUT_DTYPE)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def mm(a, b, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
+    """a [M, K] @ b [K, N] -> FP32 [M, N]: tensor-core dot, or broadcast-sum (M tiny)."""
+    if USE_DOT:
+        if IEEE:
+            r = tl.dot(a, b, input_precision="ieee")
+        else:
+            r = tl.dot(a, b)
+    else:
+        r = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    return r

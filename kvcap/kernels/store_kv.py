@@ -1,0 +1,96 @@
+"""store_kv: write new K/V rows into the paged cache by slot, quantizing to E4M3 on write.
+
+The E4M3 encoder is integer arithmetic on the FP32 bits of x / scale (IEEE division), the same
+algorithm as the torch codec: round to nearest even, saturate to +-448, NaN -> 0x7F. It is
+exact on every GPU (no FP8 hardware needed) and byte-identical to `kvcap.numerics.e4m3.encode`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def encode_e4m3(x, scale):
+    """FP32 tensor -> E4M3FN bytes (uint8) of x / scale."""
+    y = tl.math.div_rn(x, scale)
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    abits = bits & 0x7FFFFFFF
+    a = abits.to(tl.float32, bitcast=True)
+    # normal range: round the 23-bit mantissa to 3 bits (RNE) and rebias 127 -> 7
+    safe = tl.minimum(abits, 0x7F800000)  # keeps NaN bit patterns from overflowing
+    normal = ((safe + 0x7FFFF + ((safe >> 20) & 1)) >> 20) - 960
+    # subnormal range: adding 2^14 leaves a grid of 2^-9 steps, so the FP32 add rounds to
+    # the nearest multiple of 2^-9 (ties to even); its low bits are the E4M3 code
+    sub = (a + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+    code = tl.where(a < 0.015625, sub, normal)
+    code = tl.minimum(code, 0x7E)
+    code = tl.where(y != y, 0x7F, code)
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_ch, stride_ct,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, FP8: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot < 0:
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HEAD_DIM)
+    hmask = (h < NUM_KV_HEADS)[:, None]
+    t64 = t.to(tl.int64)
+    src_k = k_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :]
+    src_v = v_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :]
+    dst = blk.to(tl.int64) * stride_cb + off * stride_ct + h[:, None] * stride_ch + d[None, :]
+    k = tl.load(src_k, mask=hmask)
+    v = tl.load(src_v, mask=hmask)
+    if FP8:
+        kq = encode_e4m3(k.to(tl.float32), tl.load(ks_ptr))
+        vq = encode_e4m3(v.to(tl.float32), tl.load(vs_ptr))
+        tl.store(kc_ptr + dst, kq, mask=hmask)
+        tl.store(vc_ptr + dst, vq, mask=hmask)
+    else:
+        tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=hmask)
+        tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=hmask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """Write k/v [T, Hkv, D] to caches [num_blocks, Hkv, block_size, D] at slot_mapping [T]
+    (int64 block * block_size + offset; -1 = skip). uint8 caches are E4M3: bytes =
+    encode(x / scale) with k_scale/v_scale 0-dim FP32 tensors on the cache's device."""
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    if v.shape != k.shape or k_cache.shape[1] != hkv or k_cache.shape[3] != d:
+        raise ValueError(f"shape mismatch: k {tuple(k.shape)} v {tuple(v.shape)} "
+                         f"cache {tuple(k_cache.shape)}")
+    if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride(3) != 1:
+        raise ValueError("head_dim must be contiguous")
+    if k_cache.stride() != v_cache.stride() or k_cache.dtype != v_cache.dtype:
+        raise ValueError("K and V caches must share layout and dtype")
+    if slot_mapping.shape[0] != t:
+        raise ValueError("slot_mapping must have one entry per row")
+    fp8 = k_cache.dtype == torch.uint8
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an E4M3 cache needs k_scale and v_scale")
+    _store_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k_scale if fp8 else k_cache, v_scale if fp8 else v_cache,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2],
+        BLOCK_H=triton.next_power_of_2(hkv), FP8=fp8,
+    )

@@ -1,0 +1,109 @@
+"""store_kv kernel: bytes identical to the torch codec / plain copy; -1 slots skipped."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvcap.kernels import store_kv as sk  # noqa: E402
+from kvcap.numerics import e4m3  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEV == "cpu" and type(sk._store_kv_kernel).__name__ != "InterpretedFunction",
+    reason="no CUDA: run with TRITON_INTERPRET=1 set before triton is imported")
+
+
+def _fused_kv(t: int, hq: int, hkv: int, d: int, dtype, g) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v as non-contiguous views of one fused qkv projection, like a model produces."""
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=g) * 4).to(dtype).to(DEV)
+    k = qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    return k, v
+
+
+@pytest.mark.parametrize("cache_dtype,dtype", [
+    (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.float32), (torch.float16, torch.float32),
+    (torch.uint8, torch.float16), (torch.uint8, torch.bfloat16), (torch.uint8, torch.float32)])
+@pytest.mark.parametrize("hkv,d,bs", [(3, 64, 16), (2, 128, 32)])
+def test_store_matches_reference(cache_dtype, dtype, hkv, d, bs):
+    g = torch.Generator().manual_seed(hkv * d + bs)
+    t, nb = 11, 9
+    k, v = _fused_kv(t, 5, hkv, d, dtype, g)
+    assert not k.is_contiguous()
+    kc = torch.full((nb, hkv, bs, d), 0x7F if cache_dtype == torch.uint8 else 3.0,
+                    dtype=cache_dtype, device=DEV)
+    vc = kc.clone()
+    slots = torch.randperm(nb * bs, generator=g)[:t]
+    slots[[2, 7]] = -1  # padding / skipped rows
+    slots = slots.to(DEV)
+    ks = torch.tensor(0.0371, device=DEV)
+    vs = torch.tensor(0.0129, device=DEV)
+    k_before, v_before = kc.clone(), vc.clone()
+    sk.store_kv(k, v, kc, vc, slots, ks, vs)
+    valid = slots >= 0
+    sl = slots[valid]
+    blk, off = sl // bs, sl % bs
+    if cache_dtype == torch.uint8:
+        want_k = e4m3.encode(k[valid], ks)
+        want_v = e4m3.encode(v[valid], vs)
+        # and the independent torch reference, inside its valid range
+        ref_k = (k[valid].float() / ks).to(torch.float8_e4m3fn).view(torch.uint8)
+        inside = (k[valid].float() / ks).abs() <= 448
+        assert torch.equal(want_k[inside], ref_k[inside])
+    else:
+        want_k, want_v = k[valid].to(cache_dtype), v[valid].to(cache_dtype)
+    assert torch.equal(kc[blk, :, off], want_k)
+    assert torch.equal(vc[blk, :, off], want_v)
+    # nothing else changed
+    kc[blk, :, off] = k_before[blk, :, off]
+    vc[blk, :, off] = v_before[blk, :, off]
+    assert torch.equal(kc, k_before) and torch.equal(vc, v_before)
+
+
+def test_store_fp8_edge_values():
+    specials = [0.0, -0.0, 1e-30, -1e-30, 2.0**-10, 3 * 2.0**-10, 448.0, 464.0, 480.0, 1e6,
+                -1e6, float("inf"), float("-inf"), 2.0**-6, 2.0**-6 * 1.0625, 17.0, 18.0, 0.3]
+    g = torch.Generator().manual_seed(1)
+    rand = torch.exp2(torch.empty(64 * 8 - len(specials)).uniform_(-14, 10, generator=g))
+    rand = rand * torch.where(torch.rand(rand.shape, generator=g) < 0.5, -1.0, 1.0)
+    x = torch.cat([torch.tensor(specials), rand]).view(8, 1, 64)
+    for scale in (1.0, 0.0371, 3.0):
+        kc = torch.zeros((8, 1, 16, 64), dtype=torch.uint8, device=DEV)
+        vc = kc.clone()
+        xs = (x * scale).to(DEV)
+        slots = (torch.arange(8) * 16 + 5).to(DEV)
+        s = torch.tensor(scale, device=DEV)
+        sk.store_kv(xs, xs, kc, vc, slots, s, s)
+        assert torch.equal(kc[:, 0, 5].cpu(), e4m3.encode(xs[:, 0], s).cpu())
+        assert torch.equal(vc[:, 0, 5].cpu(), kc[:, 0, 5].cpu())
+
+
+def test_store_large_block_index():
+    """Element offsets past 2^31 (int32 would wrap)."""
+    hkv, bs, d = 1, 16, 64
+    nb = 2**31 // (hkv * bs * d) + 16
+    kc = torch.empty((nb, hkv, bs, d), dtype=torch.uint8, device=DEV)
+    vc = torch.empty_like(kc)
+    k = torch.randn(2, hkv, d, device=DEV)
+    slots = torch.tensor([(nb - 1) * bs + 15, 2 * bs + 1], device=DEV)
+    s = torch.tensor(0.05, device=DEV)
+    sk.store_kv(k, k, kc, vc, slots, s, s)
+    assert torch.equal(kc[nb - 1, 0, 15], e4m3.encode(k[0, 0], s))
+    assert torch.equal(vc[2, 0, 1], e4m3.encode(k[1, 0], s))
+
+
+def test_store_rejects_bad_args():
+    kc = torch.zeros((2, 1, 16, 16), dtype=torch.uint8, device=DEV)
+    k = torch.zeros(1, 1, 16, device=DEV)
+    with pytest.raises(ValueError):
+        sk.store_kv(k, k, kc, kc.clone(), torch.zeros(1, dtype=torch.long, device=DEV))
+    with pytest.raises(ValueError):
+        sk.store_kv(k, k, kc, kc.clone(), torch.zeros(2, dtype=torch.long, device=DEV),
+                    torch.tensor(1.0), torch.tensor(1.0))
