@@ -80,8 +80,11 @@ def sm_count(device: torch.device) -> int:
 
 
 def dot_dtype(q_dtype: torch.dtype):
-    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
-            torch.float32: tl.float32}[q_dtype]
+    """(tl dtype of tl.dot operands, IEEE fp32 dot?) for queries of `q_dtype`. The CPU
+    interpreter's tl.dot mishandles bf16 operands, so there bf16 runs as an FP32 dot."""
+    if q_dtype == torch.float32 or (q_dtype == torch.bfloat16 and interpreting()):
+        return tl.float32, True
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[q_dtype], False
 
 
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> None:

@@ -1,0 +1,302 @@
+"""Paged decode attention (one new token per sequence): split-K flash-decoding + LSE merge.
+
+One program per (sequence, head program, split). A head program is either one KV head with
+all GROUP query heads that share it (grouped route: each KV tile is loaded once and hits the
+tensor cores through tl.dot, M = the padded group) or one query head (plain route: broadcast
+multiply-sum, the rollback). Scores and outputs accumulate in FP32. Scales are hoisted:
+k_scale (and the software decoder's 2^8) fold into the softmax scale, v_scale multiplies the
+normalised output once, after the split merge. Rows of sequences whose query length is not 1
+are skipped (the prefill kernel serves them), so mixed batches need no host-side split.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcap.kernels.common import (
+    LOG2E,
+    SOFTWARE_FP8_FACTOR,
+    check_cache,
+    dot_dtype,
+    grouped_enabled,
+    load_tile,
+    load_tile_sw,
+    mm,
+    paged_row_offsets,
+    sm_count,
+    split_k_enabled,
+    use_software_fp8,
+)
+
+
+@triton.jit
+def _load_q(q_ptr, row_base, heads, hmask, HEAD_DIM: tl.constexpr, SOFTWARE: tl.constexpr,
+            DOT_DTYPE: tl.constexpr, stride_qh):
+    """Query rows [BLOCK_H, HEAD_DIM], or four column groups [BLOCK_H, HEAD_DIM // 4]."""
+    base = q_ptr + row_base + heads[:, None].to(tl.int64) * stride_qh
+    if SOFTWARE:
+        c4 = tl.arange(0, HEAD_DIM // 4)[None, :] * 4
+        q0 = tl.load(base + c4, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+        q1 = tl.load(base + c4 + 1, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+        q2 = tl.load(base + c4 + 2, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+        q3 = tl.load(base + c4 + 3, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    else:
+        d = tl.arange(0, HEAD_DIM)[None, :]
+        q0 = tl.load(base + d, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+        q1 = q0
+        q2 = q0
+        q3 = q0
+    return q0, q1, q2, q3
+
+
+@triton.jit
+def _store_rows(base, hmask, o0, o1, o2, o3, HEAD_DIM: tl.constexpr, SOFTWARE: tl.constexpr):
+    """Store [BLOCK_H, HEAD_DIM] (or its four column groups) at base [BLOCK_H, 1] pointers."""
+    if SOFTWARE:
+        c4 = tl.arange(0, HEAD_DIM // 4)[None, :] * 4
+        tl.store(base + c4, o0.to(base.dtype.element_ty), mask=hmask[:, None])
+        tl.store(base + c4 + 1, o1.to(base.dtype.element_ty), mask=hmask[:, None])
+        tl.store(base + c4 + 2, o2.to(base.dtype.element_ty), mask=hmask[:, None])
+        tl.store(base + c4 + 3, o3.to(base.dtype.element_ty), mask=hmask[:, None])
+    else:
+        d = tl.arange(0, HEAD_DIM)[None, :]
+        tl.store(base + d, o0.to(base.dtype.element_ty), mask=hmask[:, None])
+
+
+@triton.jit
+def attend_tiles(q0, q1, q2, q3, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
+                 qk_scale, head_off, stride_cb, stride_ct, qpos,
+                 BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, FP8: tl.constexpr, SOFTWARE: tl.constexpr,
+                 USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+                 CAUSAL: tl.constexpr):
+    """Online-softmax attention of BLOCK_H query rows over cached tokens [lo, hi) of one KV
+    head. Returns (m, l, acc0..acc3): base-2 running max, sum, unnormalised FP32 outputs
+    (acc1..3 are only used by the software route's column groups). With CAUSAL, row r sees
+    positions <= qpos[r]."""
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    if SOFTWARE:
+        acc0 = tl.zeros([BLOCK_H, HEAD_DIM // 4], tl.float32)
+        acc1 = tl.zeros([BLOCK_H, HEAD_DIM // 4], tl.float32)
+        acc2 = tl.zeros([BLOCK_H, HEAD_DIM // 4], tl.float32)
+        acc3 = tl.zeros([BLOCK_H, HEAD_DIM // 4], tl.float32)
+    else:
+        acc0 = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        acc1 = acc0
+        acc2 = acc0
+        acc3 = acc0
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pmask = pos < hi
+        row = paged_row_offsets(bt_ptr, bt_stride, seq, pos, pmask, BLOCK_SIZE, stride_cb,
+                                stride_ct, head_off)
+        if SOFTWARE:
+            k0, k1, k2, k3 = load_tile_sw(kc_ptr, row, pmask, HEAD_DIM, DOT_DTYPE)
+            s = mm(q0, tl.trans(k0), USE_DOT, IEEE) + mm(q1, tl.trans(k1), USE_DOT, IEEE)
+            s += mm(q2, tl.trans(k2), USE_DOT, IEEE) + mm(q3, tl.trans(k3), USE_DOT, IEEE)
+        else:
+            k = load_tile(kc_ptr, row, pmask, HEAD_DIM, FP8, DOT_DTYPE)
+            s = mm(q0, tl.trans(k), USE_DOT, IEEE)
+        s = s * qk_scale
+        if CAUSAL:
+            valid = pmask[None, :] & (pos[None, :] <= qpos[:, None])
+        else:
+            valid = pmask[None, :]
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pd = p.to(DOT_DTYPE)
+        if SOFTWARE:
+            v0, v1, v2, v3 = load_tile_sw(vc_ptr, row, pmask, HEAD_DIM, DOT_DTYPE)
+            acc0 = acc0 * alpha[:, None] + mm(pd, v0, USE_DOT, IEEE)
+            acc1 = acc1 * alpha[:, None] + mm(pd, v1, USE_DOT, IEEE)
+            acc2 = acc2 * alpha[:, None] + mm(pd, v2, USE_DOT, IEEE)
+            acc3 = acc3 * alpha[:, None] + mm(pd, v3, USE_DOT, IEEE)
+        else:
+            v = load_tile(vc_ptr, row, pmask, HEAD_DIM, FP8, DOT_DTYPE)
+            acc0 = acc0 * alpha[:, None] + mm(pd, v, USE_DOT, IEEE)
+        m_i = m_new
+    return m_i, l_i, acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr,
+    bt_ptr, seq_lens_ptr, qsl_ptr, ks_ptr, vs_ptr, sm_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_ch, stride_ct, bt_stride,
+    stride_pb, stride_ph, stride_ps,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, FP8: tl.constexpr, SOFTWARE: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    hp = tl.program_id(1)
+    split = tl.program_id(2)
+    q_row = tl.load(qsl_ptr + seq)
+    if tl.load(qsl_ptr + seq + 1) - q_row != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kvh = (hp * HEADS) // GROUP
+    h = tl.arange(0, BLOCK_H)
+    hmask = h < HEADS
+    heads = hp * HEADS + h
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+
+    qk_scale = sm_scale
+    out_scale = 1.0
+    if FP8:
+        qk_scale = qk_scale * tl.load(ks_ptr)
+        out_scale = tl.load(vs_ptr)
+    if SOFTWARE:
+        qk_scale = qk_scale * 256.0
+        out_scale = out_scale * 256.0
+    q0, q1, q2, q3 = _load_q(q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, HEAD_DIM,
+                             SOFTWARE, DOT_DTYPE, stride_qh)
+    m_i, l_i, a0, a1, a2, a3 = attend_tiles(
+        q0, q1, q2, q3, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi, qk_scale,
+        kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, h,
+        BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, USE_DOT, DOT_DTYPE, IEEE,
+        False)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    if NUM_SPLITS == 1:
+        inv = (out_scale / l_safe)[:, None]
+        base = out_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None].to(tl.int64) * stride_oh
+        _store_rows(base, hmask, a0 * inv, a1 * inv, a2 * inv, a3 * inv, HEAD_DIM, SOFTWARE)
+    else:
+        inv = (1.0 / l_safe)[:, None]
+        pbase = (seq.to(tl.int64) * stride_pb + heads.to(tl.int64) * stride_ph
+                 + split * stride_ps)
+        _store_rows(po_ptr + pbase[:, None] * HEAD_DIM, hmask, a0 * inv, a1 * inv, a2 * inv,
+                    a3 * inv, HEAD_DIM, SOFTWARE)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(plse_ptr + pbase, lse, mask=hmask)
+
+
+@triton.jit
+def _merge_kernel(
+    out_ptr, po_ptr, plse_ptr, qsl_ptr, vs_ptr, out_factor,
+    stride_ot, stride_oh, stride_pb, stride_ph, stride_ps,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(qsl_ptr + seq)
+    if tl.load(qsl_ptr + seq + 1) - q_row != 1:
+        return
+    s = tl.arange(0, BLOCK_S)
+    smask = s < NUM_SPLITS
+    pbase = seq.to(tl.int64) * stride_pb + head * stride_ph + s * stride_ps
+    lse = tl.load(plse_ptr + pbase, mask=smask, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    w = tl.where(smask & (lse > float("-inf")), tl.exp2(lse - mx), 0.0)
+    d = tl.arange(0, HEAD_DIM)
+    o = tl.load(po_ptr + pbase[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
+    scale = out_factor
+    if FP8:
+        scale = scale * tl.load(vs_ptr)
+    res = tl.sum(o * w[:, None], 0) * (scale / tl.sum(w, 0))
+    dst = out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + d
+    tl.store(dst, res.to(out_ptr.dtype.element_ty))
+
+
+MAX_SPLITS = 64
+
+
+def choose_num_splits(num_seqs: int, head_programs: int, max_seq_len: int, block_n: int,
+                      num_sms: int) -> int:
+    """Split the context so the grid fills the GPU about twice, keeping >= 4 tiles per split."""
+    if not split_k_enabled():
+        return 1
+    tiles = triton.cdiv(max(max_seq_len, 1), block_n)
+    base = max(num_seqs * head_programs, 1)
+    want = triton.cdiv(2 * num_sms, base)
+    return int(max(1, min(want, tiles // 4, MAX_SPLITS)))
+
+
+def decode_config(head_dim: int, grouped: bool, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for the decode kernel."""
+    if device.type != "cuda":
+        return 16, 1, 1
+    if grouped:
+        return (64, 4, 3) if head_dim <= 128 else (32, 4, 3)
+    return (64, 4, 2) if head_dim <= 64 else (32, 4, 2)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 query_start_loc: torch.Tensor, softmax_scale: float, max_seq_len: int,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 fp8_mode: str = "auto", grouped: bool | None = None,
+                 num_splits: int | None = None, block_n: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """Decode attention for every sequence whose query length is 1 (others are skipped).
+
+    q [T, Hq, D], out [T, Hq, D] (the token row of sequence i is query_start_loc[i]);
+    caches [num_blocks, Hkv, block_size, D] (uint8 = E4M3 with 0-dim FP32 k/v scales);
+    block_tables int32 [B, W]; seq_lens int32 [B]; query_start_loc int32 [B+1].
+    `max_seq_len` (host int) only drives the split heuristic: any value is correct.
+    """
+    num_seqs = seq_lens.shape[0]
+    _, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    check_cache(k_cache, v_cache, d)
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    if q.stride(2) != 1 or out.stride(2) != 1:
+        raise ValueError("q/out head_dim must be contiguous")
+    if num_seqs == 0:
+        return out
+    group = hq // hkv
+    fp8 = k_cache.dtype == torch.uint8
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an E4M3 cache needs k_scale and v_scale")
+    software = fp8 and use_software_fp8(q.device, fp8_mode)
+    if grouped is None:
+        grouped = grouped_enabled()
+    heads = group if grouped else 1
+    head_programs = hkv if grouped else hq
+    bn, nw, ns = decode_config(d, grouped, q.device)
+    bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, head_programs, max_seq_len, bn,
+                                       sm_count(q.device))
+    block_h = max(16, triton.next_power_of_2(heads)) if grouped else 1
+    if num_splits > 1:
+        po = torch.empty((num_seqs, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        plse = torch.empty((num_seqs, hq, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        po = plse = out  # unused
+    ps = (hq * num_splits, num_splits, 1)
+    dummy = k_cache
+    dt, ieee = dot_dtype(q.dtype)
+    _decode_kernel[(num_seqs, head_programs, num_splits)](
+        q, k_cache, v_cache, out, po, plse, block_tables, seq_lens, query_start_loc,
+        k_scale if fp8 else dummy, v_scale if fp8 else dummy, softmax_scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        *ps,
+        GROUP=group, HEADS=heads, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2],
+        BLOCK_N=bn, NUM_SPLITS=num_splits, FP8=fp8, SOFTWARE=software, USE_DOT=grouped,
+        DOT_DTYPE=dt, IEEE=ieee,
+        num_warps=nw, num_stages=ns,
+    )
+    if num_splits > 1:
+        _merge_kernel[(num_seqs, hq)](
+            out, po, plse, query_start_loc, v_scale if fp8 else dummy,
+            SOFTWARE_FP8_FACTOR if software else 1.0,
+            out.stride(0), out.stride(1), *ps,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=d,
+            FP8=fp8, num_warps=4 if q.device.type == "cuda" else 1,
+        )
+    return out

@@ -1,0 +1,132 @@
+"""Chunked-prefill (varlen) attention over the paged cache.
+
+Each sequence's new tokens sit after its cached context (position ctx + j for new token j)
+and attend to everything cached plus, causally, to each other (the store runs first, so the
+new tokens are in the cache too). One program per (sequence, tile of BLOCK_Q new tokens,
+KV head); its tl.dot rows are the BLOCK_Q tokens x the padded query group, so each KV tile is
+loaded once for the whole group. Sequences with exactly one new token are skipped when the
+decode kernel serves them (mixed batches: both kernels run, each over its own rows).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcap.kernels.common import LOG2E, check_cache, dot_dtype, use_software_fp8
+from kvcap.kernels.decode import _store_rows, attend_tiles
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, ks_ptr, vs_ptr, sm_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_ct, bt_stride,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr, SOFTWARE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+    SKIP_DECODE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    tile = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + seq)
+    qlen = tl.load(qsl_ptr + seq + 1) - q_start
+    if SKIP_DECODE and qlen == 1:
+        return
+    if tile * BLOCK_Q >= qlen:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - qlen
+    r = tl.arange(0, BLOCK_Q * BLOCK_G)
+    tok = tile * BLOCK_Q + r // BLOCK_G
+    g = r % BLOCK_G
+    rmask = (tok < qlen) & (g < GROUP)
+    head = kvh * GROUP + g
+    qpos = ctx + tok
+    kv_end = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_Q)
+
+    qk_scale = sm_scale
+    out_scale = 1.0
+    if FP8:
+        qk_scale = qk_scale * tl.load(ks_ptr)
+        out_scale = tl.load(vs_ptr)
+    if SOFTWARE:
+        qk_scale = qk_scale * 256.0
+        out_scale = out_scale * 256.0
+    qbase = q_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_qt + \
+        head.to(tl.int64)[:, None] * stride_qh
+    if SOFTWARE:
+        c4 = tl.arange(0, HEAD_DIM // 4)[None, :] * 4
+        q0 = tl.load(qbase + c4, mask=rmask[:, None], other=0.0).to(DOT_DTYPE)
+        q1 = tl.load(qbase + c4 + 1, mask=rmask[:, None], other=0.0).to(DOT_DTYPE)
+        q2 = tl.load(qbase + c4 + 2, mask=rmask[:, None], other=0.0).to(DOT_DTYPE)
+        q3 = tl.load(qbase + c4 + 3, mask=rmask[:, None], other=0.0).to(DOT_DTYPE)
+    else:
+        d = tl.arange(0, HEAD_DIM)[None, :]
+        q0 = tl.load(qbase + d, mask=rmask[:, None], other=0.0).to(DOT_DTYPE)
+        q1 = q0
+        q2 = q0
+        q3 = q0
+    m_i, l_i, a0, a1, a2, a3 = attend_tiles(
+        q0, q1, q2, q3, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, 0, kv_end, qk_scale,
+        kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, qpos,
+        BLOCK_Q * BLOCK_G, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, True, DOT_DTYPE,
+        IEEE, True)
+    inv = (out_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
+    obase = out_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_ot + \
+        head.to(tl.int64)[:, None] * stride_oh
+    _store_rows(obase, rmask, a0 * inv, a1 * inv, a2 * inv, a3 * inv, HEAD_DIM, SOFTWARE)
+
+
+def prefill_config(head_dim: int, group: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M rows, BLOCK_N, num_warps, num_stages)."""
+    if device.type != "cuda":
+        return 16, 16, 1, 1
+    if head_dim <= 64:
+        return 128, 64, 4, 2
+    if head_dim <= 128:
+        return 128, 32, 8, 2
+    return 64, 32, 4, 2
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor, softmax_scale: float, max_query_len: int,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                  fp8_mode: str = "auto", skip_decode: bool = True) -> torch.Tensor:
+    """Causal varlen attention for sequences with more than one new token (with
+    skip_decode=False, for every sequence). Shapes as in `paged_decode`; `max_query_len`
+    (host int) sizes the grid and must be >= every sequence's query length."""
+    num_seqs = seq_lens.shape[0]
+    _, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    check_cache(k_cache, v_cache, d)
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    if q.stride(2) != 1 or out.stride(2) != 1:
+        raise ValueError("q/out head_dim must be contiguous")
+    if num_seqs == 0 or max_query_len < 1:
+        return out
+    group = hq // hkv
+    fp8 = k_cache.dtype == torch.uint8
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an E4M3 cache needs k_scale and v_scale")
+    software = fp8 and use_software_fp8(q.device, fp8_mode)
+    block_g = triton.next_power_of_2(group)
+    block_m, bn, nw, ns = prefill_config(d, group, q.device)
+    block_q = max(1, block_m // block_g)
+    dummy = k_cache
+    dt, ieee = dot_dtype(q.dtype)
+    grid = (num_seqs, triton.cdiv(max_query_len, block_q), hkv)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        k_scale if fp8 else dummy, v_scale if fp8 else dummy, softmax_scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=d,
+        BLOCK_SIZE=k_cache.shape[2], BLOCK_N=bn, FP8=fp8, SOFTWARE=software,
+        DOT_DTYPE=dt, IEEE=ieee, SKIP_DECODE=skip_decode,
+        num_warps=nw, num_stages=ns,
+    )
+    return out

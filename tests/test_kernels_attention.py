@@ -1,0 +1,179 @@
+"""Decode (split-K, grouped, plain) and chunked-prefill kernels against the torch reference
+backend (their twin) and an independent dense float64 computation.
+
+On CPU these run under TRITON_INTERPRET=1 with small shapes; on a GPU the same tests run
+compiled. Every case poisons unused cache memory with NaN / 0x7F bytes and uses distinct
+non-unit k/v scales and random non-contiguous block tables.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from test_kernels_cases import SENTINEL, dense_expected, make_case  # noqa: E402
+
+from kvcap.attention.torch_ref import TorchReferenceBackend  # noqa: E402
+from kvcap.attention.triton_backend import TritonBackend  # noqa: E402
+from kvcap.kernels import common  # noqa: E402
+from kvcap.kernels.decode import _decode_kernel, choose_num_splits, paged_decode  # noqa: E402
+from kvcap.kernels.prefill import paged_prefill  # noqa: E402
+from kvcap.kernels.store_kv import store_kv  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEV == "cpu" and type(_decode_kernel).__name__ != "InterpretedFunction",
+    reason="no CUDA: run with TRITON_INTERPRET=1 set before triton is imported")
+
+MIXED = [(0, 7), (20, 1), (13, 5), (33, 1), (0, 1), (16, 19)]
+DECODE = [(40, 1), (3, 1), (70, 1), (15, 1)]
+TOL = {"fp32": 1e-4, "fp16": 4e-3, "bf16": 2.5e-2, "fp8_e4m3": 4e-3}
+_DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
+       "fp8_e4m3": torch.float16}
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _reference(case) -> torch.Tensor:
+    """The torch twin on a copy of the cache (so the kernel's own store is what it reads)."""
+    from kvcap.kv_cache.pool import LayerKVCache
+    c = case.cache
+    cache = LayerKVCache(0, c.k_cache.clone(), c.v_cache.clone(), c.kv_dtype, c.k_scale,
+                         c.v_scale)
+    out = case.out_buffer()
+    TorchReferenceBackend().forward(case.q, case.k, case.v, cache, case.meta,
+                                    case.softmax_scale, out)
+    return out
+
+
+def _check(case, out, kv_dtype, twin=None):
+    nt = case.meta.num_tokens
+    assert (out[nt:] == SENTINEL).all(), "padding rows were written"
+    assert torch.isfinite(out[:nt]).all()
+    exp = dense_expected(case)
+    assert _err(out[:nt], exp) < TOL[kv_dtype]
+    if twin is not None:
+        assert _err(out[:nt], twin[:nt]) < TOL[kv_dtype]
+
+
+def _decode(case, **kw):
+    m = case.meta
+    store_kv(case.k, case.v, case.cache.k_cache, case.cache.v_cache, m.slot_mapping,
+             case.cache.k_scale, case.cache.v_scale)
+    out = case.out_buffer()
+    paged_decode(case.q, case.cache.k_cache, case.cache.v_cache, out, m.block_tables,
+                 m.seq_lens, m.query_start_loc, case.softmax_scale, m.max_seq_len,
+                 case.cache.k_scale, case.cache.v_scale, **kw)
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype,fp8_mode", [("fp16", "auto"), ("fp8_e4m3", "native"),
+                                               ("fp8_e4m3", "software")])
+@pytest.mark.parametrize("grouped,num_splits", [(True, 1), (True, 3), (False, 1), (False, 2)])
+def test_decode_routes(kv_dtype, fp8_mode, grouped, num_splits):
+    case = make_case(DECODE, 6, 1, 32, kv_dtype=kv_dtype, dtype=_DT[kv_dtype], pad_rows=2,
+                     seed=7, device=DEV)
+    twin = _reference(case)
+    out = _decode(case, fp8_mode=fp8_mode, grouped=grouped, num_splits=num_splits)
+    _check(case, out, kv_dtype, twin)
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 8, 32, 16), (9, 3, 64, 32), (8, 1, 16, 16),
+                                         (4, 2, 256, 16), (8, 2, 128, 64)])
+def test_decode_shapes_fp8(hq, hkv, d, bs):
+    case = make_case([(50, 1), (9, 1)], hq, hkv, d, block_size=bs, kv_dtype="fp8_e4m3",
+                     seed=hq * d, device=DEV)
+    out = _decode(case, num_splits=2)
+    _check(case, out, "fp8_e4m3")
+
+
+def test_software_equals_native():
+    """Both decoders are exact, so the only difference is the 2^8 moved into the scales."""
+    case = make_case(DECODE, 8, 2, 64, kv_dtype="fp8_e4m3", seed=3, device=DEV)
+    a = _decode(case, fp8_mode="native", num_splits=2)
+    b = _decode(case, fp8_mode="software", num_splits=2)
+    assert _err(b[:4], a[:4]) < 1e-3
+
+
+@pytest.mark.parametrize("kv_dtype,fp8_mode", [("fp16", "auto"), ("bf16", "auto"),
+                                               ("fp32", "auto"), ("fp8_e4m3", "native"),
+                                               ("fp8_e4m3", "software")])
+def test_mixed_batch_backend(kv_dtype, fp8_mode):
+    case = make_case(MIXED, 9, 3, 64, kv_dtype=kv_dtype, dtype=_DT[kv_dtype], pad_rows=3,
+                     seed=11, device=DEV)
+    twin = _reference(case)
+    out = case.out_buffer()
+    TritonBackend(fp8_mode).forward(case.q, case.k, case.v, case.cache, case.meta,
+                                    case.softmax_scale, out)
+    _check(case, out, kv_dtype, twin)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(12, 2, 32), (8, 8, 16)])
+def test_prefill_serves_decode_rows_too(hq, hkv, d):
+    """skip_decode=False: the prefill kernel alone handles a mixed batch."""
+    case = make_case(MIXED[:4], hq, hkv, d, kv_dtype="fp8_e4m3", seed=5, device=DEV)
+    m = case.meta
+    store_kv(case.k, case.v, case.cache.k_cache, case.cache.v_cache, m.slot_mapping,
+             case.cache.k_scale, case.cache.v_scale)
+    out = case.out_buffer()
+    paged_prefill(case.q, case.cache.k_cache, case.cache.v_cache, out, m.block_tables,
+                  m.seq_lens, m.query_start_loc, case.softmax_scale, m.max_query_len,
+                  case.cache.k_scale, case.cache.v_scale, skip_decode=False)
+    _check(case, out, "fp8_e4m3")
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp16", "fp8_e4m3"])
+def test_large_block_index(kv_dtype):
+    case = make_case([(40, 1), (7, 3)], 2, 1, 64, kv_dtype=kv_dtype, big_block_index=True,
+                     seed=2, device=DEV)
+    assert int(case.meta.block_tables.max()) * 16 * 64 > 2**31
+    out = case.out_buffer()
+    TritonBackend().forward(case.q, case.k, case.v, case.cache, case.meta, case.softmax_scale,
+                            out)
+    _check(case, out, kv_dtype)
+
+
+@pytest.mark.parametrize("switch", [common.ENV_FORCE_SOFTWARE_FP8, common.ENV_DISABLE_GROUPED,
+                                    common.ENV_DISABLE_SPLIT_K])
+def test_rollback_switches(monkeypatch, switch):
+    case = make_case(MIXED, 8, 2, 32, kv_dtype="fp8_e4m3", pad_rows=1, seed=13, device=DEV)
+    twin = _reference(case)
+    monkeypatch.setenv(switch, "1")
+    dev = torch.device(DEV)
+    if switch == common.ENV_FORCE_SOFTWARE_FP8:
+        assert common.use_software_fp8(dev)
+    elif switch == common.ENV_DISABLE_GROUPED:
+        assert not common.grouped_enabled()
+    else:
+        assert choose_num_splits(1, 1, 100_000, 16, 132) == 1
+    out = case.out_buffer()
+    TritonBackend().forward(case.q, case.k, case.v, case.cache, case.meta, case.softmax_scale,
+                            out)
+    _check(case, out, "fp8_e4m3", twin)
+
+
+def test_split_heuristic():
+    # a small batch over a long context splits; a full GPU or a short context does not
+    assert choose_num_splits(1, 8, 32768, 64, 132) > 8
+    assert choose_num_splits(64, 8, 32768, 64, 132) == 1
+    assert choose_num_splits(1, 8, 64, 64, 132) == 1
+    assert choose_num_splits(1, 1, 10**6, 64, 132) <= 64
+
+
+def test_bad_arguments():
+    case = make_case([(5, 1)], 4, 2, 32, kv_dtype="fp8_e4m3", device=DEV)
+    m = case.meta
+    with pytest.raises(ValueError):
+        paged_decode(case.q, case.cache.k_cache, case.cache.v_cache, case.out_buffer(),
+                     m.block_tables, m.seq_lens, m.query_start_loc, 0.1, 6)
+    with pytest.raises(ValueError):
+        paged_decode(case.q[:, :3], case.cache.k_cache, case.cache.v_cache,
+                     case.out_buffer()[:, :3], m.block_tables, m.seq_lens, m.query_start_loc,
+                     0.1, 6, case.cache.k_scale, case.cache.v_scale)
