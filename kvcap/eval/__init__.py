@@ -1,0 +1,1 @@
+"""Evaluation: corpora (calibration/evaluation splits with provenance), tasks, A/B harness."""
