@@ -131,10 +131,10 @@ def _decode_kernel(
     bt_ptr, seq_lens_ptr, qsl_ptr, ks_ptr, vs_ptr, sm_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ch, stride_ct, bt_stride,
-    stride_pb, stride_ph, stride_ps,
+    stride_pb, stride_ph, stride_ps, num_splits,
     GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, FP8: tl.constexpr, SOFTWARE: tl.constexpr,
+    SPLIT: tl.constexpr, FP8: tl.constexpr, SOFTWARE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -149,7 +149,7 @@ def _decode_kernel(
     hmask = h < HEADS
     heads = hp * HEADS + h
     n_tiles = tl.cdiv(seq_len, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, NUM_SPLITS) * BLOCK_N
+    per_split = tl.cdiv(n_tiles, num_splits) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
@@ -169,7 +169,7 @@ def _decode_kernel(
         BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, USE_DOT, DOT_DTYPE, IEEE,
         False)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         inv = (out_scale / l_safe)[:, None]
         base = out_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None].to(tl.int64) * stride_oh
         _store_rows(base, hmask, a0 * inv, a1 * inv, a2 * inv, a3 * inv, HEAD_DIM, SOFTWARE)
@@ -186,8 +186,8 @@ def _decode_kernel(
 @triton.jit
 def _merge_kernel(
     out_ptr, po_ptr, plse_ptr, qsl_ptr, vs_ptr, out_factor,
-    stride_ot, stride_oh, stride_pb, stride_ph, stride_ps,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr,
+    stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, num_splits,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -195,7 +195,7 @@ def _merge_kernel(
     if tl.load(qsl_ptr + seq + 1) - q_row != 1:
         return
     s = tl.arange(0, BLOCK_S)
-    smask = s < NUM_SPLITS
+    smask = s < num_splits
     pbase = seq.to(tl.int64) * stride_pb + head * stride_ph + s * stride_ps
     lse = tl.load(plse_ptr + pbase, mask=smask, other=float("-inf"))
     mx = tl.max(lse, 0)
@@ -285,9 +285,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_scale if fp8 else dummy, v_scale if fp8 else dummy, softmax_scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        *ps,
+        *ps, num_splits,
         GROUP=group, HEADS=heads, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2],
-        BLOCK_N=bn, NUM_SPLITS=num_splits, FP8=fp8, SOFTWARE=software, USE_DOT=grouped,
+        BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8, SOFTWARE=software, USE_DOT=grouped,
         DOT_DTYPE=dt, IEEE=ieee,
         num_warps=nw, num_stages=ns,
     )
@@ -295,8 +295,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         _merge_kernel[(num_seqs, hq)](
             out, po, plse, query_start_loc, v_scale if fp8 else dummy,
             SOFTWARE_FP8_FACTOR if software else 1.0,
-            out.stride(0), out.stride(1), *ps,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=d,
+            out.stride(0), out.stride(1), *ps, num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=d,
             FP8=fp8, num_warps=4 if q.device.type == "cuda" else 1,
         )
     return out

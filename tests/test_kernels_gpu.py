@@ -1,0 +1,88 @@
+"""GPU-only kernel tests at real model shapes and longer contexts (compiled, not interpreted)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs a CUDA GPU (compiled Triton)")]
+
+if torch.cuda.is_available():
+    from test_kernels_cases import SENTINEL, dense_expected, make_case
+
+    from kvcap.attention.torch_ref import TorchReferenceBackend
+    from kvcap.attention.triton_backend import TritonBackend
+    from kvcap.kernels.decode import paged_decode
+    from kvcap.kernels.store_kv import store_kv
+    from kvcap.kv_cache.pool import LayerKVCache
+    from kvcap.numerics import e4m3
+
+SHAPES = [(32, 8, 128), (24, 4, 256), (9, 3, 64), (12, 2, 128), (8, 8, 64)]
+
+
+def _err(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_store_kv_bit_exact_large():
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = (torch.randn(8192, 8, 128, device="cuda") * 40).to(dtype)
+        x[0, 0, :8] = torch.tensor([0.0, -0.0, 1e-30, 448 * 0.02, 1e6, -1e6, 3e-5, -7e-6])
+        kc = torch.zeros(512, 8, 16, 128, dtype=torch.uint8, device="cuda")
+        vc = torch.zeros_like(kc)
+        slots = torch.randperm(8192, device="cuda")
+        s = torch.tensor(0.0213, device="cuda")
+        store_kv(x, x, kc, vc, slots, s, s)
+        assert torch.equal(kc[slots // 16, :, slots % 16], e4m3.encode(x, s))
+        ref = (x.float() / s).to(torch.float8_e4m3fn).view(torch.uint8)
+        inside = (x.float() / s).abs() <= 448
+        assert torch.equal(kc[slots // 16, :, slots % 16][inside], ref[inside])
+
+
+@pytest.mark.parametrize("hq,hkv,d", SHAPES)
+@pytest.mark.parametrize("kv,mode", [("fp16", "auto"), ("bf16", "auto"), ("fp8_e4m3", "native"),
+                                     ("fp8_e4m3", "software")])
+def test_mixed_long_context(hq, hkv, d, kv, mode):
+    dtype = torch.bfloat16 if kv == "bf16" else torch.float16
+    seqs = [(3000, 1), (17, 1), (700, 300), (5000, 1), (0, 65), (1, 1)]
+    case = make_case(seqs, hq, hkv, d, kv_dtype=kv, dtype=dtype, pad_rows=5, device="cuda",
+                     seed=hq + d)
+    c = case.cache
+    twin_cache = LayerKVCache(0, c.k_cache.clone(), c.v_cache.clone(), kv, c.k_scale, c.v_scale)
+    twin = case.out_buffer()
+    TorchReferenceBackend().forward(case.q, case.k, case.v, twin_cache, case.meta,
+                                    case.softmax_scale, twin)
+    out = case.out_buffer()
+    TritonBackend(mode).forward(case.q, case.k, case.v, c, case.meta, case.softmax_scale, out)
+    n = case.meta.num_tokens
+    assert (out[n:] == SENTINEL).all()
+    tol = 2e-2 if kv == "bf16" else 5e-3
+    assert _err(out[:n], twin[:n]) < tol
+    assert _err(out[:n], dense_expected(case)) < tol
+
+
+@pytest.mark.parametrize("hq,hkv,d", SHAPES[:3])
+def test_decode_routes_agree(hq, hkv, d):
+    """grouped/plain x split/no-split x native/software agree on one long-context batch."""
+    case = make_case([(20000, 1), (333, 1), (8191, 1)], hq, hkv, d, kv_dtype="fp8_e4m3",
+                     device="cuda", seed=1)
+    m, c = case.meta, case.cache
+    store_kv(case.k, case.v, c.k_cache, c.v_cache, m.slot_mapping, c.k_scale, c.v_scale)
+    exp = dense_expected(case)
+    outs = {}
+    for grouped in (True, False):
+        for splits in (1, None):
+            for mode in ("native", "software"):
+                out = case.out_buffer()
+                paged_decode(case.q, c.k_cache, c.v_cache, out, m.block_tables, m.seq_lens,
+                             m.query_start_loc, case.softmax_scale, m.max_seq_len, c.k_scale,
+                             c.v_scale, fp8_mode=mode, grouped=grouped, num_splits=splits)
+                assert _err(out, exp) < 5e-3, (grouped, splits, mode)
+                outs[(grouped, splits, mode)] = out
+    for g in (True, False):
+        for s in (1, None):
+            assert _err(outs[(g, s, "software")], outs[(g, s, "native")]) < 1e-3
