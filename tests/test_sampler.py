@@ -9,19 +9,20 @@ from __future__ import annotations
 import math
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("KVCAP_GPU_TESTS") else "1")
-
 import pytest
 import torch
 
-from kvcap.sampling.reference import (
+if not torch.cuda.is_available():  # run the Triton kernel on the CPU interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvcap.sampling.reference import (  # noqa: E402
     gumbel_noise,
     keep_mask,
     reference_sample,
     scaled_logits,
 )
-from kvcap.sampling.sampler import Sampler, SamplingBatch, compute_topn_logprobs
-from kvcap.sampling_params import SamplingParams
+from kvcap.sampling.sampler import Sampler, SamplingBatch, compute_topn_logprobs  # noqa: E402
+from kvcap.sampling_params import SamplingParams  # noqa: E402
 
 try:
     import triton  # noqa: F401
@@ -169,3 +170,157 @@ def test_compute_topn_logprobs() -> None:
     assert ids.tolist() == [[1, 2], [2, 0]] or ids.tolist() == [[1, 2], [2, 1]]
     assert torch.allclose(vals, ref.gather(1, ids))
     assert compute_topn_logprobs(logits, 0)[0].shape == (2, 0)
+
+
+# ----------------------------------------------------------------------------- fused kernel
+
+
+def run_both(
+    x: torch.Tensor, prm: dict[str, torch.Tensor], block: int | None, max_top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kernel (tokens, keep mask, path) and reference (tokens, keep mask) on the same inputs."""
+    from kvcap.kernels.sampling_topk_topp import fused_sample
+
+    dev = KERNEL_DEVICE
+    b = x.shape[0]
+    greedy = prm["temperature"] == 0
+    filtered = (prm["top_k"] > 0) | (prm["top_p"] < 1) | (prm["min_p"] > 0)
+    mode = torch.where(greedy, 0, torch.where(filtered, 1, 2)).to(torch.int32)
+    args = [prm[k].to(dev) for k in ("temperature", "top_k", "top_p", "min_p", "rng")]
+    tok, thr, path = fused_sample(
+        x.to(dev), *args, mode.to(dev), max_top_k=max_top_k, return_aux=True, block=block
+    )
+    ref = reference_sample(x, *(prm[k] for k in ("temperature", "top_k", "top_p", "min_p", "rng")))
+    z = scaled_logits(x, prm["temperature"])
+    ref_keep = keep_mask(z, prm["top_k"], prm["top_p"], prm["min_p"])
+    m = z.max(1, keepdim=True).values
+    e = torch.exp(z - torch.where(torch.isfinite(m), m, 0.0))
+    keep = (z >= thr.cpu().unsqueeze(1)) & (e >= prm["min_p"].unsqueeze(1))
+    rows = (~greedy).unsqueeze(1)  # masks are only defined for sampled rows
+    assert b == tok.shape[0]
+    return tok.cpu(), keep & rows, path.cpu(), ref, ref_keep & rows
+
+
+@needs_kernel
+def test_kernel_random_mixed_params() -> None:
+    gen = torch.Generator().manual_seed(2)
+    b, v = 6, 160
+    x = torch.randn(b, v, generator=gen) * 3
+    prm = make_params(b, gen, v)
+    prm["temperature"][0] = 0.0
+    prm["top_k"][1:3] = torch.tensor([10, 3], dtype=torch.int32)
+    tok, keep, _, ref, ref_keep = run_both(x, prm, block=64, max_top_k=10)
+    assert torch.equal(keep, ref_keep)
+    assert torch.equal(tok, ref)
+    # batch composition: row 1 alone draws the same token
+    one = {k: t[1:2] for k, t in prm.items()}
+    assert run_both(x[1:2], one, block=64, max_top_k=10)[0].item() == tok[1].item()
+
+
+@needs_kernel
+def test_kernel_many_ties_and_fallback() -> None:
+    """Logits from 5 levels: ties at the k-th value and at the top-p boundary; big nuclei and
+    a k above the candidate lists force the bisection fallback."""
+    gen = torch.Generator().manual_seed(3)
+    b, v = 5, 256
+    x = torch.randint(0, 5, (b, v), generator=gen).float() * 0.5
+    prm = make_params(b, gen, v)
+    prm["temperature"][:] = 1.0
+    prm["top_k"][:] = torch.tensor([3, 0, 120, 0, 7], dtype=torch.int32)
+    prm["top_p"][:] = torch.tensor([1.0, 0.9, 0.8, 0.97, 0.6])
+    prm["min_p"][:] = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.5])
+    tok, keep, path, ref, ref_keep = run_both(x, prm, block=64, max_top_k=0)
+    assert torch.equal(keep, ref_keep)
+    assert torch.equal(tok, ref)
+    assert path.tolist()[1:4] == [1, 1, 1]  # the bisection path is exercised
+
+
+@needs_kernel
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_kernel_extreme_values() -> None:
+    gen = torch.Generator().manual_seed(4)
+    b, v = 6, 96
+    x = torch.randn(b, v, generator=gen)
+    x[0] = 1.0  # all equal
+    x[1, 17] = 3e38  # one huge
+    x[2, ::3] = float("-inf")  # -inf entries
+    x[3] = float("-inf")
+    x[3, 40] = 0.5  # a single finite token
+    x[4, 5] = float("nan")
+    x[5] = float("-inf")  # nothing finite: token 0
+    prm = make_params(b, gen, v)
+    prm["temperature"][:] = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.9, 1.0])
+    prm["top_k"][:] = torch.tensor([5, 3, 200, 0, 96, 4], dtype=torch.int32)  # k >= V is off
+    prm["top_p"][:] = torch.tensor([0.5, 1.0, 0.95, 1.0, 1.0, 0.9])
+    prm["min_p"][:] = torch.tensor([0.0, 0.0, 0.1, 0.0, 0.3, 0.0])
+    tok, keep, _, ref, ref_keep = run_both(x, prm, block=32, max_top_k=5)
+    assert torch.equal(keep, ref_keep)
+    assert torch.equal(tok, ref)
+    assert tok[1].item() == 17 and tok[3].item() == 40 and tok[5].item() == 0
+
+
+@needs_kernel
+def test_kernel_draws_equal_reference() -> None:
+    """24 seeded draws of one request through the kernel equal the reference draws."""
+    gen = torch.Generator().manual_seed(5)
+    n, v = 24, 16
+    x = (torch.randn(v, generator=gen) * 1.5).expand(n, v).contiguous()
+    prm = dict(
+        temperature=torch.full((n,), 0.9),
+        top_k=torch.full((n,), 12, dtype=torch.int32),
+        top_p=torch.full((n,), 0.9),
+        min_p=torch.full((n,), 0.02),
+        rng=torch.stack([torch.full((n,), 9), torch.zeros(n), torch.arange(n)], 1).int(),
+    )
+    tok, _, _, ref, _ = run_both(x, prm, block=16, max_top_k=12)
+    assert torch.equal(tok, ref)
+    assert len(set(tok.tolist())) >= 3
+
+
+# ----------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("b", [1, 16, 64])
+def test_gpu_large_vocab_matches_reference(b: int) -> None:
+    """V = 248,320: top-k 20 + top-p 0.95 rows, top-p-only rows (fallback) and mixed rows."""
+    gen = torch.Generator().manual_seed(10 + b)
+    v = 248_320
+    x = torch.randn(b, v, generator=gen) * 2.5
+    x[:, :50] += torch.randn(b, 50, generator=gen) * 4  # a peaked head, like LLM logits
+    prm = make_params(b, gen, v)
+    prm["top_k"][: (b + 1) // 2] = 20
+    prm["top_p"][: (b + 1) // 2] = 0.95
+    prm["temperature"][: (b + 1) // 2] = 1.0
+    tok, keep, _, ref, ref_keep = run_both(x, prm, block=None, max_top_k=int(prm["top_k"].max()))
+    assert torch.equal(keep, ref_keep)
+    assert torch.equal(tok, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_kernel_frequencies_match_distribution() -> None:
+    """1e5 kernel draws (one request, steps 0..n-1) against the kept distribution."""
+    from kvcap.kernels.sampling_topk_topp import fused_sample
+
+    gen = torch.Generator().manual_seed(6)
+    v, n = 64, 100_000
+    row = torch.randn(v, generator=gen) * 2
+    t, k, p, mp = 0.8, 30, 0.9, 0.005
+    z = scaled_logits(row[None], torch.tensor([t]))
+    keep = keep_mask(z, torch.tensor([k]), torch.tensor([p]), torch.tensor([mp]))[0]
+    probs = torch.where(keep, torch.softmax(z[0].double(), 0), 0.0)
+    probs /= probs.sum()
+    dev = "cuda"
+    rng = torch.stack([torch.full((n,), 5), torch.zeros(n), torch.arange(n)], dim=1).int().to(dev)
+    full = lambda val, dt=torch.float32: torch.full((n,), val, dtype=dt, device=dev)  # noqa: E731
+    tok = fused_sample(
+        row.to(dev).expand(n, v).contiguous(), full(t), full(k, torch.int32), full(p), full(mp),
+        rng, full(1, torch.int32), max_top_k=k,
+    ).cpu()  # fmt: skip
+    counts = torch.bincount(tok, minlength=v).double()
+    assert counts[~keep].sum() == 0
+    expected = probs[keep] * n
+    chi2 = (((counts[keep] - expected) ** 2) / expected).sum().item()
+    assert chi2 < chi2_critical(int(keep.sum()) - 1)
