@@ -289,13 +289,14 @@ def fused_sample(
     max_top_k: int = 0,
     return_aux: bool = False,
     block: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample one token per row.
 
     logits float32/fp16/bf16 [B, V] (unit stride on V); temperature, top_p, min_p float32 [B];
     top_k int32 [B] (0 = off); rng int32 [B, 3]; mode int32 [B] (0 greedy, 1 filtered, 2 plain);
     max_top_k: host-side max of top_k (sizes the candidate lists; larger k stays exact).
-    block overrides the stage-1 chunk size (tests use it to get many chunks at small V).
+    block / num_warps override the stage-1 chunk size and warps (tests and tuning sweeps).
     Returns token ids int64 [B]; with return_aux also the threshold t = max(t_k, t_p) float32
     [B] (-inf when off) and the path taken int32 [B] (0 candidates, 1 bisection fallback).
     """
@@ -314,7 +315,7 @@ def fused_sample(
     _stage1[(p, b)](
         logits, logits.stride(0), temperature, mode, rng,
         part_m, part_s, cands, gscore, gidx, v, p,
-        BLOCK=block, CAND=cand, num_warps=8 if block >= 8192 else 4,
+        BLOCK=block, CAND=cand, num_warps=num_warps or (8 if block >= 8192 else 4),
     )  # fmt: skip
     _stage2[(b,)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, mode, rng,

@@ -1,0 +1,226 @@
+"""Fused sampler benchmark: ``python -m kvcap.bench.sampler [--out DIR] [--sweep]``.
+
+Correctness first (fused kernel vs the torch twin on every cell, plus mixed parameters and the
+bisection fallback), then median CUDA-event timings of B {1, 8, 16, 64} x V {49,152; 151,936;
+248,320} with top-k 20 + top-p 0.95 (temperature 1) for:
+  * ``torch_sort``: a plain sort-based torch top-k/top-p + exponential-race sampler (the usual
+    baseline, what DEVICE.md measured),
+  * ``twin``: ``kvcap.sampling.reference.reference_sample`` (same semantics as the kernel),
+  * ``fused``: the Triton kernel, eager and replayed from a CUDA graph.
+Inputs rotate over enough copies to exceed the L2 cache. JSON goes to
+``DIR/sampler-<date>.json`` (default docs/benchmarks) with GPU, date and commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kvcap.kernels.sampling_topk_topp import fused_sample, launch_config
+from kvcap.sampling.reference import keep_mask, reference_sample, scaled_logits
+
+BATCHES = (1, 8, 16, 64)
+VOCABS = (49_152, 151_936, 248_320)  # SmolLM2 / Qwen2.5 / Qwen3.5-class vocabularies
+TOP_K, TOP_P = 20, 0.95
+L2_BYTES = 60 << 20
+
+Inputs = dict[str, torch.Tensor]
+
+
+def make_inputs(b: int, v: int, k: int, p: float, mp: float, seed: int) -> Inputs:
+    """Random LLM-like logits (a peaked head over noise) and per-row parameters on CUDA."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(b, v, device="cuda", generator=g) * 2.0
+    x[:, :64] += torch.randn(b, 64, device="cuda", generator=g) * 4.0
+    full = lambda val, dt=torch.float32: torch.full((b,), val, dtype=dt, device="cuda")  # noqa: E731
+    filtered = k > 0 or p < 1.0 or mp > 0.0
+    return dict(
+        logits=x, temperature=full(1.0), top_k=full(k, torch.int32), top_p=full(p),
+        min_p=full(mp), mode=full(1 if filtered else 2, torch.int32),
+        rng=torch.randint(-(2**31), 2**31, (b, 3), device="cuda", generator=g, dtype=torch.int32),
+    )  # fmt: skip
+
+
+def run_fused(d: Inputs, max_top_k: int = TOP_K, **kw: object) -> torch.Tensor:
+    return fused_sample(
+        d["logits"], d["temperature"], d["top_k"], d["top_p"], d["min_p"], d["rng"], d["mode"],
+        max_top_k=max_top_k, **kw,
+    )  # fmt: skip
+
+
+def run_twin(d: Inputs) -> torch.Tensor:
+    return reference_sample(
+        d["logits"], d["temperature"], d["top_k"], d["top_p"], d["min_p"], d["rng"]
+    )
+
+
+def run_torch_sort(d: Inputs) -> torch.Tensor:
+    """Plain sort-based top-k, top-p, min-p masking and exponential-race sampling (torch ops)."""
+    z = d["logits"] / d["temperature"].unsqueeze(1)
+    zs, idx = z.sort(dim=-1, descending=False)
+    v = z.shape[1]
+    k = d["top_k"].long().unsqueeze(1)
+    kth = zs.gather(1, (v - k).clamp(0, v - 1))
+    zs = zs.masked_fill((k > 0) & (zs < kth), float("-inf"))
+    cum = zs.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= 1 - d["top_p"].unsqueeze(1)
+    drop[:, -1] = False
+    zs = zs.masked_fill(drop, float("-inf"))
+    probs = torch.empty_like(zs).scatter_(1, idx, zs).softmax(dim=-1)
+    mp = d["min_p"].unsqueeze(1)
+    probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+
+
+def check(d: Inputs, max_top_k: int = TOP_K) -> dict[str, object]:
+    """Fused vs twin on one input: token mismatches, mask mismatches (rows), path counts."""
+    tok, thr, path = run_fused(d, max_top_k=max_top_k, return_aux=True)
+    ref = run_twin(d)
+    z = scaled_logits(d["logits"], d["temperature"])
+    ref_keep = keep_mask(z, d["top_k"], d["top_p"], d["min_p"])
+    m = z.max(1, keepdim=True).values
+    keep = (z >= thr.unsqueeze(1)) & (torch.exp(z - m) >= d["min_p"].unsqueeze(1))
+    return dict(
+        token_mismatch=int((tok != ref).sum()),
+        mask_mismatch_rows=int((keep != ref_keep).any(1).sum()),
+        kept_mean=float(ref_keep.sum(1).float().mean()),
+        fallback_rows=int(path.sum()),
+        rows=int(tok.shape[0]),
+    )
+
+
+def time_eager(fn: Callable[[Inputs], torch.Tensor], sets: list[Inputs], iters: int) -> float:
+    """Median milliseconds of one call (CUDA events), rotating over input sets."""
+    for d in sets[:3]:
+        fn(d)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(sets[i % len(sets)])
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times)
+
+
+def time_graph(fn: Callable[[Inputs], torch.Tensor], sets: list[Inputs], iters: int) -> float:
+    """Median milliseconds per call when one CUDA graph replays a call on every input set."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for d in sets:
+            fn(d)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for d in sets:
+            fn(d)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(max(5, iters // len(sets))):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times) / len(sets)
+
+
+def input_sets(b: int, v: int, k: int, p: float, mp: float = 0.0) -> list[Inputs]:
+    n = max(2, min(32, -(-L2_BYTES * 2 // (b * v * 4))))
+    return [make_inputs(b, v, k, p, mp, seed=1000 * b + i) for i in range(n)]
+
+
+def bench_cell(b: int, v: int, k: int, p: float, mp: float = 0.0) -> dict[str, object]:
+    sets = input_sets(b, v, k, p, mp)
+    row: dict[str, object] = dict(batch=b, vocab=v, top_k=k, top_p=p, min_p=mp)
+    row["block"], row["cand"] = launch_config(b, v, k)
+    row.update(check(sets[0], max_top_k=k))
+    row["torch_sort_ms"] = time_eager(run_torch_sort, sets, 60)
+    row["twin_ms"] = time_eager(run_twin, sets, 30)
+    row["fused_ms"] = time_eager(lambda d: run_fused(d, max_top_k=k), sets, 200)
+    row["fused_graph_ms"] = time_graph(lambda d: run_fused(d, max_top_k=k), sets, 200)
+    row["torch_sort_graph_ms"] = time_graph(run_torch_sort, sets, 60)
+    row["speedup_vs_torch_sort"] = row["torch_sort_ms"] / row["fused_ms"]
+    row["speedup_vs_twin"] = row["twin_ms"] / row["fused_ms"]
+    row["read_gbps"] = b * v * 4 / (row["fused_graph_ms"] * 1e6)
+    return row
+
+
+def sweep(v: int = 248_320) -> list[dict[str, object]]:
+    """Stage-1 chunk size / warps variants on the headline shapes (graph-replay timing)."""
+    out = []
+    for b in (1, 16, 64):
+        sets = input_sets(b, v, TOP_K, TOP_P)
+        for block, warps in ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16)):
+            fn = lambda d, bl=block, w=warps: run_fused(d, block=bl, num_warps=w)  # noqa: E731
+            ms = time_graph(fn, sets, 100)
+            out.append(dict(batch=b, vocab=v, block=block, num_warps=warps, fused_graph_ms=ms))
+            print(f"sweep B={b:3d} block={block:5d} warps={warps:2d}: {ms * 1e3:8.1f} us")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="docs/benchmarks")
+    ap.add_argument("--sweep", action="store_true", help="also time stage-1 variants")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("error: the sampler benchmark needs a CUDA GPU")
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = lambda it, **_: it  # noqa: E731
+    extra = [  # correctness + timing of other parameter mixes (fallback path included)
+        (16, 248_320, 0, 0.95, 0.0),
+        (16, 248_320, 0, 1.0, 0.05),
+        (16, 248_320, 0, 1.0, 0.0),
+        (16, 248_320, 200, 0.9, 0.0),
+    ]
+    cells = [(b, v, TOP_K, TOP_P, 0.0) for v in VOCABS for b in BATCHES] + extra
+    rows = [bench_cell(*c) for c in tqdm(cells, desc="sampler bench")]
+    sweep_rows = sweep() if args.sweep else []
+    commit = (
+        os.environ.get("KVCAP_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
+    date = datetime.date.today().isoformat()
+    result = dict(
+        gpu=torch.cuda.get_device_name(), date=date, commit=commit or "unknown",
+        torch=torch.__version__, triton=__import__("triton").__version__,
+        timing="median of CUDA-event timed calls; inputs rotated over > 2x L2",
+        rows=rows, sweep=sweep_rows,
+    )  # fmt: skip
+    out = Path(args.out) / f"sampler-{date}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\n{result['gpu']}  commit {result['commit'][:10]}  -> {out}")
+    print(" B       V     k     p  min_p | tok/mask err  fb | torch_sort   twin   fused  graph"
+          " | x sort  x twin")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['batch']:2d} {r['vocab']:7d} {r['top_k']:5d} {r['top_p']:5.2f} {r['min_p']:6.2f}"
+            f" | {r['token_mismatch']:3d} {r['mask_mismatch_rows']:3d} {r['fallback_rows']:6d} |"
+            f" {r['torch_sort_ms']:8.3f} {r['twin_ms']:7.3f} {r['fused_ms']:7.3f}"
+            f" {r['fused_graph_ms']:6.3f} | {r['speedup_vs_torch_sort']:6.1f}"
+            f" {r['speedup_vs_twin']:7.1f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
