@@ -26,8 +26,8 @@ ENV_DISABLE_SPLIT_K = "KVCAP_DISABLE_SPLIT_K"
 SOFTWARE_FP8_FACTOR = 256.0  # the packed decoder yields value * 2^-8
 LOG2E = 1.4426950408889634
 
-_SIGN_PAIR = -2147450880  # 0x80008000 as a signed int32
-_MAG_PAIR = 0x3F803F80  # 0x7F007F00 >> 1
+_SIGN_PAIR = tl.constexpr(-2147450880)  # 0x80008000 as a signed int32
+_MAG_PAIR = tl.constexpr(0x3F803F80)  # 0x7F007F00 >> 1
 
 
 def _flag(name: str) -> bool:
