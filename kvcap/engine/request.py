@@ -38,6 +38,12 @@ class Request:
     num_cached_prefix_tokens: int = 0  # prefix-cache hit on the last admission
     num_preemptions: int = 0
     stop_reason: str | int | None = None
+    # Teacher-forced scoring needs logits at every prompt row: never skip rows via the cache.
+    needs_all_prompt_rows: bool = False
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.prompt_logprobs is not None:
+            self.needs_all_prompt_rows = True
 
     @property
     def all_token_ids(self) -> list[int]:

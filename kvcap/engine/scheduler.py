@@ -205,7 +205,7 @@ class Scheduler:
                 self._never_fits(req, out)
                 continue
             # Prompt logprobs need logits at every prompt position: no prefix-cache skipping.
-            if not bm.allocate_prompt(req, req.sampling_params.prompt_logprobs is None):
+            if not bm.allocate_prompt(req, not req.needs_all_prompt_rows):
                 break
             start = req.num_computed_tokens
             fits = (len(req.block_ids) + bm.num_free_blocks) * bm.block_size - start

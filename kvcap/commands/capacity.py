@@ -1,0 +1,58 @@
+"""`kvcap capacity`: KV tokens and max concurrency at a memory budget, FP16 vs E4M3."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvcap.config import ModelSpec
+from kvcap.kv_cache.spec import KVCacheSpec
+
+HELP = "print KV-cache capacity (tokens, max concurrency) for FP16 vs E4M3 at a memory budget"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="'default', an HF directory, or dummy:/path/config.json")
+    p.add_argument("--memory-gib", type=float, required=True, help="KV-cache memory budget")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 16384, 32768, 131072])
+
+
+def capacity_rows(spec: ModelSpec, memory_gib: float, block_size: int,
+                  contexts: list[int]) -> list[dict]:
+    budget = int(memory_gib * 2**30)
+    rows = []
+    for kv in ("fp16", "fp8_e4m3"):
+        cs = KVCacheSpec.for_model(spec, block_size, kv)
+        rows.append({"kv_dtype": kv, "bytes_per_token": cs.bytes_per_token,
+                     "tokens": cs.tokens_for(budget),
+                     "max_concurrency": {c: cs.max_concurrency(budget, c) for c in contexts}})
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvcap.models import loader
+
+    if str(args.model).startswith(loader.DUMMY_PREFIX):
+        spec = ModelSpec.from_hf_config(loader.dummy_config(args.model))
+    else:
+        spec = loader.read_spec(loader.resolve_model_dir(args.model))
+    rows = capacity_rows(spec, args.memory_gib, args.block_size, args.context)
+    table = Table(title=f"KV capacity at {args.memory_gib:g} GiB ({spec.num_layers} layers, "
+                        f"{spec.num_kv_heads} KV heads x {spec.head_dim})")
+    table.add_column("KV dtype")
+    table.add_column("bytes/token", justify="right")
+    table.add_column("tokens", justify="right")
+    for c in args.context:
+        table.add_column(f"seqs @ {c}", justify="right")
+    for r in rows:
+        table.add_row(r["kv_dtype"], str(r["bytes_per_token"]), f"{r['tokens']:,}",
+                      *[str(r["max_concurrency"][c]) for c in args.context])
+    ratio = rows[1]["tokens"] / max(rows[0]["tokens"], 1)
+    console = Console()
+    console.print(table)
+    console.print(f"E4M3 / FP16 tokens: {ratio:.3f}x")
+    return 0

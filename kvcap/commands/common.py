@@ -1,0 +1,30 @@
+"""Arguments shared by commands that build an engine."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="'default' (embedded SmolLM2-135M-Instruct), an HF-format directory, "
+                        "or dummy:/path/config.json for random weights")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp16 | bf16 | fp32 | fp8_e4m3")
+    p.add_argument("--kv-scales", default=None,
+                   help="scale overlay pack directory (for fp8_e4m3 on a base checkpoint)")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if present)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-memory-gib", type=float, default=None)
+    p.add_argument("--attention-backend", default="auto", help="auto | torch | triton")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        kv_scales=args.kv_scales, device=args.device, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_gib=args.kv_cache_memory_gib, attention_backend=args.attention_backend,
+    )

@@ -1,0 +1,46 @@
+"""`kvcap generate`: one prompt, streamed to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import uuid
+
+from kvcap.commands.common import add_engine_arguments, engine_kwargs
+
+HELP = "generate text for one prompt, streaming it to stdout"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvcap.llm import LLM
+    from kvcap.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            seed=args.seed, max_tokens=args.max_tokens)
+    llm = LLM(**engine_kwargs(args))
+    if args.chat:
+        ids = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
+    else:
+        ids = llm.tokenizer.encode(args.prompt, add_special_tokens=False)
+    rid = f"cli-{uuid.uuid4().hex[:8]}"
+    llm.engine.add_request(rid, ids, params)
+    printed = 0
+    while llm.engine.has_unfinished():
+        for out in llm.engine.step():
+            if out.request_id == rid:
+                sys.stdout.write(out.text[printed:])
+                sys.stdout.flush()
+                printed = len(out.text)
+    sys.stdout.write("\n")
+    return 0

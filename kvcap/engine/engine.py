@@ -1,0 +1,150 @@
+"""The engine loop: schedule -> run the model -> sample -> update, one `step()` at a time."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+
+import torch
+
+from kvcap.engine.block_manager import BlockManager
+from kvcap.engine.model_runner import ModelRunner, RequestExtras
+from kvcap.engine.request import Request, RequestStatus
+from kvcap.engine.scheduler import Scheduler
+from kvcap.errors import ConfigError
+from kvcap.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logits: torch.Tensor | None = None  # [num_prompt_tokens, V] when asked for
+    error: str | None = None
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, tokenizer, block_manager: BlockManager,
+                 scheduler: Scheduler, max_model_len: int, seed: int = 0):
+        self.runner, self.tokenizer = runner, tokenizer
+        self.block_manager, self.scheduler = block_manager, scheduler
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.extras: dict[str, RequestExtras] = {}
+        self._rng = random.Random(seed)
+        self._truncated: dict[str, str] = {}  # text cut at a stop string
+
+    # --- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, want_prompt_logits: bool = False) -> None:
+        if request_id in self.requests:
+            raise ConfigError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ConfigError("the prompt is empty")
+        vocab = self.runner.model.spec.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ConfigError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ConfigError(
+                f"prompt of {len(prompt_token_ids)} tokens does not fit the context: "
+                f"max_model_len is {self.max_model_len} (prompt + at least 1 new token)"
+            )
+        params.validate()
+        req = Request(request_id, list(prompt_token_ids), params,
+                      needs_all_prompt_rows=want_prompt_logits)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        self.extras[request_id] = RequestExtras(seed=seed, want_prompt_logits=want_prompt_logits)
+        self.requests[request_id] = req
+        self.scheduler.add_request(req)
+
+    def abort_request(self, request_id: str) -> bool:
+        ok = self.scheduler.abort_request(request_id)
+        return ok
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return outputs of requests that progressed or finished."""
+        out = self.scheduler.schedule()
+        finished: list[Request] = list(getattr(out, "finished_early", []))
+        touched: list[Request] = []
+        if out.chunks:
+            result = self.runner.execute(out.chunks, self.extras)
+            finished += self.scheduler.update_from_output(out, result.sampled)
+            touched = [ch.request for ch in out.chunks if ch.samples]
+        for req in touched:
+            if not req.is_finished:
+                self._check_stop_strings(req)
+                if req.is_finished:
+                    finished.append(req)
+        outputs = {r.request_id: self._output(r) for r in touched}
+        for r in finished:
+            outputs[r.request_id] = self._output(r)
+            self._forget(r)
+        for rid in self._aborted_ids():
+            r = self.requests.get(rid)
+            if r is not None:
+                outputs[rid] = self._output(r)
+                self._forget(r)
+        return list(outputs.values())
+
+    def _aborted_ids(self) -> list[str]:
+        return [rid for rid, r in self.requests.items()
+                if r.status == RequestStatus.FINISHED_ABORTED]
+
+    def _check_stop_strings(self, req: Request) -> None:
+        if not req.sampling_params.stop:
+            return
+        text = self._decode(req)
+        hits = [(text.find(s), s) for s in req.sampling_params.stop if s in text]
+        if hits:
+            idx, s = min(hits)
+            self._truncated[req.request_id] = text[:idx]
+            self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, s)
+
+    def _decode(self, req: Request) -> str:
+        if self.tokenizer is None:  # dummy-weight models: token ids only
+            return ""
+        return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+
+    def _output(self, req: Request) -> RequestOutput:
+        ex = self.extras[req.request_id]
+        text = self._truncated.get(req.request_id)
+        if text is None:
+            text = self._decode(req)
+        p = req.sampling_params
+        err = req.stop_reason if isinstance(req.stop_reason, str) and \
+            req.stop_reason.startswith("error:") else None
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text=text,
+            finished=req.is_finished,
+            finish_reason=req.status.value if req.is_finished else None,
+            logprobs=list(ex.logprobs) if p.logprobs is not None else None,
+            prompt_logprobs=list(ex.prompt_logprobs) if p.prompt_logprobs is not None else None,
+            prompt_logits=(torch.cat(ex.prompt_logits) if ex.want_prompt_logits
+                           and ex.prompt_logits else None),
+            error=err,
+        )
+
+    def _forget(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        self.extras.pop(req.request_id, None)
+        self._truncated.pop(req.request_id, None)
+
+    def sync(self) -> None:
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)

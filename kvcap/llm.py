@@ -1,0 +1,244 @@
+"""The offline API: `LLM(model=...)` composes loader, gate, KV pool, backend and engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from kvcap.attention.base import AttentionBackend
+from kvcap.config import EngineConfig, ModelSpec, resolve_dtype, resolve_kv_dtype
+from kvcap.engine.block_manager import BlockManager
+from kvcap.engine.engine import Engine, RequestOutput
+from kvcap.engine.model_runner import ModelRunner
+from kvcap.engine.scheduler import Scheduler
+from kvcap.errors import ConfigError, ScaleGateError
+from kvcap.kv_cache.pool import KVCachePool
+from kvcap.kv_cache.spec import KVCacheSpec
+from kvcap.models import loader
+from kvcap.models.registry import load_model
+from kvcap.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_GIB = 1.0
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto`: Triton kernels on CUDA, the eager torch reference on CPU."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError("attention_backend 'triton' needs a CUDA device "
+                              "(or TRITON_INTERPRET=1 for the CPU interpreter)")
+        from kvcap.attention.triton_backend import TritonBackend
+
+        backend: AttentionBackend = TritonBackend()
+    else:
+        from kvcap.attention.torch_ref import TorchReferenceBackend
+
+        backend = TorchReferenceBackend()
+    logger.info("attention backend: %s", backend.name)
+    return backend
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = "default",
+        dtype: str | torch.dtype = "auto",
+        kv_cache_dtype: str = "auto",
+        kv_scales: str | os.PathLike | Mapping[str, torch.Tensor | float] | None = None,
+        device: str | torch.device | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        num_blocks: int | None = None,
+        kv_cache_memory_gib: float | None = None,
+        gpu_memory_utilization: float = 0.90,
+        enable_prefix_caching: bool = True,
+        attention_backend: str = "auto",
+        kv_observer=None,
+        seed: int = 0,
+    ):
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        self.config = EngineConfig(
+            block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            num_blocks=num_blocks, kv_cache_memory_gib=kv_cache_memory_gib,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend)
+        self.config.validate()
+
+        if str(model).startswith(loader.DUMMY_PREFIX):
+            hf_cfg = loader.dummy_config(str(model))
+            self.model_dir: Path | None = None
+            self.spec = ModelSpec.from_hf_config(hf_cfg)
+            self.tokenizer = None
+        else:
+            self.model_dir = loader.resolve_model_dir(model)
+            self.spec = loader.read_spec(self.model_dir)
+            self.tokenizer = loader.load_tokenizer(self.model_dir)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
+        self.max_model_len = min(max_model_len or self.spec.max_position_embeddings,
+                                 self.spec.max_position_embeddings)
+
+        self.model, found_scales = load_model(self.spec, self.model_dir, self.device,
+                                              self.dtype, dummy_seed=seed)
+        self.pool = self._make_pool()
+        if self.kv_dtype == "fp8_e4m3":
+            self._run_gate(found_scales, kv_scales)
+        elif kv_scales is not None:
+            raise ConfigError(f"kv_scales were given but kv_cache_dtype is {self.kv_dtype}; "
+                              "pass kv_cache_dtype='fp8_e4m3' to use them")
+
+        backend = select_backend(attention_backend, self.device)
+        self.runner = ModelRunner(self.model, backend, self.pool, self.device)
+        self.runner.kv_observer = self._observer_fn(kv_observer)
+        self.block_manager = BlockManager(self.pool.num_blocks, block_size,
+                                          enable_prefix_caching=enable_prefix_caching)
+        eos = set(self.spec.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.config = dataclasses.replace(self.config, max_model_len=self.max_model_len)
+        self.scheduler = Scheduler(self.config, self.block_manager, eos_token_ids=eos)
+        self.engine = Engine(self.runner, self.tokenizer, self.block_manager, self.scheduler,
+                             self.max_model_len, seed=seed)
+
+    # --- construction helpers ---------------------------------------------------------------
+    def _make_pool(self) -> KVCachePool:
+        cspec = KVCacheSpec.for_model(self.spec, self.config.block_size, self.kv_dtype)
+        if self.config.num_blocks is not None:
+            num_blocks = self.config.num_blocks
+        else:
+            gib = self.config.kv_cache_memory_gib
+            if gib is None:
+                gib = self._default_kv_gib(cspec)
+            num_blocks = cspec.num_blocks_for(int(gib * 2**30))
+        min_blocks = -(-self.max_model_len // self.config.block_size)
+        if num_blocks < 1:
+            raise ConfigError("the KV cache budget holds no block; raise kv_cache_memory_gib")
+        if num_blocks < min_blocks:
+            logger.warning("KV pool holds %d tokens, less than max_model_len %d",
+                           num_blocks * self.config.block_size, self.max_model_len)
+        pool = KVCachePool(cspec, num_blocks, self.device)
+        logger.info("KV cache: %d tokens (%.2f GiB, %s, block size %d); max concurrency at %d "
+                    "tokens: %d", pool.num_tokens, num_blocks * cspec.bytes_per_block / 2**30,
+                    self.kv_dtype, self.config.block_size, self.max_model_len,
+                    cspec.max_concurrency(num_blocks * cspec.bytes_per_block, self.max_model_len))
+        return pool
+
+    def _default_kv_gib(self, cspec: KVCacheSpec) -> float:
+        if self.device.type != "cuda":
+            need = cspec.bytes_per_token * self.max_model_len / 2**30
+            return max(CPU_DEFAULT_KV_GIB, need)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        reserve = 4 * 2**30  # activations, logits, graphs
+        return max(0.0, (free * self.config.gpu_memory_utilization - reserve) / 2**30)
+
+    def _run_gate(self, found: dict[str, torch.Tensor], kv_scales) -> None:
+        from kvcap.scales.gate import run_gate
+
+        if kv_scales is not None and found:
+            raise ScaleGateError("the checkpoint already carries K/V scales and kv_scales was "
+                                 "given too; use one source")
+        if isinstance(kv_scales, Mapping):
+            found = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in kv_scales.items()}
+            source = "programmatic scales"
+        elif kv_scales is not None:
+            if self.model_dir is None:
+                raise ConfigError("a scale overlay needs a real checkpoint, not dummy weights")
+            from kvcap.scales.overlay import load_overlay_scales
+
+            found = load_overlay_scales(self.model_dir, Path(kv_scales))
+            source = f"overlay {kv_scales}"
+        else:
+            source = f"checkpoint {self.model_dir}"
+        k, v = run_gate(self.spec, found, source)
+        self.pool.set_scales(k, v, source)
+
+    @staticmethod
+    def _observer_fn(obs):
+        if obs is None:
+            return None
+        return obs.observe if hasattr(obs, "observe") else obs
+
+    def set_kv_observer(self, obs) -> None:
+        self.runner.kv_observer = self._observer_fn(obs)
+
+    # --- generation -------------------------------------------------------------------------
+    def _to_token_ids(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ConfigError("dummy models have no tokenizer: pass token ids")
+                out.append(self.tokenizer.encode(p, add_special_tokens=False))
+            else:
+                out.append([int(t) for t in p])
+        return out
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, want_prompt_logits: bool = False
+                 ) -> list[RequestOutput]:
+        ids = self._to_token_ids(prompts)
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(ids)
+        if len(plist) != len(ids):
+            raise ConfigError(f"{len(ids)} prompts but {len(plist)} SamplingParams")
+        rids = [f"gen-{uuid.uuid4().hex[:12]}" for _ in ids]
+        for rid, tok, p in zip(rids, ids, plist, strict=True):
+            self.engine.add_request(rid, tok, p, want_prompt_logits=want_prompt_logits)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2)
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in rids:
+                if rid not in done:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[r] for r in rids]
+
+    def chat(self, messages, params: SamplingParams | None = None, use_tqdm: bool = True
+             ) -> list[RequestOutput]:
+        """messages: one conversation (list of {role, content}) or a list of them."""
+        if self.tokenizer is None:
+            raise ConfigError("dummy models have no tokenizer or chat template")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        ids = [self.apply_chat_template(c) for c in convs]
+        return self.generate(ids, params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, conversation) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                                 tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def prompt_logits(self, prompts: Sequence[Sequence[int]], use_tqdm: bool = False
+                      ) -> list[torch.Tensor]:
+        """Teacher-forced logits [T_i, V] (FP32, CPU) at every prompt position."""
+        outs = self.generate([list(p) for p in prompts], SamplingParams(max_tokens=1,
+                             temperature=0.0), use_tqdm=use_tqdm, want_prompt_logits=True)
+        return [o.prompt_logits for o in outs]

@@ -1,0 +1,175 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
+
+Numerics follow HF transformers step for step (RMSNorm in FP32, RoPE tables in FP32) so that
+FP32 runs reproduce its logits. Q/K/V and gate/up projections are fused at load time.
+Attention goes through an AttentionBackend over the paged KV pool.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvcap.attention.base import AttentionBackend
+from kvcap.attention.metadata import AttentionMetadata
+from kvcap.config import ModelSpec
+from kvcap.errors import ModelLoadError
+from kvcap.kv_cache.pool import KVCachePool
+
+KVObserverFn = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for the model's RoPE variant."""
+    dim = spec.head_dim
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = spec.rope_scaling
+    if rs is None:
+        return inv, 1.0
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        return inv / float(rs["factor"]), 1.0
+    if kind == "llama3":
+        factor = float(rs["factor"])
+        low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old_ctx = float(rs["original_max_position_embeddings"])
+        low_wl, high_wl = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+        return torch.where(medium, smoothed, scaled), 1.0
+    raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Rotary(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        inv, self.attention_scaling = rope_inv_freq(spec)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(dtype)
+        sin = (emb.sin() * self.attention_scaling).to(dtype)
+        return cos[:, None, :], sin[:, None, :]  # [T, 1, D]
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn_out = nn.Identity()  # hook point: attention output before o_proj
+        self.softmax_scale = self.head_dim**-0.5
+
+    def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if ctx.kv_observer is not None:
+            n = ctx.meta.num_tokens
+            ctx.kv_observer(self.layer_idx, k[:n], v[:n])
+        out = torch.empty_like(q)
+        ctx.backend.forward(q, k.contiguous(), v.contiguous(), ctx.pool.layer(self.layer_idx),
+                            ctx.meta, self.softmax_scale, out)
+        return self.o_proj(self.attn_out(out.view(t, self.q_size)))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.inter = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(spec, layer_idx)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class ForwardContext:
+    """What every layer needs for one forward: backend, pool, metadata, optional observer."""
+
+    def __init__(self, backend: AttentionBackend, pool: KVCachePool, meta: AttentionMetadata,
+                 kv_observer: KVObserverFn | None = None):
+        self.backend, self.pool, self.meta, self.kv_observer = backend, pool, meta, kv_observer
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.rotary = Rotary(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions: int64 [T] -> final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

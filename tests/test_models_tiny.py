@@ -1,0 +1,89 @@
+"""Tiny random-weight Llama / Mistral / Qwen2 / Qwen3 built and saved by transformers itself:
+kvcap's teacher-forced logits must match transformers' within 1e-4 (FP32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcap import LLM
+from kvcap.errors import ModelLoadError
+
+COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def _build(kind: str):
+    import transformers as tf
+
+    if kind == "llama":
+        cfg = tf.LlamaConfig(**COMMON, rope_theta=10000.0)
+        return tf.LlamaForCausalLM(cfg)
+    if kind == "llama3_rope":
+        cfg = tf.LlamaConfig(**COMMON, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        return tf.LlamaForCausalLM(cfg)
+    if kind == "mistral":
+        return tf.MistralForCausalLM(tf.MistralConfig(**COMMON, sliding_window=None))
+    if kind == "qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**COMMON))
+    if kind == "qwen3":
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**COMMON, head_dim=24))
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "mistral", "qwen2", "qwen3"])
+def test_logits_match_transformers(kind, tmp_path):
+    torch.manual_seed(0)
+    hf = _build(kind).float().eval()
+    with torch.no_grad():  # non-trivial norms and biases so a missed weight shows
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, COMMON["vocab_size"], (1, 150), generator=gen)
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+    llm = LLM.__new__(LLM)  # tiny models ship no tokenizer: build the engine without one
+    _init_without_tokenizer(llm, tmp_path)
+    ours = llm.prompt_logits([ids[0].tolist()])[0]
+    assert (ours - ref).abs().max().item() < 1e-4
+
+
+def _init_without_tokenizer(llm: LLM, path) -> None:
+    from kvcap.models import loader
+
+    real = loader.load_tokenizer
+    loader.load_tokenizer = lambda _dir: None
+    try:
+        LLM.__init__(llm, model=str(path), device="cpu", dtype="float32",
+                     max_num_batched_tokens=64, num_blocks=64)
+    finally:
+        loader.load_tokenizer = real
+
+
+def test_unknown_architecture_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(Exception, match="unsupported architecture"):
+        LLM(model=str(tmp_path), device="cpu")
+
+
+def test_missing_model_path_is_refused(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(model=str(tmp_path / "nope"), device="cpu")
+
+
+def test_shape_mismatch_is_refused(tmp_path):
+    import json
+
+    hf = _build("llama")
+    hf.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["intermediate_size"] = 128
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    llm = LLM.__new__(LLM)
+    with pytest.raises(ModelLoadError, match="shape mismatch"):
+        _init_without_tokenizer(llm, tmp_path)
