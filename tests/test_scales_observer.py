@@ -173,3 +173,27 @@ def test_empty_tensors_are_ignored() -> None:
     obs = KVStatsObserver(1)
     obs.observe(0, torch.zeros(0, 2, 8), torch.zeros(0, 2, 8))
     assert obs.stats().shards["default"].count.sum() == 0
+
+
+@pytest.mark.parametrize("bins,lo,hi", [(64, -4.0, 4.0), (1000, -30.0, 20.0), (4096, -24.0, 16.0)])
+def test_other_bin_layouts_exact(bins: int, lo: float, hi: float) -> None:
+    edges = bin_edges(bins, lo, hi)
+    g = torch.Generator().manual_seed(bins)
+    x = torch.exp2(torch.rand(5000, generator=g) * (hi - lo + 8) + lo - 4)
+    x = torch.cat([x, torch.from_numpy(edges.copy()), torch.zeros(3)]).reshape(-1, 1, 1)
+    obs = KVStatsObserver(1, bins=bins, log2_lo=lo, log2_hi=hi)
+    obs.observe(0, x, x)
+    a = x.reshape(-1).numpy()
+    a = a[a > 0]
+    ref = np.bincount(np.clip(np.searchsorted(edges, a, side="right") - 1, 0, bins - 1),
+                      minlength=bins)
+    np.testing.assert_array_equal(obs.stats().shards["default"].hist[0, 0], ref)
+
+
+def test_fp16_subnormals_and_negative_zero() -> None:
+    x = torch.tensor([6e-8, -6e-8, 1e-5, -0.0, 0.0, 65504.0], dtype=torch.float16)
+    obs = KVStatsObserver(1)
+    obs.observe(0, x.reshape(-1, 1, 1), x.reshape(-1, 1, 1))
+    s = obs.stats().shards["default"]
+    assert s.nonzero[0, 0] == 4 and s.max_abs[0, 0] == 65504.0
+    np.testing.assert_array_equal(s.hist[0, 0], ref_hist(x))
