@@ -162,7 +162,7 @@ def test_rollback_switches(monkeypatch, switch):
 def test_split_heuristic():
     # a small batch over a long context splits; a full GPU or a short context does not
     assert choose_num_splits(1, 8, 32768, 64, 132) > 8
-    assert choose_num_splits(64, 8, 32768, 64, 132) == 1
+    assert choose_num_splits(128, 8, 32768, 64, 132) == 1
     assert choose_num_splits(1, 8, 64, 64, 132) == 1
     assert choose_num_splits(1, 1, 10**6, 64, 132) <= 64
 

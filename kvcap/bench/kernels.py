@@ -273,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument("--sweep", action="store_true", help="also sweep decode launch configs")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--sweep-only", action="store_true", help="skip the decode matrix")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
@@ -294,8 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
     sweep = []
-    if args.sweep:
+    if args.sweep or args.sweep_only:
         sweep = run_sweep(l2)
+    if args.sweep_only:
+        shapes = []
     rows = []
     out = args.out or os.path.join(os.environ.get("OUT", "."), "kernels.json")
 
@@ -316,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 cell = Cell(hq, hkv, d, b, ctx, l2)
                 ms, outs = time_cell(cell, ARMS)
-                splits = choose_num_splits(b, hkv, ctx, decode_config(d, True, cell.q[0].device)[0],
-                                           sm_count(cell.q[0].device))
+                bn = decode_config(d, True, True, cell.q[0].device)[0]
+                splits = choose_num_splits(b, hkv, ctx, bn, sm_count(cell.q[0].device))
                 row = {"shape": name, "hq": hq, "hkv": hkv, "head_dim": d, "batch": b,
                        "context": ctx, "rotations": cell.r, "splits": splits,
                        "err_fp16_vs_sdpa": _rel(outs["paged_fp16"], outs["sdpa_fp16"]),
@@ -365,41 +368,40 @@ def print_summary(rows: list[dict]) -> None:
               f"{nat['pct_ceiling']:5.1f} {sw['ms']/nat['ms']:6.3f} {p16['ms']/sd['ms']:6.3f}")
 
 
-SWEEP_CONFIGS = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 8, 3), (64, 8, 2)]
+SWEEP_FP8 = [(64, 4, 1, True), (128, 4, 1, True), (32, 4, 1, True), (64, 8, 1, True),
+             (128, 8, 1, True), (64, 4, 2, False)]
+SWEEP_FP16 = [(64, 4, 2, False), (128, 4, 2, False), (64, 4, 1, True), (32, 4, 2, False)]
+SWEEP_CELLS = [("llama31-8b", 32, 8, 128, 8, 32768), ("llama31-8b", 32, 8, 128, 64, 16384),
+               ("gqa6-d256", 24, 4, 256, 8, 32768), ("smollm2-135m", 9, 3, 64, 16, 32768)]
 
 
 def run_sweep(l2: int) -> list[dict]:
-    """Launch-config sweep on the cells the targets name (grouped route)."""
+    """Launch-config sweep (grouped route) on the cells the targets name."""
     out = []
-    for name, hq, hkv, d, b, ctx in (("llama31-8b", 32, 8, 128, 8, 32768),
-                                     ("gqa6-d256", 24, 4, 256, 8, 32768)):
+    for name, hq, hkv, d, b, ctx in SWEEP_CELLS:
         cell = Cell(hq, hkv, d, b, ctx, l2)
-        base = choose_num_splits(b, hkv, ctx, 64, sm_count(cell.q[0].device))
         for arm in ("paged_fp16", "e4m3_native", "e4m3_software"):
-            for bn, nw, ns in SWEEP_CONFIGS:
-                if d == 256 and bn == 128 and nw == 4:
-                    continue
+            for bn, nw, ns, pf in (SWEEP_FP16 if arm == "paged_fp16" else SWEEP_FP8):
+                base = choose_num_splits(b, hkv, ctx, bn, sm_count(cell.q[0].device))
                 for mult in (0.5, 1, 2):
                     splits = max(1, int(base * mult))
                     try:
                         ms = _graph_time(cell.fns(arm, block_n=bn, num_warps=nw, num_stages=ns,
-                                                  num_splits=splits), reps=10)
+                                                  num_splits=splits, prefetch=pf), reps=10)
                     except Exception as e:  # noqa: BLE001 - report and continue the sweep
-                        print(f"sweep {name} {arm} {bn},{nw},{ns} failed: {e!s:.120}")
+                        print(f"sweep {name} {arm} {bn},{nw},{ns},{pf} failed: {e!s:.120}")
                         break
                     tbs = cell.kv_bytes(arm) / (ms * 1e-3) / 1e12
                     out.append({"shape": name, "batch": b, "context": ctx, "arm": arm,
                                 "block_n": bn, "num_warps": nw, "num_stages": ns,
-                                "splits": splits, "ms": ms, "tbs": tbs})
-        best = {}
-        for r in out:
-            if r["shape"] == name and r["batch"] == b and r["context"] == ctx:
-                if r["arm"] not in best or r["ms"] < best[r["arm"]]["ms"]:
-                    best[r["arm"]] = r
-        for arm, r in best.items():
-            print(f"sweep best {name} B={b} ctx={ctx} {arm}: BN={r['block_n']} W={r['num_warps']}"
-                  f" S={r['num_stages']} splits={r['splits']} {r['ms']*1e3:.1f}us "
-                  f"{r['tbs']:.2f}TB/s", flush=True)
+                                "prefetch": pf, "splits": splits, "ms": ms, "tbs": tbs})
+        rows = [r for r in out if r["shape"] == name and r["batch"] == b]
+        for arm in ("paged_fp16", "e4m3_native", "e4m3_software"):
+            ranked = sorted((r for r in rows if r["arm"] == arm), key=lambda r: r["ms"])
+            for r in ranked[:3]:
+                print(f"sweep {name} B={b} ctx={ctx} {arm}: BN={r['block_n']} "
+                      f"W={r['num_warps']} S={r['num_stages']} PF={r['prefetch']:d} "
+                      f"splits={r['splits']} {r['ms']*1e3:.1f}us {r['tbs']:.2f}TB/s", flush=True)
         del cell
         torch.cuda.empty_cache()
     return out

@@ -105,11 +105,22 @@ def paged_row_offsets(bt_ptr, bt_stride, seq, pos, mask, BLOCK_SIZE: tl.constexp
 
 
 @triton.jit
-def load_tile(cache_ptr, row_off, mask, HEAD_DIM: tl.constexpr, FP8: tl.constexpr,
-              OUT_DTYPE: tl.constexpr):
-    """[N, HEAD_DIM] tile in OUT_DTYPE; E4M3 through the hardware conversion. Masked rows = 0."""
-    d = tl.arange(0, HEAD_DIM)
-    x = tl.load(cache_ptr + row_off[:, None] + d[None, :], mask=mask[:, None], other=0)
+def load_raw(cache_ptr, row_off, mask, HEAD_DIM: tl.constexpr, SOFTWARE: tl.constexpr):
+    """Raw cache tile, masked rows = 0: [N, HEAD_DIM] elements, or for the software E4M3
+    route [N, HEAD_DIM // 4] int32 words (four bytes each)."""
+    if SOFTWARE:
+        c = tl.arange(0, HEAD_DIM // 4)
+        wptr = cache_ptr.to(tl.pointer_type(tl.int32))
+        x = tl.load(wptr + (row_off // 4)[:, None] + c[None, :], mask=mask[:, None], other=0)
+    else:
+        d = tl.arange(0, HEAD_DIM)
+        x = tl.load(cache_ptr + row_off[:, None] + d[None, :], mask=mask[:, None], other=0)
+    return x
+
+
+@triton.jit
+def convert_tile(x, FP8: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """Raw [N, D] tile -> OUT_DTYPE; E4M3 bytes through the hardware conversion."""
     if FP8:
         x = x.to(tl.float8e4nv, bitcast=True)
     return x.to(OUT_DTYPE)
@@ -122,12 +133,9 @@ def _half_to(h, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def load_tile_sw(cache_ptr, row_off, mask, HEAD_DIM: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """Packed software E4M3 decode of a [N, HEAD_DIM] uint8 tile into four column groups
-    (t0, t1, t2, t3), tj[:, c] = value(col 4c + j) * 2^-8, each [N, HEAD_DIM // 4]."""
-    c = tl.arange(0, HEAD_DIM // 4)
-    wptr = cache_ptr.to(tl.pointer_type(tl.int32))
-    w = tl.load(wptr + (row_off // 4)[:, None] + c[None, :], mask=mask[:, None], other=0)
+def decode_words(w, OUT_DTYPE: tl.constexpr):
+    """Packed software E4M3 decode of int32 words [N, C] (four bytes each) into four column
+    groups (t0, t1, t2, t3), tj[:, c] = value(byte j of word c) * 2^-8."""
     odd = (w & _SIGN_PAIR) | ((w >> 1) & _MAG_PAIR)  # bytes 1 (low half) and 3 (high half)
     even = ((w << 8) & _SIGN_PAIR) | ((w << 7) & _MAG_PAIR)  # bytes 0 and 2
     t0 = _half_to(even, OUT_DTYPE)

@@ -19,10 +19,11 @@ from kvcap.kernels.common import (
     LOG2E,
     SOFTWARE_FP8_FACTOR,
     check_cache,
+    convert_tile,
+    decode_words,
     dot_dtype,
     grouped_enabled,
-    load_tile,
-    load_tile_sw,
+    load_raw,
     mm,
     paged_row_offsets,
     sm_count,
@@ -71,11 +72,12 @@ def attend_tiles(q0, q1, q2, q3, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
                  BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, FP8: tl.constexpr, SOFTWARE: tl.constexpr,
                  USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
-                 CAUSAL: tl.constexpr):
+                 CAUSAL: tl.constexpr, PREFETCH: tl.constexpr):
     """Online-softmax attention of BLOCK_H query rows over cached tokens [lo, hi) of one KV
     head. Returns (m, l, acc0..acc3): base-2 running max, sum, unnormalised FP32 outputs
     (acc1..3 are only used by the software route's column groups). With CAUSAL, row r sees
-    positions <= qpos[r]."""
+    positions <= qpos[r]. With PREFETCH the raw K/V bytes of the next tile are loaded into
+    registers before the current tile is decoded and used, keeping loads in flight."""
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     if SOFTWARE:
@@ -88,17 +90,33 @@ def attend_tiles(q0, q1, q2, q3, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
         acc1 = acc0
         acc2 = acc0
         acc3 = acc0
+    if PREFETCH:
+        pos0 = lo + tl.arange(0, BLOCK_N)
+        row0 = paged_row_offsets(bt_ptr, bt_stride, seq, pos0, pos0 < hi, BLOCK_SIZE,
+                                 stride_cb, stride_ct, head_off)
+        kr = load_raw(kc_ptr, row0, pos0 < hi, HEAD_DIM, SOFTWARE)
+        vr = load_raw(vc_ptr, row0, pos0 < hi, HEAD_DIM, SOFTWARE)
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pmask = pos < hi
-        row = paged_row_offsets(bt_ptr, bt_stride, seq, pos, pmask, BLOCK_SIZE, stride_cb,
-                                stride_ct, head_off)
+        if PREFETCH:
+            npos = pos + BLOCK_N
+            nmask = npos < hi
+            nrow = paged_row_offsets(bt_ptr, bt_stride, seq, npos, nmask, BLOCK_SIZE,
+                                     stride_cb, stride_ct, head_off)
+            kn = load_raw(kc_ptr, nrow, nmask, HEAD_DIM, SOFTWARE)
+            vn = load_raw(vc_ptr, nrow, nmask, HEAD_DIM, SOFTWARE)
+        else:
+            row = paged_row_offsets(bt_ptr, bt_stride, seq, pos, pmask, BLOCK_SIZE, stride_cb,
+                                    stride_ct, head_off)
+            kr = load_raw(kc_ptr, row, pmask, HEAD_DIM, SOFTWARE)
+            vr = load_raw(vc_ptr, row, pmask, HEAD_DIM, SOFTWARE)
         if SOFTWARE:
-            k0, k1, k2, k3 = load_tile_sw(kc_ptr, row, pmask, HEAD_DIM, DOT_DTYPE)
+            k0, k1, k2, k3 = decode_words(kr, DOT_DTYPE)
             s = mm(q0, tl.trans(k0), USE_DOT, IEEE) + mm(q1, tl.trans(k1), USE_DOT, IEEE)
             s += mm(q2, tl.trans(k2), USE_DOT, IEEE) + mm(q3, tl.trans(k3), USE_DOT, IEEE)
         else:
-            k = load_tile(kc_ptr, row, pmask, HEAD_DIM, FP8, DOT_DTYPE)
+            k = convert_tile(kr, FP8, DOT_DTYPE)
             s = mm(q0, tl.trans(k), USE_DOT, IEEE)
         s = s * qk_scale
         if CAUSAL:
@@ -113,15 +131,18 @@ def attend_tiles(q0, q1, q2, q3, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
         l_i = l_i * alpha + tl.sum(p, 1)
         pd = p.to(DOT_DTYPE)
         if SOFTWARE:
-            v0, v1, v2, v3 = load_tile_sw(vc_ptr, row, pmask, HEAD_DIM, DOT_DTYPE)
-            acc0 = acc0 * alpha[:, None] + mm(pd, v0, USE_DOT, IEEE)
-            acc1 = acc1 * alpha[:, None] + mm(pd, v1, USE_DOT, IEEE)
-            acc2 = acc2 * alpha[:, None] + mm(pd, v2, USE_DOT, IEEE)
-            acc3 = acc3 * alpha[:, None] + mm(pd, v3, USE_DOT, IEEE)
+            v0, v1, v2, v3 = decode_words(vr, DOT_DTYPE)
+            acc0 = acc0 * alpha[:, None] + mm(pd, v0, USE_DOT or BLOCK_H >= 16, IEEE)
+            acc1 = acc1 * alpha[:, None] + mm(pd, v1, USE_DOT or BLOCK_H >= 16, IEEE)
+            acc2 = acc2 * alpha[:, None] + mm(pd, v2, USE_DOT or BLOCK_H >= 16, IEEE)
+            acc3 = acc3 * alpha[:, None] + mm(pd, v3, USE_DOT or BLOCK_H >= 16, IEEE)
         else:
-            v = load_tile(vc_ptr, row, pmask, HEAD_DIM, FP8, DOT_DTYPE)
+            v = convert_tile(vr, FP8, DOT_DTYPE)
             acc0 = acc0 * alpha[:, None] + mm(pd, v, USE_DOT, IEEE)
         m_i = m_new
+        if PREFETCH:
+            kr = kn
+            vr = vn
     return m_i, l_i, acc0, acc1, acc2, acc3
 
 
@@ -136,6 +157,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, FP8: tl.constexpr, SOFTWARE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     seq = tl.program_id(0)
     hp = tl.program_id(1)
@@ -167,7 +189,7 @@ def _decode_kernel(
         q0, q1, q2, q3, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi, qk_scale,
         kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, h,
         BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, USE_DOT, DOT_DTYPE, IEEE,
-        False)
+        False, PREFETCH)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     if not SPLIT:
         inv = (out_scale / l_safe)[:, None]
@@ -215,22 +237,28 @@ MAX_SPLITS = 64
 
 def choose_num_splits(num_seqs: int, head_programs: int, max_seq_len: int, block_n: int,
                       num_sms: int) -> int:
-    """Split the context so the grid fills the GPU about twice, keeping >= 4 tiles per split."""
+    """Split the context so the grid holds about four programs per SM (memory latency needs
+    many loads in flight), keeping >= 4 tiles per split."""
     if not split_k_enabled():
         return 1
     tiles = triton.cdiv(max(max_seq_len, 1), block_n)
     base = max(num_seqs * head_programs, 1)
-    want = triton.cdiv(2 * num_sms, base)
+    want = triton.cdiv(4 * num_sms, base)
     return int(max(1, min(want, tiles // 4, MAX_SPLITS)))
 
 
-def decode_config(head_dim: int, grouped: bool, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for the decode kernel."""
+def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device
+                  ) -> tuple[int, int, int, bool]:
+    """(BLOCK_N, num_warps, num_stages, prefetch) for the decode kernel. FP16 tiles rely on
+    Triton's software pipeliner; E4M3 tiles are decoded in registers, so the kernel prefetches
+    the next tile's raw bytes itself."""
     if device.type != "cuda":
-        return 16, 1, 1
-    if grouped:
-        return (64, 4, 3) if head_dim <= 128 else (32, 4, 3)
-    return (64, 4, 2) if head_dim <= 64 else (32, 4, 2)
+        return 16, 1, 1, fp8
+    if not grouped:
+        return (64, 4, 2, fp8) if head_dim <= 64 else (32, 4, 2, fp8)
+    if fp8:
+        return (64, 4, 1, True) if head_dim <= 128 else (32, 4, 1, True)
+    return (128, 4, 2, False) if head_dim <= 64 else (64, 4, 2, False)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -239,7 +267,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  fp8_mode: str = "auto", grouped: bool | None = None,
                  num_splits: int | None = None, block_n: int | None = None,
-                 num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                 num_warps: int | None = None, num_stages: int | None = None,
+                 prefetch: bool | None = None) -> torch.Tensor:
     """Decode attention for every sequence whose query length is 1 (others are skipped).
 
     q [T, Hq, D], out [T, Hq, D] (the token row of sequence i is query_start_loc[i]);
@@ -266,8 +295,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         grouped = grouped_enabled()
     heads = group if grouped else 1
     head_programs = hkv if grouped else hq
-    bn, nw, ns = decode_config(d, grouped, q.device)
+    bn, nw, ns, pf = decode_config(d, grouped, fp8, q.device)
     bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
+    pf = pf if prefetch is None else prefetch
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, head_programs, max_seq_len, bn,
                                        sm_count(q.device))
@@ -287,7 +317,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *ps, num_splits,
         GROUP=group, HEADS=heads, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2],
-        BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8, SOFTWARE=software, USE_DOT=grouped,
+        BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8, SOFTWARE=software,
+        USE_DOT=grouped and (not software or d >= 64), PREFETCH=pf,
         DOT_DTYPE=dt, IEEE=ieee,
         num_warps=nw, num_stages=ns,
     )

@@ -25,7 +25,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, SOFTWARE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
-    SKIP_DECODE: tl.constexpr,
+    SKIP_DECODE: tl.constexpr, USE_DOT: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -71,8 +71,8 @@ def _prefill_kernel(
     m_i, l_i, a0, a1, a2, a3 = attend_tiles(
         q0, q1, q2, q3, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, 0, kv_end, qk_scale,
         kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, qpos,
-        BLOCK_Q * BLOCK_G, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, True, DOT_DTYPE,
-        IEEE, True)
+        BLOCK_Q * BLOCK_G, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, USE_DOT, DOT_DTYPE,
+        IEEE, True, PREFETCH)
     inv = (out_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     obase = out_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_ot + \
         head.to(tl.int64)[:, None] * stride_oh
@@ -127,6 +127,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=d,
         BLOCK_SIZE=k_cache.shape[2], BLOCK_N=bn, FP8=fp8, SOFTWARE=software,
         DOT_DTYPE=dt, IEEE=ieee, SKIP_DECODE=skip_decode,
+        USE_DOT=not software or d >= 64, PREFETCH=fp8,
         num_warps=nw, num_stages=ns,
     )
     return out
