@@ -1,0 +1,89 @@
+"""The LLM API on the embedded model: bad input gets a one-line error and nothing crashes
+the engine for other requests; seeded sampling is reproducible and batch-independent."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvcap import LLM, SamplingParams
+from kvcap.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir):
+    return LLM(model=str(default_model_dir), device="cpu", max_model_len=256, num_blocks=96)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(top_p=0.0), "top_p must be in"),
+    (dict(top_p=1.5), "top_p must be in"),
+    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(top_k=-3), "top_k must be"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_prompt_longer_than_context_is_refused_and_engine_keeps_serving(llm):
+    ok_ids = llm.tokenizer.encode("Hello there")
+    llm.engine.add_request("ok", ok_ids, SamplingParams(temperature=0, max_tokens=4))
+    with pytest.raises(ConfigError, match="does not fit the context"):
+        llm.engine.add_request("too-long", [1] * 400, SamplingParams(max_tokens=4))
+    with pytest.raises(ConfigError, match="prompt token ids must be in"):
+        llm.engine.add_request("bad-id", [10**9], SamplingParams(max_tokens=4))
+    finished = []
+    while llm.engine.has_unfinished():
+        finished += [o for o in llm.engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["ok"]
+    assert len(finished[0].token_ids) == 4 or finished[0].finish_reason == "stop"
+    assert llm.block_manager.num_used_blocks == 0
+
+
+def test_seeded_sampling_reproducible_and_batch_independent(llm):
+    p = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=12,
+                       ignore_eos=True)
+    alone = llm.generate(["Tell me a story about a cat"], p, use_tqdm=False)[0].token_ids
+    others = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    batch = llm.generate(["Tell me a story about a cat", "Why is the sky blue?"],
+                         [p, others], use_tqdm=False)
+    assert batch[0].token_ids == alone
+    assert len(set(alone)) > 1
+
+
+def test_stop_strings_and_logprobs(llm):
+    p = SamplingParams(temperature=0, max_tokens=24, logprobs=3, prompt_logprobs=2,
+                       ignore_eos=True)
+    out = llm.generate(["Count: 1, 2, 3, 4,"], p, use_tqdm=False)[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    for tok, lp in zip(out.token_ids, out.logprobs, strict=True):
+        assert tok in lp and lp[tok] <= 0.0 and len(lp) >= 3
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(
+        out.prompt_token_ids)
+    stop = out.text[5:8]
+    out2 = llm.generate(["Count: 1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=24,
+                        stop=[stop], ignore_eos=True), use_tqdm=False)[0]
+    assert out2.finish_reason == "stop" and stop not in out2.text
+    assert out.text.startswith(out2.text)
+
+
+def test_cli_generate_answers_capital_of_france():
+    res = subprocess.run(
+        [sys.executable, "-m", "kvcap.cli", "-q", "generate", "--model", "default", "--device",
+         "cpu", "--prompt", "What is the capital of France?", "--chat", "--max-tokens", "24"],
+        capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "Paris" in res.stdout
+
+
+def test_cli_unknown_model_is_one_line_error(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "kvcap.cli", "generate", "--model",
+                          str(tmp_path / "missing"), "--prompt", "hi"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.strip().startswith("error: model path")
+    assert "Traceback" not in res.stderr
