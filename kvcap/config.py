@@ -50,7 +50,8 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelSpec:
         archs = cfg.get("architectures") or []
-        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        known = [SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES]
+        arch = known[0] if known else None
         if arch is None:
             model_type = cfg.get("model_type")
             by_type = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from kvcap.attention.base import AttentionBackend
 from kvcap.config import EngineConfig, ModelSpec, resolve_dtype, resolve_kv_dtype
 from kvcap.engine.block_manager import BlockManager
+from kvcap.engine.cuda_graph import graphs_disabled
 from kvcap.engine.engine import Engine, RequestOutput
 from kvcap.engine.model_runner import ModelRunner
 from kvcap.engine.scheduler import Scheduler
@@ -67,6 +68,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         attention_backend: str = "auto",
         kv_observer=None,
+        enforce_eager: bool = False,
         seed: int = 0,
     ):
         self.device = torch.device(device) if device is not None else (
@@ -76,7 +78,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             num_blocks=num_blocks, kv_cache_memory_gib=kv_cache_memory_gib,
             gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend)
+            enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
+            enforce_eager=enforce_eager)
         self.config.validate()
 
         if str(model).startswith(loader.DUMMY_PREFIX):
@@ -95,6 +98,8 @@ class LLM:
 
         self.model, found_scales = load_model(self.spec, self.model_dir, self.device,
                                               self.dtype, dummy_seed=seed)
+        backend = select_backend(attention_backend, self.device)
+        self._activation_bytes = self._profile_activations(backend)
         self.pool = self._make_pool()
         if self.kv_dtype == "fp8_e4m3":
             self._run_gate(found_scales, kv_scales)
@@ -102,9 +107,12 @@ class LLM:
             raise ConfigError(f"kv_scales were given but kv_cache_dtype is {self.kv_dtype}; "
                               "pass kv_cache_dtype='fp8_e4m3' to use them")
 
-        backend = select_backend(attention_backend, self.device)
         self.runner = ModelRunner(self.model, backend, self.pool, self.device)
         self.runner.kv_observer = self._observer_fn(kv_observer)
+        if self.device.type == "cuda" and not enforce_eager and not graphs_disabled():
+            self.runner.enable_cuda_graphs(max_num_seqs, self.max_model_len)
+        elif self.device.type == "cuda":
+            logger.info("CUDA graphs off (enforce_eager / KVCAP_ENFORCE_EAGER=1): eager decode")
         self.block_manager = BlockManager(self.pool.num_blocks, block_size,
                                           enable_prefix_caching=enable_prefix_caching)
         eos = set(self.spec.eos_token_ids)
@@ -142,9 +150,45 @@ class LLM:
         if self.device.type != "cuda":
             need = cspec.bytes_per_token * self.max_model_len / 2**30
             return max(CPU_DEFAULT_KV_GIB, need)
-        free, _ = torch.cuda.mem_get_info(self.device)
-        reserve = 4 * 2**30  # activations, logits, graphs
-        return max(0.0, (free * self.config.gpu_memory_utilization - reserve) / 2**30)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free  # weights, the CUDA context, other processes
+        graphs = 512 * 2**20
+        budget = total * self.config.gpu_memory_utilization - used_by_others
+        budget -= self._activation_bytes + graphs
+        logger.info("KV budget: %.2f GiB = %.0f%% of %.1f GiB - %.2f GiB in use - %.2f GiB peak "
+                    "activations - %.2f GiB graphs", budget / 2**30,
+                    100 * self.config.gpu_memory_utilization, total / 2**30,
+                    used_by_others / 2**30, self._activation_bytes / 2**30, graphs / 2**30)
+        if budget <= 0:
+            raise ConfigError("no GPU memory left for the KV cache; lower max_num_batched_tokens "
+                              "or raise gpu_memory_utilization")
+        return budget / 2**30
+
+    @torch.inference_mode()
+    def _profile_activations(self, backend: AttentionBackend) -> int:
+        """Peak activation bytes of the largest step (a warm-up: no observer sees it)."""
+        if self.device.type != "cuda":
+            return 0
+        from kvcap.attention.metadata import AttentionMetadata
+        from kvcap.models.llama import ForwardContext
+
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        bs = self.config.block_size
+        cspec = KVCacheSpec.for_model(self.spec, bs, resolve_kv_dtype("auto", self.dtype))
+        tmp = KVCachePool(cspec, -(-n // bs), self.device)
+        meta = AttentionMetadata.build([n], [n], [list(range(-(-n // bs)))], bs, self.device)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        hidden = self.model(ids, pos, ForwardContext(backend, tmp, meta))
+        self.model.compute_logits(hidden[: self.config.max_num_seqs])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del tmp, hidden
+        torch.cuda.empty_cache()
+        return int(peak)
 
     def _run_gate(self, found: dict[str, torch.Tensor], kv_scales) -> None:
         from kvcap.scales.gate import run_gate

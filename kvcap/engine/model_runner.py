@@ -40,6 +40,28 @@ class ModelRunner:
         self.model, self.backend, self.pool, self.device = model, backend, pool, device
         self.sampler = Sampler(device)
         self.kv_observer: KVObserverFn | None = None
+        self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs()
+
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        from kvcap.engine.cuda_graph import DecodeGraphs
+
+        graphs = DecodeGraphs(self.model, self.backend, self.pool, self.device, max_num_seqs,
+                              max_model_len)
+        graphs.capture()
+        self.graphs = graphs
+
+    def _forward(self, chunks, ids, positions, query_lens, seq_lens, tables, eager_only):
+        """Hidden states of every row, and the metadata (None on the graph path)."""
+        if (self.graphs is not None and not eager_only and self.kv_observer is None
+                and max(query_lens) == 1
+                and self.graphs.can_run(len(chunks), max(seq_lens))):
+            return self.graphs.run(ids, positions, tables), None
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.pool.spec.block_size,
+                                       self.device)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        ctx = ForwardContext(self.backend, self.pool, meta, self.kv_observer)
+        return self.model(input_ids, pos, ctx), meta
 
     @torch.inference_mode()
     def execute(self, chunks, extras: dict[str, RequestExtras]) -> StepResult:
@@ -54,19 +76,20 @@ class ModelRunner:
             query_lens.append(ch.num_tokens)
             seq_lens.append(ch.start + ch.num_tokens)
             tables.append(req.block_ids)
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.pool.spec.block_size,
-                                       self.device)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        ctx = ForwardContext(self.backend, self.pool, meta, self.kv_observer)
-        hidden = self.model(input_ids, pos, ctx)
-
-        self._collect_prompt_outputs(chunks, extras, hidden, meta)
+        eager_only = any(extras[ch.request.request_id].want_prompt_logits
+                         or ch.request.sampling_params.prompt_logprobs is not None
+                         for ch in chunks)
+        hidden, meta = self._forward(chunks, ids, positions, query_lens, seq_lens, tables,
+                                     eager_only)
+        ends = [0]
+        for n in query_lens:
+            ends.append(ends[-1] + n)
+        if meta is not None:
+            self._collect_prompt_outputs(chunks, extras, hidden, meta)
         sample_chunks = [(i, ch) for i, ch in enumerate(chunks) if ch.samples]
         if not sample_chunks:
             return StepResult({})
-        rows = torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i, _ in sample_chunks],
-                            device=self.device)
+        rows = torch.tensor([ends[i + 1] - 1 for i, _ in sample_chunks], device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         reqs = [ch.request for _, ch in sample_chunks]
         batch = SamplingBatch.from_params(

@@ -50,7 +50,10 @@ class KVCachePool:
         self.num_blocks = num_blocks
         self.device = device
         dtype = kv_storage_dtype(spec.kv_dtype)
-        shape = (num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
+        # One extra, all-zero block that no request owns: CUDA-graph padding rows read it, so
+        # padding never points at another request's (possibly garbage / NaN-coded) bytes.
+        self.null_block = num_blocks
+        shape = (num_blocks + 1, spec.num_kv_heads, spec.block_size, spec.head_dim)
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=device)
                          for _ in range(spec.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=device)
