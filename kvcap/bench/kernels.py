@@ -319,10 +319,14 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 cell = Cell(hq, hkv, d, b, ctx, l2)
                 ms, outs = time_cell(cell, ARMS)
-                bn = decode_config(d, True, True, cell.q[0].device)[0]
-                splits = choose_num_splits(b, hkv, ctx, bn, sm_count(cell.q[0].device))
+                dev = cell.q[0].device
+                cfg = decode_config(d, True, True, False, dev)
+                splits = choose_num_splits(b, hkv, ctx, cfg[0], sm_count(dev), cfg[4])
+                cfg16 = decode_config(d, True, False, False, dev)
+                splits16 = choose_num_splits(b, hkv, ctx, cfg16[0], sm_count(dev), cfg16[4])
                 row = {"shape": name, "hq": hq, "hkv": hkv, "head_dim": d, "batch": b,
                        "context": ctx, "rotations": cell.r, "splits": splits,
+                       "splits_fp16": splits16,
                        "err_fp16_vs_sdpa": _rel(outs["paged_fp16"], outs["sdpa_fp16"]),
                        "err_e4m3_vs_sdpa": _rel(outs["e4m3_native"], outs["sdpa_fp16"]),
                        "err_sw_vs_native": _rel(outs["e4m3_software"], outs["e4m3_native"])}
@@ -356,6 +360,12 @@ def _fmt(row: dict) -> str:
 def print_summary(rows: list[dict]) -> None:
     print("\nTargets (llama31-8b, B>=8, ctx>=16K): native>=1.8x SDPA at >=85% ceiling; "
           "sw/native<=1.15; paged16/SDPA<=1.1")
+    slower = [f"{r['shape']} B={r['batch']} ctx={r['context']} {arm}"
+              for r in rows if "skipped" not in r and r["context"] >= 4096
+              for arm in ("e4m3_native", "e4m3_software")
+              if r[arm]["ms"] > r["paged_fp16"]["ms"]]
+    print(f"E4M3 slower than kvcap FP16 paged at ctx>=4K: {len(slower)} cells"
+          + (": " + "; ".join(slower[:12]) if slower else ""))
     print(f"{'B':>3} {'ctx':>6} {'sdpa_us':>8} {'p16_us':>8} {'nat_us':>8} {'sw_us':>8} "
           f"{'nat_x':>6} {'nat%':>5} {'sw/nat':>6} {'p16/sd':>6}")
     for r in rows:

@@ -236,29 +236,35 @@ MAX_SPLITS = 64
 
 
 def choose_num_splits(num_seqs: int, head_programs: int, max_seq_len: int, block_n: int,
-                      num_sms: int) -> int:
-    """Split the context so the grid holds about four programs per SM (memory latency needs
-    many loads in flight), keeping >= 4 tiles per split."""
+                      num_sms: int, programs_per_sm: int = 4) -> int:
+    """Split the context so the grid holds about `programs_per_sm` programs per SM (memory
+    latency needs many loads in flight), keeping >= 4 tiles per split."""
     if not split_k_enabled():
         return 1
     tiles = triton.cdiv(max(max_seq_len, 1), block_n)
     base = max(num_seqs * head_programs, 1)
-    want = triton.cdiv(4 * num_sms, base)
+    want = triton.cdiv(programs_per_sm * num_sms, base)
     return int(max(1, min(want, tiles // 4, MAX_SPLITS)))
 
 
-def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device
-                  ) -> tuple[int, int, int, bool]:
-    """(BLOCK_N, num_warps, num_stages, prefetch) for the decode kernel. FP16 tiles rely on
-    Triton's software pipeliner; E4M3 tiles are decoded in registers, so the kernel prefetches
-    the next tile's raw bytes itself."""
+def decode_config(head_dim: int, grouped: bool, fp8: bool, software: bool,
+                  device: torch.device) -> tuple[int, int, int, bool, int]:
+    """(BLOCK_N, num_warps, num_stages, prefetch, programs per SM) for the decode kernel.
+
+    From the H200 sweep (docs/kernels.md): FP16 tiles go through Triton's software pipeliner
+    (num_stages=2) and want ~4 programs per SM; E4M3 tiles are decoded in registers between
+    load and dot, are latency bound, and gain from ~8 programs per SM. The register prefetch
+    of the next raw tile did not pay on the H200 except for the software decoder at d64."""
     if device.type != "cuda":
-        return 16, 1, 1, fp8
+        return 16, 1, 1, fp8, 4
     if not grouped:
-        return (64, 4, 2, fp8) if head_dim <= 64 else (32, 4, 2, fp8)
-    if fp8:
-        return (64, 4, 1, True) if head_dim <= 128 else (32, 4, 1, True)
-    return (128, 4, 2, False) if head_dim <= 64 else (64, 4, 2, False)
+        return (64, 4, 2, False, 4) if head_dim <= 64 else (32, 4, 2, False, 4)
+    if software and head_dim <= 64:
+        return 32, 4, 1, True, 8
+    pps = 8 if fp8 or head_dim >= 256 else 4
+    if head_dim <= 64 and not fp8:
+        return 128, 4, 2, False, pps
+    return 64, 4, 2, False, pps
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -295,12 +301,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         grouped = grouped_enabled()
     heads = group if grouped else 1
     head_programs = hkv if grouped else hq
-    bn, nw, ns, pf = decode_config(d, grouped, fp8, q.device)
+    bn, nw, ns, pf, pps = decode_config(d, grouped, fp8, software, q.device)
     bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
     pf = pf if prefetch is None else prefetch
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, head_programs, max_seq_len, bn,
-                                       sm_count(q.device))
+                                       sm_count(q.device), pps)
     block_h = max(16, triton.next_power_of_2(heads)) if grouped else 1
     if num_splits > 1:
         po = torch.empty((num_seqs, hq, num_splits, d), dtype=torch.float32, device=q.device)

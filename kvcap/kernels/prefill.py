@@ -127,7 +127,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=d,
         BLOCK_SIZE=k_cache.shape[2], BLOCK_N=bn, FP8=fp8, SOFTWARE=software,
         DOT_DTYPE=dt, IEEE=ieee, SKIP_DECODE=skip_decode,
-        USE_DOT=not software or d >= 64, PREFETCH=fp8,
+        USE_DOT=not software or d >= 64, PREFETCH=False,
         num_warps=nw, num_stages=ns,
     )
     return out
