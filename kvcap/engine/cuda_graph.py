@@ -84,6 +84,10 @@ class DecodeGraphs:
         logger.info("decode CUDA graphs: batch buckets %s x context classes %s", self.buckets,
                     self.classes)
 
+    def context_class(self, max_seq_len: int) -> int:
+        """The split-count hint both paths use, so eager and graph steps reduce alike."""
+        return next((c for c in self.classes if c >= max_seq_len), max_seq_len)
+
     def can_run(self, num_seqs: int, max_seq_len: int) -> bool:
         return num_seqs <= self.buckets[-1] and max_seq_len <= self.classes[-1]
 
@@ -93,7 +97,7 @@ class DecodeGraphs:
         b = len(input_ids)
         bucket = next(s for s in self.buckets if s >= b)
         seq_lens = [p + 1 for p in positions]
-        ctx_class = next(c for c in self.classes if c >= max(seq_lens))
+        ctx_class = self.context_class(max(seq_lens))
         bs = self.block_size
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
         width = max(len(t) for t in tables)

@@ -58,6 +58,8 @@ class ModelRunner:
             return self.graphs.run(ids, positions, tables), None
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.pool.spec.block_size,
                                        self.device)
+        if self.graphs is not None and meta.is_decode_only:
+            meta.max_seq_len = self.graphs.context_class(meta.max_seq_len)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         ctx = ForwardContext(self.backend, self.pool, meta, self.kv_observer)

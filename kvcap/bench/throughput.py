@@ -1,0 +1,243 @@
+"""End-to-end throughput matrix: concurrency x context x KV mode, with capacity and HF baseline.
+
+    python -m kvcap.bench.throughput --shapes llama-3.1-8b --concurrency 1 16 64 \
+        --context 1024 16384 --kv fp16 fp8 fp8-software --out docs/benchmarks/
+
+Per cell: all requests are submitted at once with random prompts of `context - out` tokens
+and generate `out` tokens (ignore_eos, greedy). TTFT = until every request has a first token;
+decode tok/s = tokens generated after that / time after that. Roofline: a decode step must
+read the weights once and each sequence's KV once; we divide those bytes by a read ceiling
+measured in the same run. Dummy-weight E4M3 arms use scales calibrated on the same random
+model (ceil_fp32(max_abs / 448) over a short prefill), so the gate runs as in production.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+CONFIGS = Path(__file__).parent / "configs"
+SHAPES = {"llama-3.1-8b": f"dummy:{CONFIGS / 'llama-3.1-8b.json'}",
+          "gqa6-d256": f"dummy:{CONFIGS / 'gqa6-d256.json'}", "embedded": "default"}
+KV_MODES = {"fp16": ("auto", "0"), "fp8": ("fp8_e4m3", "0"), "fp8-software": ("fp8_e4m3", "1")}
+logger = logging.getLogger("kvcap.bench.throughput")
+
+
+def read_ceiling_tbs(device: torch.device) -> float:
+    """Streaming-read bandwidth (TB/s): a large sum, median of several runs."""
+    x = torch.empty(2 * 2**30 // 2, dtype=torch.float16, device=device).normal_()
+    for _ in range(3):
+        x.sum()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        x.sum()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return x.numel() * 2 / statistics.median(times) / 1e12
+
+
+def calibrated_scales(model: str, dtype: str) -> dict[str, float]:
+    """Scales for a dummy model from its own FP16 prefill (per layer max_abs / 448, ceil)."""
+    from kvcap import LLM, SamplingParams
+    from kvcap.scales.report import scale_for
+
+    maxes: dict[tuple[int, str], float] = {}
+
+    def observe(layer, k, v):
+        for name, x in (("k", k), ("v", v)):
+            m = float(x.abs().max())
+            maxes[(layer, name)] = max(maxes.get((layer, name), 0.0), m)
+
+    llm = LLM(model=model, dtype=dtype, kv_cache_memory_gib=2, enforce_eager=True,
+              kv_observer=observe)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, llm.spec.vocab_size, (4, 512), generator=gen).tolist()
+    llm.generate(ids, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    prefix = llm.spec.layer_prefix
+    out = {f"{prefix}.{layer}.self_attn.{n}_scale": scale_for(m) for (layer, n), m in maxes.items()}
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def run_cell(llm, concurrency: int, context: int, out_tokens: int, repeats: int) -> dict:
+    from kvcap import SamplingParams
+
+    gen = torch.Generator().manual_seed(context + concurrency)
+    prompt_len = context - out_tokens
+    results = []
+    for rep in range(repeats + 1):  # first is a warm-up
+        ids = torch.randint(100, llm.spec.vocab_size - 100, (concurrency, prompt_len),
+                            generator=gen).tolist()
+        params = SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True)
+        rids = [f"b{rep}-{i}" for i in range(concurrency)]
+        llm.block_manager.reset_prefix_cache()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for rid, p in zip(rids, ids, strict=True):
+            llm.engine.add_request(rid, p, params)
+        first: dict[str, float] = {}
+        tokens_at_first = 0
+        while llm.engine.has_unfinished():
+            for o in llm.engine.step():
+                if o.token_ids and o.request_id not in first:
+                    first[o.request_id] = time.perf_counter()
+                    if len(first) == concurrency:
+                        torch.cuda.synchronize()
+                        t_first = time.perf_counter()
+                        tokens_at_first = sum(len(r.output_token_ids)
+                                              for r in llm.engine.requests.values())
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        decode_tokens = concurrency * out_tokens - tokens_at_first
+        results.append({"ttft_s": t_first - t0, "e2e_s": t1 - t0,
+                        "prefill_tok_s": concurrency * prompt_len / (t_first - t0),
+                        "decode_tok_s": decode_tokens / max(t1 - t_first, 1e-9),
+                        "decode_steps": out_tokens - 1})
+    scored = results[1:]
+    return {k: statistics.median(r[k] for r in scored) for k in scored[0]}
+
+
+def roofline_step_s(llm, concurrency: int, context: int, ceiling_tbs: float) -> float:
+    weights = sum(p.numel() * p.element_size() for p in llm.model.parameters())
+    kv = llm.pool.spec.bytes_per_token * concurrency * context
+    return (weights + kv) / (ceiling_tbs * 1e12)
+
+
+def hf_baseline(config_path: str, batch: int, context: int, out_tokens: int) -> dict:
+    """HF transformers generate (FP16, SDPA) on the same random-weight shape."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(config_path)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float16,
+                                                 attn_implementation="sdpa").eval()
+    ids = torch.randint(100, cfg.vocab_size - 100, (batch, context - out_tokens), device="cuda")
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=4, do_sample=False, min_new_tokens=4)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=out_tokens, min_new_tokens=out_tokens,
+                       do_sample=False)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"batch": batch, "context": context, "out_tokens": out_tokens, "e2e_s": dt,
+            "tok_s": batch * out_tokens / dt}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["llama-3.1-8b"], choices=list(SHAPES))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 64])
+    ap.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 16384, 32768, 131072])
+    ap.add_argument("--kv", nargs="+", default=list(KV_MODES), choices=list(KV_MODES))
+    ap.add_argument("--out-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kv-gib", type=float, default=None, help="fixed KV budget for every arm")
+    ap.add_argument("--hf-baseline", action="store_true")
+    ap.add_argument("--out", default="docs/benchmarks")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    from kvcap import LLM
+
+    dev = torch.device("cuda")
+    ceiling = read_ceiling_tbs(dev)
+    report = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(dev),
+              "commit": _commit(), "read_ceiling_tbs": ceiling, "torch": torch.__version__,
+              "args": vars(args), "cells": [], "capacity": [], "hf_baseline": []}
+    max_ctx = max(args.context)
+    for shape in args.shapes:
+        model = SHAPES[shape]
+        scales = calibrated_scales(model, "float16") if model.startswith("dummy:") else None
+        for mode in args.kv:
+            kv_dtype, sw = KV_MODES[mode]
+            os.environ["KVCAP_FORCE_SOFTWARE_FP8"] = sw
+            kw = dict(kv_cache_memory_gib=args.kv_gib) if args.kv_gib else {}
+            llm = LLM(model=model, dtype="float16", kv_cache_dtype=kv_dtype,
+                      kv_scales=scales if kv_dtype == "fp8_e4m3" else None,
+                      max_num_seqs=max(args.concurrency), max_model_len=max_ctx,
+                      max_num_batched_tokens=8192, **kw)
+            report["capacity"].append({"shape": shape, "kv": mode, "tokens": llm.pool.num_tokens,
+                                       "bytes_per_token": llm.pool.spec.bytes_per_token})
+            for ctx in args.context:
+                for c in args.concurrency:
+                    cell = {"shape": shape, "kv": mode, "concurrency": c, "context": ctx}
+                    need = c * (-(-ctx // llm.config.block_size))
+                    if need > llm.pool.num_blocks:
+                        cell["skip"] = (f"needs {need} KV blocks, pool has {llm.pool.num_blocks}")
+                    else:
+                        cell.update(run_cell(llm, c, ctx, args.out_tokens, args.repeats))
+                        step = c / cell["decode_tok_s"]
+                        cell["roofline_fraction"] = roofline_step_s(llm, c, ctx, ceiling) / step
+                    report["cells"].append(cell)
+                    print(json.dumps(cell), flush=True)
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+        if args.hf_baseline and model.startswith("dummy:"):
+            path = model[len("dummy:"):]
+            for b in (1, 16):
+                report["hf_baseline"].append({"shape": shape, **hf_baseline(path, b, 1024, 64)})
+    os.environ.pop("KVCAP_FORCE_SOFTWARE_FP8", None)
+    _mark_fp8_only(report)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"throughput-{report['date']}.json"
+    path.write_text(json.dumps(report, indent=1))
+    _print_table(report)
+    print(f"wrote {path}")
+    return 0
+
+
+def _mark_fp8_only(report: dict) -> None:
+    fp16_skips = {(c["shape"], c["concurrency"], c["context"]) for c in report["cells"]
+                  if c["kv"] == "fp16" and "skip" in c}
+    for c in report["cells"]:
+        key = (c["shape"], c["concurrency"], c["context"])
+        c["fits_only_in_e4m3"] = c["kv"] != "fp16" and "skip" not in c and key in fp16_skips
+
+
+def _print_table(report: dict) -> None:
+    print(f"\n{report['gpu']}  read ceiling {report['read_ceiling_tbs']:.2f} TB/s")
+    print(f"{'shape':14} {'kv':13} {'conc':>4} {'ctx':>7} {'decode tok/s':>12} {'TTFT s':>7} "
+          f"{'roofline':>8}")
+    for c in report["cells"]:
+        if "skip" in c:
+            print(f"{c['shape']:14} {c['kv']:13} {c['concurrency']:>4} {c['context']:>7}  skip: "
+                  f"{c['skip']}")
+        else:
+            print(f"{c['shape']:14} {c['kv']:13} {c['concurrency']:>4} {c['context']:>7} "
+                  f"{c['decode_tok_s']:12.1f} {c['ttft_s']:7.2f} {c['roofline_fraction']:8.2f}")
+    for cap in report["capacity"]:
+        print(f"capacity {cap['shape']} {cap['kv']}: {cap['tokens']:,} tokens")
+    for h in report["hf_baseline"]:
+        print(f"HF generate {h['shape']} B={h['batch']} ctx={h['context']}: {h['tok_s']:.1f} tok/s")
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=False).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
