@@ -1,0 +1,93 @@
+"""`kvcap serve`: the OpenAI-compatible HTTP server.
+
+The LLM is built first, so the E4M3 scale gate (missing or corrupt overlay, missing
+checkpoint scales) refuses with its one-line message and a non-zero exit before any port is
+bound. SIGTERM / Ctrl-C: stop accepting connections, let in-flight requests finish for
+`--shutdown-timeout` seconds, abort the rest, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+
+from kvcap.commands.common import add_engine_arguments, engine_kwargs
+
+HELP = "serve the OpenAI-compatible HTTP API (completions, chat, models, health, metrics)"
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("KVCAP_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* "
+        "(default: $KVCAP_API_KEY; unset = no check)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests that may wait beyond --max-num-seqs running ones; more -> 429",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name clients must send (default: the --model value)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvcap.errors import ConfigError
+    from kvcap.llm import LLM
+    from kvcap.server.app import create_app
+
+    if args.max_queue < 0:
+        raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
+    llm = LLM(**engine_kwargs(args))  # runs the gate; raises before the port is bound
+    app = create_app(
+        llm,
+        served_model_name=args.served_model_name or args.model,
+        api_key=args.api_key,
+        max_pending=args.max_num_seqs + args.max_queue,
+        shutdown_grace_s=args.shutdown_timeout,
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal it caught once it has shut down gracefully; a Python-level
+    # SIGTERM handler turns that into a normal return (exit 0) instead of death by signal.
+    previous = signal.signal(signal.SIGTERM, _graceful_done)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if not server.started:
+        logger.error("the server did not start (see the messages above)")
+        return 1
+    return 0
+
+
+def _graceful_done(signum: int, frame) -> None:
+    logger.info("shut down after signal %d", signum)

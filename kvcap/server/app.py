@@ -1,0 +1,260 @@
+"""The FastAPI app: OpenAI `/v1/completions`, `/v1/chat/completions`, `/v1/models`, plus
+`/health` and Prometheus `/metrics`.
+
+`create_app(llm, ...)` wraps an already-built LLM (the E4M3 gate has run by then). The engine
+loop starts with the app's lifespan and shuts down gracefully with it. Errors always use the
+OpenAI body `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvcap.server import protocol as P
+from kvcap.server.async_engine import AsyncEngine
+from kvcap.server.metrics import CONTENT_TYPE, ServerInfo, ServerMetrics
+from kvcap.server.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class GuardMiddleware:
+    """Pure ASGI (keeps streaming and disconnects intact): API key on /v1/*, status counts."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics):
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    def _auth_error(self, scope: Scope) -> P.APIError | None:
+        if not self.api_key or not scope["path"].startswith("/v1/"):
+            return None
+        headers = dict(scope.get("headers") or [])
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        if not auth:
+            return P.APIError(
+                401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        ):
+            return P.APIError(401, "incorrect API key", code="invalid_api_key")
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            err = self._auth_error(scope)
+            if err is not None:
+                await JSONResponse(err.body(), err.status)(scope, receive, counting_send)
+            else:
+                await self.app(scope, receive, counting_send)
+        finally:
+            self.metrics.count_http(scope["path"], status)
+
+
+def create_app(
+    llm,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_pending: int = 256,
+    shutdown_grace_s: float = 30.0,
+    poll_s: float = 1.0,
+) -> FastAPI:
+    """`max_pending`: unfinished requests admitted at once (running + queued); more -> 429."""
+    from kvcap.models.loader import load_tokenizer
+
+    name = served_model_name or "default"
+    aeng = AsyncEngine(llm.engine, max_pending=max_pending)
+    # The engine thread detokenizes with llm.tokenizer; the event loop gets its own instance.
+    tokenizer = load_tokenizer(llm.model_dir) if llm.model_dir is not None else None
+    serving = OpenAIServing(
+        aeng, tokenizer, name, llm.max_model_len, llm.spec.vocab_size, poll_s=poll_s
+    )
+    pool = llm.pool
+    info = ServerInfo(
+        model=name,
+        kv_dtype=llm.kv_dtype,
+        gate_status="passed" if pool.is_fp8 and pool.scales_finalized else "not_required",
+        scale_source=str(pool.scale_source or "none"),
+    )
+    metrics = ServerMetrics(info)
+    logger.info(
+        "serving %s as '%s' (KV %s, gate %s, admission limit %d)",
+        llm.model_dir,
+        name,
+        info.kv_dtype,
+        info.gate_status,
+        max_pending,
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        aeng.start()
+        yield
+        await aeng.shutdown(shutdown_grace_s)
+
+    app = FastAPI(title="kvcap", lifespan=lifespan)
+    app.add_middleware(GuardMiddleware, api_key=api_key, metrics=metrics)
+    app.state.async_engine, app.state.metrics, app.state.serving = aeng, metrics, serving
+
+    @app.exception_handler(P.APIError)
+    async def _api_error(_: Request, e: P.APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            P.APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code
+        )
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return JSONResponse(P.APIError(500, f"internal error: {e}").body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = aeng.healthy
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503
+        )
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(
+            metrics.render(aeng.stats(), aeng.in_flight), media_type=CONTENT_TYPE
+        )
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = P.ModelCard(id=name, created=P.now(), max_model_len=llm.max_model_len)
+        return P.ModelList(data=[card]).model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = P.parse_request(await request.body(), P.CompletionRequest)
+        serving.check_model(req.model)
+        prompts = serving.completion_prompts(req.prompt)
+        if len(prompts) > max_pending:
+            raise P.APIError(
+                400, f"prompt: at most {max_pending} prompts per request", param="prompt"
+            )
+        params = [serving.params_for(req, ids, req.max_tokens, "prompt") for ids in prompts]
+        streams = serving.submit(list(zip(prompts, params, strict=True)))
+        rid, created = P.new_id("cmpl"), P.now()
+
+        def chunk(
+            i: int | None,
+            text: str = "",
+            finish: str | None = None,
+            role: bool = False,
+            usage: P.UsageInfo | None = None,
+        ):
+            if role:
+                return None
+            choices = (
+                [] if i is None else [P.CompletionChoice(index=i, text=text, finish_reason=finish)]
+            )
+            return P.CompletionResponse(
+                id=rid, created=created, model=name, choices=choices, usage=usage
+            )
+
+        if req.stream:
+            return StreamingResponse(
+                serving.stream(streams, req.stop_list, chunk, req.include_usage),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )
+        outs = await serving.collect(streams, request)
+        return JSONResponse(
+            P.CompletionResponse(
+                id=rid,
+                created=created,
+                model=name,
+                choices=[
+                    P.CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason)
+                    for i, o in enumerate(outs)
+                ],
+                usage=_usage(outs),
+            ).model_dump()
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = P.parse_request(await request.body(), P.ChatCompletionRequest)
+        serving.check_model(req.model)
+        ids = serving.chat_prompt(req)
+        max_tokens = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
+        params = serving.params_for(req, ids, max_tokens, "messages")
+        streams = serving.submit([(ids, params)])
+        rid, created = P.new_id("chatcmpl"), P.now()
+
+        def chunk(
+            i: int | None,
+            text: str = "",
+            finish: str | None = None,
+            role: bool = False,
+            usage: P.UsageInfo | None = None,
+        ):
+            delta = (
+                {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
+            )
+            choices = (
+                [] if i is None else [P.ChunkChoice(index=i, delta=delta, finish_reason=finish)]
+            )
+            return P.ChatCompletionChunk(
+                id=rid, created=created, model=name, choices=choices, usage=usage
+            )
+
+        if req.stream:
+            return StreamingResponse(
+                serving.stream(streams, req.stop_list, chunk, req.include_usage),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )
+        out = (await serving.collect(streams, request))[0]
+        return JSONResponse(
+            P.ChatCompletionResponse(
+                id=rid,
+                created=created,
+                model=name,
+                choices=[
+                    P.ChatChoice(
+                        index=0,
+                        message=P.ChatResponseMessage(content=out.text),
+                        finish_reason=out.finish_reason,
+                    )
+                ],
+                usage=_usage([out]),
+            ).model_dump()
+        )
+
+    return app
+
+
+def _usage(outs) -> P.UsageInfo:
+    return P.UsageInfo.of(
+        sum(len(o.prompt_token_ids) for o in outs), sum(len(o.token_ids) for o in outs)
+    )

@@ -1,0 +1,335 @@
+"""OpenAI API schemas (completions, chat completions, models, errors) as pydantic models.
+
+Requests are parsed strictly (`"8"` is not an integer) and unknown fields are ignored, like the
+OpenAI API. Fields that kvcap does not implement are accepted only at their neutral value;
+anything else is refused with a 400 that names the field, never silently ignored.
+`top_k`, `min_p`, `ignore_eos` and `stop_token_ids` are accepted as extensions (vLLM style).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from kvcap.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        err_type: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.err_type = err_type or _default_type(status)
+
+    def body(self) -> dict[str, Any]:
+        return ErrorResponse(
+            error=ErrorInfo(
+                message=self.message, type=self.err_type, param=self.param, code=self.code
+            )
+        ).model_dump()
+
+
+def _default_type(status: int) -> str:
+    return {
+        401: "authentication_error",
+        404: "not_found_error",
+        429: "rate_limit_error",
+        503: "service_unavailable_error",
+    }.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ----------------------------------------------------------------------------- requests
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = []
+        if self.n != 1:
+            bad.append("n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                bad.append(name)
+        if self.logit_bias:
+            bad.append("logit_bias")
+        return bad
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """Build SamplingParams; every bad value raises APIError(400) naming its field."""
+        checks: list[tuple[str, bool, str]] = [
+            ("max_tokens", max_tokens >= 1, f"must be at least 1, got {max_tokens}"),
+            (
+                "temperature",
+                self.temperature is None or 0.0 <= self.temperature <= 2.0,
+                f"must be in [0, 2], got {self.temperature}",
+            ),
+            (
+                "top_p",
+                self.top_p is None or 0.0 < self.top_p <= 1.0,
+                f"must be in (0, 1], got {self.top_p}",
+            ),
+            (
+                "top_k",
+                self.top_k is None or self.top_k >= -1,
+                f"must be -1, 0 or positive, got {self.top_k}",
+            ),
+            (
+                "min_p",
+                self.min_p is None or 0.0 <= self.min_p <= 1.0,
+                f"must be in [0, 1], got {self.min_p}",
+            ),
+            ("stop", all(self.stop_list), "must be non-empty strings"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise APIError(400, f"{name}: {why}", param=name)
+        for name in self.unsupported():
+            raise APIError(
+                400,
+                f"{name}: only the default value is supported by kvcap",
+                param=name,
+                code="unsupported_parameter",
+            )
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            stop=self.stop_list,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=list(self.stop_token_ids or []),
+        )
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.logprobs is not None:
+            bad.append("logprobs")
+        if self.echo:
+            bad.append("echo")
+        if self.best_of not in (None, 1):
+            bad.append("best_of")
+        if self.suffix:
+            bad.append("suffix")
+        return bad
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.logprobs or self.top_logprobs:
+            bad.append("logprobs")
+        if self.tools:
+            bad.append("tools")
+        if self.response_format and self.response_format.get("type") != "text":
+            bad.append("response_format")
+        return bad
+
+    def conversation(self) -> list[dict[str, str]]:
+        if not self.messages:
+            raise APIError(400, "messages: must contain at least one message", param="messages")
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
+
+
+def parse_request(body: bytes, model: type[_SamplingFields]) -> Any:
+    """Parse a JSON body; invalid JSON -> 400, wrong types or missing fields -> 422."""
+    try:
+        return model.model_validate_json(body or b"", strict=True)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        first = errors[0]
+        if first["type"] == "json_invalid":
+            raise APIError(400, f"invalid JSON body: {first['msg']}", code="invalid_json") from None
+        if not first["loc"]:
+            raise APIError(
+                400, f"the request body must be a JSON object: {first['msg']}", code="invalid_json"
+            ) from None
+        field = str(first["loc"][0])
+        msgs = list(dict.fromkeys(x["msg"] for x in errors if x["loc"][:1] == (field,)))
+        raise APIError(
+            422,
+            f"{field}: {'; '.join(msgs[:3])}",
+            param=field,
+            code="invalid_type" if first["type"] != "missing" else "missing",
+        ) from None
+
+
+# ----------------------------------------------------------------------------- responses
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt: int, completion: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: dict[str, str]
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "kvcap"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def now() -> int:
+    return int(time.time())

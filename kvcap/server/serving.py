@@ -1,0 +1,251 @@
+"""OpenAI request -> engine requests -> OpenAI response (JSON or SSE chunks).
+
+`OpenAIServing` validates a parsed request against the model (served name, tokenization,
+context length, KV pool size), submits it through the AsyncEngine and turns the outputs into
+complete responses or `data: ...` server-sent events ending with `data: [DONE]`. A client that
+goes away is noticed (stream cancellation, or polling for non-streamed requests) and its
+requests are aborted, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import Any
+
+from starlette.requests import Request
+
+from kvcap.engine.engine import RequestOutput
+from kvcap.server import protocol as P
+from kvcap.server.async_engine import (
+    AsyncEngine,
+    RequestFailed,
+    RequestStream,
+    ServerBusy,
+    ServiceUnavailable,
+)
+
+logger = logging.getLogger(__name__)
+
+Item = tuple[int, RequestOutput] | None  # None: nothing arrived within the poll interval
+
+
+async def merge(streams: list[RequestStream], poll_s: float) -> AsyncIterator[Item]:
+    """Outputs of several streams as they come; raises the first RequestFailed. Whatever
+    way the consumer leaves, unfinished requests are aborted."""
+    q: asyncio.Queue[tuple[int, RequestOutput] | RequestFailed] = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            while not s.finished:
+                out = await s.next()
+                if out is not None:
+                    q.put_nowait((i, out))
+        except RequestFailed as e:
+            q.put_nowait(e)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            try:
+                item = await asyncio.wait_for(q.get(), poll_s)
+            except TimeoutError:
+                yield None
+                continue
+            if isinstance(item, RequestFailed):
+                raise item
+            left -= item[1].finished
+            yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+def text_delta(sent: str, text: str, finished: bool, stops: list[str]) -> str:
+    """New text to send. While running, hold back a trailing U+FFFD (an incomplete UTF-8
+    sequence) and any tail that could still grow into a stop string."""
+    new = text[len(sent) :]  # byte-level BPE: decoded prefixes are stable once held back
+    if finished:
+        return new
+    hold = len(new) - len(new.rstrip("\ufffd"))
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return new[: max(0, len(new) - hold)]
+
+
+def sse(obj: Any) -> str:
+    data = obj.model_dump_json() if hasattr(obj, "model_dump_json") else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        aeng: AsyncEngine,
+        tokenizer,
+        model_name: str,
+        max_model_len: int,
+        vocab_size: int,
+        poll_s: float = 1.0,
+    ):
+        self.aeng, self.tokenizer, self.model_name = aeng, tokenizer, model_name
+        self.max_model_len, self.vocab_size, self.poll_s = max_model_len, vocab_size, poll_s
+        self.bm = aeng.engine.block_manager
+
+    # ----------------------------------------------------------------- validation
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise P.APIError(
+                400,
+                f"model: the model '{name}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise P.APIError(
+                400, "prompt: this model has no tokenizer; send token ids", param="prompt"
+            )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def completion_prompts(self, prompt: str | list) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self._encode(prompt)]
+        if not prompt:
+            raise P.APIError(400, "prompt: must not be empty", param="prompt")
+        if isinstance(prompt[0], int):
+            prompts = [list(prompt)]
+        elif isinstance(prompt[0], str):
+            prompts = [self._encode(p) for p in prompt]
+        else:
+            prompts = [list(p) for p in prompt]
+        for ids in prompts:
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise P.APIError(
+                    400, f"prompt: token ids must be in [0, {self.vocab_size})", param="prompt"
+                )
+        return prompts
+
+    def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
+        conv = req.conversation()
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise P.APIError(
+                400,
+                "messages: this model has no chat template; use /v1/completions",
+                param="messages",
+            )
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                conv, add_generation_prompt=True, tokenize=True
+            )
+        except Exception as e:  # jinja raises its own errors for unsupported conversations
+            raise P.APIError(
+                400, f"messages: the chat template refused them: {e}", param="messages"
+            ) from None
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def params_for(
+        self, req: P._SamplingFields, ids: list[int], max_tokens: int | None, prompt_field: str
+    ):
+        n, ctx = len(ids), self.max_model_len
+        if n == 0:
+            raise P.APIError(400, f"{prompt_field}: the prompt is empty", param=prompt_field)
+        if n >= ctx:
+            raise P.APIError(
+                400,
+                f"{prompt_field}: the prompt has {n} tokens but the context "
+                f"(max_model_len) is {ctx} tokens, leaving no room for a "
+                "completion",
+                param=prompt_field,
+                code="context_length_exceeded",
+            )
+        params = req.sampling_params(ctx - n if max_tokens is None else max_tokens)
+        total = n + params.max_tokens
+        if total > ctx:
+            raise P.APIError(
+                400,
+                f"max_tokens: {n} prompt tokens + {params.max_tokens} "
+                f"completion tokens exceed the context (max_model_len) of {ctx} "
+                "tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        if self.bm.num_blocks_for(total) > self.bm.num_total_blocks:
+            raise P.APIError(
+                400,
+                f"max_tokens: {total} tokens need "
+                f"{self.bm.num_blocks_for(total)} KV blocks but the pool has "
+                f"{self.bm.num_total_blocks}",
+                param="max_tokens",
+            )
+        return params
+
+    def submit(self, reqs: list[tuple[list[int], Any]]) -> list[RequestStream]:
+        try:
+            return self.aeng.submit(reqs)
+        except ServerBusy as e:
+            raise P.APIError(429, str(e), code="queue_full") from None
+        except ServiceUnavailable as e:
+            raise P.APIError(503, str(e)) from None
+
+    # ----------------------------------------------------------------- responses
+    async def collect(self, streams: list[RequestStream], request: Request) -> list[RequestOutput]:
+        """Final outputs of every stream; aborts them if the client disconnects."""
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async with aclosing(merge(streams, self.poll_s)) as items:
+                async for item in items:
+                    if item is None:
+                        if await request.is_disconnected():
+                            logger.info("client disconnected; aborting %d request(s)", len(streams))
+                            raise P.APIError(499, "client disconnected")
+                    elif item[1].finished:
+                        finals[item[0]] = item[1]
+        except RequestFailed as e:
+            raise P.APIError(e.status, e.message) from None
+        return [f for f in finals if f is not None]
+
+    async def stream(
+        self,
+        streams: list[RequestStream],
+        stops: list[str],
+        chunk: Callable[..., Any],
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
+        """SSE events: `chunk(index, text=, finish=, role=, usage=)` builds each event."""
+        sent = [""] * len(streams)
+        usage = [0, 0]
+        try:
+            for i in range(len(streams)):
+                first = chunk(i, role=True)
+                if first is not None:
+                    yield sse(first)
+            async with aclosing(merge(streams, self.poll_s)) as items:
+                async for item in items:
+                    if item is None:
+                        yield ": keep-alive\n\n"
+                        continue
+                    i, out = item
+                    delta = text_delta(sent[i], out.text, out.finished, stops)
+                    sent[i] += delta
+                    if delta:
+                        yield sse(chunk(i, text=delta))
+                    if out.finished:
+                        yield sse(chunk(i, finish=out.finish_reason))
+                        usage[0] += len(out.prompt_token_ids)
+                        usage[1] += len(out.token_ids)
+            if include_usage:
+                yield sse(chunk(None, usage=P.UsageInfo.of(*usage)))
+        except RequestFailed as e:
+            yield sse(P.APIError(e.status, e.message).body())
+        yield "data: [DONE]\n\n"
