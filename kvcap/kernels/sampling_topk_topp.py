@@ -1,33 +1,40 @@
 """Fused temperature + top-k + top-p + min-p sampling in two Triton launches.
 
 Semantics: ``kvcap/sampling/reference.py`` (this module imports nothing else of kvcap).
+A token is a packed int64 key ``(ordered float bits << 32) | (2**32 - 1 - index)``: a larger
+key is a larger value, or the lower index on ties.
 
-Stage 1, grid (P, B), P = cdiv(V, BLOCK) programs per row: each program scales one BLOCK of
-logits and writes its chunk max and sum of exp (online-softmax partials) and
-  * filtered rows: its CAND largest tokens as packed int64 keys
-    ``(ordered float bits << 32) | (2**32 - 1 - index)`` (larger value first, lower index on
-    ties) via ``tl.topk``;
-  * greedy rows: its single largest key;
-  * plain rows (temperature only): its best Gumbel score and token index.
-Stage 2, grid (B,): one program per row merges the partials. For filtered rows it sorts the
-P * CAND candidates; every token strictly above G = max over chunks of each chunk's CAND-th
-value is present, so when the final threshold lies above G (always for top-k < CAND) the exact
-thresholds and the Gumbel race are computed on the candidates. Otherwise (large top-p nucleus,
-large k, low min-p) the same program falls back to an exact bisection over the ordered float
-bits of the whole row (count for top-k, mass for top-p), then a Gumbel pass.
+Stage 1, grid (B, P), P = cdiv(V, BLOCK) chunks per row. Each program scales its BLOCK logits
+and writes (chunk max, sum of exp, count, tau) to ``stats`` and its candidates to ``cand``:
+  * filtered rows: with the chunk viewed as NG = 4 * CAND groups, the CAND-th largest group
+    maximum bounds from below at least CAND tokens; every finite token at or above it is
+    compacted into the chunk's CAP = 4 * CAND slots (on overflow from ties, the bound is raised
+    by bisection until the tokens fit). tau (stored) = ordered key such that every finite
+    token of the chunk above it is in the list;
+  * greedy rows: the largest key; plain rows (temperature only): the best Gumbel score key.
+Stage 2, grid (B,): merges the chunks. With G = max tau_strict, every finite token whose key
+is > G is present, and there are >= CAND of them; these are compacted (at most CAP2), sorted,
+and give t_k, t_p, min-p and the Gumbel race exactly when the answer lies above G. Otherwise
+(large top-p nucleus, large k, low min-p, many ties) the program falls back to an exact
+bisection over the ordered keys of the whole row (count for top-k, float64 mass for top-p).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 I32_MIN = tl.constexpr(-2147483648)
+I32_MAX = tl.constexpr(2147483647)
 I64_MIN = tl.constexpr(-9223372036854775808)
 ORD_NEG_INF = tl.constexpr(-2139095041)  # ordered key of -inf
-MAX_CANDIDATES = 4096  # P_PAD * CAND handled by one stage-2 program
+CAP2 = 256  # most complete candidates sorted by one stage-2 program
+NF, NI = 4, 5  # fparams (temperature, top_p, min_p, 0), iparams (top_k, mode, seed lo/hi, step)
 
 
 @triton.jit
@@ -41,11 +48,11 @@ def _fmix32(h):
 
 
 @triton.jit
-def _row_keys(rng_ptr, row):
-    """uint32 hash keys of one row from rng int32 [B, 3] (seed lo, seed hi, step)."""
-    lo = tl.load(rng_ptr + row * 3).to(tl.uint32, bitcast=True)
-    hi = tl.load(rng_ptr + row * 3 + 1).to(tl.uint32, bitcast=True)
-    step = tl.load(rng_ptr + row * 3 + 2).to(tl.uint32, bitcast=True)
+def _row_keys(ip_ptr, row):
+    """uint32 hash keys of one row from iparams (seed lo, seed hi, step at columns 2..4)."""
+    lo = tl.load(ip_ptr + row * 5 + 2).to(tl.uint32, bitcast=True)
+    hi = tl.load(ip_ptr + row * 5 + 3).to(tl.uint32, bitcast=True)
+    step = tl.load(ip_ptr + row * 5 + 4).to(tl.uint32, bitcast=True)
     k0 = _fmix32(lo ^ _fmix32(step ^ 0x9E3779B9))
     k1 = _fmix32(hi ^ k0 ^ 0x7F4A7C15)
     return k0, k1
@@ -57,6 +64,15 @@ def _gumbel(idx, k0, k1):
     h = _fmix32(_fmix32(idx.to(tl.uint32, bitcast=True) ^ k0) ^ k1)
     u = ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08
     return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _exp(x, EXACT: tl.constexpr):
+    """exp with the CUDA math library's rounding (as torch) when EXACT, else the fast path."""
+    if EXACT:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
 
 
 @triton.jit
@@ -83,49 +99,72 @@ def _unordered(o):
 
 
 @triton.jit
-def _stage1(
-    x_ptr, stride_x, temp_ptr, mode_ptr, rng_ptr,
-    part_m_ptr, part_s_ptr, cand_ptr, gscore_ptr, gidx_ptr,
-    V, P,
-    BLOCK: tl.constexpr, CAND: tl.constexpr,
-):  # fmt: skip
-    chunk = tl.program_id(0)
-    row = tl.program_id(1)
-    offs = chunk * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < V
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=valid, other=float("-inf"))
-    temp = tl.load(temp_ptr + row)
-    mode = tl.load(mode_ptr + row)
-    z = _scale(x.to(tl.float32), temp)
-    m_c = tl.max(z, axis=0)
-    m_safe = tl.where(m_c == float("-inf"), 0.0, m_c)
-    s_c = tl.sum(tl.exp(z - m_safe), axis=0)
-    out = row * P + chunk
-    tl.store(part_m_ptr + out, m_c)
-    tl.store(part_s_ptr + out, s_c)
-    if mode == 2:
-        k0, k1 = _row_keys(rng_ptr, row)
-        score = tl.where(valid, z + _gumbel(offs, k0, k1), float("-inf"))
-        best = tl.max(score, axis=0)
-        bidx = tl.min(tl.where(valid & (score == best), offs, 2147483647), axis=0)
-        tl.store(gscore_ptr + out, best)
-        tl.store(gidx_ptr + out, bidx)
-    else:
-        key = (_ordered(z).to(tl.int64) << 32) + (4294967295 - offs.to(tl.int64))
-        key = tl.where(valid, key, I64_MIN)
-        c = tl.arange(0, CAND)
-        if mode == 1:
-            top = tl.topk(key, CAND)
-        else:
-            top = tl.where(c == 0, tl.max(key, axis=0), I64_MIN)
-        tl.store(cand_ptr + out.to(tl.int64) * CAND + c, top)
+def _pack(o, idx):
+    """int64 token key from ordered value key o (int32) and index idx (int32)."""
+    return (o.to(tl.int64) << 32) + (4294967295 - idx.to(tl.int64))
 
 
 @triton.jit
-def _count_mass(x_ptr, row_off, V, temp, thr, m_safe, TILE: tl.constexpr):
-    """Count and sum of exp(z - m) over tokens whose ordered key is >= thr (full-row pass)."""
+def _stage1(
+    x_ptr, stride_x, fp_ptr, ip_ptr, stats_ptr, cand_ptr, V, P, ROW_CAND,
+    GS: tl.constexpr, NG: tl.constexpr, CAND: tl.constexpr, CAP: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    g = tl.arange(0, NG)[:, None]
+    offs = chunk * (NG * GS) + g * GS + tl.arange(0, GS)[None, :]  # [NG, GS]
+    valid = offs < V
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=valid, other=float("-inf"))
+    temp = tl.load(fp_ptr + row * 4)
+    mode = tl.load(ip_ptr + row * 5 + 1)
+    z = _scale(x.to(tl.float32), temp)
+    gmax = tl.max(z, axis=1)  # [NG]
+    m_c = tl.max(gmax, axis=0)
+    m_safe = tl.where(m_c == float("-inf"), 0.0, m_c)
+    s_c = tl.sum(tl.sum(tl.exp(z - m_safe).to(tl.float64), axis=1), axis=0)
+    out = cand_ptr + row.to(tl.int64) * ROW_CAND + chunk * CAP
+    key = tl.where(valid, _pack(_ordered(z), offs), I64_MIN)
+    cnt = tl.zeros([], tl.int32) + 1
+    tau = tl.zeros([], tl.int32) + I32_MAX
+    if mode == 2:  # plain sampling: this chunk's Gumbel winner
+        k0, k1 = _row_keys(ip_ptr, row)
+        score = tl.where(valid, z + _gumbel(offs, k0, k1), float("-inf"))
+        best = tl.max(tl.max(tl.where(valid, _pack(_ordered(score), offs), I64_MIN), 1), 0)
+        tl.store(out, best)
+    elif mode == 0:  # greedy: this chunk's arg-max
+        tl.store(out, tl.max(tl.max(key, axis=1), axis=0))
+    else:
+        o = _ordered(z)
+        fin = valid & (z > float("-inf"))
+        tau_f = tl.min(tl.topk(gmax, CAND), axis=0)  # CAND-th largest group max
+        tau = tl.where(tau_f > float("-inf"), _ordered(tau_f) - 1, ORD_NEG_INF)
+        cnt = tl.sum(tl.sum((fin & (o > tau)).to(tl.int32), axis=1), axis=0)
+        if cnt > CAP:  # many ties: smallest t with count(o > t) <= CAP, by bisection
+            lo = tau.to(tl.int64)
+            hi = _ordered(m_c).to(tl.int64)
+            while hi - lo > 1:
+                mid = lo + (hi - lo) // 2
+                c_mid = tl.sum(tl.sum((fin & (o > mid.to(tl.int32))).to(tl.int32), 1), 0)
+                lo = tl.where(c_mid > CAP, mid, lo)
+                hi = tl.where(c_mid > CAP, hi, mid)
+            tau = hi.to(tl.int32)
+        sel = (fin & (o > tau)).to(tl.int32)
+        per_g = tl.sum(sel, axis=1)
+        cnt = tl.sum(per_g, axis=0)
+        slot = (tl.cumsum(per_g, axis=0) - per_g)[:, None] + tl.cumsum(sel, axis=1) - 1
+        tl.store(out + slot, key, mask=sel != 0)  # compacted: every finite token with o > tau
+    st = stats_ptr + (row * P + chunk) * 4
+    tl.store(st, m_c.to(tl.float64))
+    tl.store(st + 1, s_c)
+    tl.store(st + 2, cnt.to(tl.float64))
+    tl.store(st + 3, tau.to(tl.float64))
+
+
+@triton.jit
+def _count_mass(x_ptr, row_off, V, temp, thr, m_safe, EXACT: tl.constexpr, TILE: tl.constexpr):
+    """Count and float64 sum of exp(z - m) over tokens whose ordered key is >= thr."""
     cnt = tl.zeros([TILE], dtype=tl.int32)
-    mass = tl.zeros([TILE], dtype=tl.float32)
+    mass = tl.zeros([TILE], dtype=tl.float64)
     for start in range(0, V, TILE):
         offs = start + tl.arange(0, TILE)
         valid = offs < V
@@ -133,20 +172,23 @@ def _count_mass(x_ptr, row_off, V, temp, thr, m_safe, TILE: tl.constexpr):
         z = _scale(x.to(tl.float32), temp)
         hit = valid & (_ordered(z) >= thr)
         cnt += hit.to(tl.int32)
-        mass += tl.where(hit, tl.exp(z - m_safe), 0.0)
+        mass += tl.where(hit, _exp(z - m_safe, EXACT), 0.0).to(tl.float64)
     return tl.sum(cnt, axis=0), tl.sum(mass, axis=0)
 
 
 @triton.jit
 def _bisect(x_ptr, row_off, V, temp, m_safe, lo, hi, need, floor, BY_MASS: tl.constexpr,
-            TILE: tl.constexpr):  # fmt: skip
-    """Largest ordered key t in [lo, hi) with count (or mass) of z >= max(t, floor) >= need."""
+            EXACT: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
+    """Largest ordered key t in [lo, hi) with count (or mass) of z >= max(t, floor) >= need.
+
+    The caller guarantees the predicate holds at lo and fails at hi.
+    """
     lo = lo.to(tl.int64)
     hi = hi.to(tl.int64)
     while hi - lo > 1:
         mid = lo + (hi - lo) // 2
         thr = tl.maximum(mid, floor).to(tl.int32)
-        cnt, mass = _count_mass(x_ptr, row_off, V, temp, thr, m_safe, TILE)
+        cnt, mass = _count_mass(x_ptr, row_off, V, temp, thr, m_safe, EXACT, TILE)
         if BY_MASS:
             ok = mass >= need
         else:
@@ -157,171 +199,207 @@ def _bisect(x_ptr, row_off, V, temp, m_safe, lo, hi, need, floor, BY_MASS: tl.co
 
 
 @triton.jit
-def _fallback(x_ptr, row_off, V, temp, kk, pp, mp, m_safe, top_ord, k0, k1, TILE: tl.constexpr):
-    """Exact thresholds by bisection over ordered keys, then a Gumbel pass.
+def _fallback(x_ptr, row_off, V, temp, kk, pp, mp, m_safe, k_hi, top_ord, k0, k1,
+              EXACT: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
+    """Exact thresholds by bisection over ordered keys, then a Gumbel pass over the row.
 
-    Returns (token int32, threshold ordered key int32).
+    k_hi: an ordered key where count(z >= k_hi) < k is known. Returns (token, threshold key).
     """
     t_k = ORD_NEG_INF + tl.zeros([], tl.int32)
     if kk > 0:  # largest t with count(z >= t) >= k
-        t_k = _bisect(x_ptr, row_off, V, temp, m_safe, t_k, top_ord + 1, kk, t_k, False, TILE)
+        t_k = _bisect(x_ptr, row_off, V, temp, m_safe, t_k, k_hi, kk, t_k, False, EXACT, TILE)
     t_p = ORD_NEG_INF + tl.zeros([], tl.int32)
     if pp < 1.0:  # largest t with mass(z >= max(t, t_k)) >= p * mass(z >= t_k)
-        _, z_k = _count_mass(x_ptr, row_off, V, temp, t_k, m_safe, TILE)
-        t_p = _bisect(x_ptr, row_off, V, temp, m_safe, t_k, top_ord + 1, pp * z_k, t_k, True, TILE)
+        _, z_k = _count_mass(x_ptr, row_off, V, temp, t_k, m_safe, EXACT, TILE)
+        need = pp.to(tl.float64) * z_k
+        t_p = _bisect(x_ptr, row_off, V, temp, m_safe, t_k, top_ord + 1, need, t_k, True, EXACT,
+                      TILE)  # fmt: skip
     thr = tl.maximum(t_k, t_p)
-    best = float("-inf")
-    best_idx = 2147483647
+    best = tl.zeros([], tl.int64) + I64_MIN
     for start in range(0, V, TILE):
         offs = start + tl.arange(0, TILE)
         valid = offs < V
         x = tl.load(x_ptr + row_off + offs, mask=valid, other=float("-inf"))
         z = _scale(x.to(tl.float32), temp)
-        keep = valid & (_ordered(z) >= thr) & (tl.exp(z - m_safe) >= mp)
-        score = tl.where(keep, z + _gumbel(offs, k0, k1), float("-inf"))
-        tile_best = tl.max(score, axis=0)
-        tile_idx = tl.min(tl.where(keep & (score == tile_best), offs, 2147483647), axis=0)
-        better = tile_best > best
-        best_idx = tl.where(better, tile_idx, best_idx)
-        best = tl.where(better, tile_best, best)
-    return best_idx, thr
+        keep = valid & (_ordered(z) >= thr) & (_exp(z - m_safe, EXACT) >= mp)
+        score = z + _gumbel(offs, k0, k1)
+        best = tl.maximum(best, tl.max(tl.where(keep, _pack(_ordered(score), offs), I64_MIN), 0))
+    return (4294967295 - (best & 4294967295)).to(tl.int32), thr
 
 
 @triton.jit
 def _stage2(
-    x_ptr, stride_x, temp_ptr, topk_ptr, topp_ptr, minp_ptr, mode_ptr, rng_ptr,
-    part_m_ptr, part_s_ptr, cand_ptr, gscore_ptr, gidx_ptr, tok_ptr, thr_ptr, path_ptr,
-    V, P,
-    P_PAD: tl.constexpr, CAND: tl.constexpr, TILE: tl.constexpr,
+    x_ptr, stride_x, fp_ptr, ip_ptr, stats_ptr, cand_ptr, tok_ptr, aux_ptr, V, P, ROW_CAND,
+    P_PAD: tl.constexpr, CAP: tl.constexpr, CAP2: tl.constexpr, EXACT: tl.constexpr,
+    TILE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
-    mode = tl.load(mode_ptr + row)
-    temp = tl.load(temp_ptr + row)
+    temp = tl.load(fp_ptr + row * 4)
+    mode = tl.load(ip_ptr + row * 5 + 1)
     pi = tl.arange(0, P_PAD)
     pv = pi < P
-    pm = tl.load(part_m_ptr + row * P + pi, mask=pv, other=float("-inf"))
-    ps = tl.load(part_s_ptr + row * P + pi, mask=pv, other=0.0)
-    m = tl.max(pm, axis=0)
+    st = stats_ptr + (row * P + pi) * 4
+    m_c = tl.load(st, mask=pv, other=float("-inf")).to(tl.float32)
+    s_c = tl.load(st + 1, mask=pv, other=0.0)
+    cnt_c = tl.load(st + 2, mask=pv, other=0.0).to(tl.int32)
+    tau_c = tl.load(st + 3, mask=pv, other=I32_MIN).to(tl.int32)
+    m = tl.max(m_c, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    z_all = tl.sum(ps * tl.exp(pm - m_safe), axis=0)
-    tok = tl.zeros([], tl.int32)
+    z_all = tl.sum(s_c * tl.exp((m_c - m_safe).to(tl.float64)), axis=0)
+    base = cand_ptr + row.to(tl.int64) * ROW_CAND
+    first = tl.max(tl.load(base + pi * CAP, mask=pv, other=I64_MIN), axis=0)
+    tok = (4294967295 - (first & 4294967295)).to(tl.int32)  # greedy and plain rows
+    tok = tl.where((mode == 1) & (m == float("-inf")), 0, tok)  # nothing finite: token 0
     thr_ord = ORD_NEG_INF + tl.zeros([], tl.int32)
     path = tl.zeros([], tl.int32)
-    if mode == 2:  # plain temperature sampling: merge the chunks' Gumbel winners
-        gs = tl.load(gscore_ptr + row * P + pi, mask=pv, other=float("-inf"))
-        gi = tl.load(gidx_ptr + row * P + pi, mask=pv, other=2147483647)
-        tok = tl.min(tl.where(gs == tl.max(gs, axis=0), gi, 2147483647), axis=0)
-    else:
-        c = tl.arange(0, CAND)
-        ptrs = cand_ptr + (row * P + pi[:, None]).to(tl.int64) * CAND + c[None, :]
-        ck = tl.load(ptrs, mask=pv[:, None], other=I64_MIN)
-        s = tl.sort(tl.reshape(ck, [P_PAD * CAND]), descending=True)
-        ordv = (s >> 32).to(tl.int32)
-        idx = (4294967295 - (s & 4294967295)).to(tl.int32)
-        first = tl.max(tl.where(tl.arange(0, P_PAD * CAND) == 0, idx, -1), axis=0)
-        tok = first  # greedy, and rows whose logits are all -inf
-        if (mode == 1) & (m > float("-inf")):
-            k0, k1 = _row_keys(rng_ptr, row)
-            kk = tl.load(topk_ptr + row)
-            kk = tl.where(kk >= V, 0, kk)
-            pp = tl.load(topp_ptr + row)
-            mp = tl.load(minp_ptr + row)
-            # every token with ordered key > g is among the candidates
-            g = tl.max(tl.max(tl.where(c[None, :] == CAND - 1, (ck >> 32).to(tl.int32), I32_MIN),
-                              axis=1), axis=0)  # fmt: skip
-            pos = tl.arange(0, P_PAD * CAND)
-            real = ordv > I32_MIN
+    if (mode == 1) & (m > float("-inf")):
+        fp = fp_ptr + row * 4
+        pp = tl.load(fp + 1)
+        mp = tl.load(fp + 2)
+        kk = tl.load(ip_ptr + row * 5)
+        kk = tl.where(kk >= V, 0, kk)
+        k0, k1 = _row_keys(ip_ptr, row)
+        g = tl.max(tau_c, axis=0)  # every finite token with key > g is a candidate
+        c = tl.arange(0, CAP)[None, :]
+        ck = tl.load(base + pi[:, None] * CAP + c, mask=pv[:, None] & (c < cnt_c[:, None]),
+                     other=I64_MIN)  # fmt: skip
+        sel = ((ck >> 32).to(tl.int32) > g).to(tl.int32)
+        per_p = tl.sum(sel, axis=1)
+        n_c = tl.sum(per_p, axis=0)
+        exact_total = g == ORD_NEG_INF  # all finite tokens are candidates
+        k_ok = (kk == 0) | (kk <= n_c) | exact_total
+        if (n_c <= CAP2) & k_ok:
+            slot = (tl.cumsum(per_p, axis=0) - per_p)[:, None] + tl.cumsum(sel, axis=1) - 1
+            scratch = base + P * CAP
+            tl.store(scratch + slot, ck, mask=sel != 0)
+            tl.debug_barrier()
+            q = tl.arange(0, CAP2)
+            s = tl.sort(tl.load(scratch + q, mask=q < n_c, other=I64_MIN), descending=True)
+            ordv = (s >> 32).to(tl.int32)
+            idx = (4294967295 - (s & 4294967295)).to(tl.int32)
+            real = q < n_c
             v = tl.where(real, _unordered(ordv), float("-inf"))
-            e = tl.exp(v - m_safe)
-            n_c = tl.sum((ordv > g).to(tl.int32), axis=0)
-            t_k = tl.where(kk > 0, tl.sum(tl.where(pos == kk - 1, ordv, 0), axis=0), I32_MIN)
-            cum = tl.cumsum(tl.where(real & (ordv >= t_k), e, 0.0), axis=0)
-            z_k = tl.where(kk > 0, tl.max(cum, axis=0), z_all)
-            j = tl.min(tl.where(cum >= pp * z_k, pos, P_PAD * CAND), axis=0)
-            t_p = tl.sum(tl.where(pos == j, ordv, 0), axis=0)
-            t_p = tl.where((pp < 1.0) & (j < P_PAD * CAND), t_p, I32_MIN)
-            g_val = tl.where(g > I32_MIN, _unordered(g), float("-inf"))
-            k_ok = (kk == 0) | (kk <= n_c)
+            e = _exp(v - m_safe, EXACT)
             k_cut = (kk > 0) & (kk <= n_c)
-            mp_cut = (mp > 0.0) & (tl.exp(g_val - m_safe) < mp)
-            fast = (g == I32_MIN) | (k_ok & (k_cut | (t_p > g) | mp_cut))
-            if fast:
+            t_k = tl.sum(tl.where(q == kk - 1, ordv, 0), axis=0)
+            t_k = tl.where(k_cut, t_k, ORD_NEG_INF)
+            cum = tl.cumsum(tl.where(real & (ordv >= t_k), e, 0.0).to(tl.float64), axis=0)
+            z_k = tl.where(k_cut | exact_total, tl.max(cum, axis=0), z_all)
+            j = tl.min(tl.where(cum >= pp.to(tl.float64) * z_k, q, CAP2), axis=0)
+            p_cut = (pp < 1.0) & (j < n_c)
+            t_p = tl.sum(tl.where(q == j, ordv, 0), axis=0)
+            t_p = tl.where(p_cut, t_p, ORD_NEG_INF)
+            g_val = _unordered(tl.maximum(g, ORD_NEG_INF))
+            mp_cut = (mp > 0.0) & (_exp(g_val - m_safe, EXACT) < mp)
+            if k_cut | p_cut | mp_cut | exact_total:
                 thr_ord = tl.maximum(t_k, t_p)
                 keep = real & (ordv >= thr_ord) & (e >= mp)
-                score = tl.where(keep, v + _gumbel(idx, k0, k1), float("-inf"))
-                best = tl.max(score, axis=0)
-                tok = tl.min(tl.where(keep & (score == best), idx, 2147483647), axis=0)
+                score = v + _gumbel(idx, k0, k1)
+                best = tl.max(tl.where(keep, _pack(_ordered(score), idx), I64_MIN), axis=0)
+                tok = (4294967295 - (best & 4294967295)).to(tl.int32)
             else:
-                row_off = row.to(tl.int64) * stride_x
-                top_ord = tl.max(ordv, axis=0)
-                tok, thr_ord = _fallback(
-                    x_ptr, row_off, V, temp, kk, pp, mp, m_safe, top_ord, k0, k1, TILE
-                )
-                path = 1 + tl.zeros([], tl.int32)
+                path = tl.zeros([], tl.int32) + 1
+        else:
+            path = tl.zeros([], tl.int32) + 1
+        if path == 1:
+            k_hi = tl.where(kk > n_c, g + 1, _ordered(m) + 1)  # count(z >= g + 1) = n_c
+            tok, thr_ord = _fallback(x_ptr, row.to(tl.int64) * stride_x, V, temp, kk, pp, mp,
+                                     m_safe, k_hi, _ordered(m), k0, k1, EXACT, TILE)  # fmt: skip
     thr = tl.where(thr_ord > ORD_NEG_INF, _unordered(thr_ord), float("-inf"))
-    tl.store(tok_ptr + row, tok)
-    tl.store(thr_ptr + row, thr)
-    tl.store(path_ptr + row, path)
+    tl.store(tok_ptr + row, tok.to(tl.int64))
+    tl.store(aux_ptr + row * 2, thr)
+    tl.store(aux_ptr + row * 2 + 1, path.to(tl.float32))
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def launch_config(batch: int, vocab: int, max_top_k: int) -> tuple[int, int]:
-    """(BLOCK, CAND): chunk size per stage-1 program and candidates kept per chunk."""
-    cand = min(128, max(16, _pow2(max_top_k + 1))) if 0 < max_top_k < vocab else 32
-    block = 4096 if batch <= 8 else 8192
-    block = max(cand, min(block, _pow2(vocab)))
-    while _pow2(triton.cdiv(vocab, block)) * cand > MAX_CANDIDATES:
-        block *= 2
-    return block, cand
+def launch_config(batch: int, vocab: int, max_top_k: int) -> tuple[int, int, int]:
+    """(BLOCK, CAND, num_warps) of stage 1: tokens per program, guaranteed candidates per chunk
+    (k <= CAND always takes the candidate path) and warps (about 16 tokens per thread)."""
+    cand = min(64, max(32, _pow2(max_top_k + 1))) if 0 < max_top_k < vocab else 32
+    block = 4096 if batch <= 32 else 8192
+    block = max(4 * cand * 8, min(block, _pow2(vocab)))
+    return block, cand, max(4, min(16, block // 512))
 
 
-def fused_sample(
-    logits: torch.Tensor,
+def pack_params(
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     min_p: torch.Tensor,
     rng: torch.Tensor,
     mode: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row parameters [B] (rng [B, 3]) -> (fparams float32 [B, 4], iparams int32 [B, 5])."""
+    zero = torch.zeros_like(temperature, dtype=torch.float32)
+    fp = torch.stack([temperature.float(), top_p.float(), min_p.float(), zero], dim=1)
+    ip = torch.cat([top_k.int().unsqueeze(1), mode.int().unsqueeze(1), rng.int()], dim=1)
+    return fp.contiguous(), ip.contiguous()
+
+
+_WORKSPACE: dict[tuple[torch.device, int, int], tuple[torch.Tensor, ...]] = {}
+
+
+def _workspace(dev: torch.device, b: int, p: int, row_cand: int) -> tuple[torch.Tensor, ...]:
+    """(stats f64 [B*P*4], cand i64 [B*row_cand], aux f32 [B*2]) reused per (device, B, size):
+    calls must not overlap on different streams."""
+    key = (dev, b, p * row_cand)
+    if key not in _WORKSPACE:
+        _WORKSPACE[key] = (
+            torch.empty(b * p * 4, dtype=torch.float64, device=dev),
+            torch.empty(b * row_cand, dtype=torch.int64, device=dev),
+            torch.empty(b * 2, dtype=torch.float32, device=dev),
+        )
+    return _WORKSPACE[key]
+
+
+def fused_sample(
+    logits: torch.Tensor,
+    fparams: torch.Tensor,
+    iparams: torch.Tensor,
     max_top_k: int = 0,
     return_aux: bool = False,
     block: int | None = None,
     num_warps: int | None = None,
+    cand: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample one token per row.
 
-    logits float32/fp16/bf16 [B, V] (unit stride on V); temperature, top_p, min_p float32 [B];
-    top_k int32 [B] (0 = off); rng int32 [B, 3]; mode int32 [B] (0 greedy, 1 filtered, 2 plain);
+    logits float32/fp16/bf16 [B, V] (unit stride on V); fparams float32 [B, 4] and iparams
+    int32 [B, 5] from :func:`pack_params` (mode 0 greedy, 1 filtered, 2 temperature only);
     max_top_k: host-side max of top_k (sizes the candidate lists; larger k stays exact).
-    block / num_warps override the stage-1 chunk size and warps (tests and tuning sweeps).
+    block / num_warps / cand override stage 1's tokens per program, warps and guaranteed
+    candidates per chunk (tests use small values to get many chunks at a small V).
     Returns token ids int64 [B]; with return_aux also the threshold t = max(t_k, t_p) float32
-    [B] (-inf when off) and the path taken int32 [B] (0 candidates, 1 bisection fallback).
+    [B] (-inf when off) and the path int32 [B] (0 candidates, 1 bisection fallback).
     """
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     b, v = logits.shape
-    auto_block, cand = launch_config(b, v, max_top_k)
+    auto_block, auto_cand, auto_warps = launch_config(b, v, max_top_k)
     block = block or auto_block
+    cand = cand or auto_cand
+    ng = 4 * cand
+    gs = max(1, block // ng)
+    block = ng * gs
+    cap = 4 * cand
     p = triton.cdiv(v, block)
-    dev = logits.device
-    f32 = torch.empty((4, b * p), dtype=torch.float32, device=dev)
-    i32 = torch.empty((3, max(b * p, b)), dtype=torch.int32, device=dev)
-    cands = torch.empty((b * p * cand,), dtype=torch.int64, device=dev)
-    part_m, part_s, gscore, thr = f32[0], f32[1], f32[2], f32[3, :b]
-    gidx, tok, path = i32[0], i32[1, :b], i32[2, :b]
-    _stage1[(p, b)](
-        logits, logits.stride(0), temperature, mode, rng,
-        part_m, part_s, cands, gscore, gidx, v, p,
-        BLOCK=block, CAND=cand, num_warps=num_warps or (8 if block >= 8192 else 4),
+    cap2 = min(CAP2, _pow2(p * cap))
+    row_cand = p * cap + cap2
+    stats, cands, aux = _workspace(logits.device, b, p, row_cand)
+    tok = torch.empty(b, dtype=torch.int64, device=logits.device)
+    exact = os.environ.get("TRITON_INTERPRET", "0") != "1"
+    _stage1[(b, p)](
+        logits, logits.stride(0), fparams, iparams, stats, cands, v, p, row_cand,
+        GS=gs, NG=ng, CAND=cand, CAP=cap, num_warps=num_warps or auto_warps,
     )  # fmt: skip
     _stage2[(b,)](
-        logits, logits.stride(0), temperature, top_k, top_p, min_p, mode, rng,
-        part_m, part_s, cands, gscore, gidx, tok, thr, path, v, p,
-        P_PAD=_pow2(p), CAND=cand, TILE=2048, num_warps=8,
+        logits, logits.stride(0), fparams, iparams, stats, cands, tok, aux, v, p, row_cand,
+        P_PAD=_pow2(p), CAP=cap, CAP2=cap2, EXACT=exact, TILE=2048, num_warps=8,
     )  # fmt: skip
     if return_aux:
-        return tok.to(torch.int64), thr, path
-    return tok.to(torch.int64)
+        a = aux.view(b, 2)
+        return tok, a[:, 0].clone(), a[:, 1].to(torch.int32)
+    return tok

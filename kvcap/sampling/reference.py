@@ -12,9 +12,9 @@ All arithmetic is float32; B = batch rows, V = vocabulary size.
    value of ``z``; every token with ``z >= t_k`` is kept, so **all ties at the k-th value are
    kept** (the kept set can exceed k).
 3. Top-p (``p < 1``; ``p >= 1`` is off), on the distribution left by top-k: sort the kept ``e``
-   in descending order, ``c`` = running sum, ``Z`` = total (``c[-1]`` here; the kernel may sum
-   in another order). ``j`` = first position with ``c[j] >= p * Z``, ``t_p = z_sorted[j]``:
-   the smallest prefix whose mass reaches p, **boundary token included**, and every token tied
+   in descending order, ``c`` = running sum in float64, ``Z`` = total (``c[-1]`` here; the
+   kernel sums the same float32 terms in float64 in another order). ``j`` = first position
+   with ``c[j] >= p * Z`` (p widened to float64), ``t_p = z_sorted[j]``: the smallest prefix whose mass reaches p, **boundary token included**, and every token tied
    with the boundary value too (``z >= t_p``).
 4. Min-p (``min_p > 0``): keep tokens with ``e >= min_p`` (that is ``p_i >= min_p * p_max``).
    It is applied last and does not change the mass used by top-p.
@@ -27,9 +27,10 @@ All arithmetic is float32; B = batch rows, V = vocabulary size.
    never on the other rows of the batch. Greedy rows take ``argmax(z)`` (lowest index on
    ties). A row whose logits are all ``-inf``/NaN returns token 0.
 
-The kernel reproduces these rules bit for bit except where a float32 boundary test (the top-p
-mass comparison, ``e >= min_p``, or two Gumbel scores) lands within a few ulps: its exp/log and
-summation order may differ from torch's there.
+The kernel reproduces these rules bit for bit (on CUDA it uses the CUDA math library's exp, as
+torch does) except where a boundary test lands within rounding: the float64 top-p sums differ in
+order (relative 1e-16), and for top-p without top-k the kernel's total mass comes from per-chunk
+partial sums (relative ~1e-7).
 """
 
 from __future__ import annotations
@@ -112,9 +113,9 @@ def thresholds(
     k_on = (k > 0) & (k < v)
     t_k = torch.where(k_on, zs.gather(1, (k.clamp(1, v) - 1).unsqueeze(1)).squeeze(1), neg_inf)
     es = torch.where(zs >= t_k.unsqueeze(1), torch.exp(zs - m.unsqueeze(1)), 0.0)
-    cum = torch.cumsum(es, dim=1)
+    cum = torch.cumsum(es.double(), dim=1)
     p = top_p.float()
-    j = (cum < (p * cum[:, -1]).unsqueeze(1)).sum(dim=1).clamp(max=v - 1)
+    j = (cum < (p.double() * cum[:, -1]).unsqueeze(1)).sum(dim=1).clamp(max=v - 1)
     t_p = torch.where(p < 1.0, zs.gather(1, j.unsqueeze(1)).squeeze(1), neg_inf)
     return torch.maximum(t_k, t_p), e
 

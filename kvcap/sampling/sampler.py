@@ -44,6 +44,7 @@ class SamplingBatch:
     top_p: float32 [B] (1 = off). min_p: float32 [B] (0 = off).
     rng: int32 [B, 3] = (seed low 32 bits, seed high 32 bits, step) bit patterns.
     mode: int32 [B] (MODE_GREEDY / MODE_FILTERED / MODE_PLAIN).
+    fparams float32 [B, 4] / iparams int32 [B, 5]: the same, packed for the fused kernel.
     Host-side summaries (no device sync needed): ``all_greedy``, ``max_top_k``.
     """
 
@@ -53,6 +54,8 @@ class SamplingBatch:
     min_p: torch.Tensor
     rng: torch.Tensor
     mode: torch.Tensor
+    fparams: torch.Tensor
+    iparams: torch.Tensor
     all_greedy: bool
     max_top_k: int
 
@@ -87,16 +90,20 @@ class SamplingBatch:
             modes.append(MODE_GREEDY if greedy else MODE_FILTERED if filtered else MODE_PLAIN)
         dev = torch.device(device)
 
-        def t(vals: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(vals, dtype=dtype).to(dev, non_blocking=True)
-
+        fp = torch.tensor([[a, b, c, 0.0] for a, b, c in zip(temps, ps, mps, strict=True)])
+        ip = torch.tensor(
+            [[k, md, *r] for k, md, r in zip(ks, modes, rng, strict=True)], dtype=torch.int32
+        ).reshape(-1, 5)
+        fp, ip = fp.reshape(-1, 4).to(dev, non_blocking=True), ip.to(dev, non_blocking=True)
         return SamplingBatch(
-            temperature=t(temps, torch.float32),
-            top_k=t(ks, torch.int32),
-            top_p=t(ps, torch.float32),
-            min_p=t(mps, torch.float32),
-            rng=t(rng, torch.int32).reshape(-1, 3),
-            mode=t(modes, torch.int32),
+            temperature=fp[:, 0],
+            top_k=ip[:, 0],
+            top_p=fp[:, 1],
+            min_p=fp[:, 2],
+            rng=ip[:, 2:5],
+            mode=ip[:, 1],
+            fparams=fp,
+            iparams=ip,
             all_greedy=all(m == MODE_GREEDY for m in modes),
             max_top_k=max(ks, default=0),
         )
@@ -136,16 +143,7 @@ class Sampler:
         if self.fused and logits.is_cuda:
             from kvcap.kernels.sampling_topk_topp import fused_sample
 
-            return fused_sample(
-                logits,
-                batch.temperature,
-                batch.top_k,
-                batch.top_p,
-                batch.min_p,
-                batch.rng,
-                batch.mode,
-                max_top_k=batch.max_top_k,
-            )
+            return fused_sample(logits, batch.fparams, batch.iparams, batch.max_top_k)
         return reference_sample(
             logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.rng
         )
