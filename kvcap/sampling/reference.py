@@ -14,8 +14,9 @@ All arithmetic is float32; B = batch rows, V = vocabulary size.
 3. Top-p (``p < 1``; ``p >= 1`` is off), on the distribution left by top-k: sort the kept ``e``
    in descending order, ``c`` = running sum in float64, ``Z`` = total (``c[-1]`` here; the
    kernel sums the same float32 terms in float64 in another order). ``j`` = first position
-   with ``c[j] >= p * Z`` (p widened to float64), ``t_p = z_sorted[j]``: the smallest prefix whose mass reaches p, **boundary token included**, and every token tied
-   with the boundary value too (``z >= t_p``).
+   with ``c[j] >= p * Z`` (p widened to float64), ``t_p = z_sorted[j]``: the smallest prefix
+   whose mass reaches p, **boundary token included**, and every token tied with the boundary
+   value too (``z >= t_p``).
 4. Min-p (``min_p > 0``): keep tokens with ``e >= min_p`` (that is ``p_i >= min_p * p_max``).
    It is applied last and does not change the mass used by top-p.
    Kept set: ``z >= max(t_k, t_p)`` and ``e >= min_p``; the arg-max token is always kept.
