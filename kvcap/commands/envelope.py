@@ -1,0 +1,56 @@
+"""`kvcap envelope`: merge calibration reports (max of max_abs, scales recomputed)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+HELP = "merge calibration reports: base statistics of the first, max of max_abs over all"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--reports",
+        required=True,
+        nargs="+",
+        type=Path,
+        help="calibration reports (files or calibrate output dirs); the first one's "
+        "distribution statistics are kept",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="output report JSON (a PNG figure is written beside it)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvcap.commands.overlay import read_report
+    from kvcap.errors import CalibrationError
+    from kvcap.scales.figure import write_figure
+    from kvcap.scales.fsutil import atomic_write_text
+    from kvcap.scales.report import envelope
+
+    if args.out.exists():
+        raise CalibrationError(f"output {args.out} already exists; refusing to overwrite it")
+    reports = [read_report(p) for p in args.reports]
+    merged = envelope(reports)
+    merged["envelope"]["sources"] = [
+        {"path": str(p), "sha256": r["_sha256"]} for p, r in zip(args.reports, reports, strict=True)
+    ]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    png = args.out.with_suffix(".png")
+    write_figure(merged, png)
+    atomic_write_text(args.out, json.dumps(merged, indent=1) + "\n")
+    changed = sum(
+        t["scale"] != r0["scale"]
+        for t, r0 in zip(merged["tensors"], reports[0]["tensors"], strict=True)
+    )
+    s = merged["summary"]["scale_range"]
+    print(
+        f"envelope of {len(reports)} reports: {changed} of {len(merged['tensors'])} scales "
+        f"raised; scales {s[0]:.4g}..{s[1]:.4g}; wrote {args.out} and {png}"
+    )
+    return 0
