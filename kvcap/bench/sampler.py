@@ -165,7 +165,7 @@ def sweep(v: int = 248_320) -> list[dict[str, object]]:
     out = []
     for b in (1, 16, 64):
         sets = input_sets(b, v, TOP_K, TOP_P)
-        for block, warps in ((2048, 4), (4096, 8), (4096, 16), (8192, 16)):
+        for block, warps in ((2048, 4), (4096, 8), (8192, 16)):
             fn = lambda d, bl=block, w=warps: run_fused(d, block=bl, num_warps=w)  # noqa: E731
             ms = time_graph(fn, sets, 100)
             out.append(dict(batch=b, vocab=v, block=block, num_warps=warps, fused_graph_ms=ms))
