@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
@@ -202,15 +203,17 @@ class OpenAIServing:
     async def collect(self, streams: list[RequestStream], request: Request) -> list[RequestOutput]:
         """Final outputs of every stream; aborts them if the client disconnects."""
         finals: list[RequestOutput | None] = [None] * len(streams)
+        checked = time.monotonic()
         try:
             async with aclosing(merge(streams, self.poll_s)) as items:
                 async for item in items:
-                    if item is None:
+                    if item is not None and item[1].finished:
+                        finals[item[0]] = item[1]
+                    if time.monotonic() - checked >= self.poll_s:
+                        checked = time.monotonic()
                         if await request.is_disconnected():
                             logger.info("client disconnected; aborting %d request(s)", len(streams))
                             raise P.APIError(499, "client disconnected")
-                    elif item[1].finished:
-                        finals[item[0]] = item[1]
         except RequestFailed as e:
             raise P.APIError(e.status, e.message) from None
         return [f for f in finals if f is not None]

@@ -1,0 +1,320 @@
+"""The OpenAI server over loopback: official `openai` client (stream / non-stream, completions /
+chat) against offline greedy outputs, raw HTTP for malformed requests, disconnects, overload,
+engine failures, metrics. A 2-layer random Llama with the real SmolLM2 tokenizer keeps it fast.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from server_helpers import ThreadedServer, make_tiny_model, metrics, wait_drained
+
+from kvcap import LLM, SamplingParams
+from kvcap.server.app import create_app
+
+KEY = "test-key"
+MAX_PENDING = 6  # max_num_seqs 4 + 2 queued
+
+
+class StepDelay:
+    """Slows every engine step (instance attribute over Engine.step) so requests stay alive."""
+
+    def __init__(self, engine):
+        self.delay, self._step = 0.0, engine.step
+        engine.step = self
+
+    def __call__(self):
+        if self.delay:
+            time.sleep(self.delay)
+        return self._step()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(default_model_dir, tmp_path_factory):
+    return make_tiny_model(default_model_dir, tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_dir):
+    return LLM(model=str(tiny_dir), device="cpu", num_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_dir):
+    llm = LLM(model=str(tiny_dir), device="cpu", num_blocks=64, max_num_seqs=4)
+    delay = StepDelay(llm.engine)
+    app = create_app(llm, served_model_name="tiny", api_key=KEY, max_pending=MAX_PENDING,
+                     poll_s=0.2)
+    with ThreadedServer(app) as server:
+        server.llm, server.delay = llm, delay
+        server.http = httpx.Client(base_url=server.url, timeout=60,
+                                   headers={"Authorization": f"Bearer {KEY}"})
+        server.client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+        yield server
+        server.http.close()
+
+
+def greedy(offline, prompt: str, n: int, chat: bool = False, **kw) -> str:
+    params = SamplingParams(max_tokens=n, temperature=0.0, **kw)
+    if chat:
+        return offline.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0].text
+    return offline.generate(prompt, params, use_tqdm=False)[0].text
+
+
+# ----------------------------------------------------------------------------- openai client
+def test_completion_matches_offline(srv, offline):
+    r = srv.client.completions.create(model="tiny", prompt="The capital of France is",
+                                      max_tokens=6, temperature=0)
+    assert r.object == "text_completion" and r.model == "tiny"
+    assert r.choices[0].text == greedy(offline, "The capital of France is", 6)
+    assert r.choices[0].finish_reason == "length"
+    n_prompt = len(offline.tokenizer.encode("The capital of France is", add_special_tokens=False))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        n_prompt, 6, n_prompt + 6)
+
+
+def test_completion_stream_matches_offline(srv, offline):
+    chunks = list(srv.client.completions.create(model="tiny", prompt="Once upon a time",
+                                                max_tokens=7, temperature=0, stream=True))
+    assert {c.id for c in chunks} == {chunks[0].id}
+    assert all(c.object == "text_completion" for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks) == greedy(offline, "Once upon a time", 7)
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_chat_matches_offline(srv, offline):
+    r = srv.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Say hi"}], max_tokens=5,
+        temperature=0)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == greedy(offline, "Say hi", 5, chat=True)
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+
+
+def test_chat_stream_with_usage(srv, offline):
+    chunks = list(srv.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Say hi"}], max_tokens=5,
+        temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == greedy(offline, "Say hi", 5, chat=True)
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    prompt_len = len(offline.apply_chat_template([{"role": "user", "content": "Say hi"}]))
+    assert chunks[-1].usage.prompt_tokens == prompt_len
+
+
+def test_stop_string_is_never_streamed(srv, offline):
+    full = greedy(offline, "Hello", 12, ignore_eos=True)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    expected = full[:full.find(stop)]
+    kw = dict(model="tiny", prompt="Hello", max_tokens=12, temperature=0, stop=[stop],
+              extra_body={"ignore_eos": True})
+    r = srv.client.completions.create(**kw)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
+    streamed = "".join(c.choices[0].text for c in srv.client.completions.create(**kw,
+                                                                                stream=True))
+    assert streamed == expected
+
+
+def test_models_health_batch(srv):
+    assert [m.id for m in srv.client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}
+    r = srv.client.completions.create(model="tiny", prompt=["a b", "c d e"], max_tokens=3)
+    assert sorted(c.index for c in r.choices) == [0, 1] and r.usage.completion_tokens <= 6
+
+
+# ----------------------------------------------------------------------------- bad input
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+CASES = [
+    (CMPL, b"{not json", 400, None, "invalid JSON body"),
+    (CMPL, b"[1, 2]", 400, None, "the request body must be a JSON object"),
+    (CMPL, {"model": "tiny", "prompt": "x", "max_tokens": "8"}, 422, "max_tokens",
+     "max_tokens: Input should be a valid integer"),
+    (CMPL, {"model": "tiny", "prompt": "x", "temperature": "hot"}, 422, "temperature",
+     "temperature: Input should be a valid number"),
+    (CMPL, {"model": "tiny", "prompt": 5}, 422, "prompt", "prompt: "),
+    (CMPL, {"model": "tiny"}, 422, "prompt", "prompt: Field required"),
+    (CMPL, {"model": "nope", "prompt": "x"}, 400, "model",
+     "model: the model 'nope' does not exist; this server serves 'tiny'"),
+    (CMPL, {"model": "tiny", "prompt": "x", "max_tokens": -3}, 400, "max_tokens",
+     "max_tokens: must be at least 1, got -3"),
+    (CMPL, {"model": "tiny", "prompt": [5] * 300}, 400, "prompt",
+     "prompt: the prompt has 300 tokens but the context (max_model_len) is 256 tokens"),
+    (CMPL, {"model": "tiny", "prompt": [5] * 200, "max_tokens": 100}, 400, "max_tokens",
+     "max_tokens: 200 prompt tokens + 100 completion tokens exceed the context"),
+    (CMPL, {"model": "tiny", "prompt": [49152]}, 400, "prompt",
+     "prompt: token ids must be in [0, 49152)"),
+    (CMPL, {"model": "tiny", "prompt": "x", "n": 2}, 400, "n",
+     "n: only the default value is supported"),
+    (CMPL, {"model": "tiny", "prompt": "x", "temperature": 7.5}, 400, "temperature",
+     "temperature: must be in [0, 2], got 7.5"),
+    (CHAT, {"model": "tiny", "messages": "hi"}, 422, "messages", "messages: "),
+    (CHAT, {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 422,
+     "messages", "messages: Input should be"),
+    (CHAT, {"model": "tiny", "messages": []}, 400, "messages",
+     "messages: must contain at least one message"),
+    (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x " * 300}]}, 400,
+     "messages", "messages: the prompt has"),
+    (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+            "stream": "yes"}, 422, "stream", "stream: Input should be a valid boolean"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,message", CASES)
+def test_bad_requests(srv, path, body, status, param, message):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = srv.http.post(path, content=content, headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and err["message"].startswith(message), err
+    assert err["type"] == "invalid_request_error"
+
+
+def test_unknown_route_uses_openai_error_body(srv):
+    r = srv.http.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"
+
+
+def test_api_key(srv):
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
+    r = httpx.post(f"{srv.url}/v1/completions", json=body)
+    assert r.status_code == 401
+    assert r.json()["error"]["message"] == "missing API key: send 'Authorization: Bearer <key>'"
+    r = httpx.post(f"{srv.url}/v1/completions", json=body,
+                   headers={"Authorization": "Bearer wrong"})
+    assert (r.status_code, r.json()["error"]["message"]) == (401, "incorrect API key")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(f"{srv.url}/health").status_code == 200  # probes need no key
+    assert httpx.get(f"{srv.url}/metrics").status_code == 200
+
+
+# ----------------------------------------------------------------------------- robustness
+def _long_stream(srv, max_tokens: int = 200):
+    body = {"model": "tiny", "prompt": "Tell me a story", "max_tokens": max_tokens,
+            "stream": True, "ignore_eos": True}
+    return srv.http.send(srv.http.build_request("POST", CMPL, json=body), stream=True)
+
+
+def _first_text(resp) -> str:
+    for line in resp.iter_lines():
+        if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+            return line
+    raise AssertionError("stream ended before any text")
+
+
+def test_disconnect_mid_stream_frees_blocks(srv):
+    aborts = metrics(srv.url)['kvcap_requests_total{outcome="abort"}']
+    srv.delay.delay = 0.05
+    try:
+        resp = _long_stream(srv)
+        assert resp.status_code == 200
+        _first_text(resp)
+        m = metrics(srv.url)
+        assert m["kvcap_requests_in_flight"] == 1 and m["kvcap_kv_blocks_used"] > 0
+        resp.close()  # the client goes away mid-stream
+        m = wait_drained(srv.url, timeout=20)
+    finally:
+        srv.delay.delay = 0.0
+    assert m['kvcap_requests_total{outcome="abort"}'] == aborts + 1
+
+
+def test_disconnect_non_stream_aborts(srv):
+    aborts = metrics(srv.url)['kvcap_requests_total{outcome="abort"}']
+    srv.delay.delay = 0.05
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            srv.http.post(CMPL, json={"model": "tiny", "prompt": "x", "max_tokens": 200,
+                                      "ignore_eos": True}, timeout=1.0)
+        m = wait_drained(srv.url, timeout=20)
+    finally:
+        srv.delay.delay = 0.0
+    assert m['kvcap_requests_total{outcome="abort"}'] == aborts + 1
+
+
+def test_overload_answers_429_with_bounded_queue(srv):
+    srv.delay.delay = 0.05
+    streams = []
+    try:
+        for _ in range(MAX_PENDING):
+            streams.append(_long_stream(srv))
+            assert streams[-1].status_code == 200
+        m = metrics(srv.url)
+        assert m["kvcap_requests_in_flight"] == MAX_PENDING
+        r = srv.http.post(CMPL, json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        assert r.json()["error"]["message"].startswith("server overloaded: 6 requests in flight")
+        with pytest.raises(openai.RateLimitError):
+            srv.client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=1)
+        wait_q = metrics(srv.url)
+        assert wait_q["kvcap_requests_running"] == 4 and wait_q["kvcap_queue_length"] == 2
+    finally:
+        for s in streams:
+            s.close()
+        srv.delay.delay = 0.0
+    wait_drained(srv.url, timeout=30)
+    assert srv.client.completions.create(model="tiny", prompt="x", max_tokens=2).choices
+
+
+def test_engine_error_fails_only_affected_requests(srv):
+    runner = srv.llm.runner
+    real = runner.execute
+    calls = {"n": 0}
+
+    def failing_once(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected failure")
+        return real(*a, **kw)
+
+    errors = metrics(srv.url)["kvcap_engine_step_errors_total"]
+    runner.execute = failing_once
+    try:
+        r = srv.http.post(CMPL, json={"model": "tiny", "prompt": "x", "max_tokens": 3})
+        assert r.status_code == 500
+        assert r.json()["error"]["message"] == "engine error: injected failure"
+        assert r.json()["error"]["type"] == "server_error"
+        calls["n"] = 0
+        with pytest.raises(openai.APIError, match="injected failure"):
+            list(srv.client.completions.create(model="tiny", prompt="x", max_tokens=3,
+                                               stream=True))
+        ok = srv.client.completions.create(model="tiny", prompt="x", max_tokens=3)
+        assert ok.choices[0].finish_reason in ("stop", "length")
+    finally:
+        runner.execute = real
+    m = wait_drained(srv.url)
+    assert m["kvcap_engine_step_errors_total"] == errors + 2
+    assert httpx.get(f"{srv.url}/health").status_code == 200
+
+
+def test_metrics_exposition(srv):
+    before = metrics(srv.url)
+    srv.client.completions.create(model="tiny", prompt="count me", max_tokens=2)
+    srv.http.post(CMPL, json={"model": "nope", "prompt": "x"})
+    r = httpx.get(f"{srv.url}/metrics")
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    lines = r.text.strip().splitlines()
+    samples = [ln for ln in lines if not ln.startswith("#")]
+    names = {ln.split("{")[0].split(" ")[0] for ln in samples}
+    for name in names:  # every sample has HELP and TYPE
+        assert f"# TYPE {name} " in r.text and f"# HELP {name} " in r.text
+    m = metrics(srv.url)
+    assert len(m) == len(samples)
+    ok = 'kvcap_http_requests_total{endpoint="/v1/completions",status="200"}'
+    bad = 'kvcap_http_requests_total{endpoint="/v1/completions",status="400"}'
+    assert m[ok] == before.get(ok, 0) + 1 and m[bad] == before.get(bad, 0) + 1
+    assert m["kvcap_generation_tokens_total"] == before["kvcap_generation_tokens_total"] + 2
+    assert m["kvcap_kv_blocks_total"] == 64
+    assert m["kvcap_kv_blocks_used"] + m["kvcap_kv_blocks_free"] == 64
+    assert m['kvcap_kv_cache_info{model="tiny",dtype="fp32",scale_source="none"}'] == 1
+    assert m['kvcap_kv_scale_gate{status="not_required"}'] == 1
