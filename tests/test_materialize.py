@@ -203,3 +203,14 @@ def test_verify_derived_detects_base_change(base: Path, pack: Path, tmp_path: Pa
 def test_verify_derived_rejects_plain_dir(base: Path) -> None:
     with pytest.raises(OverlayError, match="not a materialized checkpoint"):
         mat.verify_derived(base)
+
+
+def test_describe_scale_source(base: Path, pack: Path, tmp_path: Path) -> None:
+    from kvcap.scales.overlay import describe_scale_source
+
+    out = mat.materialize(base, pack, tmp_path / "d")
+    manifest = json.loads((pack / MANIFEST_NAME).read_text())
+    text = describe_scale_source(out)
+    assert manifest["scale_file"]["sha256"][:16] in text
+    assert manifest["base"]["fingerprint"]["sha256"][:16] in text
+    assert describe_scale_source(base) == f"checkpoint {base}"
