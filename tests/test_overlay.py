@@ -237,6 +237,7 @@ def test_replaced_scale_file(base: Path, pack: Path, tensors: str, match: str) -
     (lambda d: d.update(negative_control=True), "negative control"),
     (lambda d: d.pop("base"), "lacks field"),
     (lambda d: d.update(kind="other"), "not a kvcap scale manifest"),
+    (lambda d: d["scale_file"].update(name="../base/model.safetensors"), "manifest names scale"),
 ])
 def test_manifest_edited(base: Path, pack: Path, edit, match: str) -> None:
     rewrite_json(pack / MANIFEST_NAME, edit)

@@ -156,7 +156,10 @@ def verify_pack(base: BaseCheckpoint, pack_dir: Path) -> tuple[dict[str, Any],
         raise OverlayError(f"overlay {pack_dir} tensor set does not match the base's "
                            f"{len(expected)} scale names ({base.spec.layer_prefix}.<L>."
                            "self_attn.k_scale/v_scale)")
-    scale_path = pack_dir / file_rec.get("name", SCALE_FILE)
+    if file_rec.get("name") != SCALE_FILE:
+        raise OverlayError(f"manifest names scale file {file_rec.get('name')!r}, expected "
+                           f"{SCALE_FILE!r}")
+    scale_path = pack_dir / SCALE_FILE
     if not scale_path.is_file():
         raise OverlayError(f"overlay {pack_dir} lacks {scale_path.name}")
     digest = sha256_file(scale_path)
