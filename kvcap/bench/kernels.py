@@ -1,7 +1,7 @@
 """Kernel benchmark: correctness checks, then paged decode timings vs torch SDPA.
 
-    python -m kvcap.bench.kernels [--out docs/benchmarks/kernels-DATE.json] [--quick]
-                                  [--sweep] [--batches 1,4,8,16,64] [--contexts 1024,...]
+    python -m kvcap.bench.kernels [--out docs/benchmarks/kernels-DATE.json] [--sweep]
+        [--sweep-only] [--batches 1,4,8,16,64] [--contexts 1024,...] [--shapes a,b]
 
 1. Checks on fresh random data: store_kv bytes == e4m3.encode; decode (every route) and mixed
    prefill+decode against the torch reference backend.
