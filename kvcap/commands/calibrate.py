@@ -25,7 +25,7 @@ FIGURE_NAME = "calibration-report.png"
 STATS_NAME = "kv_stats.npz"
 CORPUS_NAME = "calibration-corpus.json"
 PROMPTS_NAME = "calibration-prompts.json"
-CHUNK_TOKENS = 16384  # tokens handed to the engine per generate() call (progress granularity)
+CHUNK_TOKENS = 4096  # tokens handed to the engine per generate() call (progress granularity)
 
 logger = logging.getLogger(__name__)
 
