@@ -181,6 +181,7 @@ def run_both(
     block: int | None,
     max_top_k: int,
     cand: int | None = None,
+    cap2: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel (tokens, keep mask, path) and reference (tokens, keep mask) on the same inputs."""
     from kvcap.kernels.sampling_topk_topp import fused_sample, pack_params
@@ -193,7 +194,7 @@ def run_both(
     args = [prm[k].to(dev) for k in ("temperature", "top_k", "top_p", "min_p", "rng")]
     fp, ip = pack_params(*args, mode.to(dev))
     tok, thr, path = fused_sample(
-        x.to(dev), fp, ip, max_top_k=max_top_k, return_aux=True, block=block, cand=cand
+        x.to(dev), fp, ip, max_top_k=max_top_k, return_aux=True, block=block, cand=cand, cap2=cap2
     )
     ref = reference_sample(x, *(prm[k] for k in ("temperature", "top_k", "top_p", "min_p", "rng")))
     z = scaled_logits(x, prm["temperature"])
@@ -220,6 +221,24 @@ def test_kernel_random_mixed_params() -> None:
     # batch composition: row 1 alone draws the same token
     one = {k: t[1:2] for k, t in prm.items()}
     assert run_both(x[1:2], one, block=64, max_top_k=10, cand=8)[0].item() == tok[1].item()
+
+
+@needs_kernel
+def test_kernel_many_chunks_stay_on_candidate_path() -> None:
+    """Ten chunks hold more complete candidates than stage 2 sorts: its bound must rise and
+    top-k rows still take the candidate path (a regression seen on the H200)."""
+    gen = torch.Generator().manual_seed(7)
+    b, v = 2, 640
+    x = torch.randn(b, v, generator=gen) * 2
+    prm = make_params(b, gen, v)
+    prm["temperature"][:] = 1.0
+    prm["top_k"][:] = torch.tensor([5, 7], dtype=torch.int32)
+    prm["top_p"][:] = torch.tensor([0.95, 1.0])
+    prm["min_p"][:] = 0.0
+    tok, keep, path, ref, ref_keep = run_both(x, prm, block=64, max_top_k=7, cand=8, cap2=32)
+    assert torch.equal(keep, ref_keep)
+    assert torch.equal(tok, ref)
+    assert path.tolist() == [0, 0]
 
 
 @needs_kernel

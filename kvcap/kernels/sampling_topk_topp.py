@@ -12,9 +12,11 @@ and writes (chunk max, sum of exp, count, tau) to ``stats`` and its candidates t
     by bisection until the tokens fit). tau (stored) = ordered key such that every finite
     token of the chunk above it is in the list;
   * greedy rows: the largest key; plain rows (temperature only): the best Gumbel score key.
-Stage 2, grid (B,): merges the chunks. With G = max tau_strict, every finite token whose key
-is > G is present, and there are >= CAND of them; these are compacted (at most CAP2), sorted,
-and give t_k, t_p, min-p and the Gumbel race exactly when the answer lies above G. Otherwise
+Stage 2, grid (B,): merges the chunks. With G = max tau, every finite token whose key is > G
+is present, and there are >= CAND of them; G is raised by bisection over the candidates until
+at most CAP2 remain above it (still a complete set, and >= CAP2 - ties of them); these are
+compacted, sorted, and give t_k, t_p, min-p and the Gumbel race exactly when the answer lies
+above G. Otherwise
 (large top-p nucleus, large k, low min-p, many ties) the program falls back to an exact
 bisection over the ordered keys of the whole row (count for top-k, float64 mass for top-p).
 """
@@ -263,12 +265,23 @@ def _stage2(
         c = tl.arange(0, CAP)[None, :]
         ck = tl.load(base + pi[:, None] * CAP + c, mask=pv[:, None] & (c < cnt_c[:, None]),
                      other=I64_MIN)  # fmt: skip
-        sel = ((ck >> 32).to(tl.int32) > g).to(tl.int32)
+        o2 = (ck >> 32).to(tl.int32)
+        n_c = tl.sum(tl.sum((o2 > g).to(tl.int32), axis=1), axis=0)
+        exact_total = (g == ORD_NEG_INF) & (n_c <= CAP2)  # all finite tokens are candidates
+        if n_c > CAP2:  # raise g (the set above it stays complete) until <= CAP2 tokens remain
+            lo = g.to(tl.int64)
+            hi = _ordered(m).to(tl.int64)
+            while hi - lo > 1:
+                mid = lo + (hi - lo) // 2
+                c_mid = tl.sum(tl.sum((o2 > mid.to(tl.int32)).to(tl.int32), axis=1), axis=0)
+                lo = tl.where(c_mid > CAP2, mid, lo)
+                hi = tl.where(c_mid > CAP2, hi, mid)
+            g = hi.to(tl.int32)
+        sel = (o2 > g).to(tl.int32)
         per_p = tl.sum(sel, axis=1)
         n_c = tl.sum(per_p, axis=0)
-        exact_total = g == ORD_NEG_INF  # all finite tokens are candidates
         k_ok = (kk == 0) | (kk <= n_c) | exact_total
-        if (n_c <= CAP2) & k_ok:
+        if k_ok:
             slot = (tl.cumsum(per_p, axis=0) - per_p)[:, None] + tl.cumsum(sel, axis=1) - 1
             scratch = base + P * CAP
             tl.store(scratch + slot, ck, mask=sel != 0)
@@ -364,6 +377,7 @@ def fused_sample(
     block: int | None = None,
     num_warps: int | None = None,
     cand: int | None = None,
+    cap2: int = CAP2,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample one token per row.
 
@@ -371,7 +385,7 @@ def fused_sample(
     int32 [B, 5] from :func:`pack_params` (mode 0 greedy, 1 filtered, 2 temperature only);
     max_top_k: host-side max of top_k (sizes the candidate lists; larger k stays exact).
     block / num_warps / cand override stage 1's tokens per program, warps and guaranteed
-    candidates per chunk (tests use small values to get many chunks at a small V).
+    candidates per chunk, cap2 the sorted candidates of stage 2 (tests use small values).
     Returns token ids int64 [B]; with return_aux also the threshold t = max(t_k, t_p) float32
     [B] (-inf when off) and the path int32 [B] (0 candidates, 1 bisection fallback).
     """
@@ -386,7 +400,7 @@ def fused_sample(
     block = ng * gs
     cap = 4 * cand
     p = triton.cdiv(v, block)
-    cap2 = min(CAP2, _pow2(p * cap))
+    cap2 = min(cap2, _pow2(p * cap))
     row_cand = p * cap + cap2
     stats, cands, aux = _workspace(logits.device, b, p, row_cand)
     tok = torch.empty(b, dtype=torch.int64, device=logits.device)
