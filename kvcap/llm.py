@@ -1,4 +1,10 @@
-"""The offline API: `LLM(model=...)` composes loader, gate, KV pool, backend and engine."""
+"""The offline API: `LLM(model=...)` composes loader, gate, KV pool, backend and engine.
+
+With `tensor_parallel_size=N > 1` this process is rank 0 of N (kvcap.distributed): it starts
+N-1 worker processes that build the same LLM on their shard of the model (their own KV pool and
+scale gate) and then follow this process's scheduler step by step. `shutdown()` (or leaving a
+`with LLM(...)` block, or interpreter exit) stops them.
+"""
 
 from __future__ import annotations
 
@@ -70,9 +76,18 @@ class LLM:
         kv_observer=None,
         enforce_eager: bool = False,
         seed: int = 0,
+        tensor_parallel_size: int = 1,
     ):
+        # What a tensor-parallel worker needs to build the same LLM (taken before any local).
+        worker_args = {k: v for k, v in locals().items()
+                       if k not in ("self", "device", "kv_observer", "tensor_parallel_size")}
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got "
+                              f"{tensor_parallel_size!r}")
+        self.tp = None  # kvcap.distributed.launch.TPRuntime when tensor_parallel_size > 1
+        self._observer_obj = None
         self.config = EngineConfig(
             block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
@@ -90,31 +105,65 @@ class LLM:
         else:
             self.model_dir = loader.resolve_model_dir(model)
             self.spec = loader.read_spec(self.model_dir)
-            self.tokenizer = loader.load_tokenizer(self.model_dir)
+            # Tensor-parallel workers never detokenize: rank 0 does.
+            self.tokenizer = (None if tensor_parallel_size > 1 and _in_tp_worker()
+                              else loader.load_tokenizer(self.model_dir))
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
         self.max_model_len = min(max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
+        if tensor_parallel_size > 1:
+            from kvcap.distributed.launch import attach_llm
 
+            self.tp = attach_llm(tensor_parallel_size, self.device, self.spec, self.model_dir,
+                                 worker_args)
+            self.device = self.tp.device
+        try:
+            self._build(kv_scales, kv_observer, attention_backend, enforce_eager, seed)
+        except BaseException as e:
+            if self.tp is None or not self.tp.is_driver:
+                raise
+            err = self.tp.fail(e)  # stops every rank; a dead worker's own story wins
+            if err is e:
+                raise
+            raise err from e
+
+    def _build(self, kv_scales, kv_observer, attention_backend: str, enforce_eager: bool,
+               seed: int) -> None:
+        mp = None
+        if self.tp is not None:
+            self.tp.comm.setup_allreduce(self.dtype)
+            mp = self.tp.model_parallel(self.spec)
+        max_num_seqs = self.config.max_num_seqs
         self.model, found_scales = load_model(self.spec, self.model_dir, self.device,
-                                              self.dtype, dummy_seed=seed)
+                                              self.dtype, dummy_seed=seed, tp=mp)
         backend = select_backend(attention_backend, self.device)
         self._activation_bytes = self._profile_activations(backend)
         self.pool = self._make_pool()
         if self.kv_dtype == "fp8_e4m3":
-            self._run_gate(found_scales, kv_scales)
+            if self.tp is None:
+                self._run_gate(found_scales, kv_scales)
+            else:  # every rank runs the gate on its own copy; all must pass
+                self.tp.agree(lambda: self._run_gate(found_scales, kv_scales))
         elif kv_scales is not None:
             raise ConfigError(f"kv_scales were given but kv_cache_dtype is {self.kv_dtype}; "
                               "pass kv_cache_dtype='fp8_e4m3' to use them")
 
-        self.runner = ModelRunner(self.model, backend, self.pool, self.device)
-        self.runner.kv_observer = self._observer_fn(kv_observer)
+        if self.tp is not None and self.tp.is_driver:
+            from kvcap.distributed.runner import DriverRunner
+
+            self.runner = DriverRunner(self.model, backend, self.pool, self.device,
+                                       driver=self.tp)
+        else:
+            self.runner = ModelRunner(self.model, backend, self.pool, self.device)
         if self.device.type == "cuda" and not enforce_eager and not graphs_disabled():
             self.runner.enable_cuda_graphs(max_num_seqs, self.max_model_len)
         elif self.device.type == "cuda":
             logger.info("CUDA graphs off (enforce_eager / KVCAP_ENFORCE_EAGER=1): eager decode")
-        self.block_manager = BlockManager(self.pool.num_blocks, block_size,
-                                          enable_prefix_caching=enable_prefix_caching)
+        if kv_observer is not None:  # after capture: under TP this messages the workers
+            self.set_kv_observer(kv_observer)
+        self.block_manager = BlockManager(self.pool.num_blocks, self.config.block_size,
+                                          enable_prefix_caching=self.config.enable_prefix_caching)
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -123,9 +172,38 @@ class LLM:
         self.engine = Engine(self.runner, self.tokenizer, self.block_manager, self.scheduler,
                              self.max_model_len, seed=seed)
 
+    # --- tensor parallelism -------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (no-op for a single-process LLM); idempotent."""
+        if self.tp is not None and self.tp.is_driver:
+            self.tp.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def collect_kv_stats(self, per_rank: bool = False):
+        """Statistics of the last KVStatsObserver attached (also after detaching it), over every
+        tensor-parallel rank: one merged KVStats, or with `per_rank=True` a list in rank order
+        (None for ranks that record nothing)."""
+        if self.tp is not None:
+            return self.runner.collect_stats(per_rank)
+        if not hasattr(self._observer_obj, "stats"):
+            raise ConfigError("no KVStatsObserver was attached (set_kv_observer)")
+        return [self._observer_obj.stats()] if per_rank else self._observer_obj.stats()
+
     # --- construction helpers ---------------------------------------------------------------
+    def _kv_spec(self, kv_dtype: str) -> KVCacheSpec:
+        """This rank's cache geometry (its KV heads only under tensor parallelism)."""
+        cspec = KVCacheSpec.for_model(self.spec, self.config.block_size, kv_dtype)
+        if self.tp is not None:
+            cspec = dataclasses.replace(cspec, num_kv_heads=self.model.shard.num_kv_heads)
+        return cspec
+
     def _make_pool(self) -> KVCachePool:
-        cspec = KVCacheSpec.for_model(self.spec, self.config.block_size, self.kv_dtype)
+        cspec = self._kv_spec(self.kv_dtype)
         if self.config.num_blocks is not None:
             num_blocks = self.config.num_blocks
         else:
@@ -133,6 +211,8 @@ class LLM:
             if gib is None:
                 gib = self._default_kv_gib(cspec)
             num_blocks = cspec.num_blocks_for(int(gib * 2**30))
+        if self.tp is not None:  # rank 0's block ids address every rank's pool
+            num_blocks = self.tp.comm.min_int(num_blocks)
         min_blocks = -(-self.max_model_len // self.config.block_size)
         if num_blocks < 1:
             raise ConfigError("the KV cache budget holds no block; raise kv_cache_memory_gib")
@@ -174,7 +254,7 @@ class LLM:
 
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         bs = self.config.block_size
-        cspec = KVCacheSpec.for_model(self.spec, bs, resolve_kv_dtype("auto", self.dtype))
+        cspec = self._kv_spec(resolve_kv_dtype("auto", self.dtype))
         tmp = KVCachePool(cspec, -(-n // bs), self.device)
         meta = AttentionMetadata.build([n], [n], [list(range(-(-n // bs)))], bs, self.device)
         torch.cuda.synchronize(self.device)
@@ -218,7 +298,12 @@ class LLM:
         return obs.observe if hasattr(obs, "observe") else obs
 
     def set_kv_observer(self, obs) -> None:
-        self.runner.kv_observer = self._observer_fn(obs)
+        if obs is not None:
+            self._observer_obj = obs
+        if self.tp is not None:  # every rank records its own KV heads (DriverRunner)
+            self.runner.set_observer(obs)
+        else:
+            self.runner.kv_observer = self._observer_fn(obs)
 
     # --- generation -------------------------------------------------------------------------
     def _to_token_ids(self, prompts) -> list[list[int]]:
@@ -286,3 +371,9 @@ class LLM:
         outs = self.generate([list(p) for p in prompts], SamplingParams(max_tokens=1,
                              temperature=0.0), use_tqdm=use_tqdm, want_prompt_logits=True)
         return [o.prompt_logits for o in outs]
+
+
+def _in_tp_worker() -> bool:
+    from kvcap.distributed.launch import in_worker_process
+
+    return in_worker_process()

@@ -19,6 +19,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory-gib", type=float, default=None)
     p.add_argument("--attention-backend", default="auto", help="auto | torch | triton")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks (GPUs, or CPU processes) to split the model over; rank 0 is "
+                        "this process (KVCAP_ALLREDUCE=nccl|symm picks the all-reduce)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -27,4 +30,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_scales=args.kv_scales, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_gib=args.kv_cache_memory_gib, attention_backend=args.attention_backend,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
     )

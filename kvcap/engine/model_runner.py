@@ -6,6 +6,7 @@ gathers the rows that sample, and collects teacher-forced prompt logits/logprobs
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +17,8 @@ from kvcap.engine.request import Request
 from kvcap.kv_cache.pool import KVCachePool
 from kvcap.models.llama import ForwardContext, KVObserverFn, LlamaModel
 from kvcap.sampling.sampler import Sampler, SamplingBatch, compute_topn_logprobs
+
+PromptLogitsFn = Callable[[int, torch.Tensor], None]
 
 
 @dataclass
@@ -34,6 +37,27 @@ class StepResult:
     sampled: dict[str, int]
 
 
+@dataclass
+class StepPlan:
+    """One step's flattened batch: what every tensor-parallel rank needs to run the model.
+
+    Plain Python lists (picklable). Row r of the batch is token `ids[r]` at `positions[r]`;
+    sequence i has `query_lens[i]` new rows, `seq_lens[i]` tokens after the step and block
+    table `tables[i]`. `prompt_rows` lists (chunk index, first row, end row) whose logits are
+    teacher-forced outputs; `sample_rows` the rows that sample. `use_graph` is decided once
+    (on rank 0) so that every rank takes the same path and issues the same collectives.
+    """
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    use_graph: bool = False
+    prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, backend: AttentionBackend, pool: KVCachePool,
                  device: torch.device):
@@ -50,50 +74,82 @@ class ModelRunner:
         graphs.capture()
         self.graphs = graphs
 
-    def _forward(self, chunks, ids, positions, query_lens, seq_lens, tables, eager_only):
+    def make_plan(self, chunks, extras: dict[str, RequestExtras]) -> StepPlan:
+        """Flatten the scheduler's chunks into the step every tensor-parallel rank runs."""
+        plan = StepPlan()
+        ends = [0]
+        for ch in chunks:
+            req: Request = ch.request
+            plan.ids.extend(req.all_token_ids[ch.start:ch.start + ch.num_tokens])
+            plan.positions.extend(range(ch.start, ch.start + ch.num_tokens))
+            plan.query_lens.append(ch.num_tokens)
+            plan.seq_lens.append(ch.start + ch.num_tokens)
+            plan.tables.append(req.block_ids)
+            ends.append(ends[-1] + ch.num_tokens)
+        eager_only = any(extras[ch.request.request_id].want_prompt_logits
+                         or ch.request.sampling_params.prompt_logprobs is not None
+                         for ch in chunks)
+        plan.use_graph = (self.graphs is not None and not eager_only
+                          and self.kv_observer is None and max(plan.query_lens) == 1
+                          and self.graphs.can_run(len(chunks), max(plan.seq_lens)))
+        if not plan.use_graph:  # teacher-forced logits need the eager path's metadata
+            for i, ch in enumerate(chunks):
+                req = ch.request
+                if (not extras[req.request_id].want_prompt_logits
+                        and req.sampling_params.prompt_logprobs is None):
+                    continue
+                end = min(ch.start + ch.num_tokens, req.num_prompt_tokens)
+                plan.prompt_rows.append((i, ends[i], ends[i] + end - ch.start))
+        plan.sample_rows = [ends[i + 1] - 1 for i, ch in enumerate(chunks) if ch.samples]
+        return plan
+
+    def broadcast_plan(self, plan: StepPlan) -> None:
+        """Hook for tensor parallelism: rank 0 sends the plan to the other ranks here."""
+
+    def _forward(self, plan: StepPlan):
         """Hidden states of every row, and the metadata (None on the graph path)."""
-        if (self.graphs is not None and not eager_only and self.kv_observer is None
-                and max(query_lens) == 1
-                and self.graphs.can_run(len(chunks), max(seq_lens))):
-            return self.graphs.run(ids, positions, tables), None
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.pool.spec.block_size,
-                                       self.device)
+        if plan.use_graph:
+            return self.graphs.run(plan.ids, plan.positions, plan.tables), None
+        meta = AttentionMetadata.build(plan.query_lens, plan.seq_lens, plan.tables,
+                                       self.pool.spec.block_size, self.device)
         if self.graphs is not None and meta.is_decode_only:
             meta.max_seq_len = self.graphs.context_class(meta.max_seq_len)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        input_ids = torch.tensor(plan.ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(plan.positions, dtype=torch.int64, device=self.device)
         ctx = ForwardContext(self.backend, self.pool, meta, self.kv_observer)
         return self.model(input_ids, pos, ctx), meta
 
     @torch.inference_mode()
+    def run_plan(self, plan: StepPlan, on_prompt_logits: PromptLogitsFn | None = None
+                 ) -> torch.Tensor | None:
+        """Forward the plan on this rank. Each teacher-forced logits block [n, V] FP32 goes to
+        `on_prompt_logits(chunk_index, logits)`; returns the sampled rows' logits [S, V] FP32,
+        or None when nothing samples (and on every rank but 0 under tensor parallelism, where
+        `compute_logits` gathers the vocabulary shards on rank 0 only)."""
+        hidden, _ = self._forward(plan)
+        for i, lo, hi in plan.prompt_rows:
+            if hi <= lo:
+                continue
+            logits = self.model.compute_logits(hidden[lo:hi])
+            if on_prompt_logits is not None:
+                on_prompt_logits(i, logits)
+        if not plan.sample_rows:
+            return None
+        rows = torch.tensor(plan.sample_rows, device=self.device)
+        return self.model.compute_logits(hidden[rows])
+
+    @torch.inference_mode()
     def execute(self, chunks, extras: dict[str, RequestExtras]) -> StepResult:
         """chunks: the scheduler's ScheduledChunk list (request, start, num_tokens, samples)."""
-        ids: list[int] = []
-        positions: list[int] = []
-        query_lens, seq_lens, tables = [], [], []
-        for ch in chunks:
-            req: Request = ch.request
-            ids.extend(req.all_token_ids[ch.start:ch.start + ch.num_tokens])
-            positions.extend(range(ch.start, ch.start + ch.num_tokens))
-            query_lens.append(ch.num_tokens)
-            seq_lens.append(ch.start + ch.num_tokens)
-            tables.append(req.block_ids)
-        eager_only = any(extras[ch.request.request_id].want_prompt_logits
-                         or ch.request.sampling_params.prompt_logprobs is not None
-                         for ch in chunks)
-        hidden, meta = self._forward(chunks, ids, positions, query_lens, seq_lens, tables,
-                                     eager_only)
-        ends = [0]
-        for n in query_lens:
-            ends.append(ends[-1] + n)
-        if meta is not None:
-            self._collect_prompt_outputs(chunks, extras, hidden, meta)
-        sample_chunks = [(i, ch) for i, ch in enumerate(chunks) if ch.samples]
-        if not sample_chunks:
+        plan = self.make_plan(chunks, extras)
+        self.broadcast_plan(plan)
+        for i, _, _ in plan.prompt_rows:
+            self._reset_prompt_outputs(chunks[i], extras)
+        logits = self.run_plan(
+            plan, lambda i, lg: self._collect_prompt_outputs(chunks[i], extras, lg))
+        if logits is None:
             return StepResult({})
-        rows = torch.tensor([ends[i + 1] - 1 for i, _ in sample_chunks], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        reqs = [ch.request for _, ch in sample_chunks]
+        reqs = [ch.request for ch in chunks if ch.samples]
         batch = SamplingBatch.from_params(
             [r.sampling_params for r in reqs],
             seeds=[extras[r.request_id].seed for r in reqs],
@@ -104,35 +160,33 @@ class ModelRunner:
         self._collect_logprobs(reqs, extras, logits, tokens)
         return StepResult({r.request_id: t for r, t in zip(reqs, tokens, strict=True)})
 
-    def _collect_prompt_outputs(self, chunks, extras, hidden, meta: AttentionMetadata) -> None:
-        """Teacher-forced logits of prompt positions, for requests that asked for them."""
-        for i, ch in enumerate(chunks):
-            req: Request = ch.request
-            ex = extras[req.request_id]
-            n_lp = req.sampling_params.prompt_logprobs
-            if not ex.want_prompt_logits and n_lp is None:
-                continue
-            if ch.start == 0:  # (re)started from scratch, e.g. after preemption
-                ex.prompt_logits.clear()
-                ex.prompt_logprobs = [None]
-            end = min(ch.start + ch.num_tokens, req.num_prompt_tokens)
-            if end <= ch.start:
-                continue
-            lo = meta.query_start_loc_cpu[i]
-            logits = self.model.compute_logits(hidden[lo:lo + end - ch.start])
-            if ex.want_prompt_logits:
-                ex.prompt_logits.append(logits.cpu())
-            if n_lp is not None:
-                # logits at position p predict prompt token p+1
-                nxt = req.prompt_token_ids[ch.start + 1:end + 1]
-                logits = logits[: len(nxt)]
-                vals, idx = compute_topn_logprobs(logits, n_lp)
-                lsm = torch.log_softmax(logits, dim=-1)
-                chosen = lsm[torch.arange(len(nxt)), torch.tensor(nxt, device=lsm.device)]
-                for r in range(len(nxt)):
-                    d = dict(zip(idx[r].tolist(), vals[r].tolist(), strict=True))
-                    d[nxt[r]] = float(chosen[r])
-                    ex.prompt_logprobs.append(d)
+    @staticmethod
+    def _reset_prompt_outputs(ch, extras: dict[str, RequestExtras]) -> None:
+        if ch.start == 0:  # (re)started from scratch, e.g. after preemption
+            ex = extras[ch.request.request_id]
+            ex.prompt_logits.clear()
+            ex.prompt_logprobs = [None]
+
+    def _collect_prompt_outputs(self, ch, extras: dict[str, RequestExtras],
+                                logits: torch.Tensor) -> None:
+        """Teacher-forced logits [n, V] of one chunk's prompt rows, as its request asked."""
+        req: Request = ch.request
+        ex = extras[req.request_id]
+        n_lp = req.sampling_params.prompt_logprobs
+        end = ch.start + logits.shape[0]
+        if ex.want_prompt_logits:
+            ex.prompt_logits.append(logits.cpu())
+        if n_lp is not None:
+            # logits at position p predict prompt token p+1
+            nxt = req.prompt_token_ids[ch.start + 1:end + 1]
+            logits = logits[: len(nxt)]
+            vals, idx = compute_topn_logprobs(logits, n_lp)
+            lsm = torch.log_softmax(logits, dim=-1)
+            chosen = lsm[torch.arange(len(nxt)), torch.tensor(nxt, device=lsm.device)]
+            for r in range(len(nxt)):
+                d = dict(zip(idx[r].tolist(), vals[r].tolist(), strict=True))
+                d[nxt[r]] = float(chosen[r])
+                ex.prompt_logprobs.append(d)
 
     def _collect_logprobs(self, reqs, extras, logits, tokens) -> None:
         want = [(j, r) for j, r in enumerate(reqs) if r.sampling_params.logprobs is not None]

@@ -3,12 +3,18 @@
 Numerics follow HF transformers step for step (RMSNorm in FP32, RoPE tables in FP32) so that
 FP32 runs reproduce its logits. Q/K/V and gate/up projections are fused at load time.
 Attention goes through an AttentionBackend over the paged KV pool.
+
+Built with a `ModelParallel` (kvcap.distributed.layers), the model holds one tensor-parallel
+rank's shard: its query/KV heads and MLP columns (column-parallel QKV and gate/up), row-parallel
+o_proj/down_proj that all-reduce, and vocabulary-parallel embedding/LM head. Without one it is
+the plain single-process model (`shard` covers everything, no collectives).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +23,12 @@ from torch import nn
 from kvcap.attention.base import AttentionBackend
 from kvcap.attention.metadata import AttentionMetadata
 from kvcap.config import ModelSpec
+from kvcap.distributed.partition import TPShard, full_shard
 from kvcap.errors import ModelLoadError
 from kvcap.kv_cache.pool import KVCachePool
+
+if TYPE_CHECKING:
+    from kvcap.distributed.layers import ModelParallel
 
 KVObserverFn = Callable[[int, torch.Tensor, torch.Tensor], None]
 
@@ -79,17 +89,26 @@ class Rotary(nn.Module):
         return cos[:, None, :], sin[:, None, :]  # [T, 1, D]
 
 
+def _row_linear(in_features: int, out_features: int, tp: ModelParallel | None) -> nn.Linear:
+    if tp is None:
+        return nn.Linear(in_features, out_features, bias=False)
+    from kvcap.distributed.layers import RowParallelLinear
+
+    return RowParallelLinear(in_features, out_features, tp.comm)
+
+
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int):
+    def __init__(self, spec: ModelSpec, layer_idx: int, shard: TPShard,
+                 tp: ModelParallel | None = None):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
+        self.num_heads, self.num_kv_heads = shard.num_q_heads, shard.num_kv_heads
         self.head_dim = spec.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.o_proj = _row_linear(self.q_size, spec.hidden_size, tp)
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
@@ -118,11 +137,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, shard: TPShard, tp: ModelParallel | None = None):
         super().__init__()
-        self.inter = spec.intermediate_size
+        self.inter = shard.inter_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = nn.Linear(self.inter, spec.hidden_size, bias=False)
+        self.down_proj = _row_linear(self.inter, spec.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -130,10 +149,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int):
+    def __init__(self, spec: ModelSpec, layer_idx: int, shard: TPShard,
+                 tp: ModelParallel | None = None):
         super().__init__()
-        self.self_attn = Attention(spec, layer_idx)
-        self.mlp = MLP(spec)
+        self.self_attn = Attention(spec, layer_idx, shard, tp)
+        self.mlp = MLP(spec, shard, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -151,14 +171,28 @@ class ForwardContext:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, tp: ModelParallel | None = None):
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.shard = tp.shard if tp is not None else full_shard(spec)
+        # Registration order fixes named_parameters() order (dummy weights depend on it).
+        self.embed_tokens: nn.Embedding
+        if tp is None:
+            self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        else:
+            from kvcap.distributed.layers import ParallelLMHead, VocabParallelEmbedding
+
+            self.embed_tokens = VocabParallelEmbedding(self.shard.vocab, spec.hidden_size,
+                                                       tp.comm)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, self.shard, tp)
+                                    for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = Rotary(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head: nn.Module
+        if tp is None:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        else:
+            self.lm_head = ParallelLMHead(self.shard, spec.vocab_size, spec.hidden_size, tp.comm)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -171,5 +205,7 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, ctx)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [n, hidden] -> FP32 logits [n, vocab] (None on tensor-parallel ranks > 0)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if logits is not None else None

@@ -4,21 +4,27 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvcap.config import ModelSpec
 from kvcap.models.llama import LlamaModel, rope_inv_freq
 from kvcap.models.loader import iter_safetensors
-from kvcap.models.weights import init_dummy_weights, load_weights
+from kvcap.models.weights import dummy_checkpoint, init_dummy_weights, load_weights
+
+if TYPE_CHECKING:
+    from kvcap.distributed.layers import ModelParallel
 
 logger = logging.getLogger(__name__)
 
 
-def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> LlamaModel:
-    """Allocate parameters directly on `device` in `dtype` (no wasted random init)."""
+def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype,
+                tp: ModelParallel | None = None) -> LlamaModel:
+    """Allocate parameters directly on `device` in `dtype` (no wasted random init); with `tp`,
+    only this tensor-parallel rank's shard."""
     with torch.device("meta"):
-        model = LlamaModel(spec)
+        model = LlamaModel(spec, tp)
     model = model.to_empty(device=device).to(dtype)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -28,15 +34,23 @@ def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> Ll
 
 
 def load_model(spec: ModelSpec, model_dir: Path | None, device: torch.device,
-               dtype: torch.dtype, dummy_seed: int = 0
+               dtype: torch.dtype, dummy_seed: int = 0, tp: ModelParallel | None = None
                ) -> tuple[LlamaModel, dict[str, torch.Tensor]]:
     """Returns the model and the K/V scale tensors found in the checkpoint (for the gate)."""
-    model = build_model(spec, device, dtype)
+    model = build_model(spec, device, dtype, tp)
+    where = "" if tp is None else (f", tensor-parallel rank {tp.shard.rank}/{tp.shard.world}: "
+                                   f"query heads {tp.shard.q_heads}, KV heads "
+                                   f"{tp.shard.kv_heads}, MLP {tp.shard.inter}, vocab "
+                                   f"{tp.shard.vocab}")
     if model_dir is None:
-        init_dummy_weights(model, dummy_seed)
-        logger.info("model: %s with random (dummy) weights, %s", spec.architecture, dtype)
+        if tp is None:
+            init_dummy_weights(model, dummy_seed)
+        else:  # the same random model as TP1, sliced
+            load_weights(model, dummy_checkpoint(spec, device, dtype, dummy_seed))
+        logger.info("model: %s with random (dummy) weights, %s%s", spec.architecture, dtype,
+                    where)
         return model, {}
     scales = load_weights(model, iter_safetensors(model_dir))
-    logger.info("model: %s from %s, %s, %d scale tensors in checkpoint", spec.architecture,
-                model_dir, dtype, len(scales))
+    logger.info("model: %s from %s, %s, %d scale tensors in checkpoint%s", spec.architecture,
+                model_dir, dtype, len(scales), where)
     return model, scales

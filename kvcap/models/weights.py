@@ -3,21 +3,32 @@
 Every parameter must be written exactly once with the right shape; unknown tensors are an
 error, except K/V scale tensors, which are set aside for the startup gate (they are only
 consumed after *all* weights are read, never per shard).
+
+A tensor-parallel model (`model.shard` not full) takes its slice of each checkpoint tensor:
+query/KV head rows of q/k/v_proj, MLP rows of gate/up_proj, the matching input columns of
+o_proj/down_proj, vocabulary rows of embed_tokens/lm_head; the full checkpoint dimension is
+checked before slicing, so a wrong-sized checkpoint is refused as strictly as without TP.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
+from kvcap.config import ModelSpec
 from kvcap.errors import ModelLoadError
 from kvcap.models.llama import LlamaModel
 
 _SCALE_RE = re.compile(r"\.(k_scale|v_scale|output_scale|q_scale|prob_scale)$")
 _QKV = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(q|k|v)_proj\.(weight|bias)$")
 _GATE_UP = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate|up)_proj\.weight$")
+_ROW = re.compile(r"^model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight$")
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+# (dim, lo, hi, full size): the slice of a checkpoint tensor this rank loads
+Source = tuple[int, int, int, int]
 
 
 def is_scale_tensor_name(name: str) -> bool:
@@ -28,9 +39,11 @@ def is_scale_tensor_name(name: str) -> bool:
     return is_kv_scale_name(name) or bool(_SCALE_RE.search(name))
 
 
-def _target(model: LlamaModel, name: str) -> tuple[torch.Tensor, slice | None]:
-    """The parameter a checkpoint tensor lands in, and the row slice for fused ones."""
-    spec = model.spec
+def _target(model: LlamaModel, name: str
+            ) -> tuple[torch.Tensor, slice | None, Source | None]:
+    """The parameter a checkpoint tensor lands in, the row slice for fused ones, and the slice
+    of the checkpoint tensor this (tensor-parallel) rank takes."""
+    spec, shard, d = model.spec, model.shard, model.spec.head_dim
     m = _QKV.match(name)
     if m:
         attn = model.layers[int(m.group(1))].self_attn
@@ -41,19 +54,40 @@ def _target(model: LlamaModel, name: str) -> tuple[torch.Tensor, slice | None]:
         if param is None:
             raise ModelLoadError(f"{name}: checkpoint has a bias the {spec.architecture} "
                                  "architecture does not use")
-        return param, slice(start, start + size)
+        heads, total = ((shard.q_heads, spec.num_heads) if m.group(2) == "q"
+                        else (shard.kv_heads, spec.num_kv_heads))
+        return param, slice(start, start + size), (0, heads[0] * d, heads[1] * d, total * d)
     m = _GATE_UP.match(name)
     if m:
         mlp = model.layers[int(m.group(1))].mlp
         start = 0 if m.group(2) == "gate" else mlp.inter
-        return mlp.gate_up_proj.weight, slice(start, start + mlp.inter)
+        return (mlp.gate_up_proj.weight, slice(start, start + mlp.inter),
+                (0, *shard.inter, spec.intermediate_size))
     params = dict(model.named_parameters(remove_duplicate=False))
     # HF nests the decoder under "model."; kvcap's module keeps it at the top level.
     local = name[len("model."):] if name.startswith("model.") else name
     if local not in params:
         raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint for a "
                              f"{spec.architecture} model (wrong architecture or config?)")
-    return params[local], None
+    src: Source | None = None
+    if _ROW.match(name):
+        cols = (shard.q_heads[0] * d, shard.q_heads[1] * d, spec.num_heads * d) \
+            if "o_proj" in name else (*shard.inter, spec.intermediate_size)
+        src = (1, *cols)
+    elif name in _VOCAB:
+        src = (0, *shard.vocab, spec.vocab_size)
+    return params[local], None, src
+
+
+def _take(name: str, tensor: torch.Tensor, src: Source | None, full: bool) -> torch.Tensor:
+    """This rank's slice of a checkpoint tensor (the tensor itself without TP)."""
+    if src is None or full:
+        return tensor
+    dim, lo, hi, total = src
+    if tensor.dim() <= dim or tensor.shape[dim] != total:
+        raise ModelLoadError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
+                             f"expected {total} along dim {dim}")
+    return tensor.narrow(dim, lo, hi - lo)
 
 
 def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor]]
@@ -72,7 +106,8 @@ def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor]]
                 continue
             if tied and name == "lm_head.weight":
                 continue
-            param, rows = _target(model, name)
+            param, rows, src = _target(model, name)
+            tensor = _take(name, tensor, src, model.shard.is_full)
             dest = param if rows is None else param[rows]
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ModelLoadError(f"shape mismatch for {name}: checkpoint "
@@ -96,3 +131,30 @@ def init_dummy_weights(model: LlamaModel, seed: int = 0) -> None:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+
+
+def dummy_checkpoint(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed: int = 0
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights `init_dummy_weights` gives the full model, as HF-named checkpoint tensors,
+    one at a time: a tensor-parallel rank loads its slices of exactly the TP1 dummy model."""
+    with torch.device("meta"):
+        full = LlamaModel(spec)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in full.named_parameters():
+        t = torch.empty(p.shape, dtype=dtype, device=device)
+        if "norm" in name:
+            t.fill_(1.0)
+        else:
+            t.normal_(0.0, 0.02, generator=gen)
+        hf = name if name == "lm_head.weight" else f"model.{name}"
+        if ".qkv_proj." in hf:
+            attn = full.layers[int(name.split(".")[1])].self_attn
+            parts = t.split([attn.q_size, attn.kv_size, attn.kv_size])
+            for proj, part in zip("qkv", parts, strict=True):
+                yield hf.replace("qkv_proj", f"{proj}_proj"), part
+        elif ".gate_up_proj." in hf:
+            gate, up = t.chunk(2)
+            yield hf.replace("gate_up_proj", "gate_proj"), gate
+            yield hf.replace("gate_up_proj", "up_proj"), up
+        else:
+            yield hf, t

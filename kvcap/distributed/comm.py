@@ -1,0 +1,144 @@
+"""Process groups and the few collectives tensor parallelism needs, over torch.distributed.
+
+Two groups per rank: the *data* group (NCCL on CUDA, gloo on CPU) carries the all-reduces of
+the row-parallel layers and the logits gather; the *control* group (always gloo, CPU objects)
+carries rank 0's step messages and start-up agreements. The control group has a very long
+timeout because workers legitimately wait there while rank 0 is idle; liveness is enforced by
+the watchdogs in kvcap.distributed.launch instead. Data-group collectives time out after
+`KVCAP_TP_TIMEOUT_S` seconds (default 300).
+
+All-reduce switch `KVCAP_ALLREDUCE`: `nccl` (default: the data group's own all-reduce) or
+`symm` (torch's symmetric-memory one-shot all-reduce for messages up to 1 MiB on CUDA, the data
+group's all-reduce above that and everywhere else; see kvcap.distributed.symm).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from kvcap.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# Multicast/NVLS stays off on the lent machines (DEVICE.md, "Several GPUs").
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
+ALLREDUCE_ENV = "KVCAP_ALLREDUCE"
+ALLREDUCE_MODES = ("nccl", "symm")
+TIMEOUT_ENV = "KVCAP_TP_TIMEOUT_S"
+CONTROL_TIMEOUT = timedelta(days=365)
+
+
+def set_nccl_env() -> None:
+    """Pin the multicast switches before any NCCL / symmetric-memory initialisation."""
+    for key, value in NCCL_ENV.items():
+        if os.environ.get(key, value) != value:
+            logger.warning("overriding %s=%s with %s (NVLink multicast stays off)", key,
+                           os.environ[key], value)
+        os.environ[key] = value
+
+
+def allreduce_mode() -> str:
+    mode = os.environ.get(ALLREDUCE_ENV, "nccl").strip().lower()
+    if mode not in ALLREDUCE_MODES:
+        raise ConfigError(f"{ALLREDUCE_ENV}={mode!r} is not one of {', '.join(ALLREDUCE_MODES)}")
+    return mode
+
+
+def data_timeout() -> timedelta:
+    raw = os.environ.get(TIMEOUT_ENV, "300")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ConfigError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if seconds <= 0:
+        raise ConfigError(f"{TIMEOUT_ENV} must be positive, got {raw}")
+    return timedelta(seconds=seconds)
+
+
+class Communicator:
+    """One rank's view of its tensor-parallel group (rank 0 drives, the others follow)."""
+
+    def __init__(self, rank: int, world: int, device: torch.device):
+        self.rank, self.world, self.device = rank, world, device
+        self.data_group: Any = None
+        self.ctrl_group: Any = None
+        self.symm: Any = None  # SymmAllReduce when KVCAP_ALLREDUCE=symm took effect
+
+    # --- set-up / tear-down ---------------------------------------------------------------
+    def init(self, store: dist.Store) -> None:
+        """Join the group (collective). Rank 0 and the workers call it with the same store."""
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world,
+                                timeout=data_timeout())
+        self.data_group = dist.group.WORLD
+        self.ctrl_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        logger.info("tensor-parallel rank %d/%d joined (%s data group on %s, gloo control)",
+                    self.rank, self.world, backend, self.device)
+
+    def setup_allreduce(self, dtype: torch.dtype) -> None:
+        """Choose the all-reduce implementation (collective: every rank calls it)."""
+        mode = allreduce_mode()
+        if mode == "nccl":
+            return
+        if self.device.type != "cuda":
+            if self.rank == 0:
+                logger.info("%s=symm needs CUDA; all-reduce stays on the %s group",
+                            ALLREDUCE_ENV, dist.get_backend(self.data_group))
+            return
+        from kvcap.distributed.symm import SymmAllReduce
+
+        self.symm = SymmAllReduce.create(self, dtype)
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.data_group = self.ctrl_group = self.symm = None
+
+    # --- tensors (data group) -------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of `x` over the ranks (in place on the NCCL/gloo path; may return a new tensor)."""
+        if self.symm is not None and self.symm.fits(x):
+            return self.symm(x)
+        dist.all_reduce(x, group=self.data_group)
+        return x
+
+    def gather_columns(self, local: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
+        """Concatenate each rank's [n, widths[r]] block along dim 1 on rank 0 (None elsewhere)."""
+        pad = max(widths)
+        x = F.pad(local, (0, pad - local.shape[1])) if local.shape[1] < pad else local
+        x = x.contiguous()
+        if self.rank != 0:
+            dist.gather(x, None, dst=0, group=self.data_group)
+            return None
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.gather(x, parts, dst=0, group=self.data_group)
+        return torch.cat([p[:, :w] for p, w in zip(parts, widths, strict=True)], dim=1)
+
+    # --- Python objects (control group) -----------------------------------------------------
+    def broadcast_object(self, obj: Any = None) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.ctrl_group)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.ctrl_group)
+        return out
+
+    def gather_object(self, obj: Any) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.ctrl_group)
+        return out
+
+    def min_int(self, value: int) -> int:
+        return min(int(v) for v in self.all_gather_object(int(value)))

@@ -1,0 +1,62 @@
+"""Rank 0's model runner: the single-process runner plus one broadcast per step.
+
+`execute` is unchanged (plan -> run -> sample); the plan is sent to the other ranks before the
+forward, with the observer's current shard name so worker observers attribute their rows
+alike. Any exception between the broadcast and the end of the forward leaves the ranks out of
+step, so it stops the whole group (`TPDriver.fail`) and every later call fails fast.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+import torch
+
+from kvcap.distributed.launch import TPDriver
+from kvcap.distributed.protocol import OBSERVER, STATS, STEP, merge_rank_stats, observer_config
+from kvcap.engine.model_runner import ModelRunner, PromptLogitsFn, StepPlan
+
+
+class DriverRunner(ModelRunner):
+    def __init__(self, *args, driver: TPDriver, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.driver = driver
+        self.observer = None  # rank 0's KVStatsObserver (the last one attached)
+
+    def broadcast_plan(self, plan: StepPlan) -> None:
+        self.driver.check_alive()
+        shard = self.observer.shard if self.observer is not None and self.kv_observer else None
+        try:
+            self.driver.send((STEP, plan, shard))
+        except BaseException as e:
+            self._fatal(e)
+
+    @torch.inference_mode()
+    def run_plan(self, plan: StepPlan, on_prompt_logits: PromptLogitsFn | None = None
+                 ) -> torch.Tensor | None:
+        try:
+            return super().run_plan(plan, on_prompt_logits)
+        except BaseException as e:
+            self._fatal(e)
+
+    def _fatal(self, e: BaseException) -> NoReturn:
+        err = self.driver.fail(e)
+        if err is e:
+            raise e
+        raise err from e
+
+    def set_observer(self, obs) -> None:
+        """Attach `obs` (a KVStatsObserver) here and a fresh one like it on every rank."""
+        cfg = observer_config(obs) if obs is not None else None
+        self.driver.send((OBSERVER, cfg))
+        if obs is not None:
+            self.observer = obs
+        self.kv_observer = obs.observe if obs is not None else None
+
+    def collect_stats(self, per_rank: bool = False):
+        """K/V statistics of every rank's observer: merged, or a list in rank order."""
+        self.driver.send((STATS,))
+        stats = self.driver.comm.gather_object(None)
+        assert stats is not None  # rank 0 receives
+        stats[0] = self.observer.stats() if self.observer is not None else None
+        return stats if per_rank else merge_rank_stats(stats)

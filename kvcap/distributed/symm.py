@@ -1,0 +1,78 @@
+"""torch's own symmetric-memory all-reduce for small messages (CUDA, `KVCAP_ALLREDUCE=symm`).
+
+Each rank allocates one symmetric buffer of MAX_BYTES (`torch.distributed._symmetric_memory.
+empty` + `rendezvous` on the data group); an all-reduce copies its input into the buffer and
+runs `torch.ops.symm_mem.one_shot_all_reduce` (every rank reads all peers' buffers over NVLink,
+no multicast: TORCH_SYMM_MEM_DISABLE_MULTICAST=1 stays set). Larger messages and other dtypes
+use the data group's NCCL all-reduce. Set-up is collective and verified: one all-reduce of
+known values must come out exact on every rank, else every rank falls back to NCCL with a
+warning. Not yet measured on hardware (see docs/tensor_parallel.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kvcap.distributed.comm import Communicator
+
+logger = logging.getLogger(__name__)
+
+MAX_BYTES = 1 << 20  # one-shot pays off for small messages (decode: batch x hidden x 2 bytes)
+
+
+class SymmAllReduce:
+    def __init__(self, buffer: torch.Tensor, group_name: str):
+        self.buffer, self.group_name = buffer, group_name
+
+    @classmethod
+    def create(cls, comm: Communicator, dtype: torch.dtype) -> SymmAllReduce | None:
+        """Collective. Returns None (NCCL fallback) on every rank if any rank cannot use it."""
+        inst: SymmAllReduce | None = None
+        error = None
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            name = comm.data_group.group_name
+            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+            if enable is not None:  # required by older torch, deprecated by newer
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    enable(name)
+            elems = MAX_BYTES // torch.empty((), dtype=dtype).element_size()
+            buf = symm_mem.empty(elems, dtype=dtype, device=comm.device)
+            symm_mem.rendezvous(buf, name)
+            inst = cls(buf, name)
+            probe = torch.full((257,), float(comm.rank + 1), dtype=dtype, device=comm.device)
+            got = inst(probe)
+            want = comm.world * (comm.world + 1) / 2
+            if not bool((got == want).all()):
+                raise RuntimeError(f"self-check gave {got.float().unique().tolist()}, "
+                                   f"expected {want}")
+        except Exception as e:  # any failure: fall back, on every rank
+            error = f"{type(e).__name__}: {e}"
+        errors = comm.all_gather_object(error)
+        bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if bad:
+            if comm.rank == 0:
+                logger.warning("symmetric-memory all-reduce unavailable (rank %d: %s); using "
+                               "NCCL", bad[0][0], bad[0][1])
+            return None
+        if comm.rank == 0:
+            logger.info("all-reduce: symmetric-memory one-shot up to %d KiB (%s), NCCL above",
+                        MAX_BYTES >> 10, dtype)
+        return inst
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return (x.is_cuda and x.dtype == self.buffer.dtype and x.is_contiguous()
+                and x.numel() <= self.buffer.numel())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        view = self.buffer[: x.numel()]
+        view.copy_(x.reshape(-1))
+        out = torch.ops.symm_mem.one_shot_all_reduce(view, "sum", self.group_name)
+        return out.view_as(x)
