@@ -67,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs; every rank records its own KV heads, merged afterwards")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is faster on a "
                         "busy machine)")
@@ -141,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
     names = corpora.resolve_names(args.corpus)
     if args.out.exists():
         raise CalibrationError(f"output {args.out} already exists; refusing to overwrite it")
+    tp = {"tensor_parallel_size": args.tensor_parallel_size} \
+        if args.tensor_parallel_size != 1 else {}
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
@@ -151,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         enable_prefix_caching=False,
         attention_backend=args.attention_backend,
         seed=args.seed,
+        **tp,
     )
     base = BaseCheckpoint.inspect(llm.model_dir)
     model = {
@@ -183,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         llm.set_kv_observer(obs)
         seconds = observe_shards(llm, obs, shards)
         llm.set_kv_observer(None)
-        stats = obs.stats()
+        stats = llm.collect_kv_stats()  # merged over tensor-parallel ranks
         check_coverage(stats, shards)
         stats.save(stage / STATS_NAME)
         t0 = time.perf_counter()
