@@ -1,0 +1,102 @@
+"""`kvcap compare`: FP16-KV reference vs calibrated E4M3 vs unit-scale control, same token ids."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+HELP = ("A/B quality of the calibrated E4M3 KV cache against the unquantized reference (and a "
+        "unit-scale negative control): held-out KL/top-1/perplexity, greedy generation, "
+        "retrieval, per-layer attention error; writes report.json, report.md and plots")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="base checkpoint: 'default' or an HF dir")
+    p.add_argument("--overlay", required=True, type=Path, help="calibrated scale overlay pack")
+    p.add_argument("--tasks", default="heldout,internals,generation,retrieval",
+                   help="comma-separated subset of heldout, internals, generation, retrieval")
+    p.add_argument("--quick", action="store_true",
+                   help="small budgets (a few minutes on a 2-core CPU)")
+    p.add_argument("--out", type=Path, default=Path("kvcap-compare"), help="report directory")
+    p.add_argument("--control", type=Path, default=None,
+                   help="unit-scale control pack (default: written under --out)")
+    p.add_argument("--no-control", action="store_true", help="skip the negative-control arm")
+    p.add_argument("--calibration-manifest", type=Path, default=None,
+                   help="calibration-corpus.json for the disjointness check (default: searched "
+                        "next to the overlay)")
+    p.add_argument("--baseline-kv", default="fp16",
+                   help="KV dtype of the reference arm: fp16 (default) | bf16 | fp32 | auto")
+    p.add_argument("--contexts", type=int, nargs="+", default=None,
+                   help="retrieval context lengths (tokens, <= the model's window)")
+    p.add_argument("--retrieval-tasks", default=None, help="comma-separated: passkey,kv")
+    p.add_argument("--heldout-tokens", type=int, default=None)
+    p.add_argument("--record-tokens", type=int, default=None)
+    p.add_argument("--prompts", type=int, default=None,
+                   help="generation prompts per kind (plain and chat)")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def overrides(args: argparse.Namespace) -> dict:
+    from kvcap.errors import ConfigError
+
+    out: dict = {}
+    if args.contexts:
+        out["contexts"] = tuple(args.contexts)
+    if args.retrieval_tasks:
+        out["retrieval_tasks"] = tuple(t.strip() for t in args.retrieval_tasks.split(",") if t)
+    for name in ("heldout_tokens", "record_tokens", "max_new_tokens"):
+        value = getattr(args, name)
+        if value is not None:
+            if value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+            out[name] = value
+    if args.prompts is not None:
+        if args.prompts < 0:
+            raise ConfigError("--prompts must be >= 0")
+        out["plain_prompts"] = out["chat_prompts"] = args.prompts
+    return out
+
+
+def print_summary(report: dict, paths: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="calibrated E4M3 vs reference (goals from issue 4)")
+    for col in ("goal", "target", "calibrated E4M3", "unit-scale control", "status"):
+        table.add_column(col)
+
+    def fmt(x: object) -> str:
+        return "n/a" if x is None else (f"{x:.4g}" if isinstance(x, float) else str(x))
+
+    for g in report["goals"]:
+        status = {True: "[green]met[/]", False: "[red]MISSED[/]", None: "not run"}[g["met"]]
+        table.add_row(g["description"], g["target"], fmt(g["value"]), fmt(g["control_value"]),
+                      status)
+    console = Console()
+    console.print(table)
+    console.print(f"disjointness: {report['data']['disjointness']['summary']}")
+    console.print(f"report: {paths['md']} (+ report.json, plots) in "
+                  f"{report['timings']['total']:.0f} s")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvcap.errors import ConfigError
+    from kvcap.eval.runner import CompareConfig, parse_tasks, run_compare
+
+    if args.threads is not None:
+        import torch
+
+        if args.threads < 1:
+            raise ConfigError("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
+    cfg = CompareConfig(model=args.model, overlay=args.overlay, out=args.out,
+                        tasks=parse_tasks(args.tasks), quick=args.quick, control=args.control,
+                        no_control=args.no_control, calibration_manifest=args.calibration_manifest,
+                        baseline_kv=args.baseline_kv, device=args.device, seed=args.seed,
+                        overrides=overrides(args))
+    report, paths = run_compare(cfg)
+    print_summary(report, paths)
+    return 0

@@ -1,0 +1,175 @@
+"""`run_compare`: validate everything cheap first, then run the A/B tasks and write the report.
+
+Order: tasks/contexts/overlay binding/control pack/calibration manifest are all checked before
+any model is loaded, so bad input fails in seconds. Then the arms are loaded together and every
+task feeds them the same token ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcap.errors import ConfigError
+from kvcap.eval import ab, corpora, disjoint, generation, heldout, plots, report, retrieval
+
+logger = logging.getLogger(__name__)
+
+TASKS = ("heldout", "internals", "generation", "retrieval")
+
+
+@dataclass(frozen=True)
+class Budget:
+    heldout_tokens: int
+    record_tokens: int
+    plain_prompts: int
+    chat_prompts: int
+    max_new_tokens: int
+    contexts: tuple[int, ...]
+    depths: tuple[int, ...] = retrieval.DEPTHS
+    retrieval_tasks: tuple[str, ...] = retrieval.TASKS
+
+
+QUICK = Budget(heldout_tokens=2048, record_tokens=256, plain_prompts=2, chat_prompts=2,
+               max_new_tokens=128, contexts=(1024,))
+FULL = Budget(heldout_tokens=16384, record_tokens=512, plain_prompts=8, chat_prompts=8,
+              max_new_tokens=128, contexts=(1024, 2048, 4096, 8192))
+HELDOUT_SHARDS = ["prose", "code", "chat", "tool_json"]
+
+
+@dataclass
+class CompareConfig:
+    model: str = "default"
+    overlay: Path | None = None
+    out: Path = Path("kvcap-compare")
+    tasks: tuple[str, ...] = TASKS
+    quick: bool = False
+    control: Path | None = None  # None: build a unit-scale control pack under `out`
+    no_control: bool = False
+    calibration_manifest: Path | None = None
+    baseline_kv: str = "fp16"
+    device: str | None = None
+    seed: int = 0
+    budget: Budget | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)  # Budget fields from the CLI
+
+
+def parse_tasks(spec: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    items = spec.split(",") if isinstance(spec, str) else [s for x in spec for s in x.split(",")]
+    names = tuple(dict.fromkeys(s.strip() for s in items if s.strip()))
+    bad = [n for n in names if n not in TASKS]
+    if bad or not names:
+        raise ConfigError(f"unknown task {', '.join(bad) or '(none)'}: choose from "
+                          f"{', '.join(TASKS)}")
+    return names
+
+
+def _resolve(cfg: CompareConfig) -> tuple[Path, Any, Budget]:
+    from kvcap.models import loader
+
+    if cfg.overlay is None:
+        raise ConfigError("compare needs --overlay PACK (a calibrated scale overlay)")
+    if not Path(cfg.overlay).is_dir():
+        raise ConfigError(f"overlay {cfg.overlay} is not a directory")
+    base = loader.resolve_model_dir(cfg.model)
+    spec = loader.read_spec(base)
+    budget = cfg.budget or (QUICK if cfg.quick else FULL)
+    budget = Budget(**{**asdict(budget), **cfg.overrides})
+    window = spec.max_position_embeddings
+    if "retrieval" in cfg.tasks:
+        budget = Budget(**{**asdict(budget), "contexts": tuple(
+            retrieval.validate_contexts(budget.contexts, window))})
+        for t in budget.retrieval_tasks:
+            if t not in retrieval.TASKS:
+                raise ConfigError(f"unknown retrieval task {t!r}: choose from {retrieval.TASKS}")
+    if budget.record_tokens > window:
+        raise ConfigError(f"record length {budget.record_tokens} exceeds the window {window}")
+    return base, spec, budget
+
+
+def run_compare(cfg: CompareConfig) -> tuple[dict[str, Any], dict[str, Path]]:
+    """Run the A/B comparison; returns (report dict, written file paths)."""
+    t0 = time.time()
+    base, spec, budget = _resolve(cfg)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ab.overlay_fingerprint(base, Path(cfg.overlay))  # wrong checkpoint: fail before any write
+    control = None if cfg.no_control else (
+        cfg.control or ab.make_unit_overlay(base, out / "unit-scale-control"))
+    arms = ab.arm_specs(base, Path(cfg.overlay), control, cfg.baseline_kv)
+    cal_path = cfg.calibration_manifest or disjoint.find_calibration_manifest(Path(cfg.overlay))
+    from kvcap.models.loader import load_tokenizer
+
+    tok = load_tokenizer(base)
+    cal_hashes, cal_info = (disjoint.load_calibration_hashes(Path(cal_path), tok)
+                            if cal_path else (None, None))
+    timings: dict[str, float] = {"validate": time.time() - t0}
+
+    need = max([budget.record_tokens, 512 + budget.max_new_tokens]
+               + [2 * c for c in budget.contexts])
+    t = time.time()
+    llms = ab.build_llms(base, arms, cfg.device, need)
+    timings["load_arms"] = time.time() - t
+    ref = ab.REFERENCE
+    results: dict[str, Any] = {}
+    eval_hashes: dict[str, list[str]] = {}
+    excluded = 0
+    if "heldout" in cfg.tasks or "internals" in cfg.tasks:
+        shards = corpora.build_shards(tok, HELDOUT_SHARDS, budget.heldout_tokens, "evaluation",
+                                      budget.record_tokens, seed=cfg.seed, progress=False)
+        if cal_hashes:
+            for s in shards:
+                keep = [i for i, h in enumerate(s.hashes()) if h not in cal_hashes]
+                excluded += len(s.records) - len(keep)
+                s.records = [s.records[i] for i in keep]
+                s.provenance = [s.provenance[i] for i in keep]
+        corpora.write_manifest(out / "eval-corpus-manifest.json", shards, tok, "evaluation",
+                               seed=cfg.seed, record_tokens=budget.record_tokens)
+        eval_hashes["heldout"] = [h for s in shards for h in s.hashes()]
+        t = time.time()
+        results["heldout"], _ = heldout.run_heldout(llms, ref, shards,
+                                                    internals="internals" in cfg.tasks)
+        timings["heldout"] = time.time() - t
+    if "generation" in cfg.tasks:
+        prompts = generation.build_prompts(tok, budget.plain_prompts, budget.chat_prompts,
+                                           cfg.seed)
+        t = time.time()
+        results["generation"] = generation.run_generation(llms, ref, prompts,
+                                                          budget.max_new_tokens, tok)
+        timings["generation"] = time.time() - t
+        eval_hashes["generation"] = [p["hash"] for p in results["generation"]["prompts"]]
+    if "retrieval" in cfg.tasks:
+        cases = retrieval.build_cases(tok, budget.retrieval_tasks, budget.contexts,
+                                      budget.depths, cfg.seed)
+        t = time.time()
+        results["retrieval"] = generation.run_retrieval(llms, ref, cases, tok)
+        timings["retrieval"] = time.time() - t
+        eval_hashes["retrieval"] = [c["hash"] for c in results["retrieval"]["cases"]]
+    device = str(next(iter(llms.values())).device)
+    del llms
+    labels = {a.name: a.label for a in arms}
+    plot_names = plots.write_plots(results, labels, out)
+    timings["total"] = time.time() - t0
+    meta = {
+        "environment": report.environment(device),
+        "model": {"path": str(base), "spec": asdict(spec), "fingerprint": arms[1].overlay[
+            "base_fingerprint"] if arms[1].overlay else None},
+        "arms": [{"name": a.name, "label": a.label, "kv_cache_dtype": a.kv_cache_dtype,
+                  "overlay": a.overlay} for a in arms],
+        "settings": {"quick": cfg.quick, "tasks": list(cfg.tasks), "seed": cfg.seed,
+                     "budget": asdict(budget), "baseline_kv": cfg.baseline_kv,
+                     "decoding": "greedy (temperature 0)"},
+        "data": {"disjointness": disjoint.check(eval_hashes, cal_hashes, cal_info, excluded),
+                 "eval_manifest": "eval-corpus-manifest.json" if "heldout" in results else None,
+                 "sources": "evaluation split of prose (common-licenses, pydoc topics), "
+                            "stdlib code, chat built from them, generated tool calls; "
+                            "retrieval cases generated (seeded) with an evaluation-prose haystack"},
+        "goals": report.evaluate_goals(results, ab.CALIBRATED,
+                                       ab.CONTROL if control is not None else None),
+        "timings": timings,
+    }
+    paths = report.write_report(out, meta, results, plot_names)
+    return {**meta, "results": results, "plots": plot_names}, paths

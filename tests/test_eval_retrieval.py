@@ -1,0 +1,74 @@
+"""Retrieval case generator: determinism, exact lengths, needle placement, scoring."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcap.errors import ConfigError
+from kvcap.eval import retrieval
+
+
+@pytest.fixture(scope="module")
+def tok(default_model_dir):
+    from kvcap.models.loader import load_tokenizer
+
+    return load_tokenizer(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def cases(tok):
+    return retrieval.build_cases(tok, ["passkey", "kv"], [512, 1024])
+
+
+def test_deterministic(tok, cases):
+    again = retrieval.build_cases(tok, ["passkey", "kv"], [512, 1024])
+    assert [(c.case_id, c.prompt_ids, c.answer) for c in again] == \
+           [(c.case_id, c.prompt_ids, c.answer) for c in cases]
+
+
+def test_grid_and_exact_length(cases):
+    assert len(cases) == 2 * 2 * len(retrieval.DEPTHS)
+    for c in cases:
+        assert len(c.prompt_ids) + retrieval.MAX_NEW_TOKENS == c.context
+        assert c.provenance["generator"] == f"retrieval.{c.task}"
+
+
+def test_needle_at_depth(tok, cases):
+    for task in ("passkey", "kv"):
+        group = [c for c in cases if c.task == task and c.context == 1024]
+        positions = [c.needle_token for c in group]
+        assert positions == sorted(positions) and positions[0] < positions[-1]
+        for c in group:
+            window = tok.decode(c.prompt_ids[c.needle_token:c.needle_token + 24])
+            assert c.answer in window
+            frac = c.needle_token / len(c.prompt_ids)
+            assert abs(frac - c.depth / 100) < 0.1
+
+
+def test_secrets_differ_across_cases(cases):
+    answers = [c.answer for c in cases if c.task == "passkey"]
+    assert len(set(answers)) > len(answers) // 2
+
+
+def test_score():
+    case = retrieval.RetrievalCase("passkey", 512, 50, [1], "48213", 0)
+    assert retrieval.score(case, " 48213. Remember")
+    assert not retrieval.score(case, " 4821")
+    assert not retrieval.score(case, " 148213")
+    assert not retrieval.score(case, " no idea")
+    kv = retrieval.RetrievalCase("kv", 512, 50, [1], "a1b2c3", 0)
+    assert retrieval.score(kv, 'a1b2c3",')
+    assert not retrieval.score(kv, 'a1b2c4"')
+
+
+def test_validate_contexts():
+    assert retrieval.validate_contexts([2048, 1024, 1024], 8192) == [1024, 2048]
+    with pytest.raises(ConfigError, match="exceeds the model's window"):
+        retrieval.validate_contexts([16384], 8192)
+    with pytest.raises(ConfigError, match="below the minimum"):
+        retrieval.validate_contexts([64], 8192)
+
+
+def test_unknown_task(tok):
+    with pytest.raises(ConfigError, match="unknown retrieval task"):
+        retrieval.build_cases(tok, ["needle"], [512])
