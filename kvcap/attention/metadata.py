@@ -70,10 +70,7 @@ class AttentionMetadata:
         total = num_padded_tokens if num_padded_tokens is not None else qsl[-1]
         slots.extend([-1] * (total - qsl[-1]))
         width = max((len(t) for t in block_tables), default=1) or 1
-        bt = torch.full((len(block_tables), width), -1, dtype=torch.int32)
-        for i, table in enumerate(block_tables):
-            if table:
-                bt[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        bt = torch.tensor([t + [-1] * (width - len(t)) for t in block_tables], dtype=torch.int32)
         seq_t = torch.tensor(seq_lens, dtype=torch.int32)
         ctx_t = seq_t - torch.tensor(query_lens, dtype=torch.int32)
         return cls(

@@ -162,6 +162,9 @@ def main(argv=None) -> int:
               "commit": _commit(), "read_ceiling_tbs": ceiling, "torch": torch.__version__,
               "args": vars(args), "cells": [], "capacity": [], "hf_baseline": []}
     max_ctx = max(args.context)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"throughput-{report['date']}.json"
     for shape in args.shapes:
         model = SHAPES[shape]
         scales = calibrated_scales(model, "float16") if model.startswith("dummy:") else None
@@ -187,6 +190,7 @@ def main(argv=None) -> int:
                         cell["roofline_fraction"] = roofline_step_s(llm, c, ctx, ceiling) / step
                     report["cells"].append(cell)
                     print(json.dumps(cell), flush=True)
+                    _save(report, path)  # every cell, so a cut-short run keeps what it measured
             del llm
             gc.collect()
             torch.cuda.empty_cache()
@@ -196,13 +200,17 @@ def main(argv=None) -> int:
                 report["hf_baseline"].append({"shape": shape, **hf_baseline(path, b, 1024, 64)})
     os.environ.pop("KVCAP_FORCE_SOFTWARE_FP8", None)
     _mark_fp8_only(report)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"throughput-{report['date']}.json"
-    path.write_text(json.dumps(report, indent=1))
+    report["complete"] = True
+    _save(report, path)
     _print_table(report)
     print(f"wrote {path}")
     return 0
+
+
+def _save(report: dict, path: Path) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    os.replace(tmp, path)
 
 
 def _mark_fp8_only(report: dict) -> None:

@@ -101,9 +101,9 @@ class DecodeGraphs:
         bs = self.block_size
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
         width = max(len(t) for t in tables)
-        table = torch.full((bucket, width), self.pool.null_block, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        null = self.pool.null_block
+        table = torch.tensor([t + [null] * (width - len(t)) for t in tables]
+                             + [[null] * width] * (bucket - b), dtype=torch.int32)
         pad = bucket - b
         host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad,
                              slots + [-1] * pad, seq_lens + [1] * pad], dtype=torch.int64)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcap.engine.block_manager import BlockManager
+from kvcap.engine.detokenizer import IncrementalDetokenizer
 from kvcap.engine.model_runner import ModelRunner, RequestExtras
 from kvcap.engine.request import Request, RequestStatus
 from kvcap.engine.scheduler import Scheduler
@@ -42,6 +43,7 @@ class Engine:
         self.extras: dict[str, RequestExtras] = {}
         self._rng = random.Random(seed)
         self._truncated: dict[str, str] = {}  # text cut at a stop string
+        self._detok: dict[str, IncrementalDetokenizer] = {}
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -114,9 +116,12 @@ class Engine:
             self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, s)
 
     def _decode(self, req: Request) -> str:
-        if self.tokenizer is None:  # dummy-weight models: token ids only
-            return ""
-        return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        detok = self._detok.get(req.request_id)
+        if detok is None:
+            detok = self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer)
+        if req.is_finished:
+            return detok.finish(req.output_token_ids)
+        return detok.update(req.output_token_ids)
 
     def _output(self, req: Request) -> RequestOutput:
         ex = self.extras[req.request_id]
@@ -144,6 +149,7 @@ class Engine:
         self.requests.pop(req.request_id, None)
         self.extras.pop(req.request_id, None)
         self._truncated.pop(req.request_id, None)
+        self._detok.pop(req.request_id, None)
 
     def sync(self) -> None:
         if self.runner.device.type == "cuda":
