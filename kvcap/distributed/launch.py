@@ -66,6 +66,11 @@ def posted_error(store: Any, rank: int) -> str | None:
     return None
 
 
+def worker_log_level(level: int) -> int:
+    """Workers repeat rank 0's INFO lines; they show warnings and errors unless debugging."""
+    return level if level <= logging.DEBUG else max(level, logging.WARNING)
+
+
 class TPRuntime:
     """This process's place in a tensor-parallel group."""
 
@@ -120,7 +125,7 @@ class TPDriver(TPRuntime):
                                    wait_for_workers=False, timeout=timeout)
         self.store.set(f"{KEY}/config", pickle.dumps({
             **worker_config, "base_device": str(device),
-            "log_level": logging.getLogger("kvcap").getEffectiveLevel(),
+            "log_level": worker_log_level(logging.getLogger("kvcap").getEffectiveLevel()),
             "threads": max(1, torch.get_num_threads() // world)}))
         self.failure: str | None = None
         self.closed = False
@@ -246,13 +251,15 @@ def attach(world: int, device: torch.device, worker_config: dict[str, Any]) -> T
 def lifeline_watch(rank: int, stopping: threading.Event) -> None:
     """Worker side: exit as soon as rank 0 is gone (EOF on the stdin pipe it holds)."""
 
+    parent = os.getppid()
+
     def run() -> None:
         try:
             sys.stdin.buffer.read()
         except Exception:  # closed or unreadable stdin: treat like EOF
             pass
         if not stopping.is_set():
-            logger.error("rank %d: rank 0 (pid %d) is gone; stopping", rank, os.getppid())
+            logger.error("rank %d: rank 0 (pid %d) is gone; stopping", rank, parent)
             logging.shutdown()
             os._exit(3)
 
@@ -264,7 +271,10 @@ def attach_llm(world: int, device: torch.device, spec: ModelSpec, model_dir: Pat
     """`attach` for LLM(tensor_parallel_size=world): refuses an impossible split before
     starting anything, and sends workers the resolved model path (never 'default', so that
     only rank 0 ever converts the embedded model) and picklable scales."""
-    plan_shard(spec, world, 0)
+    shards = [plan_shard(spec, world, r) for r in range(world)]
+    logger.info("tensor parallel over %d ranks: %s", world, "; ".join(
+        f"rank {s.rank}: query heads {s.q_heads}, KV heads {s.kv_heads}, MLP {s.inter}, vocab "
+        f"{s.vocab}" for s in shards))
     args = dict(llm_args)
     if model_dir is not None:
         args["model"] = str(model_dir)

@@ -38,10 +38,7 @@ def load_model(spec: ModelSpec, model_dir: Path | None, device: torch.device,
                ) -> tuple[LlamaModel, dict[str, torch.Tensor]]:
     """Returns the model and the K/V scale tensors found in the checkpoint (for the gate)."""
     model = build_model(spec, device, dtype, tp)
-    where = "" if tp is None else (f", tensor-parallel rank {tp.shard.rank}/{tp.shard.world}: "
-                                   f"query heads {tp.shard.q_heads}, KV heads "
-                                   f"{tp.shard.kv_heads}, MLP {tp.shard.inter}, vocab "
-                                   f"{tp.shard.vocab}")
+    where = "" if tp is None else f", tensor-parallel rank {tp.shard.rank}/{tp.shard.world}"
     if model_dir is None:
         if tp is None:
             init_dummy_weights(model, dummy_seed)
