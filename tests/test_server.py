@@ -5,13 +5,14 @@ engine failures, metrics. A 2-layer random Llama with the real SmolLM2 tokenizer
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
 import httpx
 import openai
 import pytest
-from server_helpers import ThreadedServer, make_tiny_model, metrics, wait_drained
+from server_helpers import ThreadedServer, make_tiny_model, metrics, wait_drained, wait_until
 
 from kvcap import LLM, SamplingParams
 from kvcap.server.app import create_app
@@ -205,8 +206,10 @@ def _long_stream(srv, max_tokens: int = 200):
     return srv.http.send(srv.http.build_request("POST", CMPL, json=body), stream=True)
 
 
-def _first_text(resp) -> str:
-    for line in resp.iter_lines():
+def _first_text(lines) -> str:
+    """Read up to the first text chunk. The caller keeps `lines` (resp.iter_lines()) alive:
+    a collected line iterator closes the response, i.e. disconnects."""
+    for line in lines:
         if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
             return line
     raise AssertionError("stream ended before any text")
@@ -218,7 +221,8 @@ def test_disconnect_mid_stream_frees_blocks(srv):
     try:
         resp = _long_stream(srv)
         assert resp.status_code == 200
-        _first_text(resp)
+        lines = resp.iter_lines()
+        _first_text(lines)
         m = metrics(srv.url)
         assert m["kvcap_requests_in_flight"] == 1 and m["kvcap_kv_blocks_used"] > 0
         resp.close()  # the client goes away mid-stream
@@ -256,8 +260,9 @@ def test_overload_answers_429_with_bounded_queue(srv):
         with pytest.raises(openai.RateLimitError):
             srv.client.chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=1)
-        wait_q = metrics(srv.url)
-        assert wait_q["kvcap_requests_running"] == 4 and wait_q["kvcap_queue_length"] == 2
+        # the engine admits the submitted requests within an iteration or two
+        wait_until(lambda: (m := metrics(srv.url))["kvcap_requests_running"] == 4
+                   and m["kvcap_queue_length"] == 2, 10, "4 running and 2 queued")
     finally:
         for s in streams:
             s.close()
@@ -318,3 +323,29 @@ def test_metrics_exposition(srv):
     assert m["kvcap_kv_blocks_used"] + m["kvcap_kv_blocks_free"] == 64
     assert m['kvcap_kv_cache_info{model="tiny",dtype="fp32",scale_source="none"}'] == 1
     assert m['kvcap_kv_scale_gate{status="not_required"}'] == 1
+
+
+# ----------------------------------------------------------------------------- load generator
+def test_bench_fixed_rate_run(srv):
+    from kvcap.bench.serving import LoadConfig, run_load
+
+    cfg = LoadConfig(url=srv.url, api_key=KEY, num_requests=6, concurrency=3, rate=20.0,
+                     arrival="fixed", max_tokens=3, endpoint="chat", progress=False,
+                     disconnect_fraction=0.34)
+    report = asyncio.run(run_load(cfg))
+    assert report["requests"] == {"planned": 6, "sent": 6, "completed": 4, "disconnected": 2,
+                                  "failed": 0}
+    assert report["finish_reasons"] == {"length": 4}
+    assert report["throughput"]["output_tokens"] == 12
+    assert report["ttft_s"]["p50"] > 0 and report["tpot_s"]["max"] > 0
+    server = report["server"]
+    assert server["drained"] and server["kv_blocks_free"] == server["kv_blocks_total"] == 64
+    assert sum(server["requests_ended_during_run"].values()) == 6
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.1:8000", "http://example.com",
+                                 "http://0.0.0.0:8000"])
+def test_bench_refuses_non_loopback(url):
+    from kvcap.bench.serving import main
+
+    assert main(["--url", url, "--num-requests", "1"]) == 2

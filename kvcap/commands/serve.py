@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        llm.shutdown()  # tensor-parallel workers, if any
     if not server.started:
         logger.error("the server did not start (see the messages above)")
         return 1

@@ -120,6 +120,8 @@ class AsyncEngine:
         self._finished: Counter[str] = Counter()
         self._tokens = [0, 0]  # prompt, generation
         self._stats = EngineStats()
+        self._outbox: list[tuple[RequestStream, RequestOutput | RequestFailed]] = []
+        self._unadded = 0  # submitted, not yet handed to the engine
 
     # ----------------------------------------------------------------- event-loop side
     def start(self) -> None:
@@ -158,6 +160,7 @@ class AsyncEngine:
             streams = [RequestStream(f"srv-{uuid.uuid4().hex[:16]}", self) for _ in requests]
             for s in streams:
                 self._streams[s.request_id] = s
+            self._unadded += len(streams)
         for s, (ids, params) in zip(streams, requests, strict=True):
             self._cmds.put(("add", s.request_id, ids, params))
         self._wake.set()
@@ -183,25 +186,29 @@ class AsyncEngine:
         logger.info("engine loop stopped")
 
     # ----------------------------------------------------------------- engine thread
+    # Each iteration collects what to hand out in `_outbox` and sends it only after the stats
+    # are published, so /metrics is never behind what a client has already received.
     def _run(self) -> None:
         try:
             while True:
                 self._wake.clear()
                 self._apply_commands()
-                if self._stop:
+                stopping = self._stop
+                if stopping:
                     self._fail_all("the server is shutting down", 503)
-                    break
-                if self.engine.has_unfinished() or self._needs_cleanup:
+                elif self.engine.has_unfinished() or self._needs_cleanup:
                     self._step()
-                else:
+                self._flush()
+                if stopping:
+                    break
+                if not (self.engine.has_unfinished() or self._needs_cleanup):
                     self._wake.wait(0.5)
-                self._publish()
         except BaseException as e:  # the loop itself broke: fail everyone, report unhealthy
             logger.exception("engine loop crashed")
             self._dead = f"engine loop crashed: {e}"
             self._fail_all(self._dead, 500)
         finally:
-            self._publish()
+            self._flush()
 
     def _apply_commands(self) -> None:
         while True:
@@ -214,13 +221,15 @@ class AsyncEngine:
                     self._needs_cleanup = True
                 continue
             _, rid, ids, params = cmd
+            with self._lock:
+                self._unadded -= 1
             try:
                 self.engine.add_request(rid, ids, params)
             except KvcapError as e:
-                self._deliver_final(rid, RequestFailed(str(e), 400), "error")
+                self._finish(rid, RequestFailed(str(e), 400), "error")
             except Exception as e:
                 logger.exception("add_request failed for %s", rid)
-                self._deliver_final(rid, RequestFailed(f"engine error: {e}", 500), "error")
+                self._finish(rid, RequestFailed(f"engine error: {e}", 500), "error")
 
     def _step(self) -> None:
         try:
@@ -232,16 +241,17 @@ class AsyncEngine:
         self._consecutive_errors = 0
         self._needs_cleanup = False
         for out in outputs:
+            rid = out.request_id
             if not out.finished:
-                self._deliver(out.request_id, out)
+                stream = self._streams.get(rid)
+                if stream is not None:
+                    self._outbox.append((stream, out))
             elif out.error:
-                self._deliver_final(out.request_id, RequestFailed(out.error, 400), "error", out)
+                self._finish(rid, RequestFailed(out.error, 400), "error", out)
             elif out.finish_reason == "abort":
-                self._deliver_final(
-                    out.request_id, RequestFailed("the request was aborted", 503), "abort", out
-                )
+                self._finish(rid, RequestFailed("the request was aborted", 503), "abort", out)
             else:
-                self._deliver_final(out.request_id, out, out.finish_reason or "stop", out)
+                self._finish(rid, out, out.finish_reason or "stop", out)
 
     def _on_step_error(self, exc: Exception) -> None:
         self._step_errors += 1
@@ -250,10 +260,10 @@ class AsyncEngine:
         victims = [r.request_id for r in sched.running]
         if self._consecutive_errors >= self.max_consecutive_errors or not victims:
             victims += [r.request_id for r in sched.waiting]
-        logger.exception("engine step failed; failing %d request(s)", len(victims), exc_info=exc)
+        logger.error("engine step failed; failing %d request(s)", len(victims), exc_info=exc)
         for rid in victims:
             self.engine.abort_request(rid)
-            self._deliver_final(rid, RequestFailed(f"engine error: {exc}", 500), "error")
+            self._finish(rid, RequestFailed(f"engine error: {exc}", 500), "error")
         self._needs_cleanup = True
 
     def _fail_all(self, message: str, status: int) -> None:
@@ -264,41 +274,46 @@ class AsyncEngine:
                 self.engine.abort_request(rid)
             except Exception:  # the engine may be broken; the client still gets an answer
                 logger.exception("abort of %s failed", rid)
-            self._deliver_final(rid, RequestFailed(message, status), "abort")
+            self._finish(rid, RequestFailed(message, status), "abort")
         try:
             self.engine.step()  # report (and forget) the aborted requests
         except Exception:
             logger.exception("cleanup step failed")
 
-    def _deliver(self, rid: str, item: RequestOutput | RequestFailed) -> None:
-        stream = self._streams.get(rid)
-        if stream is not None and self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(stream._put, item)
-            except RuntimeError:  # event loop closed: nobody is listening any more
-                pass
-
-    def _deliver_final(
+    def _finish(
         self,
         rid: str,
         item: RequestOutput | RequestFailed,
         reason: str,
         out: RequestOutput | None = None,
     ) -> None:
-        if rid not in self._streams:
-            return
-        self._deliver(rid, item)
+        """The request's last item: stop tracking it, count it, queue the item for sending."""
         with self._lock:
-            self._streams.pop(rid, None)
+            stream = self._streams.pop(rid, None)
+        if stream is None:
+            return
+        self._outbox.append((stream, item))
         self._finished[reason] += 1
         if out is not None:
             self._tokens[0] += len(out.prompt_token_ids)
             self._tokens[1] += len(out.token_ids)
 
+    def _flush(self) -> None:
+        """Publish the stats snapshot, then hand the queued items to the event loop."""
+        self._publish()
+        outbox, self._outbox = self._outbox, []
+        if self._loop is None:
+            return
+        for stream, item in outbox:
+            try:
+                self._loop.call_soon_threadsafe(stream._put, item)
+            except RuntimeError:  # event loop closed: nobody is listening any more
+                return
+
     def _publish(self) -> None:
         bm, sched = self.engine.block_manager, self.engine.scheduler
         self._stats = EngineStats(
-            waiting=sched.num_waiting + self._cmds.qsize(),
+            waiting=sched.num_waiting + max(0, self._unadded),
             running=sched.num_running,
             kv_blocks_total=bm.num_total_blocks,
             kv_blocks_free=bm.num_free_blocks,
