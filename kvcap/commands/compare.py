@@ -24,8 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration-manifest", type=Path, default=None,
                    help="calibration-corpus.json for the disjointness check (default: searched "
                         "next to the overlay)")
-    p.add_argument("--baseline-kv", default="fp16",
-                   help="KV dtype of the reference arm: fp16 (default) | bf16 | fp32 | auto")
+    p.add_argument("--baseline-kv", default="auto",
+                   help="KV dtype of the reference arm: auto (the model dtype: FP32 on CPU, "
+                        "BF16/FP16 on GPU; default) | fp16 | bf16 | fp32")
     p.add_argument("--contexts", type=int, nargs="+", default=None,
                    help="retrieval context lengths (tokens, <= the model's window)")
     p.add_argument("--retrieval-tasks", default=None, help="comma-separated: passkey,kv")

@@ -63,7 +63,7 @@ def make_unit_overlay(base_dir: Path, out: Path) -> Path:
 
 
 def arm_specs(
-    base_dir: Path, overlay: Path, control: Path | None, baseline_kv: str = "fp16"
+    base_dir: Path, overlay: Path, control: Path | None, baseline_kv: str = "auto"
 ) -> list[ArmSpec]:
     """Validate every input of the arms (cheap checks only) and describe them."""
     if baseline_kv not in BASELINE_KV:

@@ -50,7 +50,7 @@ class CompareConfig:
     control: Path | None = None  # None: build a unit-scale control pack under `out`
     no_control: bool = False
     calibration_manifest: Path | None = None
-    baseline_kv: str = "fp16"
+    baseline_kv: str = "auto"  # the model dtype: fp32 on CPU, bf16/fp16 on GPU
     device: str | None = None
     seed: int = 0
     budget: Budget | None = None
@@ -149,15 +149,16 @@ def run_compare(cfg: CompareConfig) -> tuple[dict[str, Any], dict[str, Path]]:
         timings["retrieval"] = time.time() - t
         eval_hashes["retrieval"] = [c["hash"] for c in results["retrieval"]["cases"]]
     device = str(next(iter(llms.values())).device)
+    kv_dtypes = {name: llm.kv_dtype for name, llm in llms.items()}
     del llms
-    labels = {a.name: a.label for a in arms}
+    labels = {a.name: a.label.replace("auto KV", f"{kv_dtypes[a.name]} KV") for a in arms}
     plot_names = plots.write_plots(results, labels, out)
     timings["total"] = time.time() - t0
     meta = {
         "environment": report.environment(device),
         "model": {"path": str(base), "spec": asdict(spec), "fingerprint": arms[1].overlay[
             "base_fingerprint"] if arms[1].overlay else None},
-        "arms": [{"name": a.name, "label": a.label, "kv_cache_dtype": a.kv_cache_dtype,
+        "arms": [{"name": a.name, "label": labels[a.name], "kv_cache_dtype": kv_dtypes[a.name],
                   "overlay": a.overlay} for a in arms],
         "settings": {"quick": cfg.quick, "tasks": list(cfg.tasks), "seed": cfg.seed,
                      "budget": asdict(budget), "baseline_kv": cfg.baseline_kv,
