@@ -1,0 +1,200 @@
+"""QSABackend: wraps an attention backend; QSA layers attend only to their selected tokens.
+
+For a QSA layer, one forward: store K/V in the main cache (E4M3 quantized on write or a
+float copy), update the indexer side caches (ring + completed groups), score every row's
+visible groups, select (exact top-k, tie rule, expansion with the causal tail) and attend
+over the selected tokens only. Dense layers, and every layer while `KVCAP_DISABLE_QSA=1`,
+go straight to the inner backend. Two paths:
+  torch:  per sequence, reference scoring/selection (kvcap.qsa.selection) and masked eager
+          attention (with everything selected it is the dense reference, bit for bit);
+  triton: all rows at once through kvcap.kernels.qsa_score / qsa_topk / qsa_attention.
+Both work for prefill, chunked prefill, decode and mixed batches (selection is per row).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvcap.attention.base import AttentionBackend
+from kvcap.attention.metadata import AttentionMetadata
+from kvcap.attention.torch_ref import gather_kv_reference, store_kv_reference
+from kvcap.kv_cache.pool import LayerKVCache
+from kvcap.qsa.config import QSAConfig, qsa_disabled
+from kvcap.qsa.indexer import (
+    Compressor,
+    QSASideCaches,
+    RowInfo,
+    gather_groups,
+    mean_compressor,
+    update_side_cache,
+)
+from kvcap.qsa.selection import score_groups, select_tokens, selection_mask
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class IndexInputs:
+    """What a model with a trained indexer passes for one QSA layer's forward.
+
+    q: [T, Hi, di] index queries (post-RoPE); k: [T, di] raw index keys (pre-norm, pre-RoPE);
+    compress: FP32 keys [n, R, 1, di] + first positions [n] -> compressed keys [n, 1, di]."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    compress: Compressor
+
+
+def attend_masked_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            mask: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """GQA attention of q [n, Hq, D] over k/v FP32 [Hkv, S, D] where query row r of head h
+    sees key s iff mask[r, h', s] (mask [n, Hs, S] bool, Hs = 1 or Hkv; h' = h's KV head).
+    Same operations as kvcap.attention.torch_ref.attend_reference. Returns FP32 [n, Hq, D]."""
+    _, hq, _ = q.shape
+    hkv = k.shape[0]
+    group = hq // hkv
+    qf = q.float().transpose(0, 1)
+    kf = k.repeat_interleave(group, dim=0)
+    vf = v.repeat_interleave(group, dim=0)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * softmax_scale  # [Hq, n, S]
+    m = mask.transpose(0, 1)  # [Hs, n, S]
+    if m.shape[0] != 1:
+        m = m.repeat_interleave(group, dim=0)
+    scores = scores.masked_fill(~m, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, vf).transpose(0, 1)
+
+
+class QSABackend(AttentionBackend):
+    """`record`: set to a dict to keep each QSA layer's last selection (int32 [T, Hs, W])."""
+
+    name = "qsa"
+
+    def __init__(self, inner: AttentionBackend, config: QSAConfig, side: QSASideCaches,
+                 device: torch.device):
+        self.inner = inner
+        self.config = config.validate()
+        self.side = side
+        self.layers = frozenset(side.layers)
+        path = config.path
+        if path == "auto":
+            path = "triton" if device.type == "cuda" else "torch"
+        if path == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("the QSA triton path needs CUDA (or TRITON_INTERPRET=1)")
+        self.path = path
+        self.fp8_mode = getattr(inner, "fp8_mode", "auto")
+        self.record: dict[int, torch.Tensor] | None = None
+        self._rows_meta: AttentionMetadata | None = None
+        self._rows: RowInfo | None = None
+        logger.info("QSA backend: %d layers %s, %s indexer, top-%d groups of %d (%d tokens), "
+                    "%s path over %s", len(self.layers), sorted(self.layers), config.indexer,
+                    config.topk_groups, config.compress_ratio, config.token_budget, path,
+                    inner.name)
+
+    @property
+    def bounds(self) -> bool:
+        return self.config.indexer == "training_free" and self.config.summary == "minmax"
+
+    def _row_info(self, meta: AttentionMetadata, num_rows: int) -> RowInfo:
+        if meta is not self._rows_meta or self._rows is None or \
+                self._rows.pos.shape[0] != num_rows:
+            self._rows = RowInfo.build(meta, num_rows)
+            self._rows_meta = meta
+        return self._rows
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
+                meta: AttentionMetadata, softmax_scale: float, out: torch.Tensor,
+                index: IndexInputs | None = None) -> torch.Tensor:
+        layer = cache.layer_idx
+        if layer not in self.layers or qsa_disabled():
+            return self.inner.forward(q, k, v, cache, meta, softmax_scale, out)
+        cfg = self.config
+        t, hq, d = q.shape
+        hkv = k.shape[1]
+        if self.path == "torch":
+            store_kv_reference(k, v, cache, meta.slot_mapping)
+        else:
+            from kvcap.kernels.store_kv import store_kv
+
+            store_kv(k, v, cache.k_cache, cache.v_cache, meta.slot_mapping, cache.k_scale,
+                     cache.v_scale)
+        rows = self._row_info(meta, t)
+        side = self.side.layer(layer)
+        if cfg.indexer == "trained":
+            if index is None:
+                raise ValueError(f"layer {layer}: the trained QSA indexer needs IndexInputs "
+                                 "from the model (kvcap.qsa.model)")
+            keys, compress = index.k[:, None, :], index.compress
+            sel_q = index.q[:, None]  # [T, 1, Hi, di]
+            mode, scale = "relu_sum", index.q.shape[-1] ** -0.5
+        else:
+            keys, compress = k, mean_compressor
+            sel_q = q.view(t, hkv, hq // hkv, d)
+            mode = ("bound_" if self.bounds else "dot_") + cfg.head_reduce
+            scale = 1.0
+        update_side_cache(side, keys, meta.slot_mapping, rows, compress, bounds=self.bounds)
+        sel_q = sel_q.to(side.comp.dtype)
+        if self.path == "torch":
+            tokens = self._torch_path(q, cache, side, sel_q, meta, mode, scale, softmax_scale,
+                                      out)
+        else:
+            tokens = self._triton_path(q, cache, side, sel_q, meta, rows, mode, scale,
+                                       softmax_scale, out)
+        if self.record is not None:
+            self.record[layer] = tokens
+        return out
+
+    def _torch_path(self, q, cache, side, sel_q, meta, mode, scale, softmax_scale, out
+                    ) -> torch.Tensor:
+        cfg = self.config
+        r = cfg.compress_ratio
+        hs = sel_q.shape[1]
+        qsl = meta.query_start_loc_cpu
+        tokens = torch.full((q.shape[0], hs, cfg.width), -1, dtype=torch.int32,
+                            device=q.device)
+        for i, seq_len in enumerate(meta.seq_lens_cpu):
+            start, end = qsl[i], qsl[i + 1]
+            n = end - start
+            if n == 0:
+                continue
+            g = seq_len // r
+            lo = gather_groups(side.comp, meta.block_tables[i], g)
+            hi = gather_groups(side.hi, meta.block_tables[i], g) if side.hi is not None else None
+            scores = score_groups(sel_q[start:end], lo, mode, scale, hi)  # [n, Hs, G]
+            pos = torch.arange(seq_len - n, seq_len, device=q.device)
+            sel = select_tokens(scores, pos, seq_len, r, cfg.topk_groups, cfg.include_tail)
+            tokens[start:end] = sel
+            kf, vf = gather_kv_reference(cache, meta.block_tables[i], seq_len)
+            mask = selection_mask(sel, seq_len)
+            res = attend_masked_reference(q[start:end], kf, vf, mask, softmax_scale)
+            out[start:end] = res.to(out.dtype)
+        return tokens
+
+    def _triton_path(self, q, cache, side, sel_q, meta, rows: RowInfo, mode, scale,
+                     softmax_scale, out) -> torch.Tensor:
+        from kvcap.kernels.qsa_attention import qsa_sparse_attention
+        from kvcap.kernels.qsa_score import qsa_score
+        from kvcap.kernels.qsa_topk import qsa_topk
+
+        cfg = self.config
+        r, k = cfg.compress_ratio, cfg.topk_groups
+        vis = torch.minimum((rows.pos + 1) // r, rows.seq_len // r)
+        vis = torch.where(rows.valid, vis, 0)
+        pos = torch.where(rows.valid, rows.pos, -1)
+        counts = torch.minimum(vis, torch.full_like(vis, k)) * r
+        if cfg.include_tail:
+            counts = counts + torch.clamp(pos - vis * r + 1, min=0)
+        counts = torch.where(rows.valid, counts, -1).to(torch.int32)
+        vis32, pos32 = vis.to(torch.int32), pos.to(torch.int32)
+        num_groups = max(meta.max_seq_len // r, 1)
+        scores = qsa_score(sel_q.contiguous(), side.comp, side.hi, meta.block_tables, rows.seq,
+                           vis32, num_groups, mode, scale)
+        tokens = qsa_topk(scores, vis32, pos32, k, r, cfg.include_tail)
+        qsa_sparse_attention(q, cache.k_cache, cache.v_cache, out, tokens, counts, rows.seq,
+                             meta.block_tables, softmax_scale, cache.k_scale, cache.v_scale,
+                             fp8_mode=self.fp8_mode)
+        return tokens
