@@ -208,3 +208,40 @@ def test_calibrate_refusals(chain: dict, capsys: pytest.CaptureFixture, tmp_path
     rc, _, err = cli(capsys, "calibrate", "--model", str(chain["base"]), "--out",
                      str(tmp_path / "x"), "--policy", "mse")
     assert rc == 2 and "unknown scale policy" in err
+
+
+def test_observer_sees_post_rope_k_and_v(chain: dict) -> None:
+    """The engine feeds the observer exactly the cache-write tensors: post-RoPE K and V, as
+    recomputed here with transformers' own modules (max_abs per layer within FP32 noise)."""
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from kvcap.llm import LLM
+    from kvcap.sampling_params import SamplingParams
+    from kvcap.scales.observer import KVStatsObserver
+
+    prompts = [[1, 5, 9, 200, 3000, 47, 8, 8, 12, 40000, 7], [1, 17, 23, 99]]
+    llm = LLM(model=str(chain["base"]), enable_prefix_caching=False, num_blocks=8,
+              max_model_len=64, dtype="float32")
+    obs = KVStatsObserver(2)
+    llm.set_kv_observer(obs)
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    got = obs.stats().total()
+    hf = LlamaForCausalLM.from_pretrained(str(chain["base"]), dtype=torch.float32).eval()
+    want = np.zeros((2, 2))
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            out = hf(x, output_hidden_states=True)
+            pos = torch.arange(len(ids))[None]
+            cos, sin = hf.model.rotary_emb(out.hidden_states[0], pos)
+            for layer, block in enumerate(hf.model.layers):
+                h = block.input_layernorm(out.hidden_states[layer])
+                k = block.self_attn.k_proj(h).view(1, len(ids), 2, 8).transpose(1, 2)
+                v = block.self_attn.v_proj(h)
+                _, k = apply_rotary_pos_emb(k, k, cos, sin)
+                want[layer, 0] = max(want[layer, 0], float(k.abs().max()))
+                want[layer, 1] = max(want[layer, 1], float(v.abs().max()))
+    assert got.rows.tolist() == [15, 15]
+    assert got.count.tolist() == [[15 * 16] * 2] * 2
+    np.testing.assert_allclose(got.max_abs, want, rtol=1e-4)
