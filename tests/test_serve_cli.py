@@ -32,27 +32,47 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-@pytest.mark.parametrize("case", ["no_scales", "missing_overlay", "corrupt_overlay"])
-def test_gate_refuses_before_binding(tiny_dir, tmp_path, case):
-    extra = ["--kv-cache-dtype", "fp8_e4m3"]
-    if case == "missing_overlay":
-        extra += ["--kv-scales", str(tmp_path / "absent")]
-    elif case == "corrupt_overlay":
-        (tmp_path / MANIFEST_NAME).write_text("{ this is not json")
-        extra += ["--kv-scales", str(tmp_path)]
-    with socket.socket() as holder:  # hold the port: binding first would fail differently
+GATE_CASES = {  # case -> (extra serve arguments, text the one-line error must hold)
+    "no_scales": ([], "Loaded 0/4 K/V scales. Missing:"),
+    "missing_overlay": (["--kv-scales", "{tmp}/absent"], "does not exist"),
+    "corrupt_overlay": (["--kv-scales", "{tmp}/corrupt"], MANIFEST_NAME),
+}
+
+
+def _gate_args(case: str, tmp_path) -> list[str]:
+    (tmp_path / "corrupt").mkdir(exist_ok=True)
+    (tmp_path / "corrupt" / MANIFEST_NAME).write_text("{ this is not json")
+    return [a.format(tmp=tmp_path) for a in GATE_CASES[case][0]]
+
+
+@pytest.mark.parametrize("case", list(GATE_CASES))
+def test_gate_refuses_before_binding(tiny_dir, tmp_path, capsys, case):
+    """In process: `kvcap serve` returns 2 with the one-line message while the port is held by
+    the test (had serve bound first, it would have failed differently, and never returned 2)."""
+    from kvcap.cli import main
+
+    with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
-        port = holder.getsockname()[1]
-        p = subprocess.run(serve_cmd(tiny_dir, port, *extra), capture_output=True, text=True,
-                           timeout=180, env=_env())
+        argv = serve_cmd(tiny_dir, holder.getsockname()[1], "--kv-cache-dtype", "fp8_e4m3",
+                         *_gate_args(case, tmp_path))[3:]
+        assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and GATE_CASES[case][1] in err[-1], err[-1]
+    assert not any("Uvicorn running" in line for line in err)
+
+
+def test_gate_refusal_exit_status_of_the_process(tiny_dir, tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        p = subprocess.run(serve_cmd(tiny_dir, holder.getsockname()[1], "--kv-cache-dtype",
+                                     "fp8_e4m3", *_gate_args("corrupt_overlay", tmp_path)),
+                           capture_output=True, text=True, timeout=300, env=_env())
     assert p.returncode == 2, p.stderr
     last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "Traceback" not in p.stderr
-    assert "Uvicorn running" not in p.stderr and "address already in use" not in p.stderr
-    expected = {"no_scales": "Loaded 0/4 K/V scales. Missing:",
-                "missing_overlay": "does not exist", "corrupt_overlay": MANIFEST_NAME}[case]
-    assert expected in last
+    assert last.startswith("error: ") and MANIFEST_NAME in last and "Traceback" not in p.stderr
+    assert "Uvicorn running" not in p.stderr
 
 
 def test_sigterm_finishes_in_flight_and_exits_zero(tiny_dir, tmp_path):
