@@ -24,32 +24,14 @@ _INT_MIN = tl.constexpr(-2147483648)
 
 
 @triton.jit
-def _keys(x):
-    """FP32 -> int32 keys whose signed order is the float order (+0 and -0 equal)."""
-    x = tl.where(x == 0.0, 0.0, x)
-    b = x.to(tl.int32, bitcast=True)
-    return b ^ ((b >> 31) & 0x7FFFFFFF)
-
-
-@triton.jit
-def _load(val_ptr, idx_ptr, base, gbase, i, n, EXPLICIT: tl.constexpr):
-    """Keys, group indices and validity of list elements i [BLOCK]."""
-    m = i < n
-    x = tl.load(val_ptr + base + i, mask=m, other=0.0)
-    if EXPLICIT:
-        g = tl.load(idx_ptr + base + i, mask=m, other=-1)
-        m = m & (g >= 0)
-    else:
-        g = gbase + i
-    return _keys(x), x, g, m
-
-
-@triton.jit
 def _threshold(val_ptr, idx_ptr, base, gbase, n, k, EXPLICIT: tl.constexpr,
                BLOCK: tl.constexpr):
     """(T, rem): the k-th largest key and how many keys == T to keep; (INT_MIN, 2^30) when the
-    list holds at most k valid elements (every one is kept)."""
+    list holds at most k valid elements (every one is kept). Keys: FP32 bits b ->
+    b ^ ((b >> 31) & 0x7FFFFFFF), whose signed order is the float order (+0/-0 equal).
+    Loads are written out inline: the CPU interpreter pays per nested jit call."""
     bins = tl.arange(0, 256)
+    n = tl.where(n > k, n, 0)  # at most k elements: no pass needed, all are kept
     prefix = tl.zeros([], tl.int32)
     rem = k
     total = tl.zeros([], tl.int32)
@@ -57,9 +39,13 @@ def _threshold(val_ptr, idx_ptr, base, gbase, n, k, EXPLICIT: tl.constexpr,
         shift: tl.constexpr = 24 - 8 * p
         hist = tl.zeros([256], tl.int32)
         for s in range(0, n, BLOCK):
-            key, _, _, m = _load(val_ptr, idx_ptr, base, gbase, s + tl.arange(0, BLOCK), n,
-                                 EXPLICIT)
-            u = key ^ _INT_MIN
+            i = s + tl.arange(0, BLOCK)
+            m = i < n
+            x = tl.load(val_ptr + base + i, mask=m, other=0.0)
+            if EXPLICIT:
+                m = m & (tl.load(idx_ptr + base + i, mask=m, other=-1) >= 0)
+            b = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+            u = (b ^ ((b >> 31) & 0x7FFFFFFF)) ^ _INT_MIN
             if p > 0:
                 m = m & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
             hist += tl.histogram((u >> shift) & 0xFF, 256, mask=m)
@@ -110,8 +96,16 @@ def _topk_kernel(
     else:
         obase = (t.to(tl.int64) * num_heads + h) * width
     for s in range(0, n, BLOCK):
-        key, x, g, m = _load(val_ptr, idx_ptr, base, gbase, s + tl.arange(0, BLOCK), n,
-                             EXPLICIT)
+        i = s + tl.arange(0, BLOCK)
+        m = i < n
+        x = tl.load(val_ptr + base + i, mask=m, other=0.0)
+        if EXPLICIT:
+            g = tl.load(idx_ptr + base + i, mask=m, other=-1)
+            m = m & (g >= 0)
+        else:
+            g = gbase + i
+        b = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+        key = b ^ ((b >> 31) & 0x7FFFFFFF)
         eq = (m & (key == thr)).to(tl.int32)
         eq_rank = eq_seen + tl.cumsum(eq, 0) - eq
         sel = m & ((key > thr) | ((eq > 0) & (eq_rank < rem)))
@@ -143,7 +137,7 @@ def _topk_kernel(
 
 def topk_config(device: torch.device) -> tuple[int, int]:
     """(BLOCK, num_warps)."""
-    return (1024, 8) if device.type == "cuda" else (128, 1)
+    return (1024, 8) if device.type == "cuda" else (512, 1)
 
 
 def qsa_topk(scores: torch.Tensor, visible: torch.Tensor, pos: torch.Tensor, k: int,
