@@ -192,17 +192,20 @@ def _scales(n_layers: int, missing: str | None = None) -> dict[str, float]:
     return out
 
 
-def _run(tp: int, observer=None, **kw) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy tokens for PROMPTS, then teacher-forced logits over prompt + those tokens."""
+def _run(tp: int, observer=None, sequences=None, **kw
+         ) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens for PROMPTS, then teacher-forced logits over `sequences` (default: each
+    prompt + its tokens). Returns (tokens, sequences, logits)."""
     with LLM(model="default", device="cpu", num_blocks=64, max_num_batched_tokens=256,
              tensor_parallel_size=tp, **kw) as llm:
         ids = [llm.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
         tokens = [o.token_ids for o in llm.generate(ids, GREEDY, use_tqdm=False)]
         if observer is not None:
             llm.set_kv_observer(observer)
-        logits = llm.prompt_logits([i + t for i, t in zip(ids, tokens, strict=True)])
+        sequences = sequences or [i + t for i, t in zip(ids, tokens, strict=True)]
+        logits = llm.prompt_logits(sequences)
     assert _worker_children() == []
-    return tokens, logits
+    return tokens, sequences, logits
 
 
 def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
@@ -213,8 +216,8 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_embedded_tp2_greedy_tokens_equal_tp1(dtype):
-    tokens1, logits1 = _run(1, dtype=dtype)
-    tokens2, logits2 = _run(2, dtype=dtype)
+    tokens1, seqs, logits1 = _run(1, dtype=dtype)
+    tokens2, _, logits2 = _run(2, sequences=seqs, dtype=dtype)
     assert tokens2 == tokens1
     # Same numbers up to the reduction order of the row-parallel sums (then FP16 rounding).
     tol = 1e-3 if dtype == "float32" else 0.25
@@ -226,23 +229,50 @@ def test_embedded_tp2_e4m3_equals_tp1_e4m3():
     from kvcap.scales.report import scale_for
 
     obs = KVStatsObserver(30)  # calibrate on the test sequences themselves (FP32 cache)
-    _, fp32 = _run(1, observer=obs)
+    _, seqs, fp32 = _run(1, observer=obs)
     top = obs.stats().total().max_abs
     scales = {f"model.layers.{layer}.self_attn.{t}_scale": scale_for(float(top[layer, i]))
               for layer in range(30) for i, t in enumerate("kv")}
-    tokens1, e4m3_1 = _run(1, kv_cache_dtype="fp8_e4m3", kv_scales=scales)
-    tokens2, e4m3_2 = _run(2, kv_cache_dtype="fp8_e4m3", kv_scales=scales)
-    assert tokens2 == tokens1
+    tokens1, seqs1, e4m3_1 = _run(1, kv_cache_dtype="fp8_e4m3", kv_scales=scales)
+    tokens2, _, e4m3_2 = _run(2, sequences=seqs1, kv_cache_dtype="fp8_e4m3", kv_scales=scales)
+    _, _, fp32 = _run(1, sequences=seqs1)
     # Logits are not bit-equal: TP sums the o_proj/down_proj partials in another order, which
     # can move a K/V value across an E4M3 rounding boundary (one code, ~6% of that element).
-    # The bar, per sequence: TP changes the next-token distribution far less than quantizing
-    # the cache does (TP1 FP32 vs TP1 E4M3). Measured: mean KL 5e-5..8e-4 vs 5e-3..0.97 nats,
-    # max KL <= 0.009 nats, top-1 equal at every position.
+    # The bar, per sequence (teacher-forced on TP1's tokens): TP changes the next-token
+    # distribution far less than quantizing the cache does (TP1 FP32 vs TP1 E4M3); measured:
+    # mean KL 5e-5..8e-4 vs 5e-3..0.97 nats, max 0.009 nats, top-1 equal at every position.
     for full, tp1, tp2 in zip(fp32, e4m3_1, e4m3_2, strict=True):
         kl_tp, kl_quant = _kl(tp1, tp2), _kl(full, tp1)
         assert kl_tp.max() < 0.05 and kl_tp.mean() < 0.25 * kl_quant.mean()
         agree_tp = (tp1.argmax(-1) == tp2.argmax(-1)).float().mean()
         assert agree_tp >= (full.argmax(-1) == tp1.argmax(-1)).float().mean()
+    # Greedy tokens are equal, except that a boundary flip may tip a near-tie: a divergence is
+    # allowed only where TP1's own top-1/top-2 margin is below twice the largest logit change
+    # TP makes on that sequence (seen once: margin 0.32 vs change 0.23, after the attention
+    # reference was reorganized).
+    for t1, t2, seq, tp1, tp2 in zip(tokens1, tokens2, seqs1, e4m3_1, e4m3_2, strict=True):
+        k = next((j for j, (a, b) in enumerate(zip(t1, t2, strict=True)) if a != b), None)
+        if k is not None:
+            row = len(seq) - len(t1) - 1 + k  # the logits that chose generated token k
+            top2 = tp1[row].topk(2).values
+            assert top2[0] - top2[1] < 2 * (tp1 - tp2).abs().max(), (k, t1, t2)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+def test_triton_backend_e4m3_under_tp(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**TINY, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    kw = dict(model=f"dummy:{tmp_path}", device="cpu", num_blocks=16, attention_backend="triton",
+              kv_cache_dtype="fp8_e4m3", kv_scales=_scales(2))
+    prompts = [[1, 5, 9, 33, 2], list(range(7, 26))]  # a prefill over two blocks, then decode
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with LLM(**kw) as llm:
+        tokens1 = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(**kw, tensor_parallel_size=2) as llm:
+        assert llm.runner.backend.name == "triton"
+        tokens2 = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens2 == tokens1
 
 
 # --- the gate, calibration statistics, failures (tiny random model) -----------------------------
@@ -254,6 +284,25 @@ def test_gate_refuses_on_every_rank_naming_the_missing_scale(tiny):
         LLM(model=tiny, device="cpu", num_blocks=16, kv_cache_dtype="fp8_e4m3",
             kv_scales=scales, tensor_parallel_size=2)
     assert _worker_children() == []
+
+
+def test_cli_gate_refusal_is_one_line_and_leaves_nothing_running(tiny):
+    import re
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcap.cli", "generate", "--model", tiny, "--prompt", "hi",
+         "--device", "cpu", "--kv-cache-dtype", "fp8_e4m3", "--tensor-parallel-size", "2",
+         "--kv-cache-memory-gib", "0.01"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: Loaded 0/4 K/V scales. Missing: model.layers.0.self_attn.k_scale, "
+                      "model.layers.0.self_attn.v_scale, model.layers.1.self_attn.k_scale, "
+                      "model.layers.1.self_attn.v_scale (refused on tensor-parallel ranks 0 "
+                      "and 1 of 2)"]
+    workers = [int(x) for x in re.search(r"workers \[([\d, ]+)\]", proc.stderr).group(1)
+               .split(",")]
+    assert workers and not any(_alive(w) for w in workers)
 
 
 def test_calibration_statistics_merge_over_ranks(tiny):

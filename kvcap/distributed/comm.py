@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -99,10 +100,19 @@ class Communicator:
 
         self.symm = SymmAllReduce.create(self, dtype)
 
-    def destroy(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def destroy(self, wait_s: float = 10.0) -> None:
+        """Tear the groups down. NCCL teardown after graph capture has hung once (DEVICE.md):
+        it runs in a daemon thread and is abandoned, with a warning, after `wait_s`."""
         self.data_group = self.ctrl_group = self.symm = None
+        if not dist.is_initialized():
+            return
+        t = threading.Thread(target=dist.destroy_process_group, name="kvcap-tp-destroy",
+                             daemon=True)
+        t.start()
+        t.join(wait_s)
+        if t.is_alive():
+            logger.warning("destroying the process group did not finish in %.0f s; left "
+                           "behind (a new tensor-parallel LLM in this process may fail)", wait_s)
 
     # --- tensors (data group) -------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

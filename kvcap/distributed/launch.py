@@ -132,12 +132,16 @@ class TPDriver(TPRuntime):
         self._stopping = threading.Event()
         self.procs: list[subprocess.Popen] = []
         atexit.register(self.shutdown)
+        # Workers import the same kvcap as this process, wherever it came from.
+        root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [root] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])}
         try:
             for r in range(1, world):
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "kvcap.distributed.worker", str(r), str(world),
                      str(self.store.port)],
-                    stdin=subprocess.PIPE, start_new_session=True))
+                    stdin=subprocess.PIPE, env=env, start_new_session=True))
             logger.info("tensor parallel: %d ranks; workers %s", world,
                         [p.pid for p in self.procs])
             self._wait_ready(time.monotonic() + timeout.total_seconds())

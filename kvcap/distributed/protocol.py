@@ -109,16 +109,16 @@ def serve(llm: Any) -> None:
             if observer is not None and obs_shard is not None:
                 observer.set_shard(obs_shard)
             llm.runner.run_plan(plan)
-        elif kind == OBSERVER:
+        elif kind == OBSERVER:  # None detaches; the last observer stays for ("stats",)
             cfg = msg[1]
-            if cfg is not None:
+            attach = cfg is not None and shard.kv_primary  # replicas: the first copy counts
+            if attach:
+                observer = KVStatsObserver(cfg["num_layers"], rank=comm.rank, bins=cfg["bins"],
+                                           log2_lo=cfg["log2_lo"], log2_hi=cfg["log2_hi"])
+                observer.set_shard(cfg["shard"])
+            elif cfg is not None:
                 observer = None
-                if shard.kv_primary:  # a replica's KV heads are counted by the first copy
-                    observer = KVStatsObserver(cfg["num_layers"], rank=comm.rank,
-                                               bins=cfg["bins"], log2_lo=cfg["log2_lo"],
-                                               log2_hi=cfg["log2_hi"])
-                    observer.set_shard(cfg["shard"])
-            llm.runner.kv_observer = observer.observe if cfg is not None and observer else None
+            llm.runner.kv_observer = observer.observe if attach and observer else None
         elif kind == STATS:
             comm.gather_object(observer.stats() if observer is not None else None)
         elif kind == SHUTDOWN:
