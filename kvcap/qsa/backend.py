@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,8 @@ from kvcap.qsa.indexer import (
 from kvcap.qsa.selection import score_groups, select_tokens, selection_mask
 
 logger = logging.getLogger(__name__)
+
+Probe = Callable[[int, torch.Tensor, LayerKVCache, AttentionMetadata, torch.Tensor, float], None]
 
 
 @dataclass
@@ -70,7 +73,9 @@ def attend_masked_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class QSABackend(AttentionBackend):
-    """`record`: set to a dict to keep each QSA layer's last selection (int32 [T, Hs, W])."""
+    """`record`: set to a dict to collect each QSA layer's selections (a list of int32
+    [T, Hs, W], one per forward). `probe(layer, q, cache, meta, tokens, softmax_scale)`:
+    called after every QSA forward (quality tooling, kvcap.qsa.quality)."""
 
     name = "qsa"
 
@@ -87,7 +92,8 @@ class QSABackend(AttentionBackend):
             raise ValueError("the QSA triton path needs CUDA (or TRITON_INTERPRET=1)")
         self.path = path
         self.fp8_mode = getattr(inner, "fp8_mode", "auto")
-        self.record: dict[int, torch.Tensor] | None = None
+        self.record: dict[int, list[torch.Tensor]] | None = None
+        self.probe: Probe | None = None
         self._rows_meta: AttentionMetadata | None = None
         self._rows: RowInfo | None = None
         logger.info("QSA backend: %d layers %s, %s indexer, top-%d groups of %d (%d tokens), "
@@ -106,22 +112,14 @@ class QSABackend(AttentionBackend):
             self._rows_meta = meta
         return self._rows
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
-                meta: AttentionMetadata, softmax_scale: float, out: torch.Tensor,
-                index: IndexInputs | None = None) -> torch.Tensor:
-        layer = cache.layer_idx
-        if layer not in self.layers or qsa_disabled():
-            return self.inner.forward(q, k, v, cache, meta, softmax_scale, out)
+    def select(self, q: torch.Tensor, k: torch.Tensor, cache: LayerKVCache,
+               meta: AttentionMetadata, index: IndexInputs | None = None) -> torch.Tensor:
+        """Update the layer's side caches with this step's keys and select every row's
+        tokens: int32 [T, Hs, W] (-1 padded; padding rows all -1). Needs no K/V store."""
         cfg = self.config
+        layer = cache.layer_idx
         t, hq, d = q.shape
         hkv = k.shape[1]
-        if self.path == "torch":
-            store_kv_reference(k, v, cache, meta.slot_mapping)
-        else:
-            from kvcap.kernels.store_kv import store_kv
-
-            store_kv(k, v, cache.k_cache, cache.v_cache, meta.slot_mapping, cache.k_scale,
-                     cache.v_scale)
         rows = self._row_info(meta, t)
         side = self.side.layer(layer)
         if cfg.indexer == "trained":
@@ -139,62 +137,89 @@ class QSABackend(AttentionBackend):
         update_side_cache(side, keys, meta.slot_mapping, rows, compress, bounds=self.bounds)
         sel_q = sel_q.to(side.comp.dtype)
         if self.path == "torch":
-            tokens = self._torch_path(q, cache, side, sel_q, meta, mode, scale, softmax_scale,
-                                      out)
+            return self._torch_select(side, sel_q, meta, mode, scale, t)
+        return self._triton_select(side, sel_q, meta, rows, mode, scale)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
+                meta: AttentionMetadata, softmax_scale: float, out: torch.Tensor,
+                index: IndexInputs | None = None) -> torch.Tensor:
+        layer = cache.layer_idx
+        if layer not in self.layers or qsa_disabled():
+            return self.inner.forward(q, k, v, cache, meta, softmax_scale, out)
+        if self.path == "torch":
+            store_kv_reference(k, v, cache, meta.slot_mapping)
         else:
-            tokens = self._triton_path(q, cache, side, sel_q, meta, rows, mode, scale,
-                                       softmax_scale, out)
+            from kvcap.kernels.store_kv import store_kv
+
+            store_kv(k, v, cache.k_cache, cache.v_cache, meta.slot_mapping, cache.k_scale,
+                     cache.v_scale)
+        tokens = self.select(q, k, cache, meta, index)
+        if self.path == "torch":
+            self._torch_attend(q, cache, meta, tokens, softmax_scale, out)
+        else:
+            self._triton_attend(q, cache, meta, tokens, softmax_scale, out)
         if self.record is not None:
-            self.record[layer] = tokens
+            self.record.setdefault(layer, []).append(tokens)
+        if self.probe is not None:
+            self.probe(layer, q, cache, meta, tokens, softmax_scale)
         return out
 
-    def _torch_path(self, q, cache, side, sel_q, meta, mode, scale, softmax_scale, out
-                    ) -> torch.Tensor:
+    def _torch_select(self, side, sel_q, meta, mode, scale, num_rows) -> torch.Tensor:
         cfg = self.config
         r = cfg.compress_ratio
-        hs = sel_q.shape[1]
         qsl = meta.query_start_loc_cpu
-        tokens = torch.full((q.shape[0], hs, cfg.width), -1, dtype=torch.int32,
-                            device=q.device)
+        tokens = torch.full((num_rows, sel_q.shape[1], cfg.width), -1, dtype=torch.int32,
+                            device=sel_q.device)
         for i, seq_len in enumerate(meta.seq_lens_cpu):
             start, end = qsl[i], qsl[i + 1]
-            n = end - start
-            if n == 0:
+            if end == start:
                 continue
             g = seq_len // r
             lo = gather_groups(side.comp, meta.block_tables[i], g)
             hi = gather_groups(side.hi, meta.block_tables[i], g) if side.hi is not None else None
             scores = score_groups(sel_q[start:end], lo, mode, scale, hi)  # [n, Hs, G]
-            pos = torch.arange(seq_len - n, seq_len, device=q.device)
-            sel = select_tokens(scores, pos, seq_len, r, cfg.topk_groups, cfg.include_tail)
-            tokens[start:end] = sel
-            kf, vf = gather_kv_reference(cache, meta.block_tables[i], seq_len)
-            mask = selection_mask(sel, seq_len)
-            res = attend_masked_reference(q[start:end], kf, vf, mask, softmax_scale)
-            out[start:end] = res.to(out.dtype)
+            pos = torch.arange(seq_len - (end - start), seq_len, device=sel_q.device)
+            tokens[start:end] = select_tokens(scores, pos, seq_len, r, cfg.topk_groups,
+                                              cfg.include_tail)
         return tokens
 
-    def _triton_path(self, q, cache, side, sel_q, meta, rows: RowInfo, mode, scale,
-                     softmax_scale, out) -> torch.Tensor:
-        from kvcap.kernels.qsa_attention import qsa_sparse_attention
+    @staticmethod
+    def _torch_attend(q, cache, meta, tokens, softmax_scale, out) -> None:
+        qsl = meta.query_start_loc_cpu
+        for i, seq_len in enumerate(meta.seq_lens_cpu):
+            start, end = qsl[i], qsl[i + 1]
+            if end == start:
+                continue
+            kf, vf = gather_kv_reference(cache, meta.block_tables[i], seq_len)
+            mask = selection_mask(tokens[start:end], seq_len)
+            res = attend_masked_reference(q[start:end], kf, vf, mask, softmax_scale)
+            out[start:end] = res.to(out.dtype)
+
+    def _triton_select(self, side, sel_q, meta, rows: RowInfo, mode, scale) -> torch.Tensor:
         from kvcap.kernels.qsa_score import qsa_score
         from kvcap.kernels.qsa_topk import qsa_topk
 
         cfg = self.config
-        r, k = cfg.compress_ratio, cfg.topk_groups
+        r = cfg.compress_ratio
         vis = torch.minimum((rows.pos + 1) // r, rows.seq_len // r)
-        vis = torch.where(rows.valid, vis, 0)
-        pos = torch.where(rows.valid, rows.pos, -1)
-        counts = torch.minimum(vis, torch.full_like(vis, k)) * r
-        if cfg.include_tail:
-            counts = counts + torch.clamp(pos - vis * r + 1, min=0)
-        counts = torch.where(rows.valid, counts, -1).to(torch.int32)
-        vis32, pos32 = vis.to(torch.int32), pos.to(torch.int32)
+        vis = torch.where(rows.valid, vis, 0).to(torch.int32)
+        pos = torch.where(rows.valid, rows.pos, -1).to(torch.int32)
         num_groups = max(meta.max_seq_len // r, 1)
         scores = qsa_score(sel_q.contiguous(), side.comp, side.hi, meta.block_tables, rows.seq,
-                           vis32, num_groups, mode, scale)
-        tokens = qsa_topk(scores, vis32, pos32, k, r, cfg.include_tail)
+                           vis, num_groups, mode, scale)
+        return qsa_topk(scores, vis, pos, cfg.topk_groups, r, cfg.include_tail)
+
+    def _triton_attend(self, q, cache, meta, tokens, softmax_scale, out) -> None:
+        from kvcap.kernels.qsa_attention import qsa_sparse_attention
+
+        cfg = self.config
+        r, k = cfg.compress_ratio, cfg.topk_groups
+        rows = self._row_info(meta, q.shape[0])
+        vis = torch.minimum((rows.pos + 1) // r, rows.seq_len // r)
+        counts = torch.clamp(vis, max=k) * r
+        if cfg.include_tail:
+            counts = counts + torch.clamp(rows.pos - vis * r + 1, min=0)
+        counts = torch.where(rows.valid, counts, -1).to(torch.int32)
         qsa_sparse_attention(q, cache.k_cache, cache.v_cache, out, tokens, counts, rows.seq,
                              meta.block_tables, softmax_scale, cache.k_scale, cache.v_scale,
                              fp8_mode=self.fp8_mode)
-        return tokens

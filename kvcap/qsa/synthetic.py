@@ -120,7 +120,7 @@ def run_steps(backend: QSABackend, cache: LayerKVCache, steps: list[Step],
         out = torch.full_like(st.q, 7.0)
         index = IndexInputs(st.iq, st.ik, plain_mean) if st.iq is not None else None
         backend.forward(st.q, st.k, st.v, cache, st.meta, softmax_scale, out, index=index)
-        res.append((out, backend.record[cache.layer_idx].clone()))
+        res.append((out, backend.record[cache.layer_idx][-1].clone()))
     return res
 
 
