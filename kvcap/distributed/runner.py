@@ -48,15 +48,21 @@ class DriverRunner(ModelRunner):
     def set_observer(self, obs) -> None:
         """Attach `obs` (a KVStatsObserver) here and a fresh one like it on every rank."""
         cfg = observer_config(obs) if obs is not None else None
-        self.driver.send((OBSERVER, cfg))
+        try:
+            self.driver.send((OBSERVER, cfg))
+        except BaseException as e:
+            self._fatal(e)
         if obs is not None:
             self.observer = obs
         self.kv_observer = obs.observe if obs is not None else None
 
     def collect_stats(self, per_rank: bool = False):
         """K/V statistics of every rank's observer: merged, or a list in rank order."""
-        self.driver.send((STATS,))
-        stats = self.driver.comm.gather_object(None)
+        try:
+            self.driver.send((STATS,))
+            stats = self.driver.comm.gather_object(None)
+        except BaseException as e:
+            self._fatal(e)
         assert stats is not None  # rank 0 receives
         stats[0] = self.observer.stats() if self.observer is not None else None
         return stats if per_rank else merge_rank_stats(stats)
