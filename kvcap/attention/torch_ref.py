@@ -43,9 +43,10 @@ def gather_kv_reference(cache: LayerKVCache, block_table: torch.Tensor, seq_len:
         raise ValueError(f"block table covers fewer than the {nblk} blocks of {seq_len} tokens")
     out = []
     for src, scale in ((cache.k_cache, cache.k_scale), (cache.v_cache, cache.v_scale)):
-        pages = src[blocks]  # [nblk, Hkv, bs, D]
-        hkv, d = pages.shape[1], pages.shape[3]
-        x = pages.permute(1, 0, 2, 3).reshape(hkv, nblk * bs, d)[:, :seq_len]
+        # One copy: select the pages along a head-major view -> [Hkv, nblk, bs, D], contiguous.
+        pages = src.permute(1, 0, 2, 3).index_select(1, blocks)
+        hkv, d = pages.shape[0], pages.shape[3]
+        x = pages.reshape(hkv, nblk * bs, d)[:, :seq_len]
         x = e4m3.decode(x, scale) if cache.is_fp8 else x.float()
         out.append(x)
     return out[0], out[1]
@@ -55,19 +56,19 @@ def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_
                      softmax_scale: float) -> torch.Tensor:
     """Causal GQA attention of n new queries q [n, Hq, D] over k/v [Hkv, S, D] (FP32), where
     query j sits at position context_len + j. Returns FP32 [n, Hq, D]."""
-    n, hq, _ = q.shape
+    n, hq, d = q.shape
     hkv, s, _ = k.shape
     group = hq // hkv
-    qf = q.float().transpose(0, 1)  # [Hq, n, D]
-    kf = k.repeat_interleave(group, dim=0)
-    vf = v.repeat_interleave(group, dim=0)
-    scores = torch.matmul(qf, kf.transpose(1, 2)) * softmax_scale  # [Hq, n, S]
-    qpos = context_len + torch.arange(n, device=q.device)
-    kpos = torch.arange(s, device=q.device)
-    mask = kpos[None, :] <= qpos[:, None]
-    scores = scores.masked_fill(~mask, float("-inf"))
+    # Group query heads by their KV head: [Hkv, group * n, D], no K/V repetition.
+    qf = q.float().reshape(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
+    scores = torch.matmul(qf, k.transpose(1, 2)) * softmax_scale  # [Hkv, group * n, S]
+    if n > 1 or context_len + 1 < s:
+        qpos = context_len + torch.arange(n, device=q.device).repeat(group)
+        mask = torch.arange(s, device=q.device)[None, :] > qpos[:, None]
+        scores = scores.masked_fill(mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, vf).transpose(0, 1)
+    o = torch.matmul(probs, v)  # [Hkv, group * n, D]
+    return o.reshape(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
 
 
 class TorchReferenceBackend(AttentionBackend):
