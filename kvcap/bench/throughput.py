@@ -151,6 +151,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kv-gib", type=float, default=None, help="fixed KV budget for every arm")
     ap.add_argument("--hf-baseline", action="store_true")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--out", default="docs/benchmarks")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -175,7 +176,8 @@ def main(argv=None) -> int:
             llm = LLM(model=model, dtype="float16", kv_cache_dtype=kv_dtype,
                       kv_scales=scales if kv_dtype == "fp8_e4m3" else None,
                       max_num_seqs=max(args.concurrency), max_model_len=max_ctx,
-                      max_num_batched_tokens=8192, **kw)
+                      max_num_batched_tokens=8192,
+                      tensor_parallel_size=args.tensor_parallel_size, **kw)
             report["capacity"].append({"shape": shape, "kv": mode, "tokens": llm.pool.num_tokens,
                                        "bytes_per_token": llm.pool.spec.bytes_per_token})
             for ctx in args.context:
@@ -191,6 +193,7 @@ def main(argv=None) -> int:
                     report["cells"].append(cell)
                     print(json.dumps(cell), flush=True)
                     _save(report, path)  # every cell, so a cut-short run keeps what it measured
+            llm.shutdown()  # a process holds one tensor-parallel LLM at a time
             del llm
             gc.collect()
             torch.cuda.empty_cache()
