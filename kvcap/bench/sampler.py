@@ -173,11 +173,11 @@ def sweep(v: int = 248_320) -> list[dict[str, object]]:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="docs/benchmarks")
     ap.add_argument("--sweep", action="store_true", help="also time stage-1 variants")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("error: the sampler benchmark needs a CUDA GPU")
     try:

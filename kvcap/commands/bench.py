@@ -1,0 +1,24 @@
+"""`kvcap bench <suite> [args]`: run a benchmark script (each also runs as python -m)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from kvcap.errors import ConfigError
+
+HELP = "run a benchmark: throughput | kernels | sampler | serving | qsa (see docs/benchmarks)"
+SUITES = ("throughput", "kernels", "sampler", "serving", "qsa")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("suite", choices=SUITES)
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the suite (--help)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        mod = importlib.import_module(f"kvcap.bench.{args.suite}")
+    except ModuleNotFoundError as e:
+        raise ConfigError(f"benchmark suite {args.suite!r} is not available: {e}") from None
+    return int(mod.main(args.args) or 0)
