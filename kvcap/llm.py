@@ -282,12 +282,14 @@ class LLM:
         elif kv_scales is not None:
             if self.model_dir is None:
                 raise ConfigError("a scale overlay needs a real checkpoint, not dummy weights")
-            from kvcap.scales.overlay import load_overlay_scales
+            from kvcap.scales.overlay import describe_scale_source, load_overlay_scales
 
             found = load_overlay_scales(self.model_dir, Path(kv_scales))
-            source = f"overlay {kv_scales}"
+            source = describe_scale_source(kv_scales).replace("checkpoint", "overlay pack", 1)
         else:
-            source = f"checkpoint {self.model_dir}"
+            from kvcap.scales.overlay import describe_scale_source
+
+            source = describe_scale_source(self.model_dir)
         k, v = run_gate(self.spec, found, source)
         self.pool.set_scales(k, v, source)
 
