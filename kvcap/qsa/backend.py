@@ -113,14 +113,16 @@ class QSABackend(AttentionBackend):
         return self._rows
 
     def select(self, q: torch.Tensor, k: torch.Tensor, cache: LayerKVCache,
-               meta: AttentionMetadata, index: IndexInputs | None = None) -> torch.Tensor:
+               meta: AttentionMetadata, index: IndexInputs | None = None,
+               rows: RowInfo | None = None) -> torch.Tensor:
         """Update the layer's side caches with this step's keys and select every row's
-        tokens: int32 [T, Hs, W] (-1 padded; padding rows all -1). Needs no K/V store."""
+        tokens: int32 [T, Hs, W] (-1 padded; padding rows all -1). Needs no K/V store.
+        `rows`: RowInfo of `meta` if the caller built it (else built once per metadata)."""
         cfg = self.config
         layer = cache.layer_idx
         t, hq, d = q.shape
         hkv = k.shape[1]
-        rows = self._row_info(meta, t)
+        rows = rows if rows is not None else self._row_info(meta, t)
         side = self.side.layer(layer)
         if cfg.indexer == "trained":
             if index is None:
@@ -154,14 +156,21 @@ class QSABackend(AttentionBackend):
             store_kv(k, v, cache.k_cache, cache.v_cache, meta.slot_mapping, cache.k_scale,
                      cache.v_scale)
         tokens = self.select(q, k, cache, meta, index)
-        if self.path == "torch":
-            self._torch_attend(q, cache, meta, tokens, softmax_scale, out)
-        else:
-            self._triton_attend(q, cache, meta, tokens, softmax_scale, out)
+        self.attend(q, cache, meta, tokens, softmax_scale, out)
         if self.record is not None:
             self.record.setdefault(layer, []).append(tokens)
         if self.probe is not None:
             self.probe(layer, q, cache, meta, tokens, softmax_scale)
+        return out
+
+    def attend(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
+               tokens: torch.Tensor, softmax_scale: float, out: torch.Tensor,
+               rows: RowInfo | None = None) -> torch.Tensor:
+        """Attention of q [T, Hq, D] over each row's selected tokens [T, Hs, W] -> out."""
+        if self.path == "torch":
+            self._torch_attend(q, cache, meta, tokens, softmax_scale, out)
+        else:
+            self._triton_attend(q, cache, meta, tokens, softmax_scale, out, rows)
         return out
 
     def _torch_select(self, side, sel_q, meta, mode, scale, num_rows) -> torch.Tensor:
@@ -209,12 +218,12 @@ class QSABackend(AttentionBackend):
                            vis, num_groups, mode, scale)
         return qsa_topk(scores, vis, pos, cfg.topk_groups, r, cfg.include_tail)
 
-    def _triton_attend(self, q, cache, meta, tokens, softmax_scale, out) -> None:
+    def _triton_attend(self, q, cache, meta, tokens, softmax_scale, out, rows=None) -> None:
         from kvcap.kernels.qsa_attention import qsa_sparse_attention
 
         cfg = self.config
         r, k = cfg.compress_ratio, cfg.topk_groups
-        rows = self._row_info(meta, q.shape[0])
+        rows = rows if rows is not None else self._row_info(meta, q.shape[0])
         vis = torch.minimum((rows.pos + 1) // r, rows.seq_len // r)
         counts = torch.clamp(vis, max=k) * r
         if cfg.include_tail:

@@ -56,10 +56,11 @@ def output_agreement(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
 
 def mass_recall(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
                 tokens: torch.Tensor, softmax_scale: float, min_visible: int = 0,
-                ratio: int = 4) -> tuple[float, int]:
+                ratio: int = 4, every: int = 1) -> tuple[float, int]:
     """(sum over rows x query heads of the dense attention mass on the selected tokens,
-    number of rows x heads counted). Rows see groups <= pos; only rows with more than
-    `min_visible` complete groups are counted (others are dense by construction)."""
+    number of rows x heads counted). Only rows with more than `min_visible` complete groups
+    (others are dense by construction) and, with `every` > 1, only positions p with
+    p % every == every - 1 (a subsample) are counted."""
     total, count = 0.0, 0
     qsl = meta.query_start_loc_cpu
     for i, seq_len in enumerate(meta.seq_lens_cpu):
@@ -68,7 +69,7 @@ def mass_recall(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
         if n == 0:
             continue
         pos = torch.arange(seq_len - n, seq_len, device=q.device)
-        rows = ((pos + 1) // ratio) > min_visible
+        rows = (((pos + 1) // ratio) > min_visible) & (pos % every == every - 1)
         if not bool(rows.any()):
             continue
         kf, _ = gather_kv_reference(cache, meta.block_tables[i], seq_len)
@@ -89,12 +90,13 @@ def mass_recall(q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
 class MassRecallProbe:
     """Accumulates per-layer dense attention-mass recall; `probe` for QSABackend.probe."""
 
-    def __init__(self, topk_groups: int, ratio: int = 4):
-        self.k, self.ratio = topk_groups, ratio
+    def __init__(self, topk_groups: int, ratio: int = 4, every: int = 1):
+        self.k, self.ratio, self.every = topk_groups, ratio, every
         self.sums: dict[object, list[float]] = defaultdict(lambda: [0.0, 0])
 
     def __call__(self, layer, q, cache, meta, tokens, softmax_scale, key=None) -> None:
-        s, n = mass_recall(q, cache, meta, tokens, softmax_scale, self.k, self.ratio)
+        s, n = mass_recall(q, cache, meta, tokens, softmax_scale, self.k, self.ratio,
+                           self.every)
         acc = self.sums[layer if key is None else (key, layer)]
         acc[0] += s
         acc[1] += n
