@@ -20,9 +20,9 @@ def _results() -> dict:
     arm = {"perplexity": 10.02, "nll_mean": 2.3, "ppl_delta_pct": 0.2, "positions": 100,
            "top1_agreement": 0.995, "kl_mean": 1e-3, "kl_max": 0.02,
            "kl_quantiles": {"p99": 0.01}, "kl_histogram": [10, 50, 30, 10],
-           "internals": internals, "per_shard": {"prose": {"perplexity": 10.0,
-                                                           "kl_mean": 1e-3,
-                                                           "top1_agreement": 0.99}}}
+           "internals": internals, "internals_isolated": internals,
+           "per_shard": {"prose": {"perplexity": 10.0, "kl_mean": 1e-3,
+                                   "top1_agreement": 0.99}}}
     control = {**arm, "top1_agreement": 0.97, "kl_mean": 5e-3, "ppl_delta_pct": 1.0}
     ref = {"perplexity": 10.0, "nll_mean": 2.3, "ppl_delta_pct": 0.0,
            "per_shard": {"prose": {"perplexity": 10.0}}}
@@ -63,6 +63,7 @@ def test_goals():
     assert goals["retrieval_regressions"]["control_value"] == 1
     assert goals["retrieval_score_delta"]["value"] == 0
     assert goals["attn_mean_cosine"]["met"] is True
+    assert goals["attn_mean_cosine_e2e"]["value"] == 0.9995
     missing = report.evaluate_goals({}, "e4m3", None)
     assert all(g["met"] is None for g in missing)
 
@@ -97,8 +98,8 @@ def test_report_files_are_self_describing(tmp_path: Path):
         assert data["environment"][key]
     md = paths["md"].read_text()
     for section in ("## Goals", "## Held-out", "## Greedy generation", "## Retrieval",
-                    "## Data provenance", "## Figures", "ab" * 32, "cd" * 32,
-                    "passkey@512/50"):
+                    "## Data provenance", "## Figures", "same layer inputs", "end to end",
+                    "ab" * 32, "cd" * 32, "passkey@512/50"):
         assert section in md
 
 

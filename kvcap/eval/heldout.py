@@ -17,7 +17,12 @@ from tqdm.auto import tqdm
 
 from kvcap.eval import metrics
 from kvcap.eval.corpora import Shard
-from kvcap.eval.internals import AttnOutCapture, LayerErrors
+from kvcap.eval.internals import (
+    AttnOutCapture,
+    LayerErrors,
+    LayerInputCapture,
+    LayerInputInjection,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +55,27 @@ class _ArmTotals:
         s[4] += nll.numel()
 
 
-def _logits(llm: Any, ids: list[int], capture: bool) -> tuple[torch.Tensor, list | None]:
+def _logits(llm: Any, ids: list[int], capture: bool, record_inputs: bool = False
+            ) -> tuple[torch.Tensor, list | None, list | None]:
+    """Logits [T, V]; with `capture`, per-layer attention outputs (and layer inputs)."""
     if not capture:
-        return llm.prompt_logits([ids])[0], None
+        return llm.prompt_logits([ids])[0], None, None
+    inputs = None
     with AttnOutCapture(llm.model) as cap:
-        logits = llm.prompt_logits([ids])[0]
-    return logits, cap.layer_outputs(len(ids))
+        if record_inputs:
+            with LayerInputCapture(llm.model) as rec:
+                logits = llm.prompt_logits([ids])[0]
+            inputs = [x[:len(ids)] for x in rec.inputs()]
+        else:
+            logits = llm.prompt_logits([ids])[0]
+    return logits, cap.layer_outputs(len(ids)), inputs
+
+
+def _isolated(llm: Any, ids: list[int], ref_inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-layer attention outputs when every layer is fed the reference's layer inputs."""
+    with AttnOutCapture(llm.model) as cap, LayerInputInjection(llm.model, ref_inputs):
+        llm.prompt_logits([ids])
+    return cap.layer_outputs(len(ids))
 
 
 def run_heldout(
@@ -65,14 +85,15 @@ def run_heldout(
     totals = {name: _ArmTotals() for name in llms}
     num_layers = llms[reference].spec.num_layers
     layer_err = {name: LayerErrors(num_layers) for name in llms if name != reference}
+    isolated_err = {name: LayerErrors(num_layers) for name in llms if name != reference}
     work = [(s.name, r) for s in shards for r in s.records]
     for shard_name, ids in tqdm(work, desc="held-out (teacher-forced)"):
-        ref_logits, ref_layers = _logits(llms[reference], ids, internals)
+        ref_logits, ref_layers, ref_inputs = _logits(llms[reference], ids, internals, True)
         totals[reference].add(shard_name, None, None, metrics.next_token_nll(ref_logits, ids))
         for name, llm in llms.items():
             if name == reference:
                 continue
-            logits, layers = _logits(llm, ids, internals)
+            logits, layers, _ = _logits(llm, ids, internals)
             totals[name].add(
                 shard_name,
                 metrics.kl_per_position(ref_logits, logits),
@@ -81,6 +102,8 @@ def run_heldout(
             )
             if internals and ref_layers is not None and layers is not None:
                 layer_err[name].add(ref_layers, layers)
+                if ref_inputs is not None:
+                    isolated_err[name].add(ref_layers, _isolated(llm, ids, ref_inputs))
     ref_ppl = metrics.perplexity(totals[reference].nll, totals[reference].nll_count)
     summary: dict[str, Any] = {
         "records": len(work),
@@ -112,6 +135,7 @@ def run_heldout(
             )
             if internals:
                 arm["internals"] = layer_err[name].summary()
+                arm["internals_isolated"] = isolated_err[name].summary()
         arm["per_shard"] = {
             sh: {
                 "perplexity": metrics.perplexity(v[3], int(v[4])),

@@ -2,8 +2,12 @@
 
 `AttnOutCapture` records, for one request at a time, every row each layer's attention emits
 ([T, Hq*D] before o_proj); chunked prefill appends chunks in order, so the first T rows are the
-prompt's. `LayerErrors` accumulates the agreement of an arm's rows with the reference's rows of
-the same token ids (errors include what earlier layers propagate: both arms run end to end).
+prompt's. `LayerErrors` accumulates the agreement of an arm's rows with the reference's rows.
+
+Two views: *end to end* (both arms run the same token ids; layer i's error includes what the
+quantized layers before it propagated) and *isolated* (`LayerInputCapture` records every decoder
+layer's input hidden states in the reference run and `LayerInputInjection` feeds exactly those
+to the arm's layers, so layer i differs from the reference only by its own K/V quantization).
 """
 
 from __future__ import annotations
@@ -58,6 +62,70 @@ class AttnOutCapture:
                 )
             out.append(rows[:num_tokens])
         return out
+
+
+class LayerInputCapture:
+    """Context manager: records each decoder layer's input hidden states `x` ([T, hidden])."""
+
+    def __init__(self, model: Any):
+        self.layers = list(model.layers)
+        self.rows: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        self._handles: list[Any] = []
+
+    def _hook(self, idx: int):
+        def fn(_mod: torch.nn.Module, args: tuple) -> None:
+            self.rows[idx].append(args[0].detach().clone())
+        return fn
+
+    def __enter__(self) -> LayerInputCapture:
+        self.rows = [[] for _ in self.layers]
+        self._handles = [m.register_forward_pre_hook(self._hook(i))
+                         for i, m in enumerate(self.layers)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def inputs(self) -> list[torch.Tensor]:
+        return [torch.cat(chunks, dim=0) for chunks in self.rows]
+
+
+class LayerInputInjection:
+    """Context manager: replaces each decoder layer's input with the recorded reference rows,
+    chunk by chunk in order (chunked prefill gives the same row order in every arm)."""
+
+    def __init__(self, model: Any, inputs: list[torch.Tensor]):
+        self.layers = list(model.layers)
+        if len(inputs) != len(self.layers):
+            raise ValueError(f"{len(inputs)} recorded inputs for {len(self.layers)} layers")
+        self.inputs = inputs
+        self.offset = [0] * len(self.layers)
+        self._handles: list[Any] = []
+
+    def _hook(self, idx: int):
+        def fn(_mod: torch.nn.Module, args: tuple) -> tuple:
+            x = args[0]
+            start = self.offset[idx]
+            ref = self.inputs[idx][start:start + x.shape[0]]
+            if ref.shape != x.shape:
+                raise RuntimeError(f"layer {idx}: recorded input rows {tuple(ref.shape)} do not "
+                                   f"match this forward's {tuple(x.shape)}")
+            self.offset[idx] = start + x.shape[0]
+            return (ref.to(device=x.device, dtype=x.dtype), *args[1:])
+        return fn
+
+    def __enter__(self) -> LayerInputInjection:
+        self.offset = [0] * len(self.layers)
+        self._handles = [m.register_forward_pre_hook(self._hook(i))
+                         for i, m in enumerate(self.layers)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
 
 class LayerErrors:

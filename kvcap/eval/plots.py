@@ -16,32 +16,26 @@ logger = logging.getLogger(__name__)
 
 
 def per_layer_error(heldout: dict[str, Any], labels: dict[str, str], path: Path) -> Path | None:
-    arms = {n: a["internals"]["per_layer"] for n, a in heldout["arms"].items() if "internals" in a}
-    if not arms:
+    """Solid: same layer inputs (isolated); dashed: end to end."""
+    views = [(key, style) for key, style in (("internals_isolated", "-"), ("internals", "--"))
+             if any(key in a for a in heldout["arms"].values())]
+    if not views:
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, rows in arms.items():
-        layers = [r["layer"] for r in rows]
-        ax1.semilogy(
-            layers,
-            [max(1 - r["cosine"], 1e-12) for r in rows],
-            marker="o",
-            ms=3,
-            label=labels.get(name, name),
-        )
-        ax2.semilogy(
-            layers,
-            [max(r["rel_l2"], 1e-12) for r in rows],
-            marker="o",
-            ms=3,
-            label=labels.get(name, name),
-        )
-    ax1.axhline(1e-3, color="grey", ls="--", lw=0.8, label="goal: cosine 0.999")
+    for ci, (name, arm) in enumerate(a for a in heldout["arms"].items() if views[0][0] in a[1]):
+        for key, style in views:
+            rows = arm[key]["per_layer"]
+            layers = [r["layer"] for r in rows]
+            tag = f"{labels.get(name, name)}, {'isolated' if key.endswith('isolated') else 'e2e'}"
+            kw = {"ls": style, "marker": "o", "ms": 3, "color": f"C{ci}", "label": tag}
+            ax1.semilogy(layers, [max(1 - r["cosine"], 1e-12) for r in rows], **kw)
+            ax2.semilogy(layers, [max(r["rel_l2"], 1e-12) for r in rows], **kw)
+    ax1.axhline(1e-3, color="grey", ls=":", lw=0.8, label="goal: cosine 0.999")
     ax1.set(xlabel="layer", ylabel="1 - cosine", title="attention output vs reference")
     ax2.set(xlabel="layer", ylabel="relative L2", title="attention output vs reference")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -24,7 +24,8 @@ GOALS: tuple[tuple[str, str, str], ...] = (
     ("ppl_delta_pct", "perplexity delta [%]", "<= 0.5"),
     ("retrieval_regressions", "retrieval paired regressions", "<= 0"),
     ("retrieval_score_delta", "retrieval score minus reference", ">= 0"),
-    ("attn_mean_cosine", "mean attention-output cosine", ">= 0.999"),
+    ("attn_mean_cosine", "mean attention-output cosine (same layer inputs)", ">= 0.999"),
+    ("attn_mean_cosine_e2e", "mean attention-output cosine (end to end)", ">= 0.999"),
 )
 
 
@@ -62,8 +63,10 @@ def arm_metrics(results: dict[str, Any], arm: str) -> dict[str, float | None]:
             kl_mean=ho.get("kl_mean"),
             ppl_delta_pct=ho.get("ppl_delta_pct"),
         )
+        if "internals_isolated" in ho:
+            out["attn_mean_cosine"] = ho["internals_isolated"]["mean_cosine"]
         if "internals" in ho:
-            out["attn_mean_cosine"] = ho["internals"]["mean_cosine"]
+            out["attn_mean_cosine_e2e"] = ho["internals"]["mean_cosine"]
     gen = results.get("generation", {}).get("arms", {}).get(arm)
     if gen and gen["n"]:
         out["first_token_agreement"] = gen["first_token_equal"] / gen["n"]

@@ -67,9 +67,14 @@ def _heldout(h: dict[str, Any]) -> list[str]:
                          s["perplexity"]])
     lines += ["Per shard:", ""] + _table(["arm", "shard", "top-1", "mean KL", "perplexity"],
                                          rows)
-    internals = {n: a["internals"] for n, a in h["arms"].items() if "internals" in a}
-    if internals:
-        lines += ["### Attention outputs per layer (vs reference, same token ids)", ""]
+    for key, title in (("internals_isolated", "same layer inputs: each layer fed the "
+                        "reference's hidden states, so only its own K/V quantization differs"),
+                       ("internals", "end to end: same token ids, errors of earlier layers "
+                        "propagate")):
+        internals = {n: a[key] for n, a in h["arms"].items() if key in a}
+        if not internals:
+            continue
+        lines += [f"### Attention outputs per layer vs reference ({title})", ""]
         lines += _table(["arm", "mean cosine", "min cosine", "mean rel L2", "max rel L2"],
                         [[n, i["mean_cosine"], i["min_cosine"], i["mean_rel_l2"],
                           i["max_rel_l2"]] for n, i in internals.items()])

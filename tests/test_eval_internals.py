@@ -1,0 +1,79 @@
+"""Per-layer attention capture and same-input injection on a tiny random-weight model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvcap.eval import heldout
+from kvcap.eval.internals import AttnOutCapture, LayerInputCapture, LayerInputInjection
+from kvcap.eval.metrics import tensor_error
+
+CFG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+       "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
+       "intermediate_size": 96, "vocab_size": 97, "max_position_embeddings": 256,
+       "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def llms(tmp_path_factory):
+    from kvcap.llm import LLM
+
+    path = tmp_path_factory.mktemp("tiny") / "config.json"
+    path.write_text(json.dumps(CFG))
+    common = dict(model=f"dummy:{path}", device="cpu", num_blocks=32, block_size=16,
+                  max_num_batched_tokens=16, enable_prefix_caching=False, seed=3)
+    scales = {f"model.layers.{i}.self_attn.{t}_scale": 0.02 for i in range(3) for t in "kv"}
+    return {"reference": LLM(kv_cache_dtype="fp32", **common),
+            "same": LLM(kv_cache_dtype="fp32", **common),
+            "e4m3": LLM(kv_cache_dtype="fp8_e4m3", kv_scales=scales, **common)}
+
+
+IDS = [int(i) for i in torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(0))]
+
+
+def test_capture_rows_and_chunked_injection(llms):
+    ref = llms["reference"]
+    with AttnOutCapture(ref.model) as cap, LayerInputCapture(ref.model) as rec:
+        ref.prompt_logits([IDS])
+    outs = cap.layer_outputs(len(IDS))
+    inputs = [x[:len(IDS)] for x in rec.inputs()]
+    assert [o.shape for o in outs] == [torch.Size([40, 64])] * 3
+    assert len(rec.rows[0]) == 3  # 40 tokens in chunks of 16: the injection must follow them
+    same = llms["same"]
+    with AttnOutCapture(same.model) as cap2, LayerInputInjection(same.model, inputs):
+        same.prompt_logits([IDS])
+    for a, b in zip(outs, cap2.layer_outputs(len(IDS)), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_isolated_vs_end_to_end(llms):
+    summary, kl = heldout.run_heldout({"reference": llms["reference"], "e4m3": llms["e4m3"]},
+                                      "reference", [_shard()], internals=True)
+    arm = summary["arms"]["e4m3"]
+    iso, e2e = arm["internals_isolated"]["per_layer"], arm["internals"]["per_layer"]
+    assert iso[0]["cosine"] == pytest.approx(e2e[0]["cosine"], rel=1e-12)
+    assert iso[0]["cosine"] < 1.0  # quantization is visible
+    assert iso[2]["rel_l2"] != pytest.approx(e2e[2]["rel_l2"], rel=1e-9)
+    assert len(kl["e4m3"]) == len(IDS) and arm["positions"] == len(IDS)
+    assert 0.0 <= arm["top1_agreement"] <= 1.0
+
+
+def test_identical_arms_score_perfectly(llms):
+    summary, _ = heldout.run_heldout({"reference": llms["reference"], "same": llms["same"]},
+                                     "reference", [_shard()], internals=True)
+    arm = summary["arms"]["same"]
+    assert arm["top1_agreement"] == 1.0
+    assert arm["kl_mean"] == pytest.approx(0.0, abs=1e-12)
+    assert arm["ppl_delta_pct"] == pytest.approx(0.0, abs=1e-9)
+    assert arm["internals_isolated"]["min_cosine"] == pytest.approx(1.0, abs=1e-9)
+    err = tensor_error(torch.ones(3), torch.ones(3))
+    assert err.rel_l2 == 0.0
+
+
+def _shard():
+    from kvcap.eval.corpora import Shard
+
+    return Shard("tiny", [IDS], [{"generator": "test"}])
