@@ -37,6 +37,8 @@ from kvcap.qsa.selection import score_groups, select_tokens, selection_mask
 
 logger = logging.getLogger(__name__)
 
+SCORE_WORKSPACE_BYTES = 256 << 20  # triton path: rows are scored in chunks under this size
+
 Probe = Callable[[int, torch.Tensor, LayerKVCache, AttentionMetadata, torch.Tensor, float], None]
 
 
@@ -96,6 +98,7 @@ class QSABackend(AttentionBackend):
         self.probe: Probe | None = None
         self._rows_meta: AttentionMetadata | None = None
         self._rows: RowInfo | None = None
+        self._rows_key: tuple[int, bool] | None = None
         logger.info("QSA backend: %d layers %s, %s indexer, top-%d groups of %d (%d tokens), "
                     "%s path over %s", len(self.layers), sorted(self.layers), config.indexer,
                     config.topk_groups, config.compress_ratio, config.token_budget, path,
@@ -106,10 +109,13 @@ class QSABackend(AttentionBackend):
         return self.config.indexer == "training_free" and self.config.summary == "minmax"
 
     def _row_info(self, meta: AttentionMetadata, num_rows: int) -> RowInfo:
-        if meta is not self._rows_meta or self._rows is None or \
-                self._rows.pos.shape[0] != num_rows:
+        """Built once per metadata object and shared by the layers of a step; rebuilt inside
+        a CUDA-graph capture so that the graph recomputes it from its static buffers."""
+        capturing = meta.seq_lens.is_cuda and torch.cuda.is_current_stream_capturing()
+        key = (num_rows, capturing)
+        if meta is not self._rows_meta or self._rows is None or key != self._rows_key:
             self._rows = RowInfo.build(meta, num_rows)
-            self._rows_meta = meta
+            self._rows_meta, self._rows_key = meta, key
         return self._rows
 
     def select(self, q: torch.Tensor, k: torch.Tensor, cache: LayerKVCache,
@@ -214,9 +220,18 @@ class QSABackend(AttentionBackend):
         vis = torch.where(rows.valid, vis, 0).to(torch.int32)
         pos = torch.where(rows.valid, rows.pos, -1).to(torch.int32)
         num_groups = max(meta.max_seq_len // r, 1)
-        scores = qsa_score(sel_q.contiguous(), side.comp, side.hi, meta.block_tables, rows.seq,
-                           vis, num_groups, mode, scale)
-        return qsa_topk(scores, vis, pos, cfg.topk_groups, r, cfg.include_tail)
+        t, hs = sel_q.shape[0], sel_q.shape[1]
+        sel_q = sel_q.contiguous()
+        tokens = torch.empty((t, hs, cfg.width), dtype=torch.int32, device=sel_q.device)
+        # cap the FP32 score workspace (long prefill chunks x many groups)
+        step = max(1, min(t, SCORE_WORKSPACE_BYTES // (4 * hs * num_groups)))
+        for lo in range(0, t, step):
+            hi = min(t, lo + step)
+            scores = qsa_score(sel_q[lo:hi], side.comp, side.hi, meta.block_tables,
+                               rows.seq[lo:hi], vis[lo:hi], num_groups, mode, scale)
+            qsa_topk(scores, vis[lo:hi], pos[lo:hi], cfg.topk_groups, r, cfg.include_tail,
+                     out=tokens[lo:hi])
+        return tokens
 
     def _triton_attend(self, q, cache, meta, tokens, softmax_scale, out, rows=None) -> None:
         from kvcap.kernels.qsa_attention import qsa_sparse_attention
