@@ -22,6 +22,16 @@ SMALL = QSAConfig(layer_rule="all_but_first", first_dense=1, topk_groups=4)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: on a shared, oversubscribed CPU, torch's thread pool spends far
+    longer synchronising than computing on these small shapes."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("qsa_tiny") / "config.json"
@@ -133,5 +143,7 @@ def test_side_bytes_per_token():
     spec = ModelSpec.from_hf_config(TINY)
     # 3 QSA layers x (4 ring + 4 compressed rows) x 2 heads x 16 dims x 2 B / 16 tokens
     assert qsa_side_bytes_per_token(SMALL, spec, 16) == 3 * 8 * 2 * 16 * 2 // 16
+    bounds = QSAConfig(layer_rule="all_but_first", first_dense=1, summary="minmax")
+    assert qsa_side_bytes_per_token(bounds, spec, 16) == 3 * 8 * 2 * 16 * 2 // 16  # no ring
     ref = QSAConfig(indexer="trained")
     assert qsa_side_bytes_per_token(ref, spec, 16, index_dim=128) == 1 * 8 * 128 * 2 // 16

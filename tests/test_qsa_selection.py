@@ -15,6 +15,16 @@ from kvcap.qsa.selection import score_groups, select_tokens, visible_groups
 from kvcap.qsa.synthetic import step_meta
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: on a shared, oversubscribed CPU, torch's thread pool spends far
+    longer synchronising than computing on these small shapes."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _brute(scores: list[float], pos: int, seq_len: int, ratio: int, k: int,
            tail: bool) -> list[int]:
     vis = min((pos + 1) // ratio, seq_len // ratio)
@@ -89,9 +99,9 @@ def test_score_modes(mode):
 
 
 def _side(nb, hk, dk, bs=16, r=4, bounds=False):
-    raw = torch.zeros(nb + 2, hk, r, dk, dtype=torch.float16)
+    raw = None if bounds else torch.zeros(nb + 2, hk, r, dk, dtype=torch.float16)
     comp = torch.zeros(nb + 2, hk, bs // r, dk, dtype=torch.float16)
-    return LayerSideCache(raw, comp, torch.zeros_like(comp) if bounds else None)
+    return LayerSideCache(raw, comp, torch.zeros_like(comp) if bounds else None, r)
 
 
 @pytest.mark.parametrize("bounds", [False, True])
@@ -123,14 +133,18 @@ def test_side_cache_chunked_equals_one_shot(bounds):
             assert torch.equal(side.comp[blk, :, row], want.half())
             if bounds:
                 assert torch.equal(side.hi[blk, :, row], four.amax(0).half())
-    # the open tail group (tokens 44..) sits in the ring; nothing else was touched
-    assert torch.equal(one.raw[table[2], :, 0], keys[44].half())
-    assert torch.equal(chunked.raw[table[2], :, 0], keys[44].half())
+    # the open tail group (token 44): in the ring, or as running bounds of its row
     for side in (one, chunked):
+        if bounds:
+            assert torch.equal(side.comp[table[2], :, 3], keys[44].half())
+            assert torch.equal(side.hi[table[2], :, 3], keys[44].half())
+        else:
+            assert torch.equal(side.raw[table[2], :, 0], keys[44].half())
         used = torch.zeros(10, dtype=torch.bool)
         used[table] = True
         used[-1] = True  # trash block
-        assert bool((side.comp[~used] == 0).all()) and bool((side.raw[~used] == 0).all())
+        for x in (side.comp, side.hi, side.raw):
+            assert x is None or bool((x[~used] == 0).all())
 
 
 def test_config_rules(monkeypatch):
