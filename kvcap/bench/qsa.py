@@ -93,7 +93,7 @@ class QSACell:
                                       self.metas[i], self.index[i], self.rows[i])
                        for i in range(self.r)]
 
-    def fns(self, arm: str) -> list:
+    def fns(self, arm: str, chunk: int | None = None) -> list:
         from kvcap.kernels.decode import paged_decode
         from kvcap.kernels.qsa_score import qsa_score
         from kvcap.kernels.qsa_topk import qsa_topk
@@ -130,7 +130,8 @@ class QSACell:
                 vis = torch.full((self.b,), self.ctx // 4, dtype=torch.int32, device=dev)
                 scores = torch.randn(self.b, 1, self.ctx // 4, device=dev)
                 pos = torch.full((self.b,), self.ctx - 1, dtype=torch.int32, device=dev)
-                out.append(functools.partial(qsa_topk, scores, vis, pos, self.topk, 4))
+                out.append(functools.partial(qsa_topk, scores, vis, pos, self.topk, 4,
+                                             chunk=chunk))
             else:  # attention only
                 out.append(functools.partial(self.be.attend, self.q[i], cache, m,
                                              self.tokens[i], sc, self.out[i], rows))
@@ -176,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default="16384,32768,65536,131072")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--quality", action="store_true")
+    ap.add_argument("--topk-chunks", default="1024,4096,8192",
+                    help="extra top-k-only timings with these stage-1 chunk sizes "
+                         "(the default chunk is max(4k, 2048))")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if not torch.cuda.is_available():
@@ -213,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
             row: dict = {"batch": b, "context": ctx, "rotations": cell.r}
             for arm in arms + parts:
                 row[arm] = {"us": 1e3 * _graph_time(cell.fns(arm))}
+            for c in [int(x) for x in args.topk_chunks.split(",") if x]:
+                row[f"topk_chunk{c}"] = {"us": 1e3 * _graph_time(cell.fns("topk_e4m3_native",
+                                                                          chunk=c))}
             for kv, m in KVS:
                 d_us, q_us = row[f"dense_{kv}_{m}"]["us"], row[f"qsa_{kv}_{m}"]["us"]
                 row[f"speedup_{kv}_{m}"] = d_us / q_us

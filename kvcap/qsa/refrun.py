@@ -128,3 +128,43 @@ def compare_kv_arms(shape: RefShape, cfg: QSAConfig, prompt_len: int, decode_ste
     report["logits"] = output_agreement(la, lb)
     report["k_scales"], report["v_scales"] = ks, vs
     return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m kvcap.qsa.refrun [--prompt 384] [--decode 8] [--chunk 128] [--topk 16]
+    [--device cpu] [--out FILE]: FP16 vs E4M3 arms of the reference-shape random model."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="QSA FP16 vs calibrated E4M3 (reference shape)")
+    ap.add_argument("--prompt", type=int, default=384)
+    ap.add_argument("--decode", type=int, default=8)
+    ap.add_argument("--chunk", type=int, default=128)
+    ap.add_argument("--topk", type=int, default=16)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        from kvcap.attention.triton_backend import TritonBackend as Inner
+
+        cfg = QSAConfig(indexer="trained", topk_groups=args.topk, path="triton")
+        dtype = torch.float16
+    else:
+        from kvcap.attention.torch_ref import TorchReferenceBackend as Inner
+
+        cfg = QSAConfig(indexer="trained", topk_groups=args.topk, path="torch")
+        dtype = torch.float32
+    rep = compare_kv_arms(RefShape(), cfg, args.prompt, args.decode, args.chunk, dev, Inner,
+                          dtype=dtype)
+    text = json.dumps(rep, indent=1)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text)
+    print(json.dumps(rep["layers"], indent=1))
+    print(json.dumps(rep["logits"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
