@@ -13,7 +13,8 @@ and the QSA components alone (update / score / top-k / attention, E4M3 native). 
 median of CUDA-graph replays of R calls over R rotations (distinct blocks, R x bytes >= 4 x
 L2), as kvcap.bench.kernels. Checks first (GPU Triton vs torch path, identical selections).
 `--quality` adds the FP16 vs calibrated E4M3 arms of the reference-shape random model at an
-8K prompt with the full 2,048-token budget (kvcap.qsa.refrun, triton path).
+8K prompt with the full 2,048-token budget (kvcap.qsa.refrun, triton path); `--e2e` adds
+end-to-end decode tok/s with dummy gqa6-d256 weights (E4M3), dense vs training-free QSA.
 """
 
 from __future__ import annotations
@@ -177,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default="16384,32768,65536,131072")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--quality", action="store_true")
+    ap.add_argument("--e2e", action="store_true",
+                    help="also end-to-end decode, dummy gqa6-d256 weights, E4M3, dense vs QSA")
+    ap.add_argument("--e2e-contexts", default="16384,65536")
+    ap.add_argument("--e2e-concurrency", default="1,8")
     ap.add_argument("--topk-chunks", default="1024,4096,8192",
                     help="extra top-k-only timings with these stage-1 chunk sizes "
                          "(the default chunk is max(4k, 2048))")
@@ -195,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             "shape": {"hq": HQ, "hkv": HKV, "head_dim": D, "index_heads": HI, "index_dim": DI,
                       "topk_groups": TOPK, "block_size": BLOCK_SIZE}}
     out = args.out or os.path.join(os.environ.get("OUT", "."), "qsa.json")
-    doc: dict = {"info": info, "checks": [], "cells": [], "quality": None}
+    doc: dict = {"info": info, "checks": [], "cells": [], "quality": None, "e2e": None}
 
     def save() -> None:
         with open(out, "w") as fh:
@@ -230,12 +235,54 @@ def main(argv: list[str] | None = None) -> int:
             save()
             del cell
             torch.cuda.empty_cache()
+    if args.e2e:
+        doc["e2e"] = run_e2e([int(x) for x in args.e2e_contexts.split(",")],
+                             [int(x) for x in args.e2e_concurrency.split(",")],
+                             lambda: save())
     if args.quality:
         doc["quality"] = run_quality()
         print(json.dumps(doc["quality"]["layers"], indent=1))
     save()
     print(f"wrote {out}")
     return 0
+
+
+def run_e2e(contexts: list[int], concurrency: list[int], checkpoint, out_tokens: int = 64,
+            kv_gib: float = 48.0) -> list[dict]:
+    """Decode tok/s of the dummy gqa6-d256 model (E4M3, calibrated scales) dense vs QSA
+    (training-free minmax on every 4th layer, top-512). The pool is a fixed `kv_gib` so the
+    QSA arm's side caches fit beside it (the planner does not count them yet)."""
+    import gc
+
+    from kvcap import LLM
+    from kvcap.bench.throughput import SHAPES, calibrated_scales, run_cell
+    from kvcap.qsa.config import QSAConfig
+    from kvcap.qsa.enable import enable_qsa
+
+    model = SHAPES["gqa6-d256"]
+    scales = calibrated_scales(model, "float16")
+    rows: list[dict] = []
+    for arm in ("dense", "qsa"):
+        llm = LLM(model=model, dtype="float16", kv_cache_dtype="fp8_e4m3", kv_scales=scales,
+                  max_num_seqs=max(concurrency), max_model_len=max(contexts) + out_tokens,
+                  max_num_batched_tokens=8192, kv_cache_memory_gib=kv_gib)
+        if arm == "qsa":
+            enable_qsa(llm, QSAConfig(summary="minmax", topk_groups=TOPK))
+        for ctx in contexts:
+            for c in concurrency:
+                cell = {"arm": arm, "context": ctx, "concurrency": c}
+                need = c * -(-(ctx + out_tokens) // llm.config.block_size)
+                if need > llm.pool.num_blocks:
+                    cell["skip"] = f"needs {need} blocks, pool has {llm.pool.num_blocks}"
+                else:
+                    cell.update(run_cell(llm, c, ctx + out_tokens, out_tokens, 1))
+                rows.append(cell)
+                print(json.dumps(cell), flush=True)
+                checkpoint()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
 
 
 def run_quality() -> dict:
