@@ -286,6 +286,8 @@ class LLM:
 
             found = load_overlay_scales(self.model_dir, Path(kv_scales))
             source = describe_scale_source(kv_scales).replace("checkpoint", "overlay pack", 1)
+        elif self.model_dir is None:
+            source = "dummy weights (no checkpoint)"
         else:
             from kvcap.scales.overlay import describe_scale_source
 
