@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-torch.set_num_threads(max(1, torch.get_num_threads()))
+# One intra-op thread: CI has 2 cores and several tests start extra processes (TP ranks, the
+# server); oversubscribed OpenMP threads were measured 5x slower than one thread here.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
