@@ -88,27 +88,3 @@ def test_cli_unknown_model_is_one_line_error(tmp_path):
     assert res.stderr.strip().startswith("error: model path")
     assert "Traceback" not in res.stderr
 
-
-def test_failing_step_fails_only_its_batch(llm):
-    real = llm.runner.execute
-    calls = {"n": 0}
-
-    def boom(chunks, extras):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("injected")
-        return real(chunks, extras)
-
-    llm.runner.execute = boom
-    try:
-        llm.engine.add_request("doomed", llm.tokenizer.encode("Hi"),
-                               SamplingParams(temperature=0, max_tokens=3))
-        outs = llm.engine.step()
-        assert [o.request_id for o in outs] == ["doomed"]
-        assert outs[0].finish_reason == "abort" and "injected" in outs[0].error
-        ok = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3),
-                          use_tqdm=False)[0]
-        assert ok.finish_reason in ("stop", "length") and ok.error is None
-    finally:
-        llm.runner.execute = real
-    assert llm.block_manager.num_used_blocks == 0

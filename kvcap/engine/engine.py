@@ -90,22 +90,11 @@ class Engine:
         finished: list[Request] = list(getattr(out, "finished_early", []))
         touched: list[Request] = []
         if out.chunks:
-            try:
-                result = self.runner.execute(out.chunks, self.extras)
-            except Exception as e:  # fail the batch's requests, not the engine
-                if isinstance(e, KeyboardInterrupt):
-                    raise
-                logger.exception("engine step failed; aborting the %d requests in the batch",
-                                 len(out.chunks))
-                for ch in out.chunks:
-                    if not ch.request.is_finished:
-                        self.scheduler.finish_request(ch.request, RequestStatus.FINISHED_ABORTED,
-                                                      f"error: engine step failed: {e}")
-                        finished.append(ch.request)
-                result = None
-            if result is not None:
-                finished += self.scheduler.update_from_output(out, result.sampled)
-                touched = [ch.request for ch in out.chunks if ch.samples]
+            # Exceptions propagate: calibration aborts (non-finite activations) and tensor-
+            # parallel failures must stop the caller; the server fails the affected requests.
+            result = self.runner.execute(out.chunks, self.extras)
+            finished += self.scheduler.update_from_output(out, result.sampled)
+            touched = [ch.request for ch in out.chunks if ch.samples]
         for req in touched:
             if not req.is_finished:
                 self._check_stop_strings(req)
