@@ -180,11 +180,7 @@ def create_app(
             )
 
         if req.stream:
-            return StreamingResponse(
-                serving.stream(streams, req.stop_list, chunk, req.include_usage),
-                media_type="text/event-stream",
-                headers=SSE_HEADERS,
-            )
+            return _sse(serving, streams, req, chunk)
         outs = await serving.collect(streams, request)
         return JSONResponse(
             P.CompletionResponse(
@@ -229,11 +225,7 @@ def create_app(
             )
 
         if req.stream:
-            return StreamingResponse(
-                serving.stream(streams, req.stop_list, chunk, req.include_usage),
-                media_type="text/event-stream",
-                headers=SSE_HEADERS,
-            )
+            return _sse(serving, streams, req, chunk)
         out = (await serving.collect(streams, request))[0]
         return JSONResponse(
             P.ChatCompletionResponse(
@@ -252,6 +244,15 @@ def create_app(
         )
 
     return app
+
+
+def _sse(serving, streams, req, chunk) -> StreamingResponse:
+    """The server-sent-events response both completion routes stream through."""
+    return StreamingResponse(
+        serving.stream(streams, req.stop_list, chunk, req.include_usage),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
+    )
 
 
 def _usage(outs) -> P.UsageInfo:
