@@ -30,6 +30,8 @@ from kvcap.kv_cache.pool import KVCachePool
 from kvcap.kv_cache.spec import KVCacheSpec
 from kvcap.models import loader
 from kvcap.models.registry import load_model
+from kvcap.qsa import enable as qsa_wiring
+from kvcap.qsa.config import QSAConfig
 from kvcap.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -77,6 +79,7 @@ class LLM:
         enforce_eager: bool = False,
         seed: int = 0,
         tensor_parallel_size: int = 1,
+        qsa: QSAConfig | str | None = None,
     ):
         # What a tensor-parallel worker needs to build the same LLM (taken before any local).
         worker_args = {k: v for k, v in locals().items()
@@ -86,6 +89,8 @@ class LLM:
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got "
                               f"{tensor_parallel_size!r}")
+        # query-aware sparse attention (docs/qsa.md): a QSAConfig, a preset such as "every4"
+        self.qsa = qsa_wiring.resolve_qsa(qsa, tensor_parallel_size)
         self.tp = None  # kvcap.distributed.launch.TPRuntime when tensor_parallel_size > 1
         self._observer_obj = None
         self.config = EngineConfig(
@@ -139,6 +144,9 @@ class LLM:
                                               self.dtype, dummy_seed=seed, tp=mp)
         backend = select_backend(attention_backend, self.device)
         self._activation_bytes = self._profile_activations(backend)
+        if self.qsa is not None:  # QSA's transient buffers (the profile runs dense)
+            self._activation_bytes += qsa_wiring.qsa_activation_bytes(
+                self.qsa, self.spec, self.config.max_num_batched_tokens, self.max_model_len)
         self.pool = self._make_pool()
         if self.kv_dtype == "fp8_e4m3":
             if self.tp is None:
@@ -156,10 +164,15 @@ class LLM:
                                        driver=self.tp)
         else:
             self.runner = ModelRunner(self.model, backend, self.pool, self.device)
-        if self.device.type == "cuda" and not enforce_eager and not graphs_disabled():
+        if self.qsa is not None:  # before capture: the decode graphs record the QSA backend
+            qsa_wiring.enable_qsa(self, self.qsa)
+        no_graphs = qsa_wiring.graph_refusal(self.runner.backend)
+        if self.device.type == "cuda" and not enforce_eager and not graphs_disabled() \
+                and no_graphs is None:
             self.runner.enable_cuda_graphs(max_num_seqs, self.max_model_len)
         elif self.device.type == "cuda":
-            logger.info("CUDA graphs off (enforce_eager / KVCAP_ENFORCE_EAGER=1): eager decode")
+            logger.info("CUDA graphs off (%s): eager decode",
+                        no_graphs or "enforce_eager / KVCAP_ENFORCE_EAGER=1")
         if kv_observer is not None:  # after capture: under TP this messages the workers
             self.set_kv_observer(kv_observer)
         self.block_manager = BlockManager(self.pool.num_blocks, self.config.block_size,
@@ -198,6 +211,10 @@ class LLM:
     def _kv_spec(self, kv_dtype: str) -> KVCacheSpec:
         """This rank's cache geometry (its KV heads only under tensor parallelism)."""
         cspec = KVCacheSpec.for_model(self.spec, self.config.block_size, kv_dtype)
+        if self.qsa is not None:  # the indexer's FP16 side caches share the budget
+            cspec = dataclasses.replace(cspec, side_bytes_per_token=qsa_wiring.
+                                        qsa_side_bytes_per_token(self.qsa, self.spec,
+                                                                 self.config.block_size))
         if self.tp is not None:
             cspec = dataclasses.replace(cspec, num_kv_heads=self.model.shard.num_kv_heads)
         return cspec

@@ -152,6 +152,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-gib", type=float, default=None, help="fixed KV budget for every arm")
     ap.add_argument("--hf-baseline", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--qsa", default=None, metavar="PRESET",
+                    help="QSA on every arm, e.g. every4 (kvcap.qsa.enable.PRESET_HELP)")
     ap.add_argument("--out", default="docs/benchmarks")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -177,7 +179,7 @@ def main(argv=None) -> int:
                       kv_scales=scales if kv_dtype == "fp8_e4m3" else None,
                       max_num_seqs=max(args.concurrency), max_model_len=max_ctx,
                       max_num_batched_tokens=8192,
-                      tensor_parallel_size=args.tensor_parallel_size, **kw)
+                      tensor_parallel_size=args.tensor_parallel_size, qsa=args.qsa, **kw)
             report["capacity"].append({"shape": shape, "kv": mode, "tokens": llm.pool.num_tokens,
                                        "bytes_per_token": llm.pool.spec.bytes_per_token})
             for ctx in args.context:

@@ -20,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--qsa", default=None, metavar="PRESET",
+                   help="query-aware sparse attention: every4, all-but-2, ... with an optional "
+                        ":TOKENS budget (default 2048), e.g. every4:1024 (docs/qsa.md)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, max_tokens=args.max_tokens)
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**engine_kwargs(args), qsa=args.qsa)
     if args.chat:
         ids = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:

@@ -1,22 +1,30 @@
-"""Turn QSA on for a built `LLM`: wrap its backend and allocate side caches sized to its pool.
+"""Turn QSA on for an `LLM`: presets, capacity planning, and the backend swap.
 
-Capacity planning. The side caches cost, per token slot of the pool (all QSA layers):
+`LLM(qsa=...)` (kvcap/llm.py) calls three things from here, in this order:
+  resolve_qsa(value, tp)        None | QSAConfig | preset string -> QSAConfig or None; refuses
+                                tensor parallelism before any worker starts;
+  qsa_side_bytes_per_token(...) added to `KVCacheSpec.side_bytes_per_token` *before* the pool
+                                is sized (explicit num_blocks, kv_cache_memory_gib, and the GPU
+                                profiled budget all go through `LLM._kv_spec`), and
+                                qsa_activation_bytes(...) added to the profiled activation peak;
+  enable_qsa(llm, cfg)          after the runner exists and before CUDA-graph capture, so the
+                                decode graphs record the QSA backend (`graph_refusal` says when
+                                they cannot: the torch path reads host-side lengths).
+Side bytes per token slot (all QSA layers):
     side_bytes_per_token = ceil(L_qsa * (R + rows * bs/R) * Hk * dk * 2 / bs)
-(`qsa_side_bytes_per_token`; rows = 2 for the min/max summary, else 1; Hk x dk = 1 x d_index
-for a trained indexer, Hkv x head_dim for the training-free one). The planner must add it to
-`KVCacheSpec.side_bytes_per_token` *before* sizing the pool; `LLM` builds its pool before QSA
-exists, so `enable_qsa` allocates the side caches on top of the planned budget and logs how
-much that is (the needed change in kvcap/llm.py is to accept a QSAConfig and pass this value
-into `KVCacheSpec` in `_kv_spec`).
+(rows = 2 for the min/max summary, which needs no ring; Hk x dk = 1 x d_index for a trained
+indexer, Hkv x head_dim for the training-free one). `enable_qsa` on an already-built LLM
+(tests, benches) still works: its side caches then sit on top of the planned budget.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from typing import TYPE_CHECKING
 
 from kvcap.errors import ConfigError
-from kvcap.qsa.backend import QSABackend
+from kvcap.qsa.backend import SCORE_WORKSPACE_BYTES, QSABackend
 from kvcap.qsa.config import QSAConfig
 from kvcap.qsa.indexer import QSASideCaches, side_bytes_per_token
 
@@ -27,6 +35,70 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _SIDE_DTYPES = {"fp16": 2, "bf16": 2}
+
+DEFAULT_BUDGET = 2048  # tokens per query row (512 groups of 4), SYSTEM.md §6
+PRESET_HELP = ("QSA preset: 'every<N>' (every Nth layer, e.g. every4) or 'all-but-<N>' (every "
+               "layer after the first N, e.g. all-but-2), optionally ':<tokens>' for the "
+               f"budget (a multiple of 4; default {DEFAULT_BUDGET}, e.g. every4:1024); "
+               "training-free indexer, min/max group bounds")
+_PRESET = re.compile(r"^(?:every(\d+)|all-but-(\d+))(?::(\d+))?$")
+
+
+def parse_preset(name: str) -> QSAConfig:
+    """A preset string -> the training-free QSAConfig it names (see PRESET_HELP). The
+    presets use the design chosen by measured recall (docs/qsa.md): min/max bound keys per
+    group, query heads summed per KV head."""
+    m = _PRESET.match(name.strip().lower())
+    budget = int(m.group(3)) if m and m.group(3) else DEFAULT_BUDGET
+    if m is None or budget < 4 or budget % 4 or (m.group(1) and int(m.group(1)) < 1):
+        raise ConfigError(f"bad QSA preset {name!r}; {PRESET_HELP}")
+    rule = (dict(layer_rule="every_nth", every_n=int(m.group(1))) if m.group(1) else
+            dict(layer_rule="all_but_first", first_dense=int(m.group(2))))
+    return QSAConfig(**rule, topk_groups=budget // 4, summary="minmax", head_reduce="sum")
+
+
+def resolve_qsa(value: QSAConfig | str | None, tensor_parallel_size: int = 1
+                ) -> QSAConfig | None:
+    """`LLM(qsa=value)` -> a validated QSAConfig (or None: dense attention)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = parse_preset(value)
+    if not isinstance(value, QSAConfig):
+        raise ConfigError(f"qsa must be None, a QSAConfig or a preset string, got "
+                          f"{type(value).__name__}; {PRESET_HELP}")
+    if tensor_parallel_size > 1:
+        raise ConfigError("QSA does not support tensor parallelism yet: pass "
+                          "tensor_parallel_size=1 or drop qsa=")
+    return _check_servable(value)
+
+
+def _check_servable(config: QSAConfig) -> QSAConfig:
+    if config.validate().indexer != "training_free":
+        raise ConfigError("LLM QSA serves llama-family checkpoints, which have no trained "
+                          "indexer: use indexer='training_free' (kvcap.qsa.model builds a "
+                          "model with a trained indexer)")
+    return config
+
+
+def qsa_activation_bytes(config: QSAConfig, spec: ModelSpec, max_num_batched_tokens: int,
+                         max_model_len: int) -> int:
+    """Upper bound of one QSA layer's transient buffers in the largest step, for the GPU
+    activation budget (the profiling forward is dense and short, so it does not see them):
+    FP32 scores (capped by SCORE_WORKSPACE_BYTES) + half as much for the two-stage top-k
+    candidates + the int32 selected-token rows."""
+    heads = 1 if config.indexer == "trained" else spec.num_kv_heads
+    groups = max(max_model_len // config.compress_ratio, 1)
+    scores = min(SCORE_WORKSPACE_BYTES, 4 * max_num_batched_tokens * heads * groups)
+    return scores + scores // 2 + 4 * max_num_batched_tokens * heads * config.width
+
+
+def graph_refusal(backend) -> str | None:
+    """Why decode CUDA graphs cannot record `backend` (None: they can)."""
+    if isinstance(backend, QSABackend) and backend.path == "torch":
+        return ("the QSA torch path reads host-side sequence lengths, which a CUDA graph "
+                "would freeze; use QSAConfig(path='triton' or 'auto') for graphs")
+    return None
 
 
 def qsa_side_bytes_per_token(config: QSAConfig, spec: ModelSpec, block_size: int,
@@ -49,11 +121,7 @@ def enable_qsa(llm: LLM, config: QSAConfig) -> QSABackend:
     checkpoints carry no index projections). Re-captures decode CUDA graphs if they exist."""
     import torch
 
-    config.validate()
-    if config.indexer != "training_free":
-        raise ConfigError("enable_qsa serves llama-family checkpoints, which have no trained "
-                          "indexer: use indexer='training_free' (kvcap.qsa.model builds a "
-                          "model with a trained indexer)")
+    _check_servable(config)
     if getattr(llm, "tp", None) is not None:
         raise ConfigError("QSA with tensor parallelism is not supported yet")
     pool = llm.pool
@@ -69,14 +137,28 @@ def enable_qsa(llm: LLM, config: QSAConfig) -> QSABackend:
                          bounds=config.summary == "minmax")
     backend = QSABackend(inner, config, side, pool.device)
     llm.runner.backend = backend
-    extra = side.bytes_per_token * pool.num_tokens
-    logger.info("QSA side caches: %d B/token on top of %d B/token of K/V (%.3f GiB over the "
-                "planned KV budget; the planner does not count them yet)",
-                side.bytes_per_token, cspec.bytes_per_token, extra / 2**30)
-    if llm.runner.graphs is not None:
-        llm.runner.graphs = None
-        llm.runner.enable_cuda_graphs(llm.config.max_num_seqs, llm.max_model_len)
+    gib = side.bytes_per_token * pool.num_tokens / 2**30
+    if cspec.side_bytes_per_token >= side.bytes_per_token:
+        logger.info("QSA side caches: %d B/token (%.3f GiB), counted in the KV budget",
+                    side.bytes_per_token, gib)
+    else:
+        logger.info("QSA side caches: %d B/token (%.3f GiB) on top of the planned KV budget "
+                    "(LLM(qsa=...) counts them)", side.bytes_per_token, gib)
+    _recapture(llm)
     return backend
+
+
+def _recapture(llm: LLM) -> None:
+    """Re-record existing decode graphs with the current backend (or drop them if it
+    cannot be recorded)."""
+    if llm.runner.graphs is None:
+        return
+    llm.runner.graphs = None
+    reason = graph_refusal(llm.runner.backend)
+    if reason:
+        logger.info("CUDA graphs off (%s): eager decode", reason)
+    else:
+        llm.runner.enable_cuda_graphs(llm.config.max_num_seqs, llm.max_model_len)
 
 
 def disable_qsa(llm: LLM) -> None:
@@ -84,6 +166,4 @@ def disable_qsa(llm: LLM) -> None:
     backend = llm.runner.backend
     if isinstance(backend, QSABackend):
         llm.runner.backend = backend.inner
-        if llm.runner.graphs is not None:
-            llm.runner.graphs = None
-            llm.runner.enable_cuda_graphs(llm.config.max_num_seqs, llm.max_model_len)
+        _recapture(llm)
