@@ -294,12 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
-    sweep = []
-    if args.sweep or args.sweep_only:
-        sweep = run_sweep(l2)
-    if args.sweep_only:
-        shapes = []
-    rows = []
+    sweep: list[dict] = []
+    rows: list[dict] = []
     out = args.out or os.path.join(os.environ.get("OUT", "."), "kernels.json")
 
     def save() -> None:
@@ -308,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(out, "w") as fh:
             json.dump(result, fh, indent=1)
 
+    if args.sweep or args.sweep_only:
+        run_sweep(l2, sweep, save)
+    if args.sweep_only:
+        shapes = []
     save()
     for name, hq, hkv, d in shapes:
         for b in batches:
@@ -388,9 +388,9 @@ SWEEP_CELLS = [("llama31-8b", 32, 8, 128, 8, 32768), ("llama31-8b", 32, 8, 128, 
                ("gqa6-d256", 24, 4, 256, 8, 32768), ("smollm2-135m", 9, 3, 64, 16, 32768)]
 
 
-def run_sweep(l2: int) -> list[dict]:
-    """Launch-config sweep (grouped route) on the cells the targets name."""
-    out = []
+def run_sweep(l2: int, out: list[dict], save) -> list[dict]:
+    """Launch-config sweep (grouped route) on the cells the targets name; rows are appended
+    to `out` and `save()` runs after every cell (a time-capped run keeps what it measured)."""
     for name, hq, hkv, d, b, ctx in SWEEP_CELLS:
         cell = Cell(hq, hkv, d, b, ctx, l2)
         for arm in ("paged_fp16", "e4m3_native", "e4m3_software"):
@@ -419,6 +419,7 @@ def run_sweep(l2: int) -> list[dict]:
                       f"splits={r['splits']} {r['ms']*1e3:.1f}us {r['tbs']:.2f}TB/s", flush=True)
         del cell
         torch.cuda.empty_cache()
+        save()
     return out
 
 
