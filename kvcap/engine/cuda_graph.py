@@ -94,6 +94,15 @@ class DecodeGraphs:
     def run(self, input_ids: list[int], positions: list[int], tables: list[list[int]]
             ) -> torch.Tensor:
         """Replay for a decode-only batch; returns hidden states [B, hidden] (a view)."""
+        return self.replay(self.prepare(input_ids, positions, tables), len(input_ids))
+
+    def replay(self, key: tuple[int, int], b: int) -> torch.Tensor:
+        self.graphs[key].replay()
+        return self.hidden[key][:b]
+
+    def prepare(self, input_ids: list[int], positions: list[int], tables: list[list[int]]
+                ) -> tuple[int, int]:
+        """Fill the static input buffers for a decode-only batch; returns the graph's key."""
         b = len(input_ids)
         bucket = next(s for s in self.buckets if s >= b)
         seq_lens = [p + 1 for p in positions]
@@ -113,5 +122,4 @@ class DecodeGraphs:
         self.seq_lens[:bucket].copy_(host[3].to(torch.int32), non_blocking=True)
         self.block_tables[:bucket, :width].copy_(table, non_blocking=True)
         self.block_tables[:bucket, width:].fill_(self.pool.null_block)
-        self.graphs[(bucket, ctx_class)].replay()
-        return self.hidden[(bucket, ctx_class)][:b]
+        return bucket, ctx_class

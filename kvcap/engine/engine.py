@@ -44,6 +44,12 @@ class Engine:
         self._rng = random.Random(seed)
         self._truncated: dict[str, str] = {}  # text cut at a stop string
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.timer = None  # kvcap.engine.timing.StepTimer while step timing is on
+
+    def set_timer(self, timer) -> None:
+        """Attach (or with None detach) a StepTimer that records each step's phases."""
+        self.timer = timer
+        self.runner.timer = timer
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -86,7 +92,12 @@ class Engine:
     # --- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return outputs of requests that progressed or finished."""
+        timer = self.timer
+        if timer is not None:
+            timer.begin()
         out = self.scheduler.schedule()
+        if timer is not None:
+            timer.mark("schedule")
         finished: list[Request] = list(getattr(out, "finished_early", []))
         touched: list[Request] = []
         if out.chunks:
@@ -94,6 +105,8 @@ class Engine:
             # parallel failures must stop the caller; the server fails the affected requests.
             result = self.runner.execute(out.chunks, self.extras)
             finished += self.scheduler.update_from_output(out, result.sampled)
+            if timer is not None:
+                timer.mark("update")
             touched = [ch.request for ch in out.chunks if ch.samples]
         for req in touched:
             if not req.is_finished:
@@ -109,6 +122,10 @@ class Engine:
             if r is not None:
                 outputs[rid] = self._output(r)
                 self._forget(r)
+        if timer is not None:
+            timer.mark("output")
+            timer.end(num_seqs=len(out.chunks),
+                      decode_only=bool(out.chunks) and all(c.num_tokens == 1 for c in out.chunks))
         return list(outputs.values())
 
     def _aborted_ids(self) -> list[str]:

@@ -65,6 +65,7 @@ class ModelRunner:
         self.sampler = Sampler(device)
         self.kv_observer: KVObserverFn | None = None
         self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs()
+        self.timer = None  # kvcap.engine.timing.StepTimer while step timing is on (rank 0)
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         from kvcap.engine.cuda_graph import DecodeGraphs
@@ -108,8 +109,13 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan):
         """Hidden states of every row, and the metadata (None on the graph path)."""
+        t = self.timer
         if plan.use_graph:
-            return self.graphs.run(plan.ids, plan.positions, plan.tables), None
+            key = self.graphs.prepare(plan.ids, plan.positions, plan.tables)
+            if t is not None:
+                t.mark("prepare")
+                t.gpu_event("forward_start")
+            return self.graphs.replay(key, len(plan.ids)), None
         meta = AttentionMetadata.build(plan.query_lens, plan.seq_lens, plan.tables,
                                        self.pool.spec.block_size, self.device)
         if self.graphs is not None and meta.is_decode_only:
@@ -117,6 +123,9 @@ class ModelRunner:
         input_ids = torch.tensor(plan.ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(plan.positions, dtype=torch.int64, device=self.device)
         ctx = ForwardContext(self.backend, self.pool, meta, self.kv_observer)
+        if t is not None:
+            t.mark("prepare")
+            t.gpu_event("forward_start")
         return self.model(input_ids, pos, ctx), meta
 
     @torch.inference_mode()
@@ -133,10 +142,15 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[lo:hi])
             if on_prompt_logits is not None:
                 on_prompt_logits(i, logits)
-        if not plan.sample_rows:
-            return None
-        rows = torch.tensor(plan.sample_rows, device=self.device)
-        return self.model.compute_logits(hidden[rows])
+        logits = None
+        if plan.sample_rows:
+            rows = torch.tensor(plan.sample_rows, device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+        t = self.timer
+        if t is not None:
+            t.gpu_event("forward_end")
+            t.mark("forward")
+        return logits
 
     @torch.inference_mode()
     def execute(self, chunks, extras: dict[str, RequestExtras]) -> StepResult:
@@ -158,6 +172,8 @@ class ModelRunner:
         )
         tokens = self.sampler.sample(logits, batch).tolist()
         self._collect_logprobs(reqs, extras, logits, tokens)
+        if self.timer is not None:
+            self.timer.mark("sample")
         return StepResult({r.request_id: t for r, t in zip(reqs, tokens, strict=True)})
 
     @staticmethod
