@@ -5,6 +5,7 @@ the pool sizing, refuses tensor parallelism and bad presets; the CLI options rea
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 
 import pytest
@@ -134,15 +135,16 @@ def test_gpu_graphs_and_profiled_budget(tmp_path):
     qsa = QSAConfig(layer_rule="all_but_first", first_dense=1, topk_groups=16,
                     summary="minmax")
     outs = []
-    for eager in (True, False):
+    for eager in (True, False):  # the graph arm sizes its pool from the profiled budget
+        budget = dict(kv_cache_memory_gib=1) if eager else dict(gpu_memory_utilization=0.3)
         llm = LLM(model=f"dummy:{tmp_path}", dtype="float16", max_num_seqs=4,
-                  max_model_len=2048, gpu_memory_utilization=0.3, enforce_eager=eager,
-                  qsa=qsa)
+                  max_model_len=2048, enforce_eager=eager, qsa=qsa, **budget)
         assert llm.pool.spec.side_bytes_per_token == 3 * 8 * 2 * 64 * 2 // 16
         assert (llm.runner.graphs is None) == eager
         if not eager:
             assert isinstance(llm.runner.graphs.backend, QSABackend)
         outs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         del llm
+        gc.collect()
         torch.cuda.empty_cache()
     assert outs[0] == outs[1]
