@@ -94,26 +94,6 @@ def test_decode_shapes_fp8(hq, hkv, d, bs):
     _check(case, out, "fp8_e4m3")
 
 
-@pytest.mark.parametrize("kv_dtype,fp8_mode", [("fp16", "auto"), ("fp8_e4m3", "native"),
-                                               ("fp8_e4m3", "software"), ("bf16", "auto")])
-@pytest.mark.parametrize("hq,hkv,d,num_splits", [(6, 1, 64, 3), (9, 3, 64, 1), (4, 2, 128, 2)])
-def test_decode_transposed(kv_dtype, fp8_mode, hq, hkv, d, num_splits):
-    """The swap-AB loop (cache tile as the MMA's M side) against the twin and dense math."""
-    case = make_case(DECODE, hq, hkv, d, kv_dtype=kv_dtype, dtype=_DT[kv_dtype], pad_rows=2,
-                     seed=11 + d, device=DEV)
-    twin = _reference(case)
-    out = _decode(case, fp8_mode=fp8_mode, num_splits=num_splits, transposed=True)
-    _check(case, out, kv_dtype, twin)
-
-
-def test_decode_transposed_refuses_unsupported():
-    case = make_case([(9, 1)], 4, 1, 32, kv_dtype="fp8_e4m3", device=DEV)
-    with pytest.raises(ValueError, match="transposed"):
-        _decode(case, fp8_mode="software", transposed=True)
-    with pytest.raises(ValueError, match="transposed"):
-        _decode(case, grouped=False, transposed=True)
-
-
 def test_software_equals_native():
     """Both decoders are exact, so the only difference is the 2^8 moved into the scales."""
     case = make_case(DECODE, 8, 2, 64, kv_dtype="fp8_e4m3", seed=3, device=DEV)

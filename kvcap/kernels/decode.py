@@ -147,61 +147,6 @@ def attend_tiles(q0, q1, q2, q3, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
 
 
 @triton.jit
-def attend_tiles_t(q0, q1, q2, q3, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
-                   qk_scale, head_off, stride_cb, stride_ct,
-                   BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, FP8: tl.constexpr, SOFTWARE: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
-    """attend_tiles with the products transposed ("swap AB"): S^T = K Q^T [BLOCK_N, BLOCK_H]
-    and O^T += V^T P^T [HEAD_DIM, BLOCK_H]. The cache tile is the M side of both products, so
-    the MMA's M is filled with real tokens (64+) instead of a query group padded to 16, which
-    lets Hopper use warp-group MMAs with the decoded tile as the register operand. q* are
-    transposed _load_q results; returns (m, l, acc0..acc3), accumulators [HEAD_DIM(/4), BLOCK_H].
-    """
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    if SOFTWARE:
-        acc0 = tl.zeros([HEAD_DIM // 4, BLOCK_H], tl.float32)
-        acc1 = tl.zeros([HEAD_DIM // 4, BLOCK_H], tl.float32)
-        acc2 = tl.zeros([HEAD_DIM // 4, BLOCK_H], tl.float32)
-        acc3 = tl.zeros([HEAD_DIM // 4, BLOCK_H], tl.float32)
-    else:
-        acc0 = tl.zeros([HEAD_DIM, BLOCK_H], tl.float32)
-        acc1 = acc0
-        acc2 = acc0
-        acc3 = acc0
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        pmask = pos < hi
-        row = paged_row_offsets(bt_ptr, bt_stride, seq, pos, pmask, BLOCK_SIZE, stride_cb,
-                                stride_ct, head_off)
-        kr = load_raw(kc_ptr, row, pmask, HEAD_DIM, SOFTWARE)
-        vr = tl.trans(load_raw(vc_ptr, row, pmask, HEAD_DIM, SOFTWARE))
-        if SOFTWARE:
-            k0, k1, k2, k3 = decode_words(kr, DOT_DTYPE)
-            s = mm(k0, q0, True, IEEE) + mm(k1, q1, True, IEEE)
-            s += mm(k2, q2, True, IEEE) + mm(k3, q3, True, IEEE)
-        else:
-            s = mm(convert_tile(kr, FP8, DOT_DTYPE), q0, True, IEEE)
-        s = tl.where(pmask[:, None], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
-        pd = p.to(DOT_DTYPE)
-        if SOFTWARE:
-            v0, v1, v2, v3 = decode_words(vr, DOT_DTYPE)
-            acc0 = acc0 * alpha[None, :] + mm(v0, pd, True, IEEE)
-            acc1 = acc1 * alpha[None, :] + mm(v1, pd, True, IEEE)
-            acc2 = acc2 * alpha[None, :] + mm(v2, pd, True, IEEE)
-            acc3 = acc3 * alpha[None, :] + mm(v3, pd, True, IEEE)
-        else:
-            acc0 = acc0 * alpha[None, :] + mm(convert_tile(vr, FP8, DOT_DTYPE), pd, True, IEEE)
-        m_i = m_new
-    return m_i, l_i, acc0, acc1, acc2, acc3
-
-
-@triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr,
     bt_ptr, seq_lens_ptr, qsl_ptr, ks_ptr, vs_ptr, sm_scale,
@@ -212,7 +157,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, FP8: tl.constexpr, SOFTWARE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
-    PREFETCH: tl.constexpr, TRANS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     seq = tl.program_id(0)
     hp = tl.program_id(1)
@@ -238,34 +183,26 @@ def _decode_kernel(
     if SOFTWARE:
         qk_scale = qk_scale * 256.0
         out_scale = out_scale * 256.0
-    row_base = q_row.to(tl.int64) * stride_qt
-    q0, q1, q2, q3 = _load_q(q_ptr, row_base, heads, hmask, HEAD_DIM, SOFTWARE, DOT_DTYPE,
-                             stride_qh)
-    if TRANS:
-        m_i, l_i, a0, a1, a2, a3 = attend_tiles_t(
-            tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3), kc_ptr, vc_ptr, bt_ptr,
-            bt_stride, seq, lo, hi, qk_scale, kvh.to(tl.int64) * stride_ch, stride_cb,
-            stride_ct, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, DOT_DTYPE, IEEE)
-        a0, a1, a2, a3 = tl.trans(a0), tl.trans(a1), tl.trans(a2), tl.trans(a3)
-    else:
-        m_i, l_i, a0, a1, a2, a3 = attend_tiles(
-            q0, q1, q2, q3, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi, qk_scale,
-            kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, h,
-            BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, USE_DOT, DOT_DTYPE, IEEE,
-            False, PREFETCH)
+    q0, q1, q2, q3 = _load_q(q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, HEAD_DIM,
+                             SOFTWARE, DOT_DTYPE, stride_qh)
+    m_i, l_i, a0, a1, a2, a3 = attend_tiles(
+        q0, q1, q2, q3, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi, qk_scale,
+        kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, h,
+        BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, USE_DOT, DOT_DTYPE, IEEE,
+        False, PREFETCH)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     if not SPLIT:
-        inv = out_scale / l_safe
-        base = out_ptr + row_base + heads.to(tl.int64) * stride_oh
+        inv = (out_scale / l_safe)[:, None]
+        base = out_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None].to(tl.int64) * stride_oh
+        _store_rows(base, hmask, a0 * inv, a1 * inv, a2 * inv, a3 * inv, HEAD_DIM, SOFTWARE)
     else:
-        inv = 1.0 / l_safe
+        inv = (1.0 / l_safe)[:, None]
         pbase = (seq.to(tl.int64) * stride_pb + heads.to(tl.int64) * stride_ph
                  + split * stride_ps)
-        base = po_ptr + pbase * HEAD_DIM
+        _store_rows(po_ptr + pbase[:, None] * HEAD_DIM, hmask, a0 * inv, a1 * inv, a2 * inv,
+                    a3 * inv, HEAD_DIM, SOFTWARE)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(plse_ptr + pbase, lse, mask=hmask)
-    _store_rows(base[:, None], hmask, a0 * inv[:, None], a1 * inv[:, None], a2 * inv[:, None],
-                a3 * inv[:, None], HEAD_DIM, SOFTWARE)
 
 
 @triton.jit
@@ -314,18 +251,25 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, software: bool,
                   device: torch.device) -> tuple[int, int, int, bool, int]:
     """(BLOCK_N, num_warps, num_stages, prefetch, programs per SM) for the decode kernel.
 
-    From the H200 sweep (docs/kernels.md): FP16 tiles go through Triton's software pipeliner
-    (num_stages=2) and want ~4 programs per SM; E4M3 tiles are decoded in registers between
-    load and dot, are latency bound, and gain from ~8 programs per SM. The register prefetch
-    of the next raw tile did not pay on the H200 except for the software decoder at d64."""
+    From the H200 sweeps (docs/kernels.md): FP16 tiles go through Triton's software pipeliner
+    (num_stages=2) and want ~4 programs per SM. E4M3 tiles are decoded in registers between
+    the shared-memory load and the dot, are bound by that per-element work rather than by
+    bytes, and gain from ~8 programs per SM and from 128-token tiles at D <= 128 (native:
+    -3% at B=8 x 32K, -13% at B=64 x 16K; software: -3% at B=64); at D=256 the software
+    route gains ~7% from a third pipeline stage. The register prefetch of the next raw tile
+    paid only for the software decoder at D=64."""
     if device.type != "cuda":
         return 16, 1, 1, fp8, 4
     if not grouped:
         return (64, 4, 2, False, 4) if head_dim <= 64 else (32, 4, 2, False, 4)
     if software and head_dim <= 64:
         return 32, 4, 1, True, 8
-    pps = 8 if fp8 or head_dim >= 256 else 4
-    if head_dim <= 64 and not fp8:
+    if fp8:
+        if head_dim <= 128:
+            return 128, 4, 2, False, 8
+        return 64, 4, 3 if software else 2, False, 8
+    pps = 8 if head_dim >= 256 else 4
+    if head_dim <= 64:
         return 128, 4, 2, False, pps
     return 64, 4, 2, False, pps
 
@@ -337,7 +281,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  fp8_mode: str = "auto", grouped: bool | None = None,
                  num_splits: int | None = None, block_n: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
-                 prefetch: bool | None = None, transposed: bool | None = None) -> torch.Tensor:
+                 prefetch: bool | None = None) -> torch.Tensor:
     """Decode attention for every sequence whose query length is 1 (others are skipped).
 
     q [T, Hq, D], out [T, Hq, D] (the token row of sequence i is query_start_loc[i]);
@@ -367,12 +311,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     bn, nw, ns, pf, pps = decode_config(d, grouped, fp8, software, q.device)
     bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
     pf = pf if prefetch is None else prefetch
-    # The transposed ("swap AB") loop needs the grouped route and K >= 16 in every tl.dot.
-    can_transpose = grouped and bn >= 16 and (d >= 64 if software else d >= 16)
-    if transposed and not can_transpose:
-        raise ValueError("the transposed decode needs the grouped route, block_n >= 16 and "
-                         "head_dim >= 64 with the software decoder")
-    trans = bool(transposed) and can_transpose
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, head_programs, max_seq_len, bn,
                                        sm_count(q.device), pps)
@@ -393,7 +331,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         *ps, num_splits,
         GROUP=group, HEADS=heads, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2],
         BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8, SOFTWARE=software,
-        USE_DOT=grouped and (not software or d >= 64), PREFETCH=pf and not trans, TRANS=trans,
+        USE_DOT=grouped and (not software or d >= 64), PREFETCH=pf,
         DOT_DTYPE=dt, IEEE=ieee,
         num_warps=nw, num_stages=ns,
     )
