@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One call on a multi-GPU H200 machine (device tool), independent jobs side by side, one GPU
+# each (timings on different GPUs of one host do not share a GPU; 64 host cores are plenty).
+#   bash scripts/gpu_parallel.sh JOB[@GPU] ...   e.g. sampler@0 kernels@1 qsa@2 throughput@3
+# Every job has its own timeout and log; results are packed into $OUT/results.tgz at the end
+# (the device tool returns at most 8 files), before the call's own limit (DEADLINE_S).
+set -uo pipefail
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export KVCAP_COMMIT=${KVCAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+OUT=${OUT:-/tmp/out}; RES=/tmp/res; rm -rf "$RES"; mkdir -p "$OUT" "$RES"
+LIMIT=${DEADLINE_S:-540}
+CFG8B=kvcap/bench/configs/llama-3.1-8b.json
+
+job_sampler() {
+  timeout 120 python3 -m pytest -q -m gpu tests/test_sampler.py 2>&1 | tail -3
+  timeout 200 python3 -m kvcap.bench.sampler --out "$RES/sampler" --sweep
+}
+job_kernels() {
+  timeout $((LIMIT - 30)) python3 -m kvcap.bench.kernels --out "$RES/kernels.json"
+}
+job_qsa() {
+  OUT="$RES/qsa" QSA_DEADLINE_S=${QSA_DEADLINE_S:-235} bash scripts/gpu_qsa.sh
+}
+job_hf() {
+  timeout 200 python3 -m kvcap.bench.throughput --hf-only --out "$RES/hf"
+}
+job_engine() {
+  OUT="$RES/engine" timeout 200 python3 scripts/gpu_engine_check.py
+}
+job_overhead() {
+  timeout 100 python3 -m kvcap.bench.step_overhead --device cuda --config "$CFG8B" \
+    --out "$RES/step_overhead.json" ${OVERHEAD_ARGS:-}
+}
+job_throughput() {
+  timeout $((LIMIT - 60)) python3 -m kvcap.bench.throughput --shapes llama-3.1-8b \
+    --concurrency 16 64 --context 1024 16384 --kv fp16 fp8 fp8-software --out-tokens 64 \
+    --repeats 1 --out "$RES/throughput"
+}
+
+nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
+pids=()
+for spec in "$@"; do
+  gpu=${spec#*@}; [[ $spec == *@* ]] || gpu=0
+  ( IFS=+; for j in ${spec%@*}; do   # JOB1+JOB2@GPU runs them one after the other
+      echo "=== $j on GPU $gpu"; CUDA_VISIBLE_DEVICES=$gpu "job_$j"; echo "=== $j rc=$?"
+    done ) > "$RES/${spec%@*}.log" 2>&1 &
+  pids+=($!)
+done
+( sleep "$LIMIT"; echo "deadline: killing jobs"; kill -- "${pids[@]}" 2>/dev/null
+  pkill -f python3 ) &
+killer=$!
+wait "${pids[@]}"
+kill "$killer" 2>/dev/null
+tar czf "$OUT/results.tgz" -C "$RES" .
+for f in "$RES"/*.log; do echo "##### $f"; grep -E "=== |passed|failed|rc=|Error|error|x SDPA|tok/s|speedup|target|TB/s" "$f" | tail -25; done
