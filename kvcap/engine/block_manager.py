@@ -153,6 +153,8 @@ class BlockManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         need = self.num_blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
+        if need <= 0:
+            return True
         if need > self.num_free_blocks:
             return False
         for _ in range(need):
@@ -165,10 +167,11 @@ class BlockManager:
             return
         hashes = self._req_hashes.setdefault(req.request_id, [])
         num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
-        tokens = req.all_token_ids
+        if num_full <= len(hashes):
+            return
         bs = self.block_size
         for i in range(len(hashes), num_full):
-            h = self._hash(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs])
+            h = self._hash(hashes[-1] if hashes else None, req.token_slice(i * bs, (i + 1) * bs))
             hashes.append(h)
             block = req.block_ids[i]
             # Another request may have computed the same tokens first: keep its block cached.

@@ -13,10 +13,12 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from kvcap.attention.metadata import AttentionMetadata
+from kvcap.engine.input_batch import BlockTableRows, StagingBuffer
 from kvcap.models.llama import ForwardContext
 
 logger = logging.getLogger(__name__)
@@ -40,10 +42,10 @@ class DecodeGraphs:
         self.block_size = pool.spec.block_size
         width = -(-max_model_len // self.block_size)
         n = self.buckets[-1]
-        z = lambda *shape, dt: torch.zeros(shape, dtype=dt, device=device)
-        self.input_ids = z(n, dt=torch.int64)
-        self.positions = z(n, dt=torch.int64)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        # ids | positions | slots in one buffer: one host->device copy per step.
+        self._io = torch.zeros(3, n, dtype=torch.int64, device=device)
+        self._io[2] = -1
+        self.input_ids, self.positions, self.slot_mapping = self._io.unbind(0)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.full((n, width), pool.null_block, dtype=torch.int32,
@@ -51,6 +53,10 @@ class DecodeGraphs:
         self.hidden: dict[tuple[int, int], torch.Tensor] = {}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool_handle = None
+        self._rows = BlockTableRows(pad=pool.null_block, num_rows=max(256, 4 * n))
+        self._h64 = StagingBuffer(torch.int64, device, 3 * n)
+        self._h32 = StagingBuffer(torch.int32, device, n + n * min(width, 256))
+        self._dirty_width = 0  # columns of block_tables written so far (null beyond)
 
     def _meta(self, b: int, ctx_class: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -102,24 +108,37 @@ class DecodeGraphs:
 
     def prepare(self, input_ids: list[int], positions: list[int], tables: list[list[int]]
                 ) -> tuple[int, int]:
-        """Fill the static input buffers for a decode-only batch; returns the graph's key."""
+        """Fill the static input buffers for a decode-only batch; returns the graph's key.
+
+        Rows past the batch are padding (token 0 at position 0, slot -1, seq_len 1, null
+        blocks). Three host->device copies: ids/positions/slots, seq_lens, the block tables.
+        """
         b = len(input_ids)
         bucket = next(s for s in self.buckets if s >= b)
-        seq_lens = [p + 1 for p in positions]
-        ctx_class = self.context_class(max(seq_lens))
-        bs = self.block_size
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
-        width = max(len(t) for t in tables)
-        null = self.pool.null_block
-        table = torch.tensor([t + [null] * (width - len(t)) for t in tables]
-                             + [[null] * width] * (bucket - b), dtype=torch.int32)
-        pad = bucket - b
-        host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad,
-                             slots + [-1] * pad, seq_lens + [1] * pad], dtype=torch.int64)
-        self.input_ids[:bucket].copy_(host[0], non_blocking=True)
-        self.positions[:bucket].copy_(host[1], non_blocking=True)
-        self.slot_mapping[:bucket].copy_(host[2], non_blocking=True)
-        self.seq_lens[:bucket].copy_(host[3].to(torch.int32), non_blocking=True)
-        self.block_tables[:bucket, :width].copy_(table, non_blocking=True)
-        self.block_tables[:bucket, width:].fill_(self.pool.null_block)
-        return bucket, ctx_class
+        n, bs, null = self.buckets[-1], self.block_size, self.pool.null_block
+        rows = self._rows.rows_for(tables)
+        width = max(map(len, tables))
+        io = self._h64.reserve(3 * n)[: 3 * n].reshape(3, n)
+        io[0, :b] = input_ids
+        io[0, b:] = 0
+        pos = io[1, :b]
+        pos[:] = positions
+        io[1, b:] = 0
+        blocks = self._rows.table[rows, pos // bs].astype(np.int64)
+        np.add(blocks * bs, pos % bs, out=io[2, :b])
+        io[2, b:] = -1
+        self._h64.copy_to(self._io, 3 * n)
+        h32 = self._h32.reserve(n + bucket * width)
+        np.add(pos, 1, out=h32[:b])
+        h32[b:n] = 1
+        table = h32[n:n + bucket * width].reshape(bucket, width)
+        self._rows.gather(rows, width, table[:b])
+        table[b:] = null
+        self._h32.copy_to(self.seq_lens, n)
+        self.block_tables[:bucket, :width].copy_(
+            self._h32.host[n:n + bucket * width].view(bucket, width), non_blocking=True)
+        self._h32.record()
+        if width < self._dirty_width:
+            self.block_tables[:bucket, width:self._dirty_width].fill_(null)
+        self._dirty_width = max(self._dirty_width, width)
+        return bucket, self.context_class(int(pos.max()) + 1)

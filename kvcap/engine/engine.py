@@ -115,7 +115,8 @@ class Engine:
                     finished.append(req)
         outputs = {r.request_id: self._output(r) for r in touched}
         for r in finished:
-            outputs[r.request_id] = self._output(r)
+            if r.request_id not in outputs:  # touched ones were output in their final state
+                outputs[r.request_id] = self._output(r)
             self._forget(r)
         for rid in self._aborted_ids():
             r = self.requests.get(rid)
@@ -143,6 +144,8 @@ class Engine:
             self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, s)
 
     def _decode(self, req: Request) -> str:
+        if self.tokenizer is None:  # token ids only: the text stays empty
+            return ""
         detok = self._detok.get(req.request_id)
         if detok is None:
             detok = self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer)
@@ -156,15 +159,17 @@ class Engine:
         if text is None:
             text = self._decode(req)
         p = req.sampling_params
-        err = req.stop_reason if isinstance(req.stop_reason, str) and \
-            req.stop_reason.startswith("error:") else None
+        done = req.is_finished
+        reason = req.stop_reason
+        err = reason if done and isinstance(reason, str) and reason.startswith("error:") \
+            else None
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             token_ids=list(req.output_token_ids),
             text=text,
-            finished=req.is_finished,
-            finish_reason=req.status.value if req.is_finished else None,
+            finished=done,
+            finish_reason=req.status.value if done else None,
             logprobs=list(ex.logprobs) if p.logprobs is not None else None,
             prompt_logprobs=list(ex.prompt_logprobs) if p.prompt_logprobs is not None else None,
             prompt_logits=(torch.cat(ex.prompt_logits) if ex.want_prompt_logits

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcap.attention.base import AttentionBackend
-from kvcap.attention.metadata import AttentionMetadata
+from kvcap.engine.input_batch import EagerInputs
 from kvcap.engine.request import Request
 from kvcap.kv_cache.pool import KVCachePool
 from kvcap.models.llama import ForwardContext, KVObserverFn, LlamaModel
@@ -63,6 +63,7 @@ class ModelRunner:
                  device: torch.device):
         self.model, self.backend, self.pool, self.device = model, backend, pool, device
         self.sampler = Sampler(device)
+        self._eager = EagerInputs(device, pool.spec.block_size)
         self.kv_observer: KVObserverFn | None = None
         self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs()
         self.timer = None  # kvcap.engine.timing.StepTimer while step timing is on (rank 0)
@@ -78,22 +79,41 @@ class ModelRunner:
     def make_plan(self, chunks, extras: dict[str, RequestExtras]) -> StepPlan:
         """Flatten the scheduler's chunks into the step every tensor-parallel rank runs."""
         plan = StepPlan()
-        ends = [0]
+        ids, positions, qlens, seq_lens, tables = (plan.ids, plan.positions, plan.query_lens,
+                                                   plan.seq_lens, plan.tables)
+        eager_only = False
         for ch in chunks:
             req: Request = ch.request
-            plan.ids.extend(req.all_token_ids[ch.start:ch.start + ch.num_tokens])
-            plan.positions.extend(range(ch.start, ch.start + ch.num_tokens))
-            plan.query_lens.append(ch.num_tokens)
-            plan.seq_lens.append(ch.start + ch.num_tokens)
-            plan.tables.append(req.block_ids)
-            ends.append(ends[-1] + ch.num_tokens)
-        eager_only = any(extras[ch.request.request_id].want_prompt_logits
-                         or ch.request.sampling_params.prompt_logprobs is not None
-                         for ch in chunks)
+            start, n = ch.start, ch.num_tokens
+            if n == 1:  # decode: the one token, without copying the sequence
+                p = len(req.prompt_token_ids)
+                ids.append(req.output_token_ids[start - p] if start >= p
+                           else req.prompt_token_ids[start])
+                positions.append(start)
+            else:
+                ids.extend(req.token_slice(start, start + n))
+                positions.extend(range(start, start + n))
+            qlens.append(n)
+            seq_lens.append(start + n)
+            tables.append(req.block_ids)
+            if (req.sampling_params.prompt_logprobs is not None
+                    or extras[req.request_id].want_prompt_logits):
+                eager_only = True
+        max_q = max(qlens)
         plan.use_graph = (self.graphs is not None and not eager_only
-                          and self.kv_observer is None and max(plan.query_lens) == 1
-                          and self.graphs.can_run(len(chunks), max(plan.seq_lens)))
-        if not plan.use_graph:  # teacher-forced logits need the eager path's metadata
+                          and self.kv_observer is None and max_q == 1
+                          and self.graphs.can_run(len(chunks), max(seq_lens)))
+        if max_q == 1:  # row i is sequence i
+            plan.sample_rows = [i for i, ch in enumerate(chunks) if ch.samples]
+            ends = None
+        else:
+            ends = [0]
+            for n in qlens:
+                ends.append(ends[-1] + n)
+            plan.sample_rows = [ends[i + 1] - 1 for i, ch in enumerate(chunks) if ch.samples]
+        if eager_only and not plan.use_graph:  # teacher-forced logits need the eager path
+            if ends is None:
+                ends = list(range(len(chunks) + 1))
             for i, ch in enumerate(chunks):
                 req = ch.request
                 if (not extras[req.request_id].want_prompt_logits
@@ -101,7 +121,6 @@ class ModelRunner:
                     continue
                 end = min(ch.start + ch.num_tokens, req.num_prompt_tokens)
                 plan.prompt_rows.append((i, ends[i], ends[i] + end - ch.start))
-        plan.sample_rows = [ends[i + 1] - 1 for i, ch in enumerate(chunks) if ch.samples]
         return plan
 
     def broadcast_plan(self, plan: StepPlan) -> None:
@@ -116,12 +135,9 @@ class ModelRunner:
                 t.mark("prepare")
                 t.gpu_event("forward_start")
             return self.graphs.replay(key, len(plan.ids)), None
-        meta = AttentionMetadata.build(plan.query_lens, plan.seq_lens, plan.tables,
-                                       self.pool.spec.block_size, self.device)
+        input_ids, pos, meta = self._eager.build(plan)
         if self.graphs is not None and meta.is_decode_only:
             meta.max_seq_len = self.graphs.context_class(meta.max_seq_len)
-        input_ids = torch.tensor(plan.ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(plan.positions, dtype=torch.int64, device=self.device)
         ctx = ForwardContext(self.backend, self.pool, meta, self.kv_observer)
         if t is not None:
             t.mark("prepare")
@@ -143,8 +159,10 @@ class ModelRunner:
             if on_prompt_logits is not None:
                 on_prompt_logits(i, logits)
         logits = None
-        if plan.sample_rows:
-            rows = torch.tensor(plan.sample_rows, device=self.device)
+        if len(plan.sample_rows) == len(plan.ids):  # every row samples
+            logits = self.model.compute_logits(hidden[: len(plan.ids)])
+        elif plan.sample_rows:
+            rows = torch.tensor(plan.sample_rows).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[rows])
         t = self.timer
         if t is not None:
@@ -164,13 +182,18 @@ class ModelRunner:
         if logits is None:
             return StepResult({})
         reqs = [ch.request for ch in chunks if ch.samples]
-        batch = SamplingBatch.from_params(
-            [r.sampling_params for r in reqs],
-            seeds=[extras[r.request_id].seed for r in reqs],
-            steps=[len(r.output_token_ids) for r in reqs],
-            device=self.device,
-        )
-        tokens = self.sampler.sample(logits, batch).tolist()
+        params = [r.sampling_params for r in reqs]
+        if all(p.temperature == 0.0 for p in params):
+            sampled = self.sampler.sample_greedy(logits)
+        else:
+            batch = SamplingBatch.from_params(
+                params,
+                seeds=[extras[r.request_id].seed for r in reqs],
+                steps=[len(r.output_token_ids) for r in reqs],
+                device=self.device,
+            )
+            sampled = self.sampler.sample(logits, batch)
+        tokens = sampled.tolist()
         self._collect_logprobs(reqs, extras, logits, tokens)
         if self.timer is not None:
             self.timer.mark("sample")

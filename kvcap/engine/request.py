@@ -19,8 +19,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self is _STOPPED or self is _LENGTH or self is _ABORTED
+
+
+_STOPPED, _LENGTH, _ABORTED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                               RequestStatus.FINISHED_ABORTED)
 
 
 @dataclass
@@ -49,6 +52,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """`all_token_ids[start:end]` without concatenating the prompt and the outputs."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -59,4 +71,5 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        s = self.status
+        return s is _STOPPED or s is _LENGTH or s is _ABORTED

@@ -139,7 +139,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != batch.size:
             raise ValueError(f"logits {tuple(logits.shape)} do not match batch of {batch.size}")
         if batch.all_greedy:
-            return torch.argmax(torch.nan_to_num(logits.float(), nan=float("-inf")), dim=1)
+            return self.sample_greedy(logits)
         if self.fused and logits.is_cuda:
             from kvcap.kernels.sampling_topk_topp import fused_sample
 
@@ -147,6 +147,12 @@ class Sampler:
         return reference_sample(
             logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.rng
         )
+
+    @staticmethod
+    def sample_greedy(logits: torch.Tensor) -> torch.Tensor:
+        """Every row greedy (what ``sample`` does for an all-greedy batch, without building it):
+        arg-max with NaN as -inf, lowest index on ties."""
+        return torch.argmax(torch.nan_to_num(logits.float(), nan=float("-inf")), dim=1)
 
 
 def compute_topn_logprobs(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
