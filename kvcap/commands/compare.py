@@ -7,14 +7,16 @@ from pathlib import Path
 
 HELP = ("A/B quality of the calibrated E4M3 KV cache against the unquantized reference (and a "
         "unit-scale negative control): held-out KL/top-1/perplexity, greedy generation, "
-        "retrieval, per-layer attention error; writes report.json, report.md and plots")
+        "retrieval, per-layer attention error, and with --qsa the QSA selection/output quality; "
+        "writes report.json, report.md and plots")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="base checkpoint: 'default' or an HF dir")
     p.add_argument("--overlay", required=True, type=Path, help="calibrated scale overlay pack")
     p.add_argument("--tasks", default="heldout,internals,generation,retrieval",
-                   help="comma-separated subset of heldout, internals, generation, retrieval")
+                   help="comma-separated subset of heldout, internals, generation, retrieval "
+                        "(and qsa, which --qsa adds)")
     p.add_argument("--quick", action="store_true",
                    help="small budgets (a few minutes on a 2-core CPU)")
     p.add_argument("--out", type=Path, default=Path("kvcap-compare"), help="report directory")
@@ -38,6 +40,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--qsa", default=None, metavar="PRESET",
+                   help="run every arm with QSA (e.g. all-but-3, every4:1024) and add the QSA "
+                        "section: selection overlap and attention-output agreement vs the "
+                        "reference arm, dense attention-mass recall (docs/qsa.md)")
+    p.add_argument("--qsa-context", type=int, default=None,
+                   help="tokens per QSA record (default: twice the QSA budget, <= the window)")
+    p.add_argument("--qsa-records", type=int, default=None,
+                   help="teacher-forced QSA records (default 1 with --quick, else 4)")
 
 
 def overrides(args: argparse.Namespace) -> dict:
@@ -48,7 +58,8 @@ def overrides(args: argparse.Namespace) -> dict:
         out["contexts"] = tuple(args.contexts)
     if args.retrieval_tasks:
         out["retrieval_tasks"] = tuple(t.strip() for t in args.retrieval_tasks.split(",") if t)
-    for name in ("heldout_tokens", "record_tokens", "max_new_tokens"):
+    for name in ("heldout_tokens", "record_tokens", "max_new_tokens", "qsa_context",
+                 "qsa_records"):
         value = getattr(args, name)
         if value is not None:
             if value < 1:
@@ -78,9 +89,22 @@ def print_summary(report: dict, paths: dict) -> None:
                       status)
     console = Console()
     console.print(table)
+    if "qsa" in report["results"]:
+        console.print(qsa_table(report["results"]["qsa"], Table))
     console.print(f"disjointness: {report['data']['disjointness']['summary']}")
     console.print(f"report: {paths['md']} (+ report.json, plots) in "
                   f"{report['timings']['total']:.0f} s")
+
+
+def qsa_table(section: dict, table_cls):
+    from kvcap.eval.qsa_quality import SUMMARY_HEADER, summary_rows
+
+    table = table_cls(title=f"QSA {section['preset']} vs the reference arm (goals from issue 9)")
+    for col in SUMMARY_HEADER:
+        table.add_column(col)
+    for row in summary_rows(section):
+        table.add_row(*row)
+    return table
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
                         tasks=parse_tasks(args.tasks), quick=args.quick, control=args.control,
                         no_control=args.no_control, calibration_manifest=args.calibration_manifest,
                         baseline_kv=args.baseline_kv, device=args.device, seed=args.seed,
-                        overrides=overrides(args))
+                        qsa=args.qsa, overrides=overrides(args))
     report, paths = run_compare(cfg)
     print_summary(report, paths)
     return 0

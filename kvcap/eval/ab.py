@@ -94,8 +94,10 @@ def build_llms(
     device: str | None,
     max_tokens: int,
     max_num_seqs: int = 16,
+    qsa: str | None = None,
 ) -> dict[str, Any]:
-    """One LLM per arm, each with a KV pool of `max_tokens` tokens (plus a block per seq)."""
+    """One LLM per arm, each with a KV pool of `max_tokens` tokens (plus a block per seq);
+    `qsa`: a QSA preset every arm runs with (None: dense attention)."""
     from tqdm.auto import tqdm
 
     from kvcap.llm import LLM
@@ -114,6 +116,7 @@ def build_llms(
             max_num_seqs=max_num_seqs,
             enable_prefix_caching=False,
             seed=0,
+            qsa=qsa,
         )
         logger.info("arm %s: kv %s, %s", arm.name, llms[arm.name].kv_dtype, arm.label)
     return llms

@@ -28,10 +28,12 @@ def attention_modules(model: Any) -> list[torch.nn.Module]:
 
 
 class AttnOutCapture:
-    """Context manager: collects attention outputs per layer while active."""
+    """Context manager: collects attention outputs per layer while active (every layer, or
+    only those in `layers`)."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, layers: Any = None):
         self.modules = attention_modules(model)
+        self.hooked = list(range(len(self.modules)) if layers is None else layers)
         self.rows: list[list[torch.Tensor]] = [[] for _ in self.modules]
         self._handles: list[Any] = []
 
@@ -43,7 +45,8 @@ class AttnOutCapture:
 
     def __enter__(self) -> AttnOutCapture:
         self.rows = [[] for _ in self.modules]
-        self._handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self.modules)]
+        self._handles = [self.modules[i].register_forward_hook(self._hook(i))
+                         for i in self.hooked]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -51,17 +54,17 @@ class AttnOutCapture:
             h.remove()
         self._handles = []
 
+    def layer_output(self, idx: int, num_tokens: int) -> torch.Tensor:
+        """Layer `idx`: the first `num_tokens` rows captured, [num_tokens, Hq*D] float32."""
+        chunks = self.rows[idx]
+        rows = torch.cat(chunks, dim=0) if chunks else torch.empty(0)
+        if rows.shape[0] < num_tokens:
+            raise RuntimeError(f"layer {idx}: captured {rows.shape[0]} rows, expected {num_tokens}")
+        return rows[:num_tokens]
+
     def layer_outputs(self, num_tokens: int) -> list[torch.Tensor]:
-        """Per layer: the first `num_tokens` rows captured, [num_tokens, Hq*D] float32."""
-        out = []
-        for i, chunks in enumerate(self.rows):
-            rows = torch.cat(chunks, dim=0) if chunks else torch.empty(0)
-            if rows.shape[0] < num_tokens:
-                raise RuntimeError(
-                    f"layer {i}: captured {rows.shape[0]} rows, expected {num_tokens}"
-                )
-            out.append(rows[:num_tokens])
-        return out
+        """Every layer's `layer_output` (all layers must be hooked)."""
+        return [self.layer_output(i, num_tokens) for i in range(len(self.rows))]
 
 
 class LayerInputCapture:

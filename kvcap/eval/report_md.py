@@ -125,6 +125,38 @@ def _retrieval(t: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def _qsa(q: dict[str, Any]) -> list[str]:
+    from kvcap.eval.qsa_quality import SUMMARY_HEADER, summary_rows
+
+    c = q["config"]
+    layers = c["layers"]
+    span = f"{layers[0]}..{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) \
+        else ", ".join(map(str, layers))
+    lines = [f"## QSA quality (preset `{q['preset']}`)", "",
+             f"Every arm runs QSA on layers {span} ({len(layers)} layers): top-"
+             f"{c['topk_groups']} groups of {c['compress_ratio']} = {c['token_budget']} tokens "
+             f"+ the open tail, {c['summary']} summaries, {c['head_reduce']} over query heads, "
+             f"{c['path']} path. Teacher-forced: {q['records']} record(s) of {q['context']} "
+             f"tokens ({q['source']}) through every arm. Metrics count the "
+             f"{q['sparse_rows']} positions with more than {c['topk_groups']} complete groups "
+             "(the rows where the indexer chooses); selection rows are (position, KV head) "
+             "pairs. Status is judged on the overall (pooled) value.", ""]
+    lines += _table(list(SUMMARY_HEADER), summary_rows(q))
+    mass = q["dense_mass_recall"]
+    lines += [f"Dense-mass recall over all rows (incl. those that select everything): "
+              f"{_f(mass['all_rows']['overall'])}.", ""]
+    header, rows = ["layer"], {}
+    for arm, a in q["arms"].items():
+        header += [f"{arm} {k}" for k in ("Jaccard", "recall", "exact", "cos", "relL2")]
+        for p in a["per_layer"]:
+            rows.setdefault(p["layer"], [p["layer"]]).extend(
+                p[k] for k in ("jaccard", "recall", "exact_rows", "cosine", "rel_l2"))
+    header.append(f"{mass['arm']} dense-mass recall")
+    for layer, row in rows.items():
+        row.append(mass["per_layer"].get(str(layer)))
+    return lines + ["Per QSA layer:", ""] + _table(header, list(rows.values()))
+
+
 def _data(r: dict[str, Any]) -> list[str]:
     d = r["data"]
     lines = ["## Data provenance and disjointness", "",
@@ -143,6 +175,8 @@ def render(report: dict[str, Any]) -> str:
         lines += _generation(res["generation"])
     if "retrieval" in res:
         lines += _retrieval(res["retrieval"])
+    if "qsa" in res:
+        lines += _qsa(res["qsa"])
     lines += _data(report)
     if report.get("plots"):
         lines += ["## Figures", ""] + [f"![{p}]({p})" for p in report["plots"]] + [""]

@@ -9,16 +9,27 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvcap.errors import ConfigError
-from kvcap.eval import ab, corpora, disjoint, generation, heldout, plots, report, retrieval
+from kvcap.eval import (
+    ab,
+    corpora,
+    disjoint,
+    generation,
+    heldout,
+    plots,
+    qsa_quality,
+    report,
+    retrieval,
+)
 
 logger = logging.getLogger(__name__)
 
 TASKS = ("heldout", "internals", "generation", "retrieval")
+QSA_TASK = "qsa"  # added by --qsa PRESET (kvcap/eval/qsa_quality.py)
 
 
 @dataclass(frozen=True)
@@ -31,12 +42,14 @@ class Budget:
     contexts: tuple[int, ...]
     depths: tuple[int, ...] = retrieval.DEPTHS
     retrieval_tasks: tuple[str, ...] = retrieval.TASKS
+    qsa_records: int = 1
+    qsa_context: int | None = None  # None: twice the QSA token budget, capped to the window
 
 
 QUICK = Budget(heldout_tokens=2048, record_tokens=256, plain_prompts=2, chat_prompts=2,
-               max_new_tokens=128, contexts=(1024,))
+               max_new_tokens=128, contexts=(1024,), qsa_records=1)
 FULL = Budget(heldout_tokens=16384, record_tokens=512, plain_prompts=8, chat_prompts=8,
-              max_new_tokens=128, contexts=(1024, 2048, 4096, 8192))
+              max_new_tokens=128, contexts=(1024, 2048, 4096, 8192), qsa_records=4)
 HELDOUT_SHARDS = ["prose", "code", "chat", "tool_json"]
 
 
@@ -54,16 +67,17 @@ class CompareConfig:
     device: str | None = None
     seed: int = 0
     budget: Budget | None = None
+    qsa: str | None = None  # a QSA preset (kvcap.qsa.enable.parse_preset) for every arm
     overrides: dict[str, Any] = field(default_factory=dict)  # Budget fields from the CLI
 
 
 def parse_tasks(spec: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
     items = spec.split(",") if isinstance(spec, str) else [s for x in spec for s in x.split(",")]
     names = tuple(dict.fromkeys(s.strip() for s in items if s.strip()))
-    bad = [n for n in names if n not in TASKS]
+    bad = [n for n in names if n not in (*TASKS, QSA_TASK)]
     if bad or not names:
         raise ConfigError(f"unknown task {', '.join(bad) or '(none)'}: choose from "
-                          f"{', '.join(TASKS)}")
+                          f"{', '.join((*TASKS, QSA_TASK))}")
     return names
 
 
@@ -87,12 +101,35 @@ def _resolve(cfg: CompareConfig) -> tuple[Path, Any, Budget]:
                 raise ConfigError(f"unknown retrieval task {t!r}: choose from {retrieval.TASKS}")
     if budget.record_tokens > window:
         raise ConfigError(f"record length {budget.record_tokens} exceeds the window {window}")
+    if QSA_TASK in cfg.tasks and cfg.qsa is None:
+        raise ConfigError("the qsa task needs a QSA preset (kvcap compare --qsa PRESET)")
+    if cfg.qsa is not None:
+        from kvcap.qsa.enable import parse_preset
+
+        ctx = budget.qsa_context or min(2 * parse_preset(cfg.qsa).token_budget, window)
+        if ctx > window:
+            raise ConfigError(f"QSA context {ctx} exceeds the window {window}")
+        budget = Budget(**{**asdict(budget), "qsa_context": ctx})
     return base, spec, budget
+
+
+def _settings(cfg: CompareConfig, budget: Budget) -> dict[str, Any]:
+    settings = {"quick": cfg.quick, "tasks": list(cfg.tasks), "seed": cfg.seed,
+                "budget": asdict(budget), "baseline_kv": cfg.baseline_kv,
+                "decoding": "greedy (temperature 0)"}
+    if cfg.qsa is None:  # reports without --qsa keep their earlier shape
+        for key in ("qsa_records", "qsa_context"):
+            settings["budget"].pop(key)
+    else:
+        settings["qsa"] = cfg.qsa
+    return settings
 
 
 def run_compare(cfg: CompareConfig) -> tuple[dict[str, Any], dict[str, Path]]:
     """Run the A/B comparison; returns (report dict, written file paths)."""
     t0 = time.time()
+    if cfg.qsa is not None and QSA_TASK not in cfg.tasks:
+        cfg = replace(cfg, tasks=(*cfg.tasks, QSA_TASK))
     base, spec, budget = _resolve(cfg)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -108,10 +145,10 @@ def run_compare(cfg: CompareConfig) -> tuple[dict[str, Any], dict[str, Path]]:
                             if cal_path else (None, None))
     timings: dict[str, float] = {"validate": time.time() - t0}
 
-    need = max([budget.record_tokens, 512 + budget.max_new_tokens]
+    need = max([budget.record_tokens, 512 + budget.max_new_tokens, budget.qsa_context or 0]
                + [2 * c for c in budget.contexts])
     t = time.time()
-    llms = ab.build_llms(base, arms, cfg.device, need)
+    llms = ab.build_llms(base, arms, cfg.device, need, qsa=cfg.qsa)
     timings["load_arms"] = time.time() - t
     ref = ab.REFERENCE
     results: dict[str, Any] = {}
@@ -148,10 +185,19 @@ def run_compare(cfg: CompareConfig) -> tuple[dict[str, Any], dict[str, Path]]:
         results["retrieval"] = generation.run_retrieval(llms, ref, cases, tok)
         timings["retrieval"] = time.time() - t
         eval_hashes["retrieval"] = [c["hash"] for c in results["retrieval"]["cases"]]
+    if QSA_TASK in cfg.tasks:
+        records = qsa_quality.build_records(tok, budget.qsa_context, budget.qsa_records,
+                                            cfg.seed, cal_hashes)
+        t = time.time()
+        results["qsa"] = qsa_quality.run_qsa_quality(llms, ref, records, cfg.qsa,
+                                                     source=qsa_quality.SOURCE)
+        timings["qsa"] = time.time() - t
+        eval_hashes["qsa"] = [corpora.record_hash(r) for r in records]
     device = str(next(iter(llms.values())).device)
     kv_dtypes = {name: llm.kv_dtype for name, llm in llms.items()}
     del llms
-    labels = {a.name: a.label.replace("auto KV", f"{kv_dtypes[a.name]} KV") for a in arms}
+    labels = {a.name: a.label.replace("auto KV", f"{kv_dtypes[a.name]} KV")
+              + (f", QSA {cfg.qsa}" if cfg.qsa else "") for a in arms}
     plot_names = plots.write_plots(results, labels, out)
     timings["total"] = time.time() - t0
     meta = {
@@ -160,9 +206,7 @@ def run_compare(cfg: CompareConfig) -> tuple[dict[str, Any], dict[str, Path]]:
             "base_fingerprint"] if arms[1].overlay else None},
         "arms": [{"name": a.name, "label": labels[a.name], "kv_cache_dtype": kv_dtypes[a.name],
                   "overlay": a.overlay} for a in arms],
-        "settings": {"quick": cfg.quick, "tasks": list(cfg.tasks), "seed": cfg.seed,
-                     "budget": asdict(budget), "baseline_kv": cfg.baseline_kv,
-                     "decoding": "greedy (temperature 0)"},
+        "settings": _settings(cfg, budget),
         "data": {"disjointness": disjoint.check(eval_hashes, cal_hashes, cal_info, excluded),
                  "eval_manifest": "eval-corpus-manifest.json" if "heldout" in results else None,
                  "sources": "evaluation split of prose (common-licenses, pydoc topics), "
