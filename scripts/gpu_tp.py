@@ -727,12 +727,15 @@ def run_instance(inst: dict, res: dict, save, deadline: float, reserve: float) -
         for c, ctx, optional in inst["cells"]:
             cell: dict[str, Any] = {"concurrency": c, "context": ctx, "optional": optional}
             res.setdefault("cells", []).append(cell)
-            why = cell_skip(llm, inst, c, ctx, optional, res.get("cells", []), deadline, reserve)
+            why, cell["est_s"] = cell_skip(llm, inst, c, ctx, optional, res["cells"], deadline,
+                                           reserve)
             if why:
                 cell["skip"] = why
             else:
+                t_cell = time.perf_counter()
                 try:
                     cell.update(measure_cell(llm, c, ctx, inst))
+                    cell["wall_s"] = time.perf_counter() - t_cell
                 except Exception as e:  # recorded; a broken TP group fails the next ones fast
                     cell["error"] = f"{type(e).__name__}: {e}"
                     traceback.print_exc()
@@ -843,12 +846,13 @@ def calibrate(llm, inst: dict) -> dict:
                                               max(list(scales.values())[0::2])]}
 
 
-def cell_skip(llm, inst, c, ctx, optional, done, deadline, reserve) -> str | None:
+def cell_skip(llm, inst, c, ctx, optional, done, deadline, reserve) -> tuple[str | None, float]:
+    """(why the cell is skipped or None, its estimated seconds)."""
     need = c * -(-ctx // llm.config.block_size)
     if need > llm.pool.num_blocks:
-        return f"needs {need} KV blocks, pool has {llm.pool.num_blocks}"
+        return f"needs {need} KV blocks, pool has {llm.pool.num_blocks}", 0.0
     if c > llm.config.max_num_seqs or ctx > llm.max_model_len:
-        return f"outside max_num_seqs {llm.config.max_num_seqs} / max_model_len"
+        return f"outside max_num_seqs {llm.config.max_num_seqs} / max_model_len", 0.0
     smoke = inst["device"] == "cpu"
     chunk = llm.config.max_num_batched_tokens
     rates = [x["prefill_tok_s"] * (1 + x["context"] / 32768) for x in done
@@ -862,8 +866,8 @@ def cell_skip(llm, inst, c, ctx, optional, done, deadline, reserve) -> str | Non
     left = deadline - time.time()
     if est > left - (reserve if optional else 0.0) - 3.0:
         return (f"time budget: estimated {est:.0f} s, {left:.0f} s left"
-                + (f", {reserve:.0f} s kept for later phases" if optional else ""))
-    return None
+                + (f", {reserve:.0f} s kept for later phases" if optional else "")), est
+    return None, est
 
 
 def measure_cell(llm, c: int, ctx: int, inst: dict) -> dict:
