@@ -62,7 +62,7 @@ def build_llm(config: str, device: str, max_num_seqs: int, max_model_len: int,
     num_blocks = max_num_seqs * -(-max_model_len // block_size) + 8
     return LLM(model=f"dummy:{config}", device=device, dtype=dtype, block_size=block_size,
                max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_blocks=num_blocks,
-               enforce_eager=enforce_eager, enable_prefix_caching=False)
+               enforce_eager=enforce_eager)
 
 
 def _stats(xs: list[float]) -> dict:
@@ -76,7 +76,7 @@ def prefill_steps(llm, concurrency: int, context: int) -> int:
 
 
 def measure(llm, concurrency: int, context: int, steps: int, warmup: int, sync: bool,
-            temperature: float = 0.0, seed: int = 0) -> dict:
+            temperature: float = 0.0, seed: int = 0, read_gbps: float | None = None) -> dict:
     """Decode `warmup + steps` tokens for `concurrency` prompts of `context` tokens; time the
     decode-only steps that run the whole batch (the first `warmup` of them are dropped)."""
     from kvcap import SamplingParams
@@ -114,19 +114,36 @@ def measure(llm, concurrency: int, context: int, steps: int, warmup: int, sync: 
         out["gpu_forward"] = _stats([r["gpu_forward"] for r in recs])
         out["exposed"] = _stats([r["step"] - r["gpu_forward"] for r in recs])
     out["decode_tok_s"] = concurrency / (out["step"]["mean_ms"] / 1e3)
+    if read_gbps:  # bytes every decode step must read: all weights + the batch's K/V
+        kv = statistics.fmean(r["context_tokens"] for r in recs) * llm.pool.spec.bytes_per_token
+        out["roofline_ms"] = 1e3 * (weight_bytes(llm) + kv) / (read_gbps * 1e9)
+        out["roofline_frac"] = out["roofline_ms"] / out["step"]["mean_ms"]
     return out
 
 
+def weight_bytes(llm) -> int:
+    return sum(p.numel() * p.element_size() for p in llm.model.parameters())
+
+
+COLUMNS = ["conc", "sync", *PHASES, "step", "overhead", "gpu_fwd", "exposed", "tok/s",
+           "roofline"]
+
+
+def format_header() -> str:
+    return "  ".join(f"{c:>9}" for c in COLUMNS)
+
+
+def format_row(r: dict) -> str:
+    vals = [f"{r['concurrency']:>9}", f"{'yes' if r['sync'] else 'no':>9}"]
+    for k in (*PHASES, "step", "overhead", "gpu_forward", "exposed"):
+        vals.append(f"{r[k]['mean_ms']:9.3f}" if k in r else f"{'-':>9}")
+    vals.append(f"{r['decode_tok_s']:9.0f}")
+    vals.append(f"{100 * r['roofline_frac']:8.1f}%" if "roofline_frac" in r else f"{'-':>9}")
+    return "  ".join(vals)
+
+
 def format_table(rows: list[dict]) -> str:
-    cols = ["conc", "sync", *PHASES, "step", "overhead", "gpu_fwd", "exposed", "tok/s"]
-    lines = ["  ".join(f"{c:>9}" for c in cols)]
-    for r in rows:
-        vals = [f"{r['concurrency']:>9}", f"{'yes' if r['sync'] else 'no':>9}"]
-        for k in (*PHASES, "step", "overhead", "gpu_forward", "exposed"):
-            vals.append(f"{r[k]['mean_ms']:9.3f}" if k in r else f"{'-':>9}")
-        vals.append(f"{r['decode_tok_s']:9.0f}")
-        lines.append("  ".join(vals))
-    return "\n".join(lines)
+    return "\n".join([format_header(), *map(format_row, rows)])
 
 
 def main(argv=None) -> int:
@@ -146,6 +163,8 @@ def main(argv=None) -> int:
     ap.add_argument("--both", action="store_true", help="measure overlapped and --sync modes")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--read-gbps", type=float, default=None,
+                    help="CUDA: memory read ceiling for the roofline (default: measured)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if args.threads:
@@ -161,24 +180,34 @@ def main(argv=None) -> int:
                     args.enforce_eager)
     build_s = time.perf_counter() - t0
     modes = [False, True] if args.both else [args.sync]
-    rows = []
+    on_cuda = llm.device.type == "cuda"
+    read_gbps = None
+    if on_cuda:
+        from kvcap.bench.throughput import read_ceiling_tbs
+
+        read_gbps = args.read_gbps or 1e3 * read_ceiling_tbs(llm.device)
+    print(f"step overhead: {Path(config).name} on {llm.device} ({llm.dtype}), context "
+          f"{args.context}, {args.steps} decode steps, cuda graphs "
+          f"{'on' if llm.runner.graphs is not None else 'off'}, built in {build_s:.1f} s; "
+          f"ms per step (mean)" + (f"; roofline at {read_gbps:.0f} GB/s" if read_gbps else ""))
+    print(format_header(), flush=True)
+    doc = {"config": config, "device": device, "torch_device": str(llm.device),
+           "dtype": str(llm.dtype), "threads": torch.get_num_threads(),
+           "cuda_graphs": llm.runner.graphs is not None, "build_s": build_s,
+           "args": vars(args), "results": []}
+    if on_cuda:
+        doc["gpu"] = torch.cuda.get_device_name(llm.device)
+        doc["weight_bytes"] = weight_bytes(llm)
+        doc["read_gbps"] = read_gbps
     for sync in modes:
         for c in args.concurrency:
-            rows.append(measure(llm, c, args.context, args.steps, args.warmup, sync,
-                                args.temperature))
-    head = (f"step overhead: {Path(config).name} on {device} ({llm.dtype}), context "
-            f"{args.context}, {args.steps} decode steps, cuda graphs "
-            f"{'on' if llm.runner.graphs is not None else 'off'}; ms per step (mean)")
-    print(head)
-    print(format_table(rows))
+            row = measure(llm, c, args.context, args.steps, args.warmup, sync,
+                          args.temperature, read_gbps=read_gbps)
+            doc["results"].append(row)
+            print(format_row(row), flush=True)
+            if args.out:  # after every cell: a cut-short run keeps what it measured
+                Path(args.out).write_text(json.dumps(doc, indent=1))
     if args.out:
-        doc = {"config": config, "device": device, "torch_device": str(llm.device),
-               "dtype": str(llm.dtype), "threads": torch.get_num_threads(),
-               "cuda_graphs": llm.runner.graphs is not None, "build_s": build_s,
-               "args": vars(args), "results": rows}
-        if device.startswith("cuda"):
-            doc["gpu"] = torch.cuda.get_device_name(llm.device)
-        Path(args.out).write_text(json.dumps(doc, indent=1))
         print(f"wrote {args.out}")
     return 0
 

@@ -126,7 +126,8 @@ class Engine:
         if timer is not None:
             timer.mark("output")
             timer.end(num_seqs=len(out.chunks),
-                      decode_only=bool(out.chunks) and all(c.num_tokens == 1 for c in out.chunks))
+                      decode_only=bool(out.chunks) and all(c.num_tokens == 1 for c in out.chunks),
+                      context_tokens=sum(c.start + c.num_tokens for c in out.chunks))
         return list(outputs.values())
 
     def _aborted_ids(self) -> list[str]:

@@ -14,6 +14,8 @@ rewritten before the previous step's copy has read it.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import numpy as np
 import torch
 
@@ -152,46 +154,48 @@ class EagerInputs:
     def build(self, plan):
         from kvcap.attention.metadata import AttentionMetadata
 
-        qlens, seqs = plan.query_lens, plan.seq_lens
-        b, t = len(qlens), len(plan.ids)
-        rows = self.rows.rows_for(plan.tables)
-        width = max(max(map(len, plan.tables), default=1), 1)
-        # int64: ids | positions | slots
-        o_pos, o_slot = _align(t), 2 * _align(t)
-        h64 = self.buf64.reserve(o_slot + t)
-        h64[:t] = plan.ids
-        pos = h64[o_pos:o_pos + t]
-        pos[:] = plan.positions
-        # int32: query_start_loc | seq_lens | context_lens | block_tables
+        qlens, seqs, tables, positions = plan.query_lens, plan.seq_lens, plan.tables, \
+            plan.positions
+        b, t, bs = len(qlens), len(plan.ids), self.block_size
+        rows = self.rows.rows_for(tables)
+        width = max(max(map(len, tables), default=1), 1)
+        # int32: query_start_loc | seq_lens | context_lens | block_tables (16-byte aligned)
+        qsl = [0, *accumulate(qlens)]
         o_seq = _align(b + 1)
         o_ctx = o_seq + _align(b)
         o_tab = o_ctx + _align(b)
         h32 = self.buf32.reserve(o_tab + b * width)
-        ql = np.asarray(qlens, dtype=np.int32)
-        qsl = h32[: b + 1]
-        qsl[0] = 0
-        np.cumsum(ql, out=qsl[1:])
-        seq = h32[o_seq:o_seq + b]
-        seq[:] = seqs
-        np.subtract(seq, ql, out=h32[o_ctx:o_ctx + b])
+        h32[:o_tab] = (qsl + [0] * (o_seq - b - 1) + seqs + [0] * (o_ctx - o_seq - b)
+                       + [s - q for s, q in zip(seqs, qlens, strict=True)]
+                       + [0] * (o_tab - o_ctx - b))
         tab = h32[o_tab:o_tab + b * width].reshape(b, width)
         self.rows.gather(rows, width, tab)
-        bs = self.block_size
-        seq_of = np.repeat(np.arange(b), ql) if t != b else np.arange(b)
-        blocks = tab[seq_of, pos // bs].astype(np.int64)
-        np.add(blocks * bs, pos % bs, out=h64[o_slot:o_slot + t])
-        d64 = self.buf64.to_device(o_slot + t)
+        # int64: ids | positions | slots
+        a = _align(t, 2)
+        h64 = self.buf64.reserve(2 * a + t)
+        if t == b:  # decode only: one token per sequence, slots straight from the lists
+            h64[:2 * a + t] = (plan.ids + [0] * (a - t) + positions + [0] * (a - t)
+                               + [ids[p // bs] * bs + p % bs
+                                  for ids, p in zip(tables, positions, strict=True)])
+        else:
+            h64[:t] = plan.ids
+            pos = h64[a:a + t]
+            pos[:] = positions
+            seq_of = np.repeat(np.arange(b), qlens)
+            blocks = tab[seq_of, pos // bs].astype(np.int64)
+            np.add(blocks * bs, pos % bs, out=h64[2 * a:2 * a + t])
+        d64 = self.buf64.to_device(2 * a + t)
         d32 = self.buf32.to_device(o_tab + b * width)
         meta = AttentionMetadata(
             query_start_loc=d32[: b + 1],
             seq_lens=d32[o_seq:o_seq + b],
             context_lens=d32[o_ctx:o_ctx + b],
-            block_tables=d32[o_tab:o_tab + b * width].view(b, width),
-            slot_mapping=d64[o_slot:o_slot + t],
-            query_start_loc_cpu=qsl.tolist(),
+            block_tables=d32[o_tab:].view(b, width),
+            slot_mapping=d64[2 * a:],
+            query_start_loc_cpu=qsl,
             seq_lens_cpu=list(seqs),
             max_query_len=max(qlens, default=0),
             max_seq_len=max(seqs, default=0),
             block_size=bs,
         )
-        return d64[:t], d64[o_pos:o_pos + t], meta
+        return d64[:t], d64[a:a + t], meta

@@ -174,11 +174,14 @@ class Scheduler:
         bm = self.block_manager
         budget = self.max_num_batched_tokens
         i = 0
+        bs = bm.block_size
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            computed, total = req.num_computed_tokens, req.num_tokens
+            n = min(total - computed, budget)
             assert n >= 1, f"running request {req.request_id} has nothing to compute"
-            while not bm.ensure_slots(req, n):
+            # (the common decode case: the new tokens fit the blocks already held)
+            while computed + n > len(req.block_ids) * bs and not bm.ensure_slots(req, n):
                 victim = self.running[-1]
                 if victim is not req:
                     self._preempt(victim, out)
@@ -189,8 +192,7 @@ class Scheduler:
                     self._preempt(req, out)
                     break
             else:
-                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n,
-                                                 req.num_computed_tokens + n == req.num_tokens))
+                out.chunks.append(ScheduledChunk(req, computed, n, computed + n == total))
                 budget -= n
                 i += 1
         if not out.preempted:
