@@ -31,6 +31,17 @@ job_overhead() {
   timeout 100 python3 -m kvcap.bench.step_overhead --device cuda --config "$CFG8B" \
     --out "$RES/step_overhead.json" ${OVERHEAD_ARGS:-}
 }
+job_demo() {  # the README's main job on the GPU (calibrate -> overlay -> gate -> E4M3 -> A/B)
+  timeout 300 python3 -m kvcap.cli demo --out "$RES/demo" --device cuda
+}
+job_cmpqsa() {  # issue 9: compare --qsa at the issue's 8K context / 2,048-token budget
+  local d=/tmp/cmpqsa; rm -rf $d; mkdir -p $d
+  timeout 120 python3 -m kvcap.cli calibrate --model default --out $d/cal --max-tokens 65536 \
+    --device cuda && timeout 60 python3 -m kvcap.cli overlay --model default \
+    --report $d/cal --out $d/pack && timeout 240 python3 -m kvcap.cli compare --overlay $d/pack \
+    --qsa all-but-3 --tasks qsa --qsa-context 8192 --baseline-kv fp16 --device cuda \
+    --out "$RES/cmpqsa"
+}
 job_throughput() {
   timeout $((LIMIT - 60)) python3 -m kvcap.bench.throughput --shapes llama-3.1-8b \
     --concurrency 16 64 --context 1024 16384 --kv fp16 fp8 fp8-software --out-tokens 64 \
