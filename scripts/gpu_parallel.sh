@@ -52,7 +52,8 @@ nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
 pids=()
 for spec in "$@"; do
   gpu=${spec#*@}; [[ $spec == *@* ]] || gpu=0
-  ( IFS=+; for j in ${spec%@*}; do   # JOB1+JOB2@GPU runs them one after the other
+  ( IFS=+ read -ra jobs <<< "${spec%@*}"
+    for j in "${jobs[@]}"; do   # JOB1+JOB2@GPU runs them one after the other
       echo "=== $j on GPU $gpu"; CUDA_VISIBLE_DEVICES=$gpu "job_$j"; echo "=== $j rc=$?"
     done ) > "$RES/${spec%@*}.log" 2>&1 &
   pids+=($!)

@@ -33,19 +33,12 @@ logger = logging.getLogger("kvcap.bench.throughput")
 
 
 def read_ceiling_tbs(device: torch.device) -> float:
-    """Streaming-read bandwidth (TB/s): a large sum, median of several runs."""
-    x = torch.empty(2 * 2**30 // 2, dtype=torch.float16, device=device).normal_()
-    for _ in range(3):
-        x.sum()
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        x.sum()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return x.numel() * 2 / statistics.median(times) / 1e12
+    """Streaming-read ceiling (TB/s), the same Triton read kernel as the kernel benchmark (so
+    every roofline in docs/benchmarks uses one ceiling)."""
+    from kvcap.bench.kernels import measure_ceilings
+
+    with torch.cuda.device(device):
+        return measure_ceilings()["read_tbs"]
 
 
 def calibrated_scales(model: str, dtype: str) -> dict[str, float]:
@@ -74,6 +67,16 @@ def calibrated_scales(model: str, dtype: str) -> dict[str, float]:
 
 
 def run_cell(llm, concurrency: int, context: int, out_tokens: int, repeats: int) -> dict:
+    """One cell, as two phases per repeat (the first repeat is a warm-up):
+
+    1. cold prefill: every prompt with max_tokens=1 -> TTFT (until every request has its
+       token) and prefill tok/s;
+    2. decode: the same prompts again with max_tokens=out_tokens. Their full blocks are in the
+       prefix cache, so after one short step (the partial tail block) every request decodes
+       in lockstep and the decode rate is measured over steps where all `concurrency`
+       requests decode. (Timing decode inside one cold run mixes it with the staggered
+       prefill: early requests finish before late ones start, which overstates the rate.)
+    """
     from kvcap import SamplingParams
 
     gen = torch.Generator().manual_seed(context + concurrency)
@@ -82,33 +85,43 @@ def run_cell(llm, concurrency: int, context: int, out_tokens: int, repeats: int)
     for rep in range(repeats + 1):  # first is a warm-up
         ids = torch.randint(100, llm.spec.vocab_size - 100, (concurrency, prompt_len),
                             generator=gen).tolist()
-        params = SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True)
-        rids = [f"b{rep}-{i}" for i in range(concurrency)]
         llm.block_manager.reset_prefix_cache()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for rid, p in zip(rids, ids, strict=True):
-            llm.engine.add_request(rid, p, params)
-        first: dict[str, float] = {}
-        tokens_at_first = 0
-        while llm.engine.has_unfinished():
-            for o in llm.engine.step():
-                if o.token_ids and o.request_id not in first:
-                    first[o.request_id] = time.perf_counter()
-                    if len(first) == concurrency:
-                        torch.cuda.synchronize()
-                        t_first = time.perf_counter()
-                        tokens_at_first = sum(len(r.output_token_ids)
-                                              for r in llm.engine.requests.values())
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        decode_tokens = concurrency * out_tokens - tokens_at_first
-        results.append({"ttft_s": t_first - t0, "e2e_s": t1 - t0,
-                        "prefill_tok_s": concurrency * prompt_len / (t_first - t0),
-                        "decode_tok_s": decode_tokens / max(t1 - t_first, 1e-9),
+        t_first = _run_requests(llm, f"p{rep}", ids, SamplingParams(
+            temperature=0, max_tokens=1, ignore_eos=True))[0]
+        t_start, t_end = _run_requests(llm, f"d{rep}", ids, SamplingParams(
+            temperature=0, max_tokens=out_tokens, ignore_eos=True))
+        results.append({"ttft_s": t_first, "prefill_tok_s": concurrency * prompt_len / t_first,
+                        "decode_tok_s": concurrency * (out_tokens - 1) / max(t_end - t_start,
+                                                                            1e-9),
                         "decode_steps": out_tokens - 1})
     scored = results[1:]
     return {k: statistics.median(r[k] for r in scored) for k in scored[0]}
+
+
+def _sync(llm) -> None:
+    if llm.device.type == "cuda":
+        torch.cuda.synchronize(llm.device)
+
+
+def _run_requests(llm, tag: str, ids: list[list[int]], params) -> tuple[float, float]:
+    """Run requests to completion: (seconds until every request had its first token,
+    seconds until all finished), both from submission."""
+    _sync(llm)
+    t0 = time.perf_counter()
+    for i, p in enumerate(ids):
+        llm.engine.add_request(f"{tag}-{i}", p, params)
+    seen: set[str] = set()
+    t_first = None
+    while llm.engine.has_unfinished():
+        for o in llm.engine.step():
+            if o.token_ids:
+                seen.add(o.request_id)
+        if t_first is None and len(seen) == len(ids):
+            _sync(llm)
+            t_first = time.perf_counter() - t0
+    _sync(llm)
+    t_end = time.perf_counter() - t0
+    return (t_first if t_first is not None else t_end), t_end
 
 
 def roofline_step_s(llm, concurrency: int, context: int, ceiling_tbs: float) -> float:
@@ -206,9 +219,10 @@ def main(argv=None) -> int:
             gc.collect()
             torch.cuda.empty_cache()
         if (args.hf_baseline or args.hf_only) and model.startswith("dummy:"):
-            path = model[len("dummy:"):]
             for b in (1, 16):
-                report["hf_baseline"].append({"shape": shape, **hf_baseline(path, b, 1024, 64)})
+                report["hf_baseline"].append({"shape": shape, **hf_baseline(
+                    model[len("dummy:"):], b, 1024, 64)})
+                _save(report, path)
     os.environ.pop("KVCAP_FORCE_SOFTWARE_FP8", None)
     _mark_fp8_only(report)
     report["complete"] = True

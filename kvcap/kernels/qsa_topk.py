@@ -36,7 +36,7 @@ def _threshold(val_ptr, idx_ptr, base, gbase, n, k, EXPLICIT: tl.constexpr,
     rem = k
     total = tl.zeros([], tl.int32)
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p
         hist = tl.zeros([256], tl.int32)
         for s in range(0, n, BLOCK):
             i = s + tl.arange(0, BLOCK)

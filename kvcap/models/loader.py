@@ -170,7 +170,20 @@ def convert_gguf(gguf: Path, out: Path) -> None:
             model.generation_config.save_pretrained(str(staging))
         except Exception:  # generation config is optional
             pass
-        os.replace(staging, out)
+        publish_dir(staging, out)
     except Exception:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def publish_dir(staging: Path, out: Path) -> None:
+    """Rename a finished staging directory into place. If another process published the same
+    directory first (two kvcap commands converting on a fresh cache), keep its complete copy
+    and drop ours; any other failure propagates (the caller removes the staging copy)."""
+    try:
+        os.replace(staging, out)
+    except OSError:
+        if not (out / "config.json").exists():
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
+        logger.info("another process finished %s first; using it", out)
