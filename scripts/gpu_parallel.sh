@@ -42,6 +42,17 @@ job_cmpqsa() {  # issue 9: compare --qsa at the issue's 8K context / 2,048-token
     --qsa all-but-3 --tasks qsa --qsa-context 8192 --baseline-kv fp16 --device cuda \
     --out "$RES/cmpqsa"
 }
+job_fusedtest() {
+  timeout 120 python3 -m pytest -q tests/test_fused_ops.py 2>&1 | tail -3
+}
+job_throughput3() {  # the decode cells only (no 64 x 16K prefill), every KV mode
+  timeout ${THROUGHPUT_S:-200} python3 -m kvcap.bench.throughput --shapes llama-3.1-8b \
+    --concurrency 16 64 --context 1024 --kv fp16 fp8 fp8-software --out-tokens 64 \
+    --repeats 1 --out "$RES/throughput"
+  timeout ${THROUGHPUT16_S:-120} python3 -m kvcap.bench.throughput --shapes llama-3.1-8b \
+    --concurrency 16 --context 16384 --kv fp16 fp8 fp8-software --out-tokens 64 \
+    --repeats 1 --out "$RES/throughput16k"
+}
 job_tp() {  # issue 11 on the GPUs this job is given (CUDA_VISIBLE_DEVICES)
   OUT="$RES/tp" bash scripts/gpu_tp.sh --budget-s ${TP_BUDGET_S:-470}
 }

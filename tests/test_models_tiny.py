@@ -87,3 +87,17 @@ def test_shape_mismatch_is_refused(tmp_path):
     llm = LLM.__new__(LLM)
     with pytest.raises(ModelLoadError, match="shape mismatch"):
         _init_without_tokenizer(llm, tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fused_layer_ops_match_transformers(kind, tmp_path, monkeypatch):
+    """The fused CUDA path of the decoder layer (add+RMSNorm, RoPE split, SiLU-mul), run
+    through the Triton interpreter on CPU, gives transformers' logits too."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (set before triton is imported) or a GPU run")
+    from kvcap.kernels import fused_ops
+
+    monkeypatch.setattr(fused_ops, "fused_ops_enabled", lambda x: True)
+    test_logits_match_transformers(kind, tmp_path)

@@ -25,6 +25,7 @@ from kvcap.attention.metadata import AttentionMetadata
 from kvcap.config import ModelSpec
 from kvcap.distributed.partition import TPShard, full_shard
 from kvcap.errors import ModelLoadError
+from kvcap.kernels import fused_ops
 from kvcap.kv_cache.pool import KVCachePool
 
 if TYPE_CHECKING:
@@ -39,7 +40,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with `residual`: (norm(x + residual), x + residual) — the residual
+        stream's add fused into the norm (one kernel on CUDA, kvcap.kernels.fused_ops)."""
+        if x.dim() == 2 and fused_ops.fused_ops_enabled(x):
+            return fused_ops.add_rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -119,14 +130,19 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        qkv = self.qkv_proj(x)
+        if self.q_norm is None and fused_ops.fused_ops_enabled(qkv):
+            q, k, v = fused_ops.rope_split_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads,
+                                               self.head_dim)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
         if ctx.kv_observer is not None:
             n = ctx.meta.num_tokens
             ctx.kv_observer(self.layer_idx, k[:n], v[:n])
@@ -144,7 +160,10 @@ class MLP(nn.Module):
         self.down_proj = _row_linear(self.inter, spec.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if fused_ops.fused_ops_enabled(gate_up):
+            return self.down_proj(fused_ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -157,9 +176,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, ctx: ForwardContext):
+        """(x, residual) -> (mlp output, residual): the stream x + residual is added inside
+        the next norm, so each add costs no kernel of its own on CUDA. residual=None on the
+        first layer (x is then the embedding)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class ForwardContext:
@@ -201,9 +228,10 @@ class LlamaModel(nn.Module):
         """input_ids, positions: int64 [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, ctx)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [n, hidden] -> FP32 logits [n, vocab] (None on tensor-parallel ranks > 0)."""
