@@ -63,7 +63,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _add_rms_norm_kernel[(t,)](
             x, r, weight, out, res_out, n, eps, x.stride(0), r.stride(0), out.stride(0),
             res_out.stride(0), HAS_RES=residual is not None, BLOCK=block,
-            num_warps=max(1, min(16, block // 256)) if x.is_cuda else 1)
+            num_warps=max(1, min(16, block // 256)) if x.is_cuda else 1, enable_fp_fusion=False)
     return out if residual is None else (out, res_out)
 
 
@@ -104,7 +104,8 @@ def rope_split_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
             raise ValueError("rope_split_qkv needs contiguous rows and matching cos/sin")
         _rope_split_kernel[(t, num_heads + 2 * num_kv_heads)](
             qkv, cos, sin, q, k, v, qkv.stride(0), cos.stride(0), HQ=num_heads,
-            HKV=num_kv_heads, D=head_dim, num_warps=1 if head_dim <= 128 else 2)
+            HKV=num_kv_heads, D=head_dim, num_warps=1 if head_dim <= 128 else 2,
+            enable_fp_fusion=False)  # no FMA: each product rounds as torch rounds it
     return q, k, v
 
 
@@ -130,5 +131,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         block = min(1024, triton.next_power_of_2(n))
         _silu_mul_kernel[(t, triton.cdiv(n, block))](
             gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block,
-            num_warps=4 if gate_up.is_cuda else 1)
+            num_warps=4 if gate_up.is_cuda else 1, enable_fp_fusion=False)
     return out
