@@ -6,7 +6,8 @@ runs `torch.ops.symm_mem.one_shot_all_reduce` (every rank reads all peers' buffe
 no multicast: TORCH_SYMM_MEM_DISABLE_MULTICAST=1 stays set). Larger messages and other dtypes
 use the data group's NCCL all-reduce. Set-up is collective and verified: one all-reduce of
 known values must come out exact on every rank, else every rank falls back to NCCL with a
-warning. Not yet measured on hardware (see docs/tensor_parallel.md).
+warning. On the H200 (2026-11-29) the first set-up failed on a misaligned probe (fixed since);
+not yet measured working on hardware (see docs/tensor_parallel.md).
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ class SymmAllReduce:
             buf = symm_mem.empty(elems, dtype=dtype, device=comm.device)
             symm_mem.rendezvous(buf, name)
             inst = cls(buf, name)
-            probe = torch.full((257,), float(comm.rank + 1), dtype=dtype, device=comm.device)
+            # 4-byte-aligned sizes only: the one-shot op refuses others (H200 run, 2026-11-29:
+            # a 257-element FP16 probe failed the set-up, so every rank fell back to NCCL).
+            probe = torch.full((258,), float(comm.rank + 1), dtype=dtype, device=comm.device)
             got = inst(probe)
             want = comm.world * (comm.world + 1) / 2
             if not bool((got == want).all()):
@@ -68,8 +71,10 @@ class SymmAllReduce:
         return inst
 
     def fits(self, x: torch.Tensor) -> bool:
+        """Whether the one-shot path takes x (else NCCL): same dtype, contiguous, at most the
+        buffer, and a byte size that is a multiple of 4 (torch's one-shot kernel requires it)."""
         return (x.is_cuda and x.dtype == self.buffer.dtype and x.is_contiguous()
-                and x.numel() <= self.buffer.numel())
+                and x.numel() <= self.buffer.numel() and (x.numel() * x.element_size()) % 4 == 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         view = self.buffer[: x.numel()]
