@@ -348,3 +348,39 @@ def test_gpu_kernel_frequencies_match_distribution() -> None:
     expected = probs[keep] * n
     chi2 = (((counts[keep] - expected) ** 2) / expected).sum().item()
     assert chi2 < chi2_critical(int(keep.sum()) - 1)
+
+
+@needs_kernel
+def test_sampler_routes_fallback_rows_to_the_twin(monkeypatch) -> None:
+    """Without the in-kernel bisection, rows outside the candidates come back -1 and the
+    Sampler samples just those rows with the sort-based twin: the tokens equal the twin's
+    (and the in-kernel fallback's) for every row."""
+    import kvcap.kernels.sampling_topk_topp as k
+    from kvcap.sampling.sampler import MODE_FILTERED, Sampler, SamplingBatch
+
+    gen = torch.Generator().manual_seed(3)
+    b, v = 5, 256
+    x = torch.randint(0, 5, (b, v), generator=gen).float() * 0.5
+    prm = make_params(b, gen, v)
+    prm["temperature"][:] = 1.0
+    prm["top_k"][:] = torch.tensor([3, 0, 120, 0, 7], dtype=torch.int32)
+    prm["top_p"][:] = torch.tensor([1.0, 0.9, 0.8, 0.97, 0.6])
+    prm["min_p"][:] = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.5])
+    in_kernel, _, path, ref, _ = run_both(x, prm, block=64, max_top_k=0, cand=8)
+    assert path.tolist()[1:4] == [1, 1, 1] and torch.equal(in_kernel, ref)
+    dev = KERNEL_DEVICE
+    mode = torch.full((b,), MODE_FILTERED, dtype=torch.int32)
+    fp, ip = k.pack_params(*(prm[n].to(dev) for n in ("temperature", "top_k", "top_p",
+                                                       "min_p", "rng")), mode.to(dev))
+    marked = k.fused_sample(x.to(dev), fp, ip, block=64, cand=8, fallback=False).cpu()
+    assert (marked[1:4] == -1).all() and torch.equal(marked[[0, 4]], ref[[0, 4]])
+
+    real = k.fused_sample
+    monkeypatch.setattr(k, "fused_sample", lambda *a, **kw: real(*a, block=64, cand=8, **kw))
+    batch = SamplingBatch(temperature=prm["temperature"].to(dev), top_k=prm["top_k"].to(dev),
+                          top_p=prm["top_p"].to(dev), min_p=prm["min_p"].to(dev),
+                          rng=prm["rng"].to(dev), mode=mode.to(dev), fparams=fp, iparams=ip,
+                          all_greedy=False, max_top_k=0)
+    sampler = Sampler(dev)
+    sampler.fused = True  # the kernel path on any device (the interpreter on CPU)
+    assert torch.equal(sampler.sample(x.to(dev), batch).cpu(), ref)

@@ -57,6 +57,21 @@ def run_fused(d: Inputs, max_top_k: int = TOP_K, **kw: object) -> torch.Tensor:
     return fused_sample(d["logits"], d["fparams"], d["iparams"], max_top_k=max_top_k, **kw)
 
 
+def run_engine(d: Inputs, max_top_k: int = TOP_K) -> torch.Tensor:
+    """What the engine runs: kvcap.sampling.Sampler (kernel without its in-kernel fallback;
+    the sort-based twin samples the rows the kernel leaves, with a sync to find them)."""
+    from kvcap.sampling.sampler import SamplingBatch
+
+    batch = SamplingBatch(
+        temperature=d["temperature"], top_k=d["top_k"], top_p=d["top_p"], min_p=d["min_p"],
+        rng=d["rng"], mode=d["mode"], fparams=d["fparams"], iparams=d["iparams"],
+        all_greedy=False, max_top_k=max_top_k)
+    return _ENGINE_SAMPLER.sample(d["logits"], batch)
+
+
+_ENGINE_SAMPLER = None  # built on first use (needs CUDA)
+
+
 def run_twin(d: Inputs) -> torch.Tensor:
     return reference_sample(
         d["logits"], d["temperature"], d["top_k"], d["top_p"], d["min_p"], d["rng"]
@@ -152,6 +167,7 @@ def bench_cell(b: int, v: int, k: int, p: float, mp: float = 0.0) -> dict[str, o
     row["torch_sort_ms"] = time_eager(run_torch_sort, sets, 50)
     row["twin_ms"] = time_eager(run_twin, sets, 20)
     row["fused_ms"] = time_eager(lambda d: run_fused(d, max_top_k=k), sets, 200)
+    row["engine_ms"] = time_eager(lambda d: run_engine(d, max_top_k=k), sets, 100)
     row["fused_graph_ms"] = time_graph(lambda d: run_fused(d, max_top_k=k), sets, 200)
     row["torch_sort_graph_ms"] = time_graph(run_torch_sort, sets, 50)
     row["speedup_vs_torch_sort"] = row["torch_sort_ms"] / row["fused_ms"]
@@ -191,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         (16, 248_320, 200, 0.9, 0.0),
     ]
     cells = [(b, v, TOP_K, TOP_P, 0.0) for v in VOCABS for b in BATCHES] + extra
+    global _ENGINE_SAMPLER
+    from kvcap.sampling.sampler import Sampler
+
+    _ENGINE_SAMPLER = Sampler("cuda")
     rows = [bench_cell(*c) for c in tqdm(cells, desc="sampler bench")]
     sweep_rows = sweep() if args.sweep else []
     commit = (
@@ -210,13 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{result['gpu']}  commit {result['commit'][:10]}  -> {out}")
-    print(" B       V    k     p min_p | tok mask   fb | sort_ms  twin_ms fused_ms | graphs:"
-          " sort_ms fused_ms | x sort x twin x sort(graphs)")  # fmt: skip
+    print(" B       V    k     p min_p | tok mask   fb | sort_ms  twin_ms fused_ms engine_ms |"
+          " graphs: sort_ms fused_ms | x sort x twin x sort(graphs)")  # fmt: skip
     for r in rows:
         print(
             f"{r['batch']:2d} {r['vocab']:7d} {r['top_k']:4d} {r['top_p']:5.2f} {r['min_p']:5.2f}"
             f" | {r['token_mismatch']:3d} {r['mask_mismatch_rows']:4d} {r['fallback_rows']:4d} |"
-            f" {r['torch_sort_ms']:7.3f} {r['twin_ms']:8.3f} {r['fused_ms']:8.3f} |"
+            f" {r['torch_sort_ms']:7.3f} {r['twin_ms']:8.3f} {r['fused_ms']:8.3f}"
+            f" {r['engine_ms']:9.3f} |"
             f" {r['torch_sort_graph_ms']:14.3f} {r['fused_graph_ms']:8.3f} |"
             f" {r['speedup_vs_torch_sort']:6.1f} {r['speedup_vs_twin']:6.1f}"
             f" {r['torch_sort_graph_ms'] / r['fused_graph_ms']:14.1f}"

@@ -140,10 +140,22 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match batch of {batch.size}")
         if batch.all_greedy:
             return self.sample_greedy(logits)
-        if self.fused and logits.is_cuda:
+        if self.fused:
             from kvcap.kernels.sampling_topk_topp import fused_sample
 
-            return fused_sample(logits, batch.fparams, batch.iparams, batch.max_top_k)
+            tok = fused_sample(logits, batch.fparams, batch.iparams, batch.max_top_k,
+                               fallback=False)
+            # Rows whose answer lies outside the kernel's candidates (a wide top-p nucleus,
+            # large k, low min-p) come back -1: the sort-based twin samples just those rows,
+            # the same token from the same (seed, step) (the in-kernel bisection would cost
+            # about 3x the twin). The check syncs, as the caller's .tolist() does anyway.
+            need = tok < 0
+            if bool(need.any()):
+                rows = need.nonzero().squeeze(1)
+                tok[rows] = reference_sample(
+                    logits[rows], batch.temperature[rows], batch.top_k[rows], batch.top_p[rows],
+                    batch.min_p[rows], batch.rng[rows])
+            return tok
         return reference_sample(
             logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.rng
         )
