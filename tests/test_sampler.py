@@ -241,10 +241,9 @@ def test_kernel_many_chunks_stay_on_candidate_path() -> None:
     assert path.tolist() == [0, 0]
 
 
-@needs_kernel
-def test_kernel_many_ties_and_fallback() -> None:
-    """Logits from 5 levels: ties at the k-th value and at the top-p boundary; big nuclei and
-    a k above the candidate lists force the bisection fallback."""
+def _ties_case() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Logits from 5 levels with rows whose answer lies outside the candidate lists (big
+    nuclei, a k above the lists) next to rows that stay on the candidate path."""
     gen = torch.Generator().manual_seed(3)
     b, v = 5, 256
     x = torch.randint(0, 5, (b, v), generator=gen).float() * 0.5
@@ -253,6 +252,14 @@ def test_kernel_many_ties_and_fallback() -> None:
     prm["top_k"][:] = torch.tensor([3, 0, 120, 0, 7], dtype=torch.int32)
     prm["top_p"][:] = torch.tensor([1.0, 0.9, 0.8, 0.97, 0.6])
     prm["min_p"][:] = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.5])
+    return x, prm
+
+
+@needs_kernel
+def test_kernel_many_ties_and_fallback() -> None:
+    """Logits from 5 levels: ties at the k-th value and at the top-p boundary; big nuclei and
+    a k above the candidate lists force the bisection fallback."""
+    x, prm = _ties_case()
     tok, keep, path, ref, ref_keep = run_both(x, prm, block=64, max_top_k=0, cand=8)
     assert torch.equal(keep, ref_keep)
     assert torch.equal(tok, ref)
@@ -358,14 +365,8 @@ def test_sampler_routes_fallback_rows_to_the_twin(monkeypatch) -> None:
     import kvcap.kernels.sampling_topk_topp as k
     from kvcap.sampling.sampler import MODE_FILTERED, Sampler, SamplingBatch
 
-    gen = torch.Generator().manual_seed(3)
-    b, v = 5, 256
-    x = torch.randint(0, 5, (b, v), generator=gen).float() * 0.5
-    prm = make_params(b, gen, v)
-    prm["temperature"][:] = 1.0
-    prm["top_k"][:] = torch.tensor([3, 0, 120, 0, 7], dtype=torch.int32)
-    prm["top_p"][:] = torch.tensor([1.0, 0.9, 0.8, 0.97, 0.6])
-    prm["min_p"][:] = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.5])
+    x, prm = _ties_case()
+    b = x.shape[0]
     in_kernel, _, path, ref, _ = run_both(x, prm, block=64, max_top_k=0, cand=8)
     assert path.tolist()[1:4] == [1, 1, 1] and torch.equal(in_kernel, ref)
     dev = KERNEL_DEVICE
