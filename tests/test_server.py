@@ -143,7 +143,7 @@ CASES = [
      "temperature: Input should be a valid number"),
     (CMPL, {"model": "tiny", "prompt": 5}, 422, "prompt", "prompt: "),
     (CMPL, {"model": "tiny"}, 422, "prompt", "prompt: Field required"),
-    (CMPL, {"model": "nope", "prompt": "x"}, 400, "model",
+    (CMPL, {"model": "nope", "prompt": "x"}, 404, "model",
      "model: the model 'nope' does not exist; this server serves 'tiny'"),
     (CMPL, {"model": "tiny", "prompt": "x", "max_tokens": -3}, 400, "max_tokens",
      "max_tokens: must be at least 1, got -3"),
@@ -316,7 +316,7 @@ def test_metrics_exposition(srv):
     m = metrics(srv.url)
     assert len(m) == len(samples)
     ok = 'kvcap_http_requests_total{endpoint="/v1/completions",status="200"}'
-    bad = 'kvcap_http_requests_total{endpoint="/v1/completions",status="400"}'
+    bad = 'kvcap_http_requests_total{endpoint="/v1/completions",status="404"}'
     assert m[ok] == before.get(ok, 0) + 1 and m[bad] == before.get(bad, 0) + 1
     assert m["kvcap_generation_tokens_total"] == before["kvcap_generation_tokens_total"] + 2
     assert m["kvcap_kv_blocks_total"] == 64

@@ -105,11 +105,12 @@ class OpenAIServing:
     # ----------------------------------------------------------------- validation
     def check_model(self, name: str) -> None:
         if name != self.model_name:
-            raise P.APIError(
-                400,
+            raise P.APIError(  # 404 + model_not_found, as OpenAI answers an unknown model
+                404,
                 f"model: the model '{name}' does not exist; this server serves '{self.model_name}'",
                 param="model",
                 code="model_not_found",
+                err_type="invalid_request_error",  # OpenAI's type for this 404
             )
 
     def _encode(self, text: str) -> list[int]:
