@@ -68,10 +68,12 @@ def test_silu_mul_matches_torch(dtype):
 
 
 def test_empty_batches_and_switch(monkeypatch):
+    from kvcap.models.llama import FUSED_OPS_ENV, fused_ops_for
+
     w = torch.ones(64, device=DEV)
     assert fused_ops.add_rms_norm(torch.empty(0, 64, device=DEV), w, 1e-6).shape == (0, 64)
     assert fused_ops.silu_mul(torch.empty(0, 32, device=DEV)).shape == (0, 16)
-    monkeypatch.setenv(fused_ops.ENV_DISABLE, "1")
-    assert not fused_ops.fused_ops_enabled(torch.empty(1, device=DEV))
-    monkeypatch.delenv(fused_ops.ENV_DISABLE)
-    assert fused_ops.fused_ops_enabled(torch.empty(1, device=DEV)) == (DEV == "cuda")
+    monkeypatch.setenv(FUSED_OPS_ENV, "1")
+    assert fused_ops_for(torch.empty(1, device=DEV)) is None
+    monkeypatch.delenv(FUSED_OPS_ENV)
+    assert (fused_ops_for(torch.empty(1, device=DEV)) is fused_ops) == (DEV == "cuda")

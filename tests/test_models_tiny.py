@@ -98,6 +98,7 @@ def test_fused_layer_ops_match_transformers(kind, tmp_path, monkeypatch):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 (set before triton is imported) or a GPU run")
     from kvcap.kernels import fused_ops
+    from kvcap.models import llama
 
-    monkeypatch.setattr(fused_ops, "fused_ops_enabled", lambda x: True)
+    monkeypatch.setattr(llama, "fused_ops_for", lambda x: fused_ops)
     test_logits_match_transformers(kind, tmp_path)

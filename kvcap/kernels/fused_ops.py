@@ -1,32 +1,22 @@
 """Fused elementwise kernels of the decoder layer: residual add + RMSNorm, RoPE + q/k/v split,
-SiLU-mul. One launch each instead of the 5-10 small torch kernels they replace: at decode
-batch sizes those launches, not bytes, set the step time (about 37 small kernels per layer
-measured as ~3 ms of a 6.4 ms Llama-3.1-8B step on the H200).
+SiLU-mul. One launch each instead of the 5-10 small torch kernels they replace (about 37
+kernels per layer become about 12): at decode batch sizes those launches, not bytes, set much
+of the step time. On the H200 they took the Llama-3.1-8B decode forward at concurrency 16 from
+7.8 to 5.4 ms (docs/benchmarks/step-overhead-2026-11-29-h200-*.json).
 
 Numerics repeat the torch twin's roundings (kvcap.models.llama, which follows HF transformers):
 the residual sum and each RoPE product are rounded to the activation dtype exactly where torch
 rounds them; RMSNorm accumulates in FP32 (its reduction order differs from torch's, so results
 agree to FP32 rounding, not bit for bit); SiLU uses FP32 like torch's. Imports nothing else of
-kvcap; the models call these only on CUDA (ENV_DISABLE switches back to torch).
+kvcap; the models call these only on CUDA (kvcap.models.llama.fused_ops_for; the environment
+variable KVCAP_DISABLE_FUSED_OPS=1 switches back to torch ops).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-
-ENV_DISABLE = "KVCAP_DISABLE_FUSED_OPS"
-
-
-def fused_ops_enabled(x: torch.Tensor) -> bool:
-    """CUDA tensors use the fused kernels unless KVCAP_DISABLE_FUSED_OPS=1 (CPU: torch ops;
-    the kernels are tested there under the Triton interpreter)."""
-    if os.environ.get(ENV_DISABLE, "0").strip().lower() not in ("", "0", "false", "no"):
-        return False
-    return x.is_cuda
 
 
 @triton.jit

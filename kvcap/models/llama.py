@@ -13,6 +13,7 @@ the plain single-process model (`shard` covers everything, no collectives).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -25,13 +26,24 @@ from kvcap.attention.metadata import AttentionMetadata
 from kvcap.config import ModelSpec
 from kvcap.distributed.partition import TPShard, full_shard
 from kvcap.errors import ModelLoadError
-from kvcap.kernels import fused_ops
 from kvcap.kv_cache.pool import KVCachePool
 
 if TYPE_CHECKING:
     from kvcap.distributed.layers import ModelParallel
 
 KVObserverFn = Callable[[int, torch.Tensor, torch.Tensor], None]
+FUSED_OPS_ENV = "KVCAP_DISABLE_FUSED_OPS"
+
+
+def fused_ops_for(x: torch.Tensor):
+    """kvcap.kernels.fused_ops when x is on CUDA and KVCAP_DISABLE_FUSED_OPS is unset, else
+    None (torch ops). Imported here, lazily: CPU installs need not have triton."""
+    if not x.is_cuda or os.environ.get(FUSED_OPS_ENV, "0").strip().lower() not in (
+            "", "0", "false", "no"):
+        return None
+    from kvcap.kernels import fused_ops
+
+    return fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -43,8 +55,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with `residual`: (norm(x + residual), x + residual) — the residual
         stream's add fused into the norm (one kernel on CUDA, kvcap.kernels.fused_ops)."""
-        if x.dim() == 2 and fused_ops.fused_ops_enabled(x):
-            return fused_ops.add_rms_norm(x, self.weight, self.eps, residual)
+        fused = fused_ops_for(x) if x.dim() == 2 else None
+        if fused is not None:
+            return fused.add_rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             return self._norm(x), x
@@ -131,9 +144,10 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.q_norm is None and fused_ops.fused_ops_enabled(qkv):
-            q, k, v = fused_ops.rope_split_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads,
-                                               self.head_dim)
+        fused = fused_ops_for(qkv) if self.q_norm is None else None
+        if fused is not None:
+            q, k, v = fused.rope_split_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads,
+                                           self.head_dim)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(t, self.num_heads, self.head_dim)
@@ -161,8 +175,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if fused_ops.fused_ops_enabled(gate_up):
-            return self.down_proj(fused_ops.silu_mul(gate_up))
+        fused = fused_ops_for(gate_up)
+        if fused is not None:
+            return self.down_proj(fused.silu_mul(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
