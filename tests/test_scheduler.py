@@ -169,12 +169,14 @@ def test_preemption_by_recompute_keeps_outputs_and_leaks_nothing() -> None:
 
 
 def test_preempted_request_goes_to_front_and_newest_is_victim() -> None:
-    s, bm, model = make(num_blocks=4, max_num_batched_tokens=64)
+    # 6 blocks of 4: both prompts (2 blocks each) are admitted with the watermark to spare,
+    # then their generations outgrow the pool and the newest running request is the victim.
+    s, bm, model = make(num_blocks=6, max_num_batched_tokens=64)
     s.add_request(req("old", [1] * 7, max_tokens=30))
     s.add_request(req("new", [2] * 7, max_tokens=30))
     s.add_request(req("later", [3] * 3, max_tokens=30))
     victims: list[str] = []
-    for _ in range(5):
+    for _ in range(12):
         out = s.schedule()
         check_step(s, bm, out)
         victims += [r.request_id for r in out.preempted]
@@ -326,3 +328,41 @@ def test_randomized_simulation(seed: int) -> None:
             continue
         ref = reference_output(r.prompt_token_ids, r.sampling_params, 64)
         assert r.output_token_ids == ref, rid
+
+
+def test_admission_keeps_a_watermark_while_others_run() -> None:
+    """A new prompt that would leave less than the watermark free waits while others run (no
+    prefill that the running decodes would soon preempt); alone, a request may take the pool."""
+    s, bm, model = make(num_blocks=8, max_num_batched_tokens=64)
+    s.add_request(req("a", [1] * 12, max_tokens=3))  # 3 of the 8 blocks
+    s.add_request(req("b", [2] * 17, max_tokens=3))  # 5 blocks: would leave 0 < watermark 1
+    out = s.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["a"]
+    assert bm.num_used_blocks == 3 and s.waiting[0].request_id == "b"
+    assert s.waiting[0].block_ids == [] and s.waiting[0].num_computed_tokens == 0
+    finished, outs = run_all(s, bm, model)
+    assert [r.request_id for r in finished] == ["a", "b"]
+    assert not any(o.preempted for o in outs)
+    big = req("big", [3] * 31, max_tokens=1)  # 8 blocks: the whole pool, nothing running
+    s.add_request(big)
+    finished, _ = run_all(s, bm, model)
+    assert finished[0].request_id == "big" and bm.num_used_blocks == 0
+
+
+def test_watermark_cuts_preemption_churn(monkeypatch) -> None:
+    """Many requests on a small pool: every output still equals the reference, with less than
+    half the preemptions of admission without the watermark (measured: 6 vs 14)."""
+    def run() -> int:
+        s, bm, model = make(num_blocks=24, max_num_batched_tokens=32)
+        for i in range(12):
+            s.add_request(req(f"r{i}", [i + 1] * (9 + i % 5), max_tokens=20))
+        finished, outs = run_all(s, bm, model)
+        assert len(finished) == 12 and bm.num_used_blocks == 0
+        for r in finished:
+            assert r.output_token_ids == reference_output(r.prompt_token_ids,
+                                                          r.sampling_params, 256)
+        return sum(len(o.preempted) for o in outs)
+
+    with_watermark = run()
+    monkeypatch.setattr(Scheduler, "_leaves_headroom", lambda self, r: True)
+    assert with_watermark * 2 < run()

@@ -9,7 +9,11 @@ Every `schedule()` call fills one step under a token budget (`max_num_batched_to
    they can; if the newest is the request itself, it is preempted and the loop moves on. A
    request that cannot fit even with the whole pool to itself is finished (`finished_early`).
 2. If nothing was preempted this step: admit waiting requests FCFS while the budget and
-   `max_num_seqs` allow. Admission looks up the prefix cache (cached full blocks are shared and
+   `max_num_seqs` allow and, while other requests run, the new request's whole prompt fits in
+   the free blocks with a watermark to spare (1% of the pool, at least one block per running
+   request): starting a prefill that the running decodes would soon preempt only burns
+   compute (recompute churn on small pools). With nothing running, a request may use the whole
+   pool. Admission looks up the prefix cache (cached full blocks are shared and
    not recomputed; at least one token is always computed so the model yields logits; requests
    asking for prompt_logprobs skip the lookup) and schedules the first chunk, clipped to the
    budget and to the free blocks. A request whose tokens need more blocks than the whole pool
@@ -209,6 +213,10 @@ class Scheduler:
             # Prompt logprobs need logits at every prompt position: no prefix-cache skipping.
             if not bm.allocate_prompt(req, not req.needs_all_prompt_rows):
                 break
+            if self.running and not self._leaves_headroom(req):
+                bm.free(req)  # undo the prefix-cache share; it waits for blocks to free up
+                req.num_computed_tokens = req.num_cached_prefix_tokens = 0
+                break
             start = req.num_computed_tokens
             fits = (len(req.block_ids) + bm.num_free_blocks) * bm.block_size - start
             n = min(req.num_tokens - start, budget, fits)
@@ -219,6 +227,14 @@ class Scheduler:
             self.running.insert(bisect.bisect(keys, self._order[req.request_id]), req)
             out.chunks.append(ScheduledChunk(req, start, n, start + n == req.num_tokens))
             budget -= n
+
+    def _leaves_headroom(self, req: Request) -> bool:
+        """After `req` (holding its cached prefix) took blocks for its whole prompt, would the
+        watermark (1% of the pool, at least one block per running request) stay free?"""
+        bm = self.block_manager
+        need = bm.num_blocks_for(req.num_tokens) - len(req.block_ids)
+        watermark = max(-(-bm.num_total_blocks // 100), len(self.running))
+        return bm.num_free_blocks - need >= watermark
 
     # ----------------------------------------------------------------- results
     def update_from_output(self, output: SchedulerOutput,
