@@ -113,19 +113,22 @@ def test_prefix_cache_reuses_side_rows(tiny_model):
 
 def test_preemption_and_abort(tiny_model, caplog):
     prompts = _prompts(5, [70, 60, 50])
+    # Long enough generations that two admitted requests outgrow the 14-block pool (the
+    # admission watermark keeps a third from starting): preemption by recompute must happen.
+    long = SamplingParams(max_tokens=48, temperature=0.0, logprobs=0)
     ample = _llm(tiny_model, enable_prefix_caching=False)
     enable_qsa(ample, SMALL)
-    want = ample.generate(prompts, GREEDY, use_tqdm=False)
+    want = ample.generate(prompts, long, use_tqdm=False)
     tight = _llm(tiny_model, num_blocks=14, enable_prefix_caching=False)
     enable_qsa(tight, SMALL)
     with caplog.at_level(logging.INFO, logger="kvcap.engine.scheduler"):
-        got = tight.generate(prompts, GREEDY, use_tqdm=False)
+        got = tight.generate(prompts, long, use_tqdm=False)
     assert any("preempted" in r.message for r in caplog.records)
     _same(got, want)
     # abort one request mid-flight; its blocks go to the next request
     eng = tight.engine
-    eng.add_request("x", prompts[0], GREEDY)
-    eng.add_request("y", prompts[1], GREEDY)
+    eng.add_request("x", prompts[0], long)
+    eng.add_request("y", prompts[1], long)
     for _ in range(4):
         eng.step()
     eng.abort_request("x")
@@ -134,7 +137,7 @@ def test_preemption_and_abort(tiny_model, caplog):
         for o in eng.step():
             outs[o.request_id] = o
     _same([outs["y"]], want[1:2])
-    _same(tight.generate(prompts[2:], GREEDY, use_tqdm=False), want[2:])
+    _same(tight.generate(prompts[2:], long, use_tqdm=False), want[2:])
 
 
 def test_side_bytes_per_token():
