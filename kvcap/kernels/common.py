@@ -156,3 +156,25 @@ def mm(a, b, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
     else:
         r = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     return r
+
+
+@triton.jit
+def merge_splits(po_ptr, plse_ptr, vs_ptr, out_factor, row_base, head, stride_ph, stride_ps,
+                 num_splits, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
+    """LSE merge of one (row, head)'s split-K partials: normalised partial outputs po
+    [..., split, HEAD_DIM] and base-2 LSEs plse at row_base + head * stride_ph + split *
+    stride_ps (empty splits hold -inf). Returns the FP32 [HEAD_DIM] output times out_factor
+    (and the hoisted v_scale for E4M3)."""
+    s = tl.arange(0, BLOCK_S)
+    smask = s < num_splits
+    pbase = row_base + head * stride_ph + s * stride_ps
+    lse = tl.load(plse_ptr + pbase, mask=smask, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    w = tl.where(smask & (lse > float("-inf")), tl.exp2(lse - mx), 0.0)
+    d = tl.arange(0, HEAD_DIM)
+    o = tl.load(po_ptr + pbase[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
+    scale = out_factor
+    if FP8:
+        scale = scale * tl.load(vs_ptr)
+    return tl.sum(o * w[:, None], 0) * (scale / tl.sum(w, 0))
+

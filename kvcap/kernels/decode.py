@@ -24,6 +24,7 @@ from kvcap.kernels.common import (
     dot_dtype,
     grouped_enabled,
     load_raw,
+    merge_splits,
     mm,
     paged_row_offsets,
     sm_count,
@@ -216,19 +217,9 @@ def _merge_kernel(
     q_row = tl.load(qsl_ptr + seq)
     if tl.load(qsl_ptr + seq + 1) - q_row != 1:
         return
-    s = tl.arange(0, BLOCK_S)
-    smask = s < num_splits
-    pbase = seq.to(tl.int64) * stride_pb + head * stride_ph + s * stride_ps
-    lse = tl.load(plse_ptr + pbase, mask=smask, other=float("-inf"))
-    mx = tl.max(lse, 0)
-    w = tl.where(smask & (lse > float("-inf")), tl.exp2(lse - mx), 0.0)
-    d = tl.arange(0, HEAD_DIM)
-    o = tl.load(po_ptr + pbase[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
-    scale = out_factor
-    if FP8:
-        scale = scale * tl.load(vs_ptr)
-    res = tl.sum(o * w[:, None], 0) * (scale / tl.sum(w, 0))
-    dst = out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + d
+    res = merge_splits(po_ptr, plse_ptr, vs_ptr, out_factor, seq.to(tl.int64) * stride_pb, head,
+                       stride_ph, stride_ps, num_splits, BLOCK_S, HEAD_DIM, FP8)
+    dst = out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + tl.arange(0, HEAD_DIM)
     tl.store(dst, res.to(out_ptr.dtype.element_ty))
 
 
