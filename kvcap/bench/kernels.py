@@ -265,6 +265,16 @@ def time_cell(cell: Cell, arms: list[str], **kw) -> dict:
     return res, outs
 
 
+def run_info() -> dict:
+    """What every GPU benchmark JSON records about its run (GPU 0, versions, commit)."""
+    props = torch.cuda.get_device_properties(0)
+    return {"date": datetime.date.today().isoformat(), "gpu": props.name,
+            "sm_count": props.multi_processor_count,
+            "l2_bytes": getattr(props, "L2_cache_size", 50 * 2**20),
+            "torch": torch.__version__, "triton": triton.__version__,
+            "commit": os.environ.get("KVCAP_COMMIT", "unknown")}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -279,12 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    props = torch.cuda.get_device_properties(0)
-    l2 = getattr(props, "L2_cache_size", 50 * 2**20)
-    info = {"date": datetime.date.today().isoformat(), "gpu": props.name,
-            "sm_count": props.multi_processor_count, "l2_bytes": l2,
-            "torch": torch.__version__, "triton": triton.__version__,
-            "commit": os.environ.get("KVCAP_COMMIT", "unknown"), "block_size": BLOCK_SIZE}
+    info = run_info()
+    l2 = info["l2_bytes"]
+    info["block_size"] = BLOCK_SIZE
     checks = [] if args.skip_checks else run_checks()
     for line in checks:
         print(line, flush=True)

@@ -20,7 +20,6 @@ end-to-end decode tok/s with dummy gqa6-d256 weights (E4M3), dense vs training-f
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import logging
@@ -190,15 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
+    from kvcap.bench.kernels import run_info
 
-    props = torch.cuda.get_device_properties(0)
-    l2 = getattr(props, "L2_cache_size", 50 * 2**20)
-    info = {"date": datetime.date.today().isoformat(), "gpu": props.name,
-            "sm_count": props.multi_processor_count, "torch": torch.__version__,
-            "triton": triton.__version__, "commit": os.environ.get("KVCAP_COMMIT", "unknown"),
-            "shape": {"hq": HQ, "hkv": HKV, "head_dim": D, "index_heads": HI, "index_dim": DI,
-                      "topk_groups": TOPK, "block_size": BLOCK_SIZE}}
+    info = run_info()
+    l2 = info["l2_bytes"]
+    info["shape"] = {"hq": HQ, "hkv": HKV, "head_dim": D, "index_heads": HI, "index_dim": DI,
+                     "topk_groups": TOPK, "block_size": BLOCK_SIZE}
     out = args.out or os.path.join(os.environ.get("OUT", "."), "qsa.json")
     doc: dict = {"info": info, "checks": [], "cells": [], "quality": None, "e2e": None}
 
