@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from kvcap.bench.throughput import weight_bytes
 from kvcap.engine.timing import PHASES, StepTimer
 
 TINY_CONFIG = {
@@ -119,10 +120,6 @@ def measure(llm, concurrency: int, context: int, steps: int, warmup: int, sync: 
         out["roofline_ms"] = 1e3 * (weight_bytes(llm) + kv) / (read_gbps * 1e9)
         out["roofline_frac"] = out["roofline_ms"] / out["step"]["mean_ms"]
     return out
-
-
-def weight_bytes(llm) -> int:
-    return sum(p.numel() * p.element_size() for p in llm.model.parameters())
 
 
 COLUMNS = ["conc", "sync", *PHASES, "step", "overhead", "gpu_fwd", "exposed", "tok/s",

@@ -127,10 +127,14 @@ def _run_requests(llm, tag: str, ids: list[list[int]], params) -> tuple[float, f
     return (t_first if t_first is not None else t_end), t_end
 
 
+def weight_bytes(llm) -> int:
+    """Bytes of the model's parameters: what every decode step reads at least once."""
+    return sum(p.numel() * p.element_size() for p in llm.model.parameters())
+
+
 def roofline_step_s(llm, concurrency: int, context: int, ceiling_tbs: float) -> float:
-    weights = sum(p.numel() * p.element_size() for p in llm.model.parameters())
     kv = llm.pool.spec.bytes_per_token * concurrency * context
-    return (weights + kv) / (ceiling_tbs * 1e12)
+    return (weight_bytes(llm) + kv) / (ceiling_tbs * 1e12)
 
 
 def hf_baseline(config_path: str, batch: int, context: int, out_tokens: int) -> dict:
