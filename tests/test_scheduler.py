@@ -364,5 +364,5 @@ def test_watermark_cuts_preemption_churn(monkeypatch) -> None:
         return sum(len(o.preempted) for o in outs)
 
     with_watermark = run()
-    monkeypatch.setattr(Scheduler, "_leaves_headroom", lambda self, r: True)
+    monkeypatch.setattr(Scheduler, "_leaves_headroom", lambda self, r, use_cache: True)
     assert with_watermark * 2 < run()

@@ -117,6 +117,16 @@ class BlockManager:
         self._ref[block] = 1
         return block
 
+    def _on_free_list(self, blocks: list[int]) -> int:
+        """How many of these cached blocks sit on the free list (no request holds them)."""
+        return sum(1 for b in blocks if self._ref[b] == 0)
+
+    def blocks_to_admit(self, req: Request, use_prefix_cache: bool = True) -> int:
+        """Free blocks that admitting `req` for its whole prompt would consume: its cached
+        prefix blocks now on the free list plus new blocks for the rest. Changes nothing."""
+        blocks, _ = self._lookup_prefix(req) if use_prefix_cache else ([], [])
+        return self._on_free_list(blocks) + self.num_blocks_for(req.num_tokens) - len(blocks)
+
     def allocate_prompt(self, req: Request, use_prefix_cache: bool = True) -> bool:
         """Admit `req`: share its longest cached prefix and check one more block is free.
 
@@ -131,8 +141,7 @@ class BlockManager:
         if req.num_tokens < 1:
             raise ValueError(f"request {req.request_id} has no tokens")
         blocks, hashes = self._lookup_prefix(req) if use_prefix_cache else ([], [])
-        reused_free = sum(1 for b in blocks if self._ref[b] == 0)
-        if self.num_free_blocks - reused_free < 1:
+        if self.num_free_blocks - self._on_free_list(blocks) < 1:
             return False
         for block in blocks:
             if self._ref[block] == 0:

@@ -211,11 +211,10 @@ class Scheduler:
                 self._never_fits(req, out)
                 continue
             # Prompt logprobs need logits at every prompt position: no prefix-cache skipping.
-            if not bm.allocate_prompt(req, not req.needs_all_prompt_rows):
-                break
-            if self.running and not self._leaves_headroom(req):
-                bm.free(req)  # undo the prefix-cache share; it waits for blocks to free up
-                req.num_computed_tokens = req.num_cached_prefix_tokens = 0
+            use_cache = not req.needs_all_prompt_rows
+            if self.running and not self._leaves_headroom(req, use_cache):
+                break  # it waits for blocks to free up
+            if not bm.allocate_prompt(req, use_cache):
                 break
             start = req.num_computed_tokens
             fits = (len(req.block_ids) + bm.num_free_blocks) * bm.block_size - start
@@ -228,13 +227,12 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(req, start, n, start + n == req.num_tokens))
             budget -= n
 
-    def _leaves_headroom(self, req: Request) -> bool:
-        """After `req` (holding its cached prefix) took blocks for its whole prompt, would the
-        watermark (1% of the pool, at least one block per running request) stay free?"""
+    def _leaves_headroom(self, req: Request, use_prefix_cache: bool) -> bool:
+        """Once `req` took blocks for its whole prompt, would the watermark (1% of the pool,
+        at least one block per running request) stay free?"""
         bm = self.block_manager
-        need = bm.num_blocks_for(req.num_tokens) - len(req.block_ids)
         watermark = max(-(-bm.num_total_blocks // 100), len(self.running))
-        return bm.num_free_blocks - need >= watermark
+        return bm.num_free_blocks - bm.blocks_to_admit(req, use_prefix_cache) >= watermark
 
     # ----------------------------------------------------------------- results
     def update_from_output(self, output: SchedulerOutput,
