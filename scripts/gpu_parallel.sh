@@ -15,6 +15,9 @@ job_sampler() {
   timeout 120 python3 -m pytest -q -m gpu tests/test_sampler.py 2>&1 | tail -3
   timeout 200 python3 -m kvcap.bench.sampler --out "$RES/sampler" --sweep
 }
+job_sweep() {  # decode launch-configuration sweep (docs/kernels.md)
+  timeout $((LIMIT - 30)) python3 -m kvcap.bench.kernels --sweep-only --out "$RES/kernels-sweep.json"
+}
 job_kernels() {
   timeout $((LIMIT - 30)) python3 -m kvcap.bench.kernels --out "$RES/kernels.json"
 }
