@@ -14,30 +14,24 @@ PROMPTS = ["The capital of France is", "def quicksort(arr):", "Once upon a time,
            "Water boils at", "The history of computing spans centuries. " * 20]
 
 
-MARGINS: dict[int, list[list[float | None]]] = {}  # id(token list) -> top-2 margins per step
-
-
 def greedy(llm, n=64):
-    """Greedy tokens (and, kept aside, each step's top-1 minus top-2 logprob)."""
+    """(greedy tokens, each step's top-1 minus top-2 logprob, seconds) per prompt."""
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     t = time.perf_counter()
     outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
                                             logprobs=2), use_tqdm=False)
     dt = time.perf_counter() - t
-    toks = [o.token_ids for o in outs]
-    for o, tk in zip(outs, toks, strict=True):
-        MARGINS[id(tk)] = [(lambda v: round(v[0] - v[1], 5) if len(v) > 1 else None)(
-            sorted(lp.values(), reverse=True)) for lp in (o.logprobs or [])]
-    return toks, dt
+    margins = [[(lambda v: round(v[0] - v[1], 5) if len(v) > 1 else None)(
+        sorted(lp.values(), reverse=True)) for lp in (o.logprobs or [])] for o in outs]
+    return [o.token_ids for o in outs], margins, dt
 
 
-def divergences(a_runs, b_runs):
+def divergences(ref, ref_margins, run, run_margins):
     """Per prompt: None when identical, else the first differing step and both margins there
     (a near-tie shows as a margin near 0 in the reference run)."""
     out = []
-    for a, b in zip(a_runs, b_runs, strict=True):
+    for a, b, ma, mb in zip(ref, run, ref_margins, run_margins, strict=True):
         i = first_div(a, b)
-        ma, mb = MARGINS.get(id(a), []), MARGINS.get(id(b), [])
         out.append(None if i is None else {
             "step": i, "ref_margin": ma[i] if i < len(ma) else None,
             "margin": mb[i] if i < len(mb) else None})
@@ -50,12 +44,12 @@ def first_div(a, b):
 
 res = {}
 common = dict(model="default", dtype="float16", kv_cache_memory_gib=4, max_num_seqs=16)
-ref, _ = greedy(LLM(attention_backend="torch", enforce_eager=True, **common))
-eager, _ = greedy(LLM(attention_backend="triton", enforce_eager=True, **common))
+ref, ref_m, _ = greedy(LLM(attention_backend="torch", enforce_eager=True, **common))
+eager, eager_m, _ = greedy(LLM(attention_backend="triton", enforce_eager=True, **common))
 llm = LLM(attention_backend="triton", **common)
-graph, t_graph = greedy(llm)
+graph, _, t_graph = greedy(llm)
 res["triton_eager_vs_torch_identical"] = sum(a == b for a, b in zip(ref, eager, strict=True))
-res["triton_eager_vs_torch_first_div"] = divergences(ref, eager)
+res["triton_eager_vs_torch_first_div"] = divergences(ref, ref_m, eager, eager_m)
 res["graph_vs_eager_identical"] = sum(a == b for a, b in zip(eager, graph, strict=True))
 res["graph_s_8x64"] = t_graph
 print(repr(llm.chat([{"role": "user", "content": "What is the capital of France?"}],
