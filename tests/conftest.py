@@ -10,6 +10,16 @@ import torch
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Every test starts on one intra-op thread again: commands run in-process with
+    `--threads N` change the process-wide setting."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir():
     from kvcap.models.loader import resolve_model_dir

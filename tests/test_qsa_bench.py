@@ -20,16 +20,6 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1"
                                 reason="needs CUDA or the Triton interpreter")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared, oversubscribed CPU, torch's thread pool spends far
-    longer synchronising than computing on these small shapes."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_bench_arms_compute_attention():
     cell = QSACell(1, 160, 0, device="cpu", topk=6)
     cache = cell.caches["e4m3"]

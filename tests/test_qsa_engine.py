@@ -22,16 +22,6 @@ SMALL = QSAConfig(layer_rule="all_but_first", first_dense=1, topk_groups=4)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared, oversubscribed CPU, torch's thread pool spends far
-    longer synchronising than computing on these small shapes."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("qsa_tiny") / "config.json"

@@ -32,16 +32,6 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1"
                                 reason="needs CUDA or the Triton interpreter")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared, oversubscribed CPU, torch's thread pool spends far
-    longer synchronising than computing on these small shapes."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _reference_tokens(scores, pos, seq_len, ratio, k):
     return torch.cat([select_tokens(scores[i:i + 1], pos[i:i + 1], int(seq_len[i]), ratio, k)
                       for i in range(scores.shape[0])])

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from kvcap.qsa.config import QSAConfig
 from kvcap.qsa.needle import build_pair, run_needle
@@ -18,16 +17,6 @@ pytestmark = pytest.mark.slow
 # layers 0-2 stay dense (their recall was lowest).
 CONFIG = QSAConfig(layer_rule="all_but_first", first_dense=3, topk_groups=128,
                    summary="minmax", head_reduce="sum")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared, oversubscribed CPU, torch's thread pool spends far
-    longer synchronising than computing on these small shapes."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_needle_equals_dense(default_model_dir, capsys):

@@ -13,16 +13,6 @@ from kvcap.qsa.quality import output_agreement, selection_overlap
 from kvcap.qsa.refrun import compare_kv_arms
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared, oversubscribed CPU, torch's thread pool spends far
-    longer synchronising than computing on these small shapes."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_selection_overlap_metrics():
     a = torch.tensor([[[0, 1, 2, 3, -1]], [[4, 5, 6, 7, -1]], [[0, 1, -1, -1, -1]]])
     b = torch.tensor([[[0, 1, 2, 3, -1]], [[4, 5, 8, 9, -1]], [[0, 1, 2, -1, -1]]])

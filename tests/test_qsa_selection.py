@@ -15,16 +15,6 @@ from kvcap.qsa.selection import score_groups, select_tokens, visible_groups
 from kvcap.qsa.synthetic import step_meta
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared, oversubscribed CPU, torch's thread pool spends far
-    longer synchronising than computing on these small shapes."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _brute(scores: list[float], pos: int, seq_len: int, ratio: int, k: int,
            tail: bool) -> list[int]:
     vis = min((pos + 1) // ratio, seq_len // ratio)
