@@ -175,6 +175,17 @@ def test_compute_topn_logprobs() -> None:
 # ----------------------------------------------------------------------------- fused kernel
 
 
+def packed(prm: dict[str, torch.Tensor], dev: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """fparams, iparams on dev; mode from the parameters (greedy / filtered / plain)."""
+    from kvcap.kernels.sampling_topk_topp import pack_params
+
+    greedy = prm["temperature"] == 0
+    filtered = (prm["top_k"] > 0) | (prm["top_p"] < 1) | (prm["min_p"] > 0)
+    mode = torch.where(greedy, 0, torch.where(filtered, 1, 2)).to(torch.int32)
+    args = [prm[k].to(dev) for k in ("temperature", "top_k", "top_p", "min_p", "rng")]
+    return pack_params(*args, mode.to(dev))
+
+
 def run_both(
     x: torch.Tensor,
     prm: dict[str, torch.Tensor],
@@ -182,20 +193,19 @@ def run_both(
     max_top_k: int,
     cand: int | None = None,
     cap2: int = 256,
+    one_launch: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel (tokens, keep mask, path) and reference (tokens, keep mask) on the same inputs."""
-    from kvcap.kernels.sampling_topk_topp import fused_sample, pack_params
+    from kvcap.kernels.sampling_topk_topp import fused_sample
 
     dev = KERNEL_DEVICE
     b = x.shape[0]
     greedy = prm["temperature"] == 0
-    filtered = (prm["top_k"] > 0) | (prm["top_p"] < 1) | (prm["min_p"] > 0)
-    mode = torch.where(greedy, 0, torch.where(filtered, 1, 2)).to(torch.int32)
-    args = [prm[k].to(dev) for k in ("temperature", "top_k", "top_p", "min_p", "rng")]
-    fp, ip = pack_params(*args, mode.to(dev))
+    fp, ip = packed(prm, dev)
     tok, thr, path = fused_sample(
-        x.to(dev), fp, ip, max_top_k=max_top_k, return_aux=True, block=block, cand=cand, cap2=cap2
-    )
+        x.to(dev), fp, ip, max_top_k=max_top_k, return_aux=True, block=block, cand=cand,
+        cap2=cap2, one_launch=one_launch,
+    )  # fmt: skip
     ref = reference_sample(x, *(prm[k] for k in ("temperature", "top_k", "top_p", "min_p", "rng")))
     z = scaled_logits(x, prm["temperature"])
     ref_keep = keep_mask(z, prm["top_k"], prm["top_p"], prm["min_p"])
@@ -266,9 +276,7 @@ def test_kernel_many_ties_and_fallback() -> None:
     assert path.tolist()[1:4] == [1, 1, 1]  # the bisection path is exercised
 
 
-@needs_kernel
-@pytest.mark.filterwarnings("ignore:overflow encountered")
-def test_kernel_extreme_values() -> None:
+def _extreme_case() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(4)
     b, v = 6, 96
     x = torch.randn(b, v, generator=gen)
@@ -284,6 +292,13 @@ def test_kernel_extreme_values() -> None:
     prm["top_k"][:] = torch.tensor([5, 3, 200, 0, 96, 4], dtype=torch.int32)  # k >= V is off
     prm["top_p"][:] = torch.tensor([0.5, 1.0, 0.95, 1.0, 1.0, 0.9])
     prm["min_p"][:] = torch.tensor([0.0, 0.0, 0.1, 0.0, 0.3, 0.0])
+    return x, prm
+
+
+@needs_kernel
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_kernel_extreme_values() -> None:
+    x, prm = _extreme_case()
     tok, keep, _, ref, ref_keep = run_both(x, prm, block=32, max_top_k=5, cand=8)
     assert torch.equal(keep, ref_keep)
     assert torch.equal(tok, ref)
@@ -308,14 +323,70 @@ def test_kernel_draws_equal_reference() -> None:
     assert len(set(tok.tolist())) >= 3
 
 
+def _mixed_case() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Greedy, plain (temperature only) and filtered rows over 4 chunks of 32: ties at the
+    k-th value, a wide nucleus over 5 levels (the fallback), a ten-way tie at the maximum."""
+    gen = torch.Generator().manual_seed(8)
+    b, v = 6, 128
+    x = torch.randn(b, v, generator=gen) * 3
+    x[2:4] = torch.randint(0, 5, (2, v), generator=gen).float() * 0.5
+    x[5, 10:20] = x[5].max() + 1
+    prm = make_params(b, gen, v)
+    prm["temperature"][:] = torch.tensor([0.0, 0.7, 1.0, 1.0, 1.3, 1.0])
+    prm["top_k"][:] = torch.tensor([0, 0, 3, 0, 6, 2], dtype=torch.int32)
+    prm["top_p"][:] = torch.tensor([1.0, 1.0, 1.0, 0.9, 0.8, 1.0])
+    prm["min_p"][:] = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.05, 0.0])
+    return x, prm
+
+
+@needs_kernel
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+@pytest.mark.parametrize("fallback", [True, False])
+def test_one_launch_equals_two_launches(fallback: bool) -> None:
+    """The one-launch kernel gives the two-launch path's tokens, thresholds and paths on
+    mixed rows, ties and extreme values (several chunks per row), and a second call the same
+    (the per-row arrival counters are back to zero)."""
+    import kvcap.kernels.sampling_topk_topp as k
+
+    for case, max_top_k in ((_mixed_case, 6), (_extreme_case, 5)):
+        x, prm = case()
+        fp, ip = packed(prm, KERNEL_DEVICE)
+        x = x.to(KERNEL_DEVICE)
+        kw = dict(max_top_k=max_top_k, return_aux=True, block=32, cand=8, fallback=fallback)
+        two = k.fused_sample(x, fp, ip, one_launch=False, **kw)
+        for _ in range(2 if case is _mixed_case else 1):  # a second call: counters reset
+            one = k.fused_sample(x, fp, ip, one_launch=True, **kw)
+            for a, b in zip(one, two, strict=True):
+                assert torch.equal(a.cpu(), b.cpu())
+        if case is _mixed_case:
+            assert two[2].tolist() == [0, 0, 0, 1, 0, 0]  # row 3 takes the fallback
+            assert (two[0][3].item() == -1) == (not fallback)
+        if fallback:  # and the tokens are the reference's
+            names = ("temperature", "top_k", "top_p", "min_p", "rng")
+            assert torch.equal(one[0].cpu(), reference_sample(x.cpu(), *(prm[n] for n in names)))
+    assert all(int(w[3].abs().sum()) == 0 for w in k._WORKSPACE.values())  # counters reset
+
+
+def test_one_launch_default_rule() -> None:
+    """fused_sample's default: one launch up to ONE_LAUNCH_MAX_BATCH rows, then two."""
+    import kvcap.kernels.sampling_topk_topp as k
+
+    assert k.one_launch_default(1) and k.one_launch_default(k.ONE_LAUNCH_MAX_BATCH)
+    assert not k.one_launch_default(k.ONE_LAUNCH_MAX_BATCH + 1)
+    plan = k._plan(torch.device("cpu"), 4, 1000, 5, 64, None, 8, 256)
+    assert plan.one_launch == k.one_launch_default(4) and plan.grid1 == (4, plan.p)
+
+
 # ----------------------------------------------------------------------------- GPU only
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("one_launch", [False, True])
 @pytest.mark.parametrize("b", [1, 16, 64])
-def test_gpu_large_vocab_matches_reference(b: int) -> None:
-    """V = 248,320: top-k 20 + top-p 0.95 rows, top-p-only rows (fallback) and mixed rows."""
+def test_gpu_large_vocab_matches_reference(b: int, one_launch: bool) -> None:
+    """V = 248,320: top-k 20 + top-p 0.95 rows, top-p-only rows (fallback) and mixed rows,
+    through the two-launch and the one-launch kernels (twice: the arrival counters reset)."""
     gen = torch.Generator().manual_seed(10 + b)
     v = 248_320
     x = torch.randn(b, v, generator=gen) * 2.5
@@ -324,9 +395,12 @@ def test_gpu_large_vocab_matches_reference(b: int) -> None:
     prm["top_k"][: (b + 1) // 2] = 20
     prm["top_p"][: (b + 1) // 2] = 0.95
     prm["temperature"][: (b + 1) // 2] = 1.0
-    tok, keep, _, ref, ref_keep = run_both(x, prm, block=None, max_top_k=int(prm["top_k"].max()))
-    assert torch.equal(keep, ref_keep)
-    assert torch.equal(tok, ref)
+    for _ in range(2):
+        tok, keep, _, ref, ref_keep = run_both(
+            x, prm, block=None, max_top_k=int(prm["top_k"].max()), one_launch=one_launch
+        )
+        assert torch.equal(keep, ref_keep)
+        assert torch.equal(tok, ref)
 
 
 @pytest.mark.gpu
@@ -371,17 +445,26 @@ def test_sampler_routes_fallback_rows_to_the_twin(monkeypatch) -> None:
     assert path.tolist()[1:4] == [1, 1, 1] and torch.equal(in_kernel, ref)
     dev = KERNEL_DEVICE
     mode = torch.full((b,), MODE_FILTERED, dtype=torch.int32)
-    fp, ip = k.pack_params(*(prm[n].to(dev) for n in ("temperature", "top_k", "top_p",
-                                                       "min_p", "rng")), mode.to(dev))
+    fp, ip = k.pack_params(
+        *(prm[n].to(dev) for n in ("temperature", "top_k", "top_p", "min_p", "rng")), mode.to(dev)
+    )
     marked = k.fused_sample(x.to(dev), fp, ip, block=64, cand=8, fallback=False).cpu()
     assert (marked[1:4] == -1).all() and torch.equal(marked[[0, 4]], ref[[0, 4]])
 
     real = k.fused_sample
     monkeypatch.setattr(k, "fused_sample", lambda *a, **kw: real(*a, block=64, cand=8, **kw))
-    batch = SamplingBatch(temperature=prm["temperature"].to(dev), top_k=prm["top_k"].to(dev),
-                          top_p=prm["top_p"].to(dev), min_p=prm["min_p"].to(dev),
-                          rng=prm["rng"].to(dev), mode=mode.to(dev), fparams=fp, iparams=ip,
-                          all_greedy=False, max_top_k=0)
+    batch = SamplingBatch(
+        temperature=prm["temperature"].to(dev),
+        top_k=prm["top_k"].to(dev),
+        top_p=prm["top_p"].to(dev),
+        min_p=prm["min_p"].to(dev),
+        rng=prm["rng"].to(dev),
+        mode=mode.to(dev),
+        fparams=fp,
+        iparams=ip,
+        all_greedy=False,
+        max_top_k=0,
+    )
     sampler = Sampler(dev)
     sampler.fused = True  # the kernel path on any device (the interpreter on CPU)
     assert torch.equal(sampler.sample(x.to(dev), batch).cpu(), ref)

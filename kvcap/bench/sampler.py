@@ -6,7 +6,12 @@ bisection fallback), then median CUDA-event timings of B {1, 8, 16, 64} x V {49,
   * ``torch_sort``: a plain sort-based torch top-k/top-p + exponential-race sampler (the usual
     baseline, what DEVICE.md measured),
   * ``twin``: ``kvcap.sampling.reference.reference_sample`` (same semantics as the kernel),
-  * ``fused``: the Triton kernel, eager and replayed from a CUDA graph.
+  * ``fused``: the Triton kernel, eager and replayed from a CUDA graph, through each of its
+    paths (``fused_one_*``: one launch, ``fused_two_*``: two launches); ``fused_ms`` and
+    ``fused_graph_ms`` are the path ``fused_sample`` picks by default (``default_path``).
+``--sweep`` also times, at V = 248,320, one vs two launches per batch size (to set
+``ONE_LAUNCH_MAX_BATCH``: ``suggested_one_launch_max_batch``) and stage-1 chunk size / warps
+variants of both paths.
 Inputs rotate over enough copies to exceed the L2 cache. JSON goes to
 ``DIR/sampler-<date>.json`` (default docs/benchmarks) with GPU, date and commit.
 """
@@ -24,7 +29,12 @@ from pathlib import Path
 
 import torch
 
-from kvcap.kernels.sampling_topk_topp import fused_sample, launch_config, pack_params
+from kvcap.kernels.sampling_topk_topp import (
+    fused_sample,
+    launch_config,
+    one_launch_default,
+    pack_params,
+)
 from kvcap.sampling.reference import keep_mask, reference_sample, scaled_logits
 
 BATCHES = (1, 8, 16, 64)
@@ -63,9 +73,17 @@ def run_engine(d: Inputs, max_top_k: int = TOP_K) -> torch.Tensor:
     from kvcap.sampling.sampler import SamplingBatch
 
     batch = SamplingBatch(
-        temperature=d["temperature"], top_k=d["top_k"], top_p=d["top_p"], min_p=d["min_p"],
-        rng=d["rng"], mode=d["mode"], fparams=d["fparams"], iparams=d["iparams"],
-        all_greedy=False, max_top_k=max_top_k)
+        temperature=d["temperature"],
+        top_k=d["top_k"],
+        top_p=d["top_p"],
+        min_p=d["min_p"],
+        rng=d["rng"],
+        mode=d["mode"],
+        fparams=d["fparams"],
+        iparams=d["iparams"],
+        all_greedy=False,
+        max_top_k=max_top_k,
+    )
     return _ENGINE_SAMPLER.sample(d["logits"], batch)
 
 
@@ -97,8 +115,14 @@ def run_torch_sort(d: Inputs) -> torch.Tensor:
 
 
 def check(d: Inputs, max_top_k: int = TOP_K) -> dict[str, object]:
-    """Fused vs twin on one input: token mismatches, mask mismatches (rows), path counts."""
+    """Fused (default path) vs twin on one input: token mismatches, mask mismatches (rows),
+    path counts; and rows where the one- and two-launch paths differ (token, threshold, path)."""
     tok, thr, path = run_fused(d, max_top_k=max_top_k, return_aux=True)
+    one, two = (run_fused(d, max_top_k=max_top_k, return_aux=True, one_launch=o)
+                for o in (True, False))  # fmt: skip
+    differ = torch.zeros_like(tok, dtype=torch.bool)
+    for a, b in zip(one, two, strict=True):
+        differ |= (a != b) & ~(torch.isnan(a.float()) & torch.isnan(b.float()))
     ref = run_twin(d)
     z = scaled_logits(d["logits"], d["temperature"])
     ref_keep = keep_mask(z, d["top_k"], d["top_p"], d["min_p"])
@@ -110,6 +134,7 @@ def check(d: Inputs, max_top_k: int = TOP_K) -> dict[str, object]:
         kept_mean=float(ref_keep.sum(1).float().mean()),
         fallback_rows=int(path.sum()),
         rows=int(tok.shape[0]),
+        one_two_mismatch_rows=int(differ.sum()),
     )
 
 
@@ -166,9 +191,14 @@ def bench_cell(b: int, v: int, k: int, p: float, mp: float = 0.0) -> dict[str, o
     row.update(check(sets[0], max_top_k=k))
     row["torch_sort_ms"] = time_eager(run_torch_sort, sets, 50)
     row["twin_ms"] = time_eager(run_twin, sets, 20)
-    row["fused_ms"] = time_eager(lambda d: run_fused(d, max_top_k=k), sets, 200)
+    row["default_path"] = "one" if one_launch_default(b) else "two"
+    for name, one in (("one", True), ("two", False)):
+        fn = lambda d, o=one: run_fused(d, max_top_k=k, one_launch=o)  # noqa: E731
+        row[f"fused_{name}_ms"] = time_eager(fn, sets, 200)
+        row[f"fused_{name}_graph_ms"] = time_graph(fn, sets, 200)
+    row["fused_ms"] = row[f"fused_{row['default_path']}_ms"]
+    row["fused_graph_ms"] = row[f"fused_{row['default_path']}_graph_ms"]
     row["engine_ms"] = time_eager(lambda d: run_engine(d, max_top_k=k), sets, 100)
-    row["fused_graph_ms"] = time_graph(lambda d: run_fused(d, max_top_k=k), sets, 200)
     row["torch_sort_graph_ms"] = time_graph(run_torch_sort, sets, 50)
     row["speedup_vs_torch_sort"] = row["torch_sort_ms"] / row["fused_ms"]
     row["speedup_vs_twin"] = row["twin_ms"] / row["fused_ms"]
@@ -176,23 +206,58 @@ def bench_cell(b: int, v: int, k: int, p: float, mp: float = 0.0) -> dict[str, o
     return row
 
 
-def sweep(v: int = 248_320) -> list[dict[str, object]]:
-    """Stage-1 chunk size / warps variants on the headline shapes (graph-replay timing)."""
-    out = []
-    for b in (1, 16, 64):
+def sweep(v: int = 248_320) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+    """(launch rows, config rows): one vs two launches per batch size, eager and under graphs,
+    at the default configuration; then stage-1 chunk size / warps variants of both paths on
+    the headline shapes (graph-replay timing)."""
+    launch, config = [], []
+    for b in (1, 2, 4, 8, 16, 32, 64):
         sets = input_sets(b, v, TOP_K, TOP_P)
+        r: dict[str, object] = dict(batch=b, vocab=v, default_path="two")
+        if one_launch_default(b):
+            r["default_path"] = "one"
+        for name, one in (("one", True), ("two", False)):
+            fn = lambda d, o=one: run_fused(d, one_launch=o)  # noqa: E731
+            r[f"{name}_ms"] = time_eager(fn, sets, 200)
+            r[f"{name}_graph_ms"] = time_graph(fn, sets, 100)
+        launch.append(r)
+        print(f"sweep B={b:3d} launches one/two: eager {r['one_ms'] * 1e3:7.1f}"
+              f" {r['two_ms'] * 1e3:7.1f} us, graphs {r['one_graph_ms'] * 1e3:7.1f}"
+              f" {r['two_graph_ms'] * 1e3:7.1f} us (default {r['default_path']})")  # fmt: skip
+        if b not in (1, 16, 64):
+            continue
         for block, warps in ((2048, 4), (4096, 8), (8192, 16)):
-            fn = lambda d, bl=block, w=warps: run_fused(d, block=bl, num_warps=w)  # noqa: E731
-            ms = time_graph(fn, sets, 100)
-            out.append(dict(batch=b, vocab=v, block=block, num_warps=warps, fused_graph_ms=ms))
-            print(f"sweep B={b:3d} block={block:5d} warps={warps:2d}: {ms * 1e3:8.1f} us")
-    return out
+            for one in (True, False):
+                fn = lambda d, bl=block, w=warps, o=one: run_fused(  # noqa: E731
+                    d, block=bl, num_warps=w, one_launch=o
+                )
+                ms = time_graph(fn, sets, 100)
+                config.append(dict(batch=b, vocab=v, block=block, num_warps=warps,
+                                   one_launch=one, fused_graph_ms=ms))  # fmt: skip
+                print(f"sweep B={b:3d} block={block:5d} warps={warps:2d}"
+                      f" {'one' if one else 'two'}: {ms * 1e3:8.1f} us")  # fmt: skip
+    return launch, config
+
+
+def suggest_one_launch_max_batch(launch: list[dict[str, object]]) -> int:
+    """Largest swept B up to which one launch is no slower than two, eager and under graphs
+    (2% noise allowance); 0 when it loses already at the smallest B."""
+    best = 0
+    for r in sorted(launch, key=lambda r: r["batch"]):
+        if r["one_ms"] > 1.02 * r["two_ms"] or r["one_graph_ms"] > 1.02 * r["two_graph_ms"]:
+            break
+        best = r["batch"]
+    return best
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="docs/benchmarks")
-    ap.add_argument("--sweep", action="store_true", help="also time stage-1 variants")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time one vs two launches per B and stage-1 variants",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("error: the sampler benchmark needs a CUDA GPU")
@@ -212,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _ENGINE_SAMPLER = Sampler("cuda")
     rows = [bench_cell(*c) for c in tqdm(cells, desc="sampler bench")]
-    sweep_rows = sweep() if args.sweep else []
+    launch_rows, sweep_rows = sweep() if args.sweep else ([], [])
     commit = (
         os.environ.get("KVCAP_COMMIT")
         or subprocess.run(
@@ -224,24 +289,29 @@ def main(argv: list[str] | None = None) -> int:
         gpu=torch.cuda.get_device_name(), date=date, commit=commit or "unknown",
         torch=torch.__version__, triton=__import__("triton").__version__,
         timing="median of CUDA-event timed calls; inputs rotated over > 2x L2",
-        rows=rows, sweep=sweep_rows,
+        rows=rows, sweep=sweep_rows, launch_sweep=launch_rows,
     )  # fmt: skip
+    if launch_rows:
+        result["suggested_one_launch_max_batch"] = suggest_one_launch_max_batch(launch_rows)
     out = Path(args.out) / f"sampler-{date}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{result['gpu']}  commit {result['commit'][:10]}  -> {out}")
-    print(" B       V    k     p min_p | tok mask   fb | sort_ms  twin_ms fused_ms engine_ms |"
-          " graphs: sort_ms fused_ms | x sort x twin x sort(graphs)")  # fmt: skip
+    print(" B       V    k     p min_p | tok mask   fb 1v2 | sort_ms engine_ms |"
+          " eager one   two | graphs sort   one   two | path x sort x sort(graphs)")  # fmt: skip
     for r in rows:
         print(
             f"{r['batch']:2d} {r['vocab']:7d} {r['top_k']:4d} {r['top_p']:5.2f} {r['min_p']:5.2f}"
-            f" | {r['token_mismatch']:3d} {r['mask_mismatch_rows']:4d} {r['fallback_rows']:4d} |"
-            f" {r['torch_sort_ms']:7.3f} {r['twin_ms']:8.3f} {r['fused_ms']:8.3f}"
-            f" {r['engine_ms']:9.3f} |"
-            f" {r['torch_sort_graph_ms']:14.3f} {r['fused_graph_ms']:8.3f} |"
-            f" {r['speedup_vs_torch_sort']:6.1f} {r['speedup_vs_twin']:6.1f}"
+            f" | {r['token_mismatch']:3d} {r['mask_mismatch_rows']:4d} {r['fallback_rows']:4d}"
+            f" {r['one_two_mismatch_rows']:3d} | {r['torch_sort_ms']:7.3f} {r['engine_ms']:9.3f}"
+            f" | {r['fused_one_ms']:9.3f} {r['fused_two_ms']:5.3f} |"
+            f" {r['torch_sort_graph_ms']:11.3f} {r['fused_one_graph_ms']:5.3f}"
+            f" {r['fused_two_graph_ms']:5.3f} | {r['default_path']:>4}"
+            f" {r['speedup_vs_torch_sort']:6.1f}"
             f" {r['torch_sort_graph_ms'] / r['fused_graph_ms']:14.1f}"
         )
+    if launch_rows:
+        print(f"suggested ONE_LAUNCH_MAX_BATCH: {result['suggested_one_launch_max_batch']}")
     return 0
 
 

@@ -1,29 +1,45 @@
-"""Fused temperature + top-k + top-p + min-p sampling in two Triton launches.
+"""Fused temperature + top-k + top-p + min-p sampling in one or two Triton launches.
 
 Semantics: ``kvcap/sampling/reference.py`` (this module imports nothing else of kvcap).
 A token is a packed int64 key ``(ordered float bits << 32) | (2**32 - 1 - index)``: a larger
 key is a larger value, or the lower index on ties.
 
-Stage 1, grid (B, P), P = cdiv(V, BLOCK) chunks per row. Each program scales its BLOCK logits
-and writes (chunk max, sum of exp, count, tau) to ``stats`` and its candidates to ``cand``:
+Stage 1, P = cdiv(V, BLOCK) chunks per row, one program per (row, chunk). Each program scales
+its BLOCK logits and writes (chunk max, sum of exp, count, tau) to ``stats`` and its
+candidates to ``cand``:
   * filtered rows: with the chunk viewed as NG = 4 * CAND groups, the CAND-th largest group
     maximum bounds from below at least CAND tokens; every finite token at or above it is
     compacted into the chunk's CAP = 4 * CAND slots (on overflow from ties, the bound is raised
     by bisection until the tokens fit). tau (stored) = ordered key such that every finite
     token of the chunk above it is in the list;
   * greedy rows: the largest key; plain rows (temperature only): the best Gumbel score key.
-Stage 2, grid (B,): merges the chunks. With G = max tau, every finite token whose key is > G
-is present, and there are >= CAND of them; G is raised by bisection over the candidates until
-at most CAP2 remain above it (still a complete set, and >= CAP2 - ties of them); these are
-compacted, sorted, and give t_k, t_p, min-p and the Gumbel race exactly when the answer lies
-above G. Otherwise
-(large top-p nucleus, large k, low min-p, many ties) the program falls back to an exact
-bisection over the ordered keys of the whole row (count for top-k, float64 mass for top-p).
+Stage 2, one program per row: merges the chunks. With G = max tau, every finite token whose
+key is > G is present, and there are >= CAND of them; G is raised by bisection over the
+candidates until at most CAP2 remain above it (still a complete set, and >= CAP2 - ties of
+them); these are compacted, sorted, and give t_k, t_p, min-p and the Gumbel race exactly when
+the answer lies above G. Otherwise (large top-p nucleus, large k, low min-p, many ties) the
+program falls back to an exact bisection over the ordered keys of the whole row (count for
+top-k, float64 mass for top-p).
+
+The stages run as (``fused_sample(one_launch=...)``):
+  * two launches: ``_stage1`` grid (B, P), then ``_stage2`` grid (B,);
+  * one launch: ``_fused_one_launch`` grid (B, P). Each program does stage 1 on its chunk,
+    then adds 1 to the row's arrival counter (an acq_rel atomic, after a barrier so all its
+    stores are issued); the program that arrives last (it saw P - 1) resets the counter to 0
+    and runs stage 2 for the row, reading the other programs' stats and candidates past L1
+    (``.cg`` loads). One launch saves a launch's host time; at large B the merged kernel may
+    lose occupancy, so the default is one launch when B <= ONE_LAUNCH_MAX_BATCH (16, to be
+    settled by ``python -m kvcap.bench.sampler --sweep`` on the GPU). Both give identical
+    results.
+The bodies of the stages are the jit helpers ``_chunk_stats`` and ``_merge_row``, which all
+three kernels call. Host side, ``fused_sample`` caches what it derives from the shapes
+(launch configuration, grids, workspace) per (device, B, V, max_top_k, overrides).
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -36,6 +52,10 @@ I32_MAX = tl.constexpr(2147483647)
 I64_MIN = tl.constexpr(-9223372036854775808)
 ORD_NEG_INF = tl.constexpr(-2139095041)  # ordered key of -inf
 CAP2 = 256  # most complete candidates sorted by one stage-2 program
+TILE = 2048  # tokens per step of the fallback's passes over a row
+STAGE2_WARPS = 8  # stage 2 of the two-launch path (the one-launch kernel uses stage 1's)
+ONE_LAUNCH_MAX_BATCH = 16  # fused_sample's default: one launch when B <= this, else two
+_EXACT = os.environ.get("TRITON_INTERPRET", "0") != "1"  # libdevice exp (not interpreted)
 NF, NI = 4, 5  # fparams (temperature, top_p, min_p, 0), iparams (top_k, mode, seed lo/hi, step)
 
 
@@ -107,12 +127,11 @@ def _pack(o, idx):
 
 
 @triton.jit
-def _stage1(
-    x_ptr, stride_x, fp_ptr, ip_ptr, stats_ptr, cand_ptr, V, P, ROW_CAND,
+def _chunk_stats(
+    x_ptr, stride_x, fp_ptr, ip_ptr, stats_ptr, cand_ptr, V, P, ROW_CAND, row, chunk,
     GS: tl.constexpr, NG: tl.constexpr, CAND: tl.constexpr, CAP: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
+    """Stage 1's work on chunk `chunk` of row `row`: its stats and candidates."""
     g = tl.arange(0, NG)[:, None]
     offs = chunk * (NG * GS) + g * GS + tl.arange(0, GS)[None, :]  # [NG, GS]
     valid = offs < V
@@ -160,6 +179,15 @@ def _stage1(
     tl.store(st + 1, s_c)
     tl.store(st + 2, cnt.to(tl.float64))
     tl.store(st + 3, tau.to(tl.float64))
+
+
+@triton.jit
+def _stage1(
+    x_ptr, stride_x, fp_ptr, ip_ptr, stats_ptr, cand_ptr, V, P, ROW_CAND,
+    GS: tl.constexpr, NG: tl.constexpr, CAND: tl.constexpr, CAP: tl.constexpr,
+):  # fmt: skip
+    _chunk_stats(x_ptr, stride_x, fp_ptr, ip_ptr, stats_ptr, cand_ptr, V, P, ROW_CAND,
+                 tl.program_id(0), tl.program_id(1), GS, NG, CAND, CAP)  # fmt: skip
 
 
 @triton.jit
@@ -230,26 +258,39 @@ def _fallback(x_ptr, row_off, V, temp, kk, pp, mp, m_safe, k_hi, top_ord, k0, k1
 
 
 @triton.jit
-def _stage2(
-    x_ptr, stride_x, fp_ptr, ip_ptr, stats_ptr, cand_ptr, tok_ptr, aux_ptr, V, P, ROW_CAND,
+def _ld(ptr, mask, other, CG: tl.constexpr):
+    """Masked load; with CG it bypasses L1 (".cg"): for data that other programs of the same
+    launch stored, which a stale L1 line could otherwise serve."""
+    if CG:
+        return tl.load(ptr, mask=mask, other=other, cache_modifier=".cg")
+    else:
+        return tl.load(ptr, mask=mask, other=other)
+
+
+@triton.jit
+def _merge_row(
+    x_ptr, stride_x, fp_ptr, ip_ptr, stats_ptr, cand_ptr, tok_ptr, aux_ptr, V, P, ROW_CAND, row,
     P_PAD: tl.constexpr, CAP: tl.constexpr, CAP2: tl.constexpr, EXACT: tl.constexpr,
-    TILE: tl.constexpr, FALLBACK: tl.constexpr,
+    TILE: tl.constexpr, FALLBACK: tl.constexpr, CG: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
+    """Stage 2's work on row `row`: merge its P chunks, write token, threshold and path.
+
+    CG: the chunks were written by other programs of this launch (one-launch path).
+    """
     temp = tl.load(fp_ptr + row * 4)
     mode = tl.load(ip_ptr + row * 5 + 1)
     pi = tl.arange(0, P_PAD)
     pv = pi < P
     st = stats_ptr + (row * P + pi) * 4
-    m_c = tl.load(st, mask=pv, other=float("-inf")).to(tl.float32)
-    s_c = tl.load(st + 1, mask=pv, other=0.0)
-    cnt_c = tl.load(st + 2, mask=pv, other=0.0).to(tl.int32)
-    tau_c = tl.load(st + 3, mask=pv, other=I32_MIN).to(tl.int32)
+    m_c = _ld(st, pv, float("-inf"), CG).to(tl.float32)
+    s_c = _ld(st + 1, pv, 0.0, CG)
+    cnt_c = _ld(st + 2, pv, 0.0, CG).to(tl.int32)
+    tau_c = _ld(st + 3, pv, I32_MIN, CG).to(tl.int32)
     m = tl.max(m_c, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     z_all = tl.sum(s_c * tl.exp((m_c - m_safe).to(tl.float64)), axis=0)
     base = cand_ptr + row.to(tl.int64) * ROW_CAND
-    first = tl.max(tl.load(base + pi * CAP, mask=pv, other=I64_MIN), axis=0)
+    first = tl.max(_ld(base + pi * CAP, pv, I64_MIN, CG), axis=0)
     tok = (4294967295 - (first & 4294967295)).to(tl.int32)  # greedy and plain rows
     tok = tl.where((mode == 1) & (m == float("-inf")), 0, tok)  # nothing finite: token 0
     thr_ord = ORD_NEG_INF + tl.zeros([], tl.int32)
@@ -263,8 +304,7 @@ def _stage2(
         k0, k1 = _row_keys(ip_ptr, row)
         g = tl.max(tau_c, axis=0)  # every finite token with key > g is a candidate
         c = tl.arange(0, CAP)[None, :]
-        ck = tl.load(base + pi[:, None] * CAP + c, mask=pv[:, None] & (c < cnt_c[:, None]),
-                     other=I64_MIN)  # fmt: skip
+        ck = _ld(base + pi[:, None] * CAP + c, pv[:, None] & (c < cnt_c[:, None]), I64_MIN, CG)
         o2 = (ck >> 32).to(tl.int32)
         n_c = tl.sum(tl.sum((o2 > g).to(tl.int32), axis=1), axis=0)
         exact_total = (g == ORD_NEG_INF) & (n_c <= CAP2)  # all finite tokens are candidates
@@ -328,8 +368,45 @@ def _stage2(
     tl.store(aux_ptr + row * 2 + 1, path.to(tl.float32))
 
 
+@triton.jit
+def _stage2(
+    x_ptr, stride_x, fp_ptr, ip_ptr, stats_ptr, cand_ptr, tok_ptr, aux_ptr, V, P, ROW_CAND,
+    P_PAD: tl.constexpr, CAP: tl.constexpr, CAP2: tl.constexpr, EXACT: tl.constexpr,
+    TILE: tl.constexpr, FALLBACK: tl.constexpr,
+):  # fmt: skip
+    _merge_row(x_ptr, stride_x, fp_ptr, ip_ptr, stats_ptr, cand_ptr, tok_ptr, aux_ptr, V, P,
+               ROW_CAND, tl.program_id(0), P_PAD, CAP, CAP2, EXACT, TILE, FALLBACK,
+               False)  # fmt: skip
+
+
+@triton.jit
+def _fused_one_launch(
+    x_ptr, stride_x, fp_ptr, ip_ptr, stats_ptr, cand_ptr, tok_ptr, aux_ptr, arrived_ptr, V, P,
+    ROW_CAND, GS: tl.constexpr, NG: tl.constexpr, CAND: tl.constexpr, CAP: tl.constexpr,
+    P_PAD: tl.constexpr, CAP2: tl.constexpr, EXACT: tl.constexpr, TILE: tl.constexpr,
+    FALLBACK: tl.constexpr,
+):  # fmt: skip
+    """Grid (B, P): stage 1 on each chunk; the last program of a row to arrive merges it."""
+    row = tl.program_id(0)
+    _chunk_stats(x_ptr, stride_x, fp_ptr, ip_ptr, stats_ptr, cand_ptr, V, P, ROW_CAND, row,
+                 tl.program_id(1), GS, NG, CAND, CAP)  # fmt: skip
+    tl.debug_barrier()  # every thread's stats / candidate stores are issued before the release
+    prev = tl.atomic_add(arrived_ptr + row, 1, sem="acq_rel")
+    tl.debug_barrier()
+    if prev == P - 1:  # all P chunks of the row are in: this program finishes it
+        tl.store(arrived_ptr + row, 0)  # ready for the next call (or graph replay)
+        _merge_row(x_ptr, stride_x, fp_ptr, ip_ptr, stats_ptr, cand_ptr, tok_ptr, aux_ptr, V, P,
+                   ROW_CAND, row, P_PAD, CAP, CAP2, EXACT, TILE, FALLBACK, True)  # fmt: skip
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def one_launch_default(batch: int) -> bool:
+    """fused_sample's choice when one_launch is None: one launch when B <= ONE_LAUNCH_MAX_BATCH
+    (at large B the merged kernel may lose occupancy; the GPU sweep settles the bound)."""
+    return batch <= ONE_LAUNCH_MAX_BATCH
 
 
 def launch_config(batch: int, vocab: int, max_top_k: int) -> tuple[int, int, int]:
@@ -356,20 +433,64 @@ def pack_params(
     return fp.contiguous(), ip.contiguous()
 
 
-_WORKSPACE: dict[tuple[torch.device, int, int], tuple[torch.Tensor, ...]] = {}
+_WORKSPACE: dict[tuple[torch.device, int, int, int], tuple[torch.Tensor, ...]] = {}
 
 
 def _workspace(dev: torch.device, b: int, p: int, row_cand: int) -> tuple[torch.Tensor, ...]:
-    """(stats f64 [B*P*4], cand i64 [B*row_cand], aux f32 [B*2]) reused per (device, B, size):
-    calls must not overlap on different streams."""
-    key = (dev, b, p * row_cand)
+    """(stats f64 [B*P*4], cand i64 [B*row_cand], aux f32 [B*2], arrived i32 [B]) reused per
+    (device, B, P, row_cand): calls must not overlap on different streams. ``arrived`` counts
+    the chunks of a row done in the one-launch path; it starts at zero and the program that
+    merges the row puts it back to zero, so it is zero between calls (graph replays too). Make
+    the first call of a shape outside CUDA graph capture (the usual warm-up): zeros made
+    during capture are only written when the graph replays."""
+    key = (dev, b, p, row_cand)
     if key not in _WORKSPACE:
         _WORKSPACE[key] = (
             torch.empty(b * p * 4, dtype=torch.float64, device=dev),
             torch.empty(b * row_cand, dtype=torch.int64, device=dev),
             torch.empty(b * 2, dtype=torch.float32, device=dev),
+            torch.zeros(b, dtype=torch.int32, device=dev),
         )
     return _WORKSPACE[key]
+
+
+class _Plan(NamedTuple):
+    """Everything fused_sample derives from the shapes and overrides (see _plan)."""
+
+    grid1: tuple[int, int]  # (B, P): stage 1 and the one-launch kernel
+    grid2: tuple[int]  # (B,): stage 2
+    p: int
+    row_cand: int
+    gs: int
+    ng: int
+    cand: int
+    cap: int
+    cap2: int
+    p_pad: int
+    num_warps: int  # stage 1's, also the one-launch kernel's
+    one_launch: bool  # the default path (one_launch_default)
+    stats: torch.Tensor
+    cands: torch.Tensor
+    aux: torch.Tensor
+    arrived: torch.Tensor
+
+
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _plan(dev: torch.device, b: int, v: int, max_top_k: int, block: int | None,
+          num_warps: int | None, cand: int | None, cap2: int) -> _Plan:  # fmt: skip
+    auto_block, auto_cand, auto_warps = launch_config(b, v, max_top_k)
+    cand = cand or auto_cand
+    ng = 4 * cand
+    gs = max(1, (block or auto_block) // ng)
+    cap = 4 * cand
+    p = triton.cdiv(v, ng * gs)
+    cap2 = min(cap2, _pow2(p * cap))
+    row_cand = p * cap + cap2
+    ws = _workspace(dev, b, p, row_cand)
+    return _Plan((b, p), (b,), p, row_cand, gs, ng, cand, cap, cap2, _pow2(p),
+                 num_warps or auto_warps, one_launch_default(b), *ws)  # fmt: skip
 
 
 def fused_sample(
@@ -383,6 +504,7 @@ def fused_sample(
     cand: int | None = None,
     cap2: int = CAP2,
     fallback: bool = True,
+    one_launch: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample one token per row.
 
@@ -396,33 +518,38 @@ def fused_sample(
     fallback=False skips the in-kernel bisection (one program per row, ~32 passes over it:
     3.7 ms for 16 x 248,320 on the H200) and returns -1 for those rows instead, for the caller
     to sample them another way (kvcap.sampling.Sampler uses the sort-based twin).
+    one_launch: True runs one kernel (the last program of a row merges it), False the two
+    launches; None picks one launch when B <= ONE_LAUNCH_MAX_BATCH. Results are identical.
     """
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     b, v = logits.shape
-    auto_block, auto_cand, auto_warps = launch_config(b, v, max_top_k)
-    block = block or auto_block
-    cand = cand or auto_cand
-    ng = 4 * cand
-    gs = max(1, block // ng)
-    block = ng * gs
-    cap = 4 * cand
-    p = triton.cdiv(v, block)
-    cap2 = min(cap2, _pow2(p * cap))
-    row_cand = p * cap + cap2
-    stats, cands, aux = _workspace(logits.device, b, p, row_cand)
-    tok = torch.empty(b, dtype=torch.int64, device=logits.device)
-    exact = os.environ.get("TRITON_INTERPRET", "0") != "1"
-    _stage1[(b, p)](
-        logits, logits.stride(0), fparams, iparams, stats, cands, v, p, row_cand,
-        GS=gs, NG=ng, CAND=cand, CAP=cap, num_warps=num_warps or auto_warps,
-    )  # fmt: skip
-    _stage2[(b,)](
-        logits, logits.stride(0), fparams, iparams, stats, cands, tok, aux, v, p, row_cand,
-        P_PAD=_pow2(p), CAP=cap, CAP2=cap2, EXACT=exact, TILE=2048, FALLBACK=fallback,
-        num_warps=8,
-    )  # fmt: skip
+    dev = logits.device
+    key = (dev, b, v, max_top_k, block, num_warps, cand, cap2)
+    pl = _PLANS.get(key)
+    if pl is None:
+        if len(_PLANS) >= 4096:  # many (B, max_top_k) seen: start over (workspaces are kept)
+            _PLANS.clear()
+        pl = _PLANS[key] = _plan(*key)
+    tok = torch.empty(b, dtype=torch.int64, device=dev)
+    if pl.one_launch if one_launch is None else one_launch:
+        _fused_one_launch[pl.grid1](
+            logits, logits.stride(0), fparams, iparams, pl.stats, pl.cands, tok, pl.aux,
+            pl.arrived, v, pl.p, pl.row_cand, GS=pl.gs, NG=pl.ng, CAND=pl.cand, CAP=pl.cap,
+            P_PAD=pl.p_pad, CAP2=pl.cap2, EXACT=_EXACT, TILE=TILE, FALLBACK=fallback,
+            num_warps=pl.num_warps,
+        )  # fmt: skip
+    else:
+        _stage1[pl.grid1](
+            logits, logits.stride(0), fparams, iparams, pl.stats, pl.cands, v, pl.p,
+            pl.row_cand, GS=pl.gs, NG=pl.ng, CAND=pl.cand, CAP=pl.cap, num_warps=pl.num_warps,
+        )  # fmt: skip
+        _stage2[pl.grid2](
+            logits, logits.stride(0), fparams, iparams, pl.stats, pl.cands, tok, pl.aux, v,
+            pl.p, pl.row_cand, P_PAD=pl.p_pad, CAP=pl.cap, CAP2=pl.cap2, EXACT=_EXACT,
+            TILE=TILE, FALLBACK=fallback, num_warps=STAGE2_WARPS,
+        )  # fmt: skip
     if return_aux:
-        a = aux.view(b, 2)
+        a = pl.aux.view(b, 2)
         return tok, a[:, 0].clone(), a[:, 1].to(torch.int32)
     return tok
