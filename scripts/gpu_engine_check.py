@@ -52,6 +52,24 @@ res["triton_eager_vs_torch_identical"] = sum(a == b for a, b in zip(ref, eager, 
 res["triton_eager_vs_torch_first_div"] = divergences(ref, ref_m, eager, eager_m)
 res["graph_vs_eager_identical"] = sum(a == b for a, b in zip(eager, graph, strict=True))
 res["graph_s_8x64"] = t_graph
+# Overlap (a decode step launched before the previous step's tokens are read) vs the serial
+# loop, both with graphs; sampled requests too (seeded), where the device feed matters most.
+sampled = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=7, max_tokens=48)
+ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+runs = {}
+for overlap in (True, False):
+    llm.engine.overlap = overlap
+    ahead0 = llm.engine.num_steps_ahead
+    toks, _, dt = greedy(llm)
+    smp = [o.token_ids for o in llm.generate(ids, sampled, use_tqdm=False)]
+    runs[overlap] = (toks, smp, dt, llm.engine.num_steps_ahead - ahead0)
+llm.engine.overlap = True
+res["overlap_vs_serial_greedy_identical"] = sum(
+    a == b for a, b in zip(runs[True][0], runs[False][0], strict=True))
+res["overlap_vs_serial_sampled_identical"] = sum(
+    a == b for a, b in zip(runs[True][1], runs[False][1], strict=True))
+res["overlap_steps_ahead"] = runs[True][3]
+res["overlap_s_8x64"], res["serial_s_8x64"] = runs[True][2], runs[False][2]
 print(repr(llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                     SamplingParams(temperature=0, max_tokens=20))[0].text))
 os.makedirs(os.environ.get("OUT", "/tmp/out"), exist_ok=True)

@@ -106,7 +106,7 @@ def measure(llm, concurrency: int, context: int, steps: int, warmup: int, sync: 
     if not recs:
         raise RuntimeError("no full-batch decode step was recorded")
     out: dict = {"concurrency": concurrency, "context": context, "steps": len(recs),
-                 "sync": sync, "run_wall_s": wall}
+                 "sync": sync, "overlap": engine.overlap and not sync, "run_wall_s": wall}
     for ph in PHASES:
         out[ph] = _stats([r.get(ph, 0.0) for r in recs])
     out["step"] = _stats([r["step"] for r in recs])

@@ -22,6 +22,9 @@ class DriverRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.driver = driver
         self.observer = None  # rank 0's KVStatsObserver (the last one attached)
+        # The other ranks run the broadcast plan's host-side ids; tokens sampled on rank 0
+        # are not on their devices, so no step is scheduled ahead of its tokens.
+        self.supports_overlap = False
 
     def broadcast_plan(self, plan: StepPlan) -> None:
         self.driver.check_alive()
@@ -32,8 +35,10 @@ class DriverRunner(ModelRunner):
             self._fatal(e)
 
     @torch.inference_mode()
-    def run_plan(self, plan: StepPlan, on_prompt_logits: PromptLogitsFn | None = None
-                 ) -> torch.Tensor | None:
+    def run_plan(self, plan: StepPlan, on_prompt_logits: PromptLogitsFn | None = None,
+                 feed=None) -> torch.Tensor | None:
+        if feed is not None:
+            raise ValueError("tensor parallelism runs no step ahead of its input tokens")
         try:
             return super().run_plan(plan, on_prompt_logits)
         except BaseException as e:

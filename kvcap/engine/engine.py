@@ -1,8 +1,17 @@
-"""The engine loop: schedule -> run the model -> sample -> update, one `step()` at a time."""
+"""The engine loop: schedule -> run the model -> sample -> update, one `step()` at a time.
+
+Overlap (on by default on CUDA, `KVCAP_DISABLE_OVERLAP=1` turns it off): in the steady decode
+state the next step is scheduled and queued on the GPU *before* the current step's tokens are
+read back (`Scheduler.schedule_ahead`; its input ids are copied on the device from the tokens
+being sampled), so the host's update, detokenization, scheduling and input preparation run
+while the GPU computes instead of between steps. A request that stops on a token the GPU has
+already run ahead of costs one discarded row. Outputs are identical to the serial loop.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import random
 from dataclasses import dataclass
 
@@ -10,9 +19,9 @@ import torch
 
 from kvcap.engine.block_manager import BlockManager
 from kvcap.engine.detokenizer import IncrementalDetokenizer
-from kvcap.engine.model_runner import ModelRunner, RequestExtras
+from kvcap.engine.model_runner import ModelRunner, PendingStep, RequestExtras
 from kvcap.engine.request import Request, RequestStatus
-from kvcap.engine.scheduler import Scheduler
+from kvcap.engine.scheduler import Scheduler, SchedulerOutput
 from kvcap.errors import ConfigError
 from kvcap.sampling_params import SamplingParams
 
@@ -45,6 +54,15 @@ class Engine:
         self._truncated: dict[str, str] = {}  # text cut at a stop string
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.timer = None  # kvcap.engine.timing.StepTimer while step timing is on
+        # Queue the next decode step before reading this one's tokens (see the module doc).
+        # Needs device tokens on this process (off under tensor parallelism) and nothing
+        # recording per forward (`ModelRunner.can_run_ahead`); on CPU the ops are synchronous,
+        # so it would only cost.
+        self.overlap = (runner.device.type == "cuda" and runner.supports_overlap
+                        and os.environ.get("KVCAP_DISABLE_OVERLAP", "0") in ("", "0"))
+        self._ahead: tuple[SchedulerOutput, PendingStep] | None = None
+        self.num_steps_ahead = 0  # steps launched ahead of their input tokens
+        self.num_ahead_dropped = 0  # of which dropped (a host-sampled token fed them)
 
     def set_timer(self, timer) -> None:
         """Attach (or with None detach) a StepTimer that records each step's phases."""
@@ -95,7 +113,14 @@ class Engine:
         timer = self.timer
         if timer is not None:
             timer.begin()
-        out = self.scheduler.schedule()
+        stale: set[int] = set()  # requests that stopped after this step was launched ahead
+        if self._ahead is not None:  # scheduled and launched by the previous call
+            out, pending = self._ahead
+            self._ahead = None
+            stale = {id(c.request) for c in out.chunks if c.request.is_finished}
+        else:
+            out = self.scheduler.schedule()
+            pending = None
         if timer is not None:
             timer.mark("schedule")
         finished: list[Request] = list(getattr(out, "finished_early", []))
@@ -103,16 +128,33 @@ class Engine:
         if out.chunks:
             # Exceptions propagate: calibration aborts (non-finite activations) and tensor-
             # parallel failures must stop the caller; the server fails the affected requests.
-            result = self.runner.execute(out.chunks, self.extras)
+            try:
+                if pending is None:
+                    pending = self.runner.launch(out.chunks, self.extras)
+                if self._may_look_ahead():
+                    nxt = self.scheduler.schedule_ahead(out)
+                    if nxt is not None:
+                        self._ahead = (nxt, self.runner.launch(nxt.chunks, self.extras, pending))
+                        self.num_steps_ahead += 1
+                result = self.runner.finish(pending, self.extras)
+            except BaseException:
+                self._drop_ahead()  # planned on this step's tokens, which never arrived
+                raise
+            if result.host_fixed and self._ahead is not None:
+                self._drop_ahead()  # it was fed a placeholder for a host-sampled token
+                self.num_ahead_dropped += 1
             finished += self.scheduler.update_from_output(out, result.sampled)
             if timer is not None:
                 timer.mark("update")
-            touched = [ch.request for ch in out.chunks if ch.samples]
+            touched = [ch.request for ch in out.chunks
+                       if ch.samples and id(ch.request) not in stale]
         for req in touched:
             if not req.is_finished:
                 self._check_stop_strings(req)
                 if req.is_finished:
                     finished.append(req)
+        if self._ahead is not None and all(c.request.is_finished for c in self._ahead[0].chunks):
+            self._drop_ahead()  # every request it ran ahead for has stopped
         outputs = {r.request_id: self._output(r) for r in touched}
         for r in finished:
             if r.request_id not in outputs:  # touched ones were output in their final state
@@ -129,6 +171,14 @@ class Engine:
                       decode_only=bool(out.chunks) and all(c.num_tokens == 1 for c in out.chunks),
                       context_tokens=sum(c.start + c.num_tokens for c in out.chunks))
         return list(outputs.values())
+
+    def _may_look_ahead(self) -> bool:
+        return self.overlap and self.runner.can_run_ahead()
+
+    def _drop_ahead(self) -> None:
+        """Forget the step launched ahead: its device work finishes unread (stream order keeps
+        it before anything that reuses its blocks); the scheduler plans that token again."""
+        self._ahead = None
 
     def _aborted_ids(self) -> list[str]:
         return [rid for rid, r in self.requests.items()

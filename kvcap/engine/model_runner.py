@@ -35,6 +35,24 @@ class RequestExtras:
 @dataclass
 class StepResult:
     sampled: dict[str, int]
+    # Some row's token came from the host-side fallback (see `Sampler.sample`): the device
+    # tokens a step scheduled ahead was fed differ from these, so that step must be dropped.
+    host_fixed: bool = False
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose tokens are still on the device (`ModelRunner.launch`)."""
+
+    reqs: list[Request]  # the rows that sample, in order
+    logits: torch.Tensor | None
+    tokens: torch.Tensor | None  # int64 [S] on the device; -1 rows are left to `finish`
+    batch: SamplingBatch | None  # None when every row is greedy
+
+
+# One request's row in the step scheduled ahead reads its input token from this row of the
+# in-flight step's device tokens.
+FeedRows = list[int]
 
 
 @dataclass
@@ -67,6 +85,8 @@ class ModelRunner:
         self.kv_observer: KVObserverFn | None = None
         self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs()
         self.timer = None  # kvcap.engine.timing.StepTimer while step timing is on (rank 0)
+        # Can a step be launched with input ids taken from device tokens (Engine.overlap)?
+        self.supports_overlap = True
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         from kvcap.engine.cuda_graph import DecodeGraphs
@@ -75,6 +95,14 @@ class ModelRunner:
                               max_model_len)
         graphs.capture()
         self.graphs = graphs
+
+    def can_run_ahead(self) -> bool:
+        """May the engine launch a step before the previous one's tokens are read? Not while
+        anything records per-forward data (a calibration KV observer, a QSA probe or record):
+        a step run ahead for a request that then stops would add rows nobody asked for."""
+        be = self.backend
+        return (self.supports_overlap and self.kv_observer is None
+                and getattr(be, "probe", None) is None and getattr(be, "record", None) is None)
 
     def make_plan(self, chunks, extras: dict[str, RequestExtras]) -> StepPlan:
         """Flatten the scheduler's chunks into the step every tensor-parallel rank runs."""
@@ -85,7 +113,10 @@ class ModelRunner:
         for ch in chunks:
             req: Request = ch.request
             start, n = ch.start, ch.num_tokens
-            if n == 1:  # decode: the one token, without copying the sequence
+            if ch.ahead:  # the token is still on the device: `launch` feeds it there
+                ids.append(0)
+                positions.append(start)
+            elif n == 1:  # decode: the one token, without copying the sequence
                 p = len(req.prompt_token_ids)
                 ids.append(req.output_token_ids[start - p] if start >= p
                            else req.prompt_token_ids[start])
@@ -126,16 +157,21 @@ class ModelRunner:
     def broadcast_plan(self, plan: StepPlan) -> None:
         """Hook for tensor parallelism: rank 0 sends the plan to the other ranks here."""
 
-    def _forward(self, plan: StepPlan):
-        """Hidden states of every row, and the metadata (None on the graph path)."""
+    def _forward(self, plan: StepPlan, feed: tuple[torch.Tensor, FeedRows] | None = None):
+        """Hidden states of every row, and the metadata (None on the graph path). `feed`
+        (device tokens, source row per row) overwrites the input ids on the device."""
         t = self.timer
         if plan.use_graph:
             key = self.graphs.prepare(plan.ids, plan.positions, plan.tables)
+            if feed is not None:
+                self._feed(self.graphs.input_ids[: len(plan.ids)], feed)
             if t is not None:
                 t.mark("prepare")
                 t.gpu_event("forward_start")
             return self.graphs.replay(key, len(plan.ids)), None
         input_ids, pos, meta = self._eager.build(plan)
+        if feed is not None:
+            self._feed(input_ids, feed)
         if self.graphs is not None and meta.is_decode_only:
             meta.max_seq_len = self.graphs.context_class(meta.max_seq_len)
         ctx = ForwardContext(self.backend, self.pool, meta, self.kv_observer)
@@ -144,14 +180,22 @@ class ModelRunner:
             t.gpu_event("forward_start")
         return self.model(input_ids, pos, ctx), meta
 
+    def _feed(self, ids: torch.Tensor, feed: tuple[torch.Tensor, FeedRows]) -> None:
+        tokens, rows = feed
+        if rows == list(range(len(rows))) and len(rows) == tokens.shape[0]:
+            ids.copy_(tokens.clamp(min=0), non_blocking=True)  # (-1: see StepResult.host_fixed)
+        else:
+            src = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            ids.copy_(tokens.index_select(0, src).clamp(min=0), non_blocking=True)
+
     @torch.inference_mode()
-    def run_plan(self, plan: StepPlan, on_prompt_logits: PromptLogitsFn | None = None
-                 ) -> torch.Tensor | None:
+    def run_plan(self, plan: StepPlan, on_prompt_logits: PromptLogitsFn | None = None,
+                 feed: tuple[torch.Tensor, FeedRows] | None = None) -> torch.Tensor | None:
         """Forward the plan on this rank. Each teacher-forced logits block [n, V] FP32 goes to
         `on_prompt_logits(chunk_index, logits)`; returns the sampled rows' logits [S, V] FP32,
         or None when nothing samples (and on every rank but 0 under tensor parallelism, where
         `compute_logits` gathers the vocabulary shards on rank 0 only)."""
-        hidden, _ = self._forward(plan)
+        hidden, _ = self._forward(plan, feed)
         for i, lo, hi in plan.prompt_rows:
             if hi <= lo:
                 continue
@@ -173,31 +217,59 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks, extras: dict[str, RequestExtras]) -> StepResult:
         """chunks: the scheduler's ScheduledChunk list (request, start, num_tokens, samples)."""
+        return self.finish(self.launch(chunks, extras), extras)
+
+    @torch.inference_mode()
+    def launch(self, chunks, extras: dict[str, RequestExtras],
+               inflight: PendingStep | None = None) -> PendingStep:
+        """Queue the step's forward and sampling without waiting for the device. Chunks
+        scheduled `ahead` take their input token from `inflight`'s device tokens."""
         plan = self.make_plan(chunks, extras)
+        feed = None
+        if any(ch.ahead for ch in chunks):
+            if inflight is None or inflight.tokens is None:
+                raise ValueError("chunks scheduled ahead need the in-flight step's tokens")
+            row_of = {id(r): i for i, r in enumerate(inflight.reqs)}
+            feed = (inflight.tokens, [row_of[id(ch.request)] for ch in chunks])
         self.broadcast_plan(plan)
         for i, _, _ in plan.prompt_rows:
             self._reset_prompt_outputs(chunks[i], extras)
         logits = self.run_plan(
-            plan, lambda i, lg: self._collect_prompt_outputs(chunks[i], extras, lg))
-        if logits is None:
-            return StepResult({})
+            plan, lambda i, lg: self._collect_prompt_outputs(chunks[i], extras, lg), feed)
         reqs = [ch.request for ch in chunks if ch.samples]
-        params = [r.sampling_params for r in reqs]
-        if all(p.temperature == 0.0 for p in params):
-            sampled = self.sampler.sample_greedy(logits)
-        else:
-            batch = SamplingBatch.from_params(
-                params,
-                seeds=[extras[r.request_id].seed for r in reqs],
-                steps=[len(r.output_token_ids) for r in reqs],
-                device=self.device,
-            )
-            sampled = self.sampler.sample(logits, batch)
-        tokens = sampled.tolist()
-        self._collect_logprobs(reqs, extras, logits, tokens)
+        if logits is None:
+            return PendingStep(reqs, None, None, None)
+        if all(r.sampling_params.temperature == 0.0 for r in reqs):
+            return PendingStep(reqs, logits, self.sampler.sample_greedy(logits), None)
+        batch = SamplingBatch.from_params(
+            [r.sampling_params for r in reqs],
+            seeds=[extras[r.request_id].seed for r in reqs],
+            # the step index: tokens sampled before this one (one more in flight when ahead)
+            steps=[len(r.output_token_ids) + ch.ahead for ch, r in
+                   zip((c for c in chunks if c.samples), reqs, strict=True)],
+            device=self.device,
+        )
+        return PendingStep(reqs, logits, self.sampler.sample(logits, batch, resolve=False),
+                           batch)
+
+    @torch.inference_mode()
+    def finish(self, step: PendingStep, extras: dict[str, RequestExtras]) -> StepResult:
+        """Wait for the step's tokens (the one device->host sync) and collect logprobs."""
+        if step.tokens is None:
+            return StepResult({})
+        tokens = step.tokens.tolist()
+        fixed = False
+        if step.batch is not None and min(tokens) < 0:
+            rows = [i for i, tok in enumerate(tokens) if tok < 0]
+            for i, tok in zip(rows, self.sampler.resolve(step.logits, step.batch, rows),
+                              strict=True):
+                tokens[i] = tok
+            fixed = True
+        self._collect_logprobs(step.reqs, extras, step.logits, tokens)
         if self.timer is not None:
             self.timer.mark("sample")
-        return StepResult({r.request_id: t for r, t in zip(reqs, tokens, strict=True)})
+        return StepResult({r.request_id: t for r, t in zip(step.reqs, tokens, strict=True)},
+                          host_fixed=fixed)
 
     @staticmethod
     def _reset_prompt_outputs(ch, extras: dict[str, RequestExtras]) -> None:
@@ -228,7 +300,10 @@ class ModelRunner:
                 ex.prompt_logprobs.append(d)
 
     def _collect_logprobs(self, reqs, extras, logits, tokens) -> None:
-        want = [(j, r) for j, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
+        # (a request that stopped while a step ran ahead for it has left `extras`)
+        want = [(j, r) for j, r in enumerate(reqs)
+                if r.sampling_params.logprobs is not None and r.request_id in extras
+                and not r.is_finished]
         if not want:
             return
         lsm = torch.log_softmax(logits, dim=-1)

@@ -59,6 +59,9 @@ class ScheduledChunk:
     start: int  # == request.num_computed_tokens when scheduled
     num_tokens: int
     samples: bool  # chunk reaches the last known token: sample from its last row
+    # Scheduled ahead (`Scheduler.schedule_ahead`): the chunk's one token is the one the step
+    # still in flight samples, so it is not in `request.output_token_ids` yet.
+    ahead: bool = False
 
 
 @dataclass
@@ -233,6 +236,49 @@ class Scheduler:
         bm = self.block_manager
         watermark = max(-(-bm.num_total_blocks // 100), len(self.running))
         return bm.num_free_blocks - bm.blocks_to_admit(req, use_prefix_cache) >= watermark
+
+    def schedule_ahead(self, inflight: SchedulerOutput) -> SchedulerOutput | None:
+        """The next step, scheduled while `inflight` still runs (its tokens are unknown), or
+        None when it cannot be planned without them.
+
+        Only the steady decode state qualifies: every running request sampled in `inflight`
+        and nothing waiting could be admitted instead (the queue is empty or `max_num_seqs` is
+        reached), so the result is what `schedule()` would return after the update, less the
+        requests that surely finish by length. Each chunk is one `ahead` token at position
+        `start + num_tokens` of its in-flight chunk; a request that stops on that sampled
+        token (EOS, stop token or string, abort) has its ahead chunk skipped by
+        `update_from_output`. Needs no preemption: if a new block is not free, returns None.
+        """
+        if inflight.preempted or inflight.finished_early:
+            return None
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return None
+        if len(inflight.chunks) != len(self.running) or not all(
+                c.samples for c in inflight.chunks):
+            return None
+        bm, bs = self.block_manager, self.block_manager.block_size
+        chunks: list[ScheduledChunk] = []
+        grow: list[tuple[Request, int]] = []  # (request, new tokens its blocks must cover)
+        for c in inflight.chunks:
+            req = c.request
+            if req.is_finished or req.num_computed_tokens != c.start:
+                return None
+            after = req.num_tokens + 1  # tokens once the in-flight step's sample is appended
+            if (len(req.output_token_ids) + 1 >= req.sampling_params.max_tokens
+                    or after >= self.max_model_len):
+                continue  # finishes by length on the in-flight token
+            pos = c.start + c.num_tokens
+            if pos + 1 > len(req.block_ids) * bs:
+                grow.append((req, c.num_tokens + 1))
+            chunks.append(ScheduledChunk(req, pos, 1, True, ahead=True))
+        if not chunks or len(chunks) > self.max_num_batched_tokens:
+            return None
+        if len(grow) > bm.num_free_blocks:  # each needs one block at most
+            return None
+        for req, n in grow:
+            if not bm.ensure_slots(req, n):
+                raise AssertionError(f"request {req.request_id}: free block vanished")
+        return SchedulerOutput(chunks=chunks)
 
     # ----------------------------------------------------------------- results
     def update_from_output(self, output: SchedulerOutput,

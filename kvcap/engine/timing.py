@@ -14,8 +14,11 @@ On CUDA the forward is asynchronous: by default the `forward` phase is only its 
 the wait for the GPU shows up in `sample` (the tokens' copy to the host is the step's one sync).
 `sync=True` puts `torch.cuda.synchronize()` at every phase boundary so each phase is
 attributable (and the step no longer overlaps host work with the GPU). Without `sync`, CUDA
-events around the forward give its GPU time (`gpu_forward`). When the timer is off the engine
-pays one `is None` test per phase boundary.
+events around the forward give its GPU time (`gpu_forward`), read when `records` is read so
+that timing never waits for the GPU. With the engine's overlap on, a step() call launches the
+*next* step's forward (prepare/forward phases and gpu_forward belong to it) and finishes the
+current one (sample/update/output). When the timer is off the engine pays one `is None` test
+per phase boundary.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ class StepTimer:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
         self.sync = sync and self.cuda
-        self.records: list[dict] = []
+        self._records: list[dict] = []
+        self._unresolved: list[tuple[dict, torch.cuda.Event, torch.cuda.Event]] = []
         self._cur: dict[str, float] = {}
         self._t = 0.0
         self._t0 = 0.0
@@ -67,8 +71,16 @@ class StepTimer:
         rec["step"] = now - self._t0
         start, stop = self._events.get("forward_start"), self._events.get("forward_end")
         if start is not None and stop is not None:
+            self._unresolved.append((rec, start, stop))  # `gpu_forward` once it has run
+        rec.update(info)
+        self._records.append(rec)
+        return rec
+
+    @property
+    def records(self) -> list[dict]:
+        """Every step's record, `gpu_forward` (seconds) filled in (waits for the GPU)."""
+        for rec, start, stop in self._unresolved:
             stop.synchronize()
             rec["gpu_forward"] = start.elapsed_time(stop) / 1e3
-        rec.update(info)
-        self.records.append(rec)
-        return rec
+        self._unresolved.clear()
+        return self._records

@@ -134,8 +134,14 @@ class Sampler:
             self.device,
         )
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """logits float32 [B, V] (other float dtypes are upcast) -> token ids int64 [B]."""
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch, resolve: bool = True
+               ) -> torch.Tensor:
+        """logits float32 [B, V] (other float dtypes are upcast) -> token ids int64 [B].
+
+        With resolve=False nothing waits for the device: rows the fused kernel leaves to the
+        host come back -1, and the caller passes their indices to `resolve` once it has the
+        tokens on the host anyway (the engine's one sync per step).
+        """
         if logits.dim() != 2 or logits.shape[0] != batch.size:
             raise ValueError(f"logits {tuple(logits.shape)} do not match batch of {batch.size}")
         if batch.all_greedy:
@@ -143,22 +149,31 @@ class Sampler:
         if self.fused:
             from kvcap.kernels.sampling_topk_topp import fused_sample
 
-            tok = fused_sample(logits, batch.fparams, batch.iparams, batch.max_top_k,
-                               fallback=False)
             # Rows whose answer lies outside the kernel's candidates (a wide top-p nucleus,
             # large k, low min-p) come back -1: the sort-based twin samples just those rows,
             # the same token from the same (seed, step) (the in-kernel bisection would cost
-            # about 3x the twin). The check syncs, as the caller's .tolist() does anyway.
-            need = tok < 0
-            if bool(need.any()):
-                rows = need.nonzero().squeeze(1)
-                tok[rows] = reference_sample(
-                    logits[rows], batch.temperature[rows], batch.top_k[rows], batch.top_p[rows],
-                    batch.min_p[rows], batch.rng[rows])
+            # about 3x the twin).
+            tok = fused_sample(logits, batch.fparams, batch.iparams, batch.max_top_k,
+                               fallback=False)
+            if resolve:
+                need = tok < 0
+                if bool(need.any()):  # syncs, as the caller's .tolist() does anyway
+                    rows = need.nonzero().squeeze(1)
+                    tok[rows] = self._twin(logits, batch, rows)
             return tok
         return reference_sample(
             logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.rng
         )
+
+    def resolve(self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> list[int]:
+        """Tokens of the rows `sample(..., resolve=False)` returned as -1."""
+        idx = torch.tensor(rows, dtype=torch.int64).to(logits.device)
+        return self._twin(logits, batch, idx).tolist()
+
+    @staticmethod
+    def _twin(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
+        return reference_sample(logits[rows], batch.temperature[rows], batch.top_k[rows],
+                                batch.top_p[rows], batch.min_p[rows], batch.rng[rows])
 
     @staticmethod
     def sample_greedy(logits: torch.Tensor) -> torch.Tensor:
