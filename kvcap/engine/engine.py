@@ -131,7 +131,7 @@ class Engine:
             try:
                 if pending is None:
                     pending = self.runner.launch(out.chunks, self.extras)
-                if self._may_look_ahead():
+                if self._may_look_ahead(out):
                     nxt = self.scheduler.schedule_ahead(out)
                     if nxt is not None:
                         self._ahead = (nxt, self.runner.launch(nxt.chunks, self.extras, pending))
@@ -172,8 +172,11 @@ class Engine:
                       context_tokens=sum(c.start + c.num_tokens for c in out.chunks))
         return list(outputs.values())
 
-    def _may_look_ahead(self) -> bool:
-        return self.overlap and self.runner.can_run_ahead()
+    def _may_look_ahead(self, out: SchedulerOutput) -> bool:
+        # Logprobs are read back after this step's tokens, and that read would queue behind a
+        # step launched ahead, waiting for it: no overlap while a request asks for them.
+        return (self.overlap and self.runner.can_run_ahead() and not any(
+            c.request.sampling_params.logprobs is not None for c in out.chunks))
 
     def _drop_ahead(self) -> None:
         """Forget the step launched ahead: its device work finishes unread (stream order keeps

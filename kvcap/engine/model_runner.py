@@ -48,6 +48,25 @@ class PendingStep:
     logits: torch.Tensor | None
     tokens: torch.Tensor | None  # int64 [S] on the device; -1 rows are left to `finish`
     batch: SamplingBatch | None  # None when every row is greedy
+    # CUDA: the tokens' copy in pinned host memory and the event that marks it complete. A
+    # plain .tolist() in `finish` would queue behind a step launched ahead since, and wait
+    # for that step too.
+    host: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+
+    def start_copy(self) -> PendingStep:
+        if self.tokens is not None and self.tokens.is_cuda:
+            self.host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+            self.host.copy_(self.tokens, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        return self
+
+    def token_list(self) -> list[int]:
+        if self.ready is None:
+            return self.tokens.tolist()
+        self.ready.synchronize()
+        return self.host.tolist()
 
 
 # One request's row in the step scheduled ahead reads its input token from this row of the
@@ -240,7 +259,8 @@ class ModelRunner:
         if logits is None:
             return PendingStep(reqs, None, None, None)
         if all(r.sampling_params.temperature == 0.0 for r in reqs):
-            return PendingStep(reqs, logits, self.sampler.sample_greedy(logits), None)
+            return PendingStep(reqs, logits, self.sampler.sample_greedy(logits),
+                               None).start_copy()
         batch = SamplingBatch.from_params(
             [r.sampling_params for r in reqs],
             seeds=[extras[r.request_id].seed for r in reqs],
@@ -250,14 +270,14 @@ class ModelRunner:
             device=self.device,
         )
         return PendingStep(reqs, logits, self.sampler.sample(logits, batch, resolve=False),
-                           batch)
+                           batch).start_copy()
 
     @torch.inference_mode()
     def finish(self, step: PendingStep, extras: dict[str, RequestExtras]) -> StepResult:
         """Wait for the step's tokens (the one device->host sync) and collect logprobs."""
         if step.tokens is None:
             return StepResult({})
-        tokens = step.tokens.tolist()
+        tokens = step.token_list()
         fixed = False
         if step.batch is not None and min(tokens) < 0:
             rows = [i for i, tok in enumerate(tokens) if tok < 0]

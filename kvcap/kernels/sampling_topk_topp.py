@@ -28,8 +28,10 @@ The stages run as (``fused_sample(one_launch=...)``):
     stores are issued); the program that arrives last (it saw P - 1) resets the counter to 0
     and runs stage 2 for the row, reading the other programs' stats and candidates past L1
     (``.cg`` loads). One launch saves a launch's host time; at large B the merged kernel may
-    lose occupancy, so the default is one launch when B <= ONE_LAUNCH_MAX_BATCH (16, to be
-    settled by ``python -m kvcap.bench.sampler --sweep`` on the GPU). Both give identical
+    lose occupancy, so the default is one launch when B <= ONE_LAUNCH_MAX_BATCH = 8: on the
+    H200 (V 248,320, ``python -m kvcap.bench.sampler --sweep``) one launch takes 44-56 us
+    eagerly against two launches' 72-74 us at B 1-8, and under graphs 31 vs 35 us at B=1,
+    while at B=16 two launches are faster under graphs (62 vs 79 us). Both give identical
     results.
 The bodies of the stages are the jit helpers ``_chunk_stats`` and ``_merge_row``, which all
 three kernels call. Host side, ``fused_sample`` caches what it derives from the shapes
@@ -54,7 +56,7 @@ ORD_NEG_INF = tl.constexpr(-2139095041)  # ordered key of -inf
 CAP2 = 256  # most complete candidates sorted by one stage-2 program
 TILE = 2048  # tokens per step of the fallback's passes over a row
 STAGE2_WARPS = 8  # stage 2 of the two-launch path (the one-launch kernel uses stage 1's)
-ONE_LAUNCH_MAX_BATCH = 16  # fused_sample's default: one launch when B <= this, else two
+ONE_LAUNCH_MAX_BATCH = 8  # from the H200 sweep (see the module docstring)
 _EXACT = os.environ.get("TRITON_INTERPRET", "0") != "1"  # libdevice exp (not interpreted)
 NF, NI = 4, 5  # fparams (temperature, top_p, min_p, 0), iparams (top_k, mode, seed lo/hi, step)
 
@@ -405,7 +407,7 @@ def _pow2(n: int) -> int:
 
 def one_launch_default(batch: int) -> bool:
     """fused_sample's choice when one_launch is None: one launch when B <= ONE_LAUNCH_MAX_BATCH
-    (at large B the merged kernel may lose occupancy; the GPU sweep settles the bound)."""
+    (at larger B the merged kernel loses to two launches on the H200)."""
     return batch <= ONE_LAUNCH_MAX_BATCH
 
 
