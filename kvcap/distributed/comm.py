@@ -134,6 +134,16 @@ class Communicator:
         dist.gather(x, parts, dst=0, group=self.data_group)
         return torch.cat([p[:, :w] for p, w in zip(parts, widths, strict=True)], dim=1)
 
+    def broadcast_ids(self, ids: torch.Tensor | None, n: int) -> torch.Tensor:
+        """Rank 0's int64 [n] device tensor on every rank (the input ids of a step scheduled
+        ahead of its tokens, which only rank 0 samples)."""
+        if self.rank == 0:
+            assert ids is not None and ids.shape == (n,)
+        else:
+            ids = torch.empty(n, dtype=torch.int64, device=self.device)
+        dist.broadcast(ids, src=0, group=self.data_group)
+        return ids
+
     # --- Python objects (control group) -----------------------------------------------------
     def broadcast_object(self, obj: Any = None) -> Any:
         box = [obj]

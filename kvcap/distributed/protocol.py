@@ -108,7 +108,8 @@ def serve(llm: Any) -> None:
             _, plan, obs_shard = msg
             if observer is not None and obs_shard is not None:
                 observer.set_shard(obs_shard)
-            llm.runner.run_plan(plan)
+            fed = comm.broadcast_ids(None, len(plan.ids)) if plan.fed else None
+            llm.runner.run_plan(plan, fed_ids=fed)
         elif kind == OBSERVER:  # None detaches; the last observer stays for ("stats",)
             cfg = msg[1]
             attach = cfg is not None and shard.kv_primary  # replicas: the first copy counts

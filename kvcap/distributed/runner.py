@@ -2,8 +2,10 @@
 
 `execute` is unchanged (plan -> run -> sample); the plan is sent to the other ranks before the
 forward, with the observer's current shard name so worker observers attribute their rows
-alike. Any exception between the broadcast and the end of the forward leaves the ranks out of
-step, so it stops the whole group (`TPDriver.fail`) and every later call fails fast.
+alike. A step scheduled ahead of its tokens (engine overlap) also broadcasts its input ids on
+the device: only rank 0 samples. Any exception between the broadcast and the end of the
+forward leaves the ranks out of step, so it stops the whole group (`TPDriver.fail`) and every
+later call fails fast.
 """
 
 from __future__ import annotations
@@ -22,9 +24,6 @@ class DriverRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.driver = driver
         self.observer = None  # rank 0's KVStatsObserver (the last one attached)
-        # The other ranks run the broadcast plan's host-side ids; tokens sampled on rank 0
-        # are not on their devices, so no step is scheduled ahead of its tokens.
-        self.supports_overlap = False
 
     def broadcast_plan(self, plan: StepPlan) -> None:
         self.driver.check_alive()
@@ -36,11 +35,11 @@ class DriverRunner(ModelRunner):
 
     @torch.inference_mode()
     def run_plan(self, plan: StepPlan, on_prompt_logits: PromptLogitsFn | None = None,
-                 feed=None) -> torch.Tensor | None:
-        if feed is not None:
-            raise ValueError("tensor parallelism runs no step ahead of its input tokens")
+                 fed_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         try:
-            return super().run_plan(plan, on_prompt_logits)
+            if plan.fed:  # only rank 0 sampled the tokens this step runs on
+                fed_ids = self.driver.comm.broadcast_ids(fed_ids, len(plan.ids))
+            return super().run_plan(plan, on_prompt_logits, fed_ids)
         except BaseException as e:
             self._fatal(e)
 

@@ -69,10 +69,6 @@ class PendingStep:
         return self.host.tolist()
 
 
-# One request's row in the step scheduled ahead reads its input token from this row of the
-# in-flight step's device tokens.
-FeedRows = list[int]
-
 
 @dataclass
 class StepPlan:
@@ -93,6 +89,9 @@ class StepPlan:
     use_graph: bool = False
     prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
+    # Scheduled ahead: the input ids are the in-flight step's sampled tokens, on the device
+    # (`ids` holds placeholders); under tensor parallelism rank 0 broadcasts them.
+    fed: bool = False
 
 
 class ModelRunner:
@@ -176,21 +175,21 @@ class ModelRunner:
     def broadcast_plan(self, plan: StepPlan) -> None:
         """Hook for tensor parallelism: rank 0 sends the plan to the other ranks here."""
 
-    def _forward(self, plan: StepPlan, feed: tuple[torch.Tensor, FeedRows] | None = None):
-        """Hidden states of every row, and the metadata (None on the graph path). `feed`
-        (device tokens, source row per row) overwrites the input ids on the device."""
+    def _forward(self, plan: StepPlan, fed_ids: torch.Tensor | None = None):
+        """Hidden states of every row, and the metadata (None on the graph path). `fed_ids`
+        (int64 [rows] on the device) replaces the input ids of a step scheduled ahead."""
         t = self.timer
         if plan.use_graph:
             key = self.graphs.prepare(plan.ids, plan.positions, plan.tables)
-            if feed is not None:
-                self._feed(self.graphs.input_ids[: len(plan.ids)], feed)
+            if fed_ids is not None:
+                self.graphs.input_ids[: len(plan.ids)].copy_(fed_ids, non_blocking=True)
             if t is not None:
                 t.mark("prepare")
                 t.gpu_event("forward_start")
             return self.graphs.replay(key, len(plan.ids)), None
         input_ids, pos, meta = self._eager.build(plan)
-        if feed is not None:
-            self._feed(input_ids, feed)
+        if fed_ids is not None:
+            input_ids.copy_(fed_ids, non_blocking=True)
         if self.graphs is not None and meta.is_decode_only:
             meta.max_seq_len = self.graphs.context_class(meta.max_seq_len)
         ctx = ForwardContext(self.backend, self.pool, meta, self.kv_observer)
@@ -199,22 +198,25 @@ class ModelRunner:
             t.gpu_event("forward_start")
         return self.model(input_ids, pos, ctx), meta
 
-    def _feed(self, ids: torch.Tensor, feed: tuple[torch.Tensor, FeedRows]) -> None:
-        tokens, rows = feed
-        if rows == list(range(len(rows))) and len(rows) == tokens.shape[0]:
-            ids.copy_(tokens.clamp(min=0), non_blocking=True)  # (-1: see StepResult.host_fixed)
-        else:
+    def fed_ids(self, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Input ids of a step scheduled ahead: row i takes `tokens[rows[i]]` (device-side;
+        a -1 left for the host becomes 0, and `StepResult.host_fixed` drops that step)."""
+        if rows != list(range(tokens.shape[0])):
             src = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-            ids.copy_(tokens.index_select(0, src).clamp(min=0), non_blocking=True)
+            tokens = tokens.index_select(0, src)
+        return tokens.clamp(min=0)
 
     @torch.inference_mode()
     def run_plan(self, plan: StepPlan, on_prompt_logits: PromptLogitsFn | None = None,
-                 feed: tuple[torch.Tensor, FeedRows] | None = None) -> torch.Tensor | None:
+                 fed_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Forward the plan on this rank. Each teacher-forced logits block [n, V] FP32 goes to
         `on_prompt_logits(chunk_index, logits)`; returns the sampled rows' logits [S, V] FP32,
         or None when nothing samples (and on every rank but 0 under tensor parallelism, where
-        `compute_logits` gathers the vocabulary shards on rank 0 only)."""
-        hidden, _ = self._forward(plan, feed)
+        `compute_logits` gathers the vocabulary shards on rank 0 only). A plan scheduled
+        ahead (`plan.fed`) takes its input ids from `fed_ids`."""
+        if plan.fed and fed_ids is None:
+            raise ValueError("a step scheduled ahead needs its input ids on the device")
+        hidden, _ = self._forward(plan, fed_ids if plan.fed else None)
         for i, lo, hi in plan.prompt_rows:
             if hi <= lo:
                 continue
@@ -244,17 +246,18 @@ class ModelRunner:
         """Queue the step's forward and sampling without waiting for the device. Chunks
         scheduled `ahead` take their input token from `inflight`'s device tokens."""
         plan = self.make_plan(chunks, extras)
-        feed = None
+        fed = None
         if any(ch.ahead for ch in chunks):
             if inflight is None or inflight.tokens is None:
                 raise ValueError("chunks scheduled ahead need the in-flight step's tokens")
             row_of = {id(r): i for i, r in enumerate(inflight.reqs)}
-            feed = (inflight.tokens, [row_of[id(ch.request)] for ch in chunks])
+            fed = self.fed_ids(inflight.tokens, [row_of[id(ch.request)] for ch in chunks])
+            plan.fed = True
         self.broadcast_plan(plan)
         for i, _, _ in plan.prompt_rows:
             self._reset_prompt_outputs(chunks[i], extras)
         logits = self.run_plan(
-            plan, lambda i, lg: self._collect_prompt_outputs(chunks[i], extras, lg), feed)
+            plan, lambda i, lg: self._collect_prompt_outputs(chunks[i], extras, lg), fed)
         reqs = [ch.request for ch in chunks if ch.samples]
         if logits is None:
             return PendingStep(reqs, None, None, None)
