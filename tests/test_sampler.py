@@ -6,6 +6,7 @@ on small vocabularies; GPU tests are marked ``gpu`` and skipped without CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -468,3 +469,11 @@ def test_sampler_routes_fallback_rows_to_the_twin(monkeypatch) -> None:
     sampler = Sampler(dev)
     sampler.fused = True  # the kernel path on any device (the interpreter on CPU)
     assert torch.equal(sampler.sample(x.to(dev), batch).cpu(), ref)
+    # Without top-p rows the Sampler keeps the kernel's own fallback (cheap for min-p / top-k).
+    no_p = dataclasses.replace(batch, any_top_p=False)
+    assert torch.equal(sampler.sample(x.to(dev), no_p).cpu(), ref)
+    real_twin = Sampler._twin
+    monkeypatch.setattr(Sampler, "_twin", staticmethod(lambda *a: (_ for _ in ()).throw(
+        AssertionError("the twin ran although no row needs top-p"))))
+    assert torch.equal(sampler.sample(x.to(dev), no_p).cpu(), ref)
+    monkeypatch.setattr(Sampler, "_twin", real_twin)

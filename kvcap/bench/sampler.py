@@ -68,8 +68,9 @@ def run_fused(d: Inputs, max_top_k: int = TOP_K, **kw: object) -> torch.Tensor:
 
 
 def run_engine(d: Inputs, max_top_k: int = TOP_K) -> torch.Tensor:
-    """What the engine runs: kvcap.sampling.Sampler (kernel without its in-kernel fallback;
-    the sort-based twin samples the rows the kernel leaves, with a sync to find them)."""
+    """What the engine runs: kvcap.sampling.Sampler (with top-p rows in the batch, the kernel
+    without its in-kernel fallback, and the sort-based twin on the rows it leaves, with a sync
+    to find them; otherwise the kernel's own fallback)."""
     from kvcap.sampling.sampler import SamplingBatch
 
     batch = SamplingBatch(
@@ -83,6 +84,7 @@ def run_engine(d: Inputs, max_top_k: int = TOP_K) -> torch.Tensor:
         iparams=d["iparams"],
         all_greedy=False,
         max_top_k=max_top_k,
+        any_top_p=bool((d["top_p"] < 1.0).any()),
     )
     return _ENGINE_SAMPLER.sample(d["logits"], batch)
 

@@ -45,7 +45,8 @@ class SamplingBatch:
     rng: int32 [B, 3] = (seed low 32 bits, seed high 32 bits, step) bit patterns.
     mode: int32 [B] (MODE_GREEDY / MODE_FILTERED / MODE_PLAIN).
     fparams float32 [B, 4] / iparams int32 [B, 5]: the same, packed for the fused kernel.
-    Host-side summaries (no device sync needed): ``all_greedy``, ``max_top_k``.
+    Host-side summaries (no device sync needed): ``all_greedy``, ``max_top_k``, ``any_top_p``
+    (a filtered row with top_p < 1).
     """
 
     temperature: torch.Tensor
@@ -58,6 +59,7 @@ class SamplingBatch:
     iparams: torch.Tensor
     all_greedy: bool
     max_top_k: int
+    any_top_p: bool = True
 
     @property
     def size(self) -> int:
@@ -106,6 +108,7 @@ class SamplingBatch:
             iparams=ip,
             all_greedy=all(m == MODE_GREEDY for m in modes),
             max_top_k=max(ks, default=0),
+            any_top_p=any(p < 1.0 for p in ps),
         )
 
 
@@ -150,11 +153,14 @@ class Sampler:
             from kvcap.kernels.sampling_topk_topp import fused_sample
 
             # Rows whose answer lies outside the kernel's candidates (a wide top-p nucleus,
-            # large k, low min-p) come back -1: the sort-based twin samples just those rows,
-            # the same token from the same (seed, step) (the in-kernel bisection would cost
-            # about 3x the twin).
+            # large k, low min-p) need an exact pass over the whole row. In the kernel that is
+            # one program per row: one pass for min-p, ~32 bisection passes for top-k, more
+            # for top-p's float64 mass (H200, 16 x 248,320: 0.28 ms with min-p alone, 3.7 ms
+            # with top-p alone). The sort-based twin costs ~2.5 ms whatever the rows, so rows
+            # needing top-p's bisection come back -1 and the twin samples them (the same token
+            # from the same (seed, step)); the others stay in the kernel.
             tok = fused_sample(logits, batch.fparams, batch.iparams, batch.max_top_k,
-                               fallback=False)
+                               fallback=not batch.any_top_p)
             if resolve:
                 need = tok < 0
                 if bool(need.any()):  # syncs, as the caller's .tolist() does anyway
