@@ -366,3 +366,84 @@ def test_watermark_cuts_preemption_churn(monkeypatch) -> None:
     with_watermark = run()
     monkeypatch.setattr(Scheduler, "_leaves_headroom", lambda self, r, use_cache: True)
     assert with_watermark * 2 < run()
+
+
+def run_all_ahead(s: Scheduler, bm: BlockManager, model: FakeModel, max_steps: int = 10_000
+                  ) -> tuple[list[Request], int]:
+    """The engine's overlap on the fake model: plan the next step (`schedule_ahead`) before
+    applying this one's tokens; the fake model runs an ahead step once they are applied, which
+    is what the device-side feed achieves."""
+    finished, ahead, n_ahead = [], None, 0
+    for _ in range(max_steps):
+        if ahead is None and not s.has_unfinished():
+            return finished, n_ahead
+        out = ahead if ahead is not None else s.schedule()
+        ahead = None
+        live = [c for c in out.chunks if not c.request.is_finished]
+        sampled = model.execute(SchedulerOutput(chunks=live))
+        ahead = s.schedule_ahead(out)
+        if ahead is not None:
+            n_ahead += 1
+            assert all(c.ahead and c.num_tokens == 1 and c.samples for c in ahead.chunks)
+        finished += out.finished_early
+        finished += s.update_from_output(out, sampled)
+        bm.check_invariants(s.running)
+        if ahead is not None and all(c.request.is_finished for c in ahead.chunks):
+            ahead = None
+    raise AssertionError("scheduler did not finish")
+
+
+def test_schedule_ahead_gives_the_serial_outputs_and_frees_everything() -> None:
+    """Stop tokens, EOS, max_tokens and max_model_len end requests on a token the ahead step
+    already ran past; new blocks are taken ahead (block size 4); tokens equal the reference."""
+    s, bm, model = make(num_blocks=48, max_model_len=40)
+    rng = random.Random(3)
+    prompts = {f"r{i}": [rng.randrange(1, VOCAB) for _ in range(2 + 3 * i)] for i in range(6)}
+    params = [dict(max_tokens=9), dict(max_tokens=30), dict(ignore_eos=False, max_tokens=40),
+              dict(stop_token_ids=[5, 11], max_tokens=40), dict(max_tokens=1),
+              dict(max_tokens=64)]
+    for (rid, p), kw in zip(prompts.items(), params, strict=True):
+        s.add_request(req(rid, p, **kw))
+    finished, n_ahead = run_all_ahead(s, bm, model)
+    assert n_ahead > 10
+    assert sorted(r.request_id for r in finished) == sorted(prompts)
+    for r in finished:
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, r.sampling_params, 40)
+    assert bm.num_used_blocks == 0 and s.num_running == 0
+
+
+def test_schedule_ahead_declines_what_needs_the_tokens_or_a_decision() -> None:
+    s, bm, model = make(num_blocks=8, max_num_seqs=2)
+    s.add_request(req("a", [1, 2, 3], max_tokens=20))
+    out = s.schedule()
+    assert s.schedule_ahead(out) is not None  # (the last prompt chunk samples: ahead is fine)
+    s2, bm2, _ = make(num_blocks=8, max_num_batched_tokens=2)
+    s2.add_request(req("b", [1, 2, 3, 4, 5], max_tokens=20))
+    assert s2.schedule_ahead(s2.schedule()) is None  # mid-prompt chunk: nothing sampled
+    s.update_from_output(out, model.execute(out))
+    s.add_request(req("c", [4, 5], max_tokens=20))  # admissible: the regular schedule admits
+    out = s.schedule()
+    s.update_from_output(out, model.execute(out))
+    s.add_request(req("d", [6], max_tokens=20))  # max_num_seqs reached: may run ahead
+    out = s.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["a", "c"]
+    ahead = s.schedule_ahead(out)
+    assert ahead is not None and [c.request.request_id for c in ahead.chunks] == ["a", "c"]
+    assert [c.start for c in ahead.chunks] == [c.start + 1 for c in out.chunks]
+    s.update_from_output(out, model.execute(out))
+    # no free block for a request that needs one: declined (no preemption ahead)
+    s3, bm3, model3 = make(num_blocks=2)
+    s3.add_request(req("e", [1, 2, 3, 4, 5, 6, 7], max_tokens=20))
+    out = s3.schedule()
+    s3.update_from_output(out, model3.execute(out))
+    out = s3.schedule()  # decodes position 7, the last slot of block 2
+    assert bm3.num_free_blocks == 0 and s3.schedule_ahead(out) is None
+    # a request that surely ends by length on the in-flight token is left out
+    s4, _, model4 = make()
+    s4.add_request(req("f", [1, 2], max_tokens=2))
+    s4.add_request(req("g", [3, 4], max_tokens=5))
+    out = s4.schedule()
+    s4.update_from_output(out, model4.execute(out))
+    out = s4.schedule()
+    ahead = s4.schedule_ahead(out)
+    assert [c.request.request_id for c in ahead.chunks] == ["g"]
