@@ -273,7 +273,7 @@ def test_overload_answers_429_with_bounded_queue(srv):
 
 def test_engine_error_fails_only_affected_requests(srv):
     runner = srv.llm.runner
-    real = runner.execute
+    real = runner.launch  # the engine's entry into the runner (then `finish`)
     calls = {"n": 0}
 
     def failing_once(*a, **kw):
@@ -283,7 +283,7 @@ def test_engine_error_fails_only_affected_requests(srv):
         return real(*a, **kw)
 
     errors = metrics(srv.url)["kvcap_engine_step_errors_total"]
-    runner.execute = failing_once
+    runner.launch = failing_once
     try:
         r = srv.http.post(CMPL, json={"model": "tiny", "prompt": "x", "max_tokens": 3})
         assert r.status_code == 500
@@ -296,7 +296,7 @@ def test_engine_error_fails_only_affected_requests(srv):
         ok = srv.client.completions.create(model="tiny", prompt="x", max_tokens=3)
         assert ok.choices[0].finish_reason in ("stop", "length")
     finally:
-        runner.execute = real
+        runner.launch = real
     m = wait_drained(srv.url)
     assert m["kvcap_engine_step_errors_total"] == errors + 2
     assert httpx.get(f"{srv.url}/health").status_code == 200
