@@ -155,6 +155,32 @@ def test_torch_path_frequencies_match_distribution() -> None:
     assert chi2 < chi2_critical(int(keep.sum()) - 1)
 
 
+def test_compact_twin_equals_the_full_one() -> None:
+    """reference_sample(compact=True) (partial sort, noise for kept tokens only; the CPU
+    default) keeps the same tokens and samples the same ones as the full computation."""
+    g = torch.Generator().manual_seed(12)
+    for trial in range(60):
+        b, v = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(2, 900, (1,),
+                                                                              generator=g))
+        x = torch.randn(b, v, generator=g) * float(1 + 6 * torch.rand(1, generator=g))
+        if trial % 3 == 0:
+            x = torch.round(x)  # many ties, also at the k-th value
+        if trial % 5 == 0:
+            x[:, ::4] = float("-inf")
+        t = torch.rand(b, generator=g) * 1.5
+        t[0] = 0.0 if trial % 4 == 0 else t[0]
+        k = (torch.randint(1, max(2, min(v, 40)), (b,), generator=g, dtype=torch.int32)
+             if trial % 2 else torch.randint(0, v + 3, (b,), generator=g, dtype=torch.int32))
+        p = torch.where(torch.rand(b, generator=g) < 0.3, torch.ones(b), torch.rand(b, generator=g))
+        mp = torch.where(torch.rand(b, generator=g) < 0.5, torch.zeros(b),
+                         torch.rand(b, generator=g) * 0.3)
+        rng = torch.randint(-(2**31), 2**31, (b, 3), generator=g, dtype=torch.int32)
+        z = scaled_logits(x, t)
+        assert torch.equal(keep_mask(z, k, p, mp, compact=True), keep_mask(z, k, p, mp)), trial
+        assert torch.equal(reference_sample(x, t, k, p, mp, rng, compact=True),
+                           reference_sample(x, t, k, p, mp, rng, compact=False)), trial
+
+
 def test_uniforms_look_uniform() -> None:
     rng = torch.tensor([[5, 0, 0]], dtype=torch.int32)
     g = gumbel_noise(rng, torch.arange(200_000))

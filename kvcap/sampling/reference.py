@@ -97,35 +97,52 @@ def scaled_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tens
     return torch.where(z == 0, torch.zeros_like(z), z)
 
 
+def _sorted_desc(z: torch.Tensor, k: torch.Tensor, k_on: torch.Tensor,
+                 compact: bool) -> torch.Tensor:
+    """z sorted in descending order along V, or (compact, every row with top-k on) only the
+    prefix that holds every token with z >= t_k, ties included: the same values as the full
+    sort's prefix, and everything past it has no mass in step 3."""
+    v = z.shape[1]
+    if compact and bool(k_on.all()):
+        t_k = torch.topk(z, int(k.max()), dim=1).values.gather(1, k.unsqueeze(1) - 1)
+        n = int((z >= t_k).sum(dim=1).max())
+        if n < v:
+            return torch.topk(z, n, dim=1).values
+    return torch.sort(z, dim=1, descending=True).values
+
+
 def thresholds(
-    z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, compact: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 2-3: z float32 [B, V], top_k int [B], top_p float32 [B].
 
     Returns (t, e): t float32 [B] = max(t_k, t_p) (-inf when neither applies), e float32 [B, V].
+    compact=True may size the sort by the data (reads values back: a sync on CUDA).
     """
     b, v = z.shape
     neg_inf = torch.full((b,), float("-inf"), device=z.device)
     m = z.max(dim=1).values
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(z - m.unsqueeze(1))
-    zs = torch.sort(z, dim=1, descending=True).values
     k = top_k.to(torch.int64)
     k_on = (k > 0) & (k < v)
-    t_k = torch.where(k_on, zs.gather(1, (k.clamp(1, v) - 1).unsqueeze(1)).squeeze(1), neg_inf)
+    zs = _sorted_desc(z, k, k_on, compact)
+    n = zs.shape[1]
+    t_k = torch.where(k_on, zs.gather(1, (k.clamp(1, n) - 1).unsqueeze(1)).squeeze(1), neg_inf)
     es = torch.where(zs >= t_k.unsqueeze(1), torch.exp(zs - m.unsqueeze(1)), 0.0)
     cum = torch.cumsum(es.double(), dim=1)
     p = top_p.float()
-    j = (cum < (p.double() * cum[:, -1]).unsqueeze(1)).sum(dim=1).clamp(max=v - 1)
+    j = (cum < (p.double() * cum[:, -1]).unsqueeze(1)).sum(dim=1).clamp(max=n - 1)
     t_p = torch.where(p < 1.0, zs.gather(1, j.unsqueeze(1)).squeeze(1), neg_inf)
     return torch.maximum(t_k, t_p), e
 
 
 def keep_mask(
-    z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+    z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+    compact: bool = False,
 ) -> torch.Tensor:
     """Steps 2-4: bool [B, V], True where the token may be sampled (z from scaled_logits)."""
-    t, e = thresholds(z, top_k, top_p)
+    t, e = thresholds(z, top_k, top_p, compact)
     return (z >= t.unsqueeze(1)) & (e >= min_p.float().unsqueeze(1))
 
 
@@ -136,12 +153,28 @@ def reference_sample(
     top_p: torch.Tensor,
     min_p: torch.Tensor,
     rng: torch.Tensor,
+    compact: bool | None = None,
 ) -> torch.Tensor:
-    """Step 5. logits float32 [B, V]; per-row params [B]; rng int32 [B, 3] -> int64 [B]."""
+    """Step 5. logits float32 [B, V]; per-row params [B]; rng int32 [B, 3] -> int64 [B].
+
+    compact (default: on CPU) computes the same thing with data-sized work: a partial sort
+    when every row has top-k, and the random numbers of kept tokens only (on CPU ~10x faster
+    at 49K tokens per row). It reads values back, so on CUDA it is for callers that have
+    synced anyway (the engine's host fallback)."""
     z = scaled_logits(logits, temperature)
-    keep = keep_mask(z, top_k, top_p, min_p)
-    idx = torch.arange(z.shape[1], device=z.device)
-    score = torch.where(keep, z + gumbel_noise(rng, idx), float("-inf"))
+    if compact is None:
+        compact = z.device.type == "cpu"
+    keep = keep_mask(z, top_k, top_p, min_p, compact)
+    if compact:
+        rows, cols = keep.nonzero(as_tuple=True)
+        k0, k1 = row_keys(rng.to(z.device))
+        h = fmix32(fmix32(cols ^ k0[rows, 0]) ^ k1[rows, 0])
+        u = ((h >> 8).to(torch.float32) + 0.5) * (2.0**-24)
+        score = torch.full_like(z, float("-inf"))
+        score[rows, cols] = z[rows, cols] - torch.log(-torch.log(u))
+    else:
+        idx = torch.arange(z.shape[1], device=z.device)
+        score = torch.where(keep, z + gumbel_noise(rng, idx), float("-inf"))
     sampled = torch.argmax(score, dim=1)
     greedy = torch.argmax(z, dim=1)
     return torch.where(temperature.to(z.device) > 0, sampled, greedy)

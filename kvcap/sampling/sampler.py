@@ -178,8 +178,10 @@ class Sampler:
 
     @staticmethod
     def _twin(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
+        # (callers have synced: the data-sized twin is exact and much cheaper)
         return reference_sample(logits[rows], batch.temperature[rows], batch.top_k[rows],
-                                batch.top_p[rows], batch.min_p[rows], batch.rng[rows])
+                                batch.top_p[rows], batch.min_p[rows], batch.rng[rows],
+                                compact=True)
 
     @staticmethod
     def sample_greedy(logits: torch.Tensor) -> torch.Tensor:
