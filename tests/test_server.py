@@ -44,9 +44,12 @@ def offline(tiny_dir):
     return LLM(model=str(tiny_dir), device="cpu", num_blocks=64)
 
 
-@pytest.fixture(scope="module")
-def srv(tiny_dir):
+@pytest.fixture(scope="module", params=[False, True], ids=["serial", "overlap"])
+def srv(tiny_dir, request):
     llm = LLM(model=str(tiny_dir), device="cpu", num_blocks=64, max_num_seqs=4)
+    # The engine overlap is on by default on CUDA only; every server test also runs with it
+    # forced on (steps launched ahead of their tokens, stopping and disconnecting mid-flight).
+    llm.engine.overlap = request.param
     delay = StepDelay(llm.engine)
     app = create_app(llm, served_model_name="tiny", api_key=KEY, max_pending=MAX_PENDING,
                      poll_s=0.2)
@@ -57,6 +60,7 @@ def srv(tiny_dir):
         server.client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
         yield server
         server.http.close()
+    assert (llm.engine.num_steps_ahead > 0) == request.param
 
 
 def greedy(offline, prompt: str, n: int, chat: bool = False, **kw) -> str:
