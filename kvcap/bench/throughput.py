@@ -214,6 +214,7 @@ def main(argv=None) -> int:
                     need = c * (-(-ctx // llm.config.block_size))
                     if need > llm.pool.num_blocks:
                         cell["skip"] = (f"needs {need} KV blocks, pool has {llm.pool.num_blocks}")
+                        cell["pool_tokens"] = llm.pool.num_tokens
                     else:
                         cell.update(run_cell(llm, c, ctx, args.out_tokens, args.repeats))
                         step = c / cell["decode_tok_s"]
@@ -236,7 +237,30 @@ def main(argv=None) -> int:
     _save(report, path)
     _print_table(report)
     print(f"wrote {path}")
+    write_table_and_png(report, path)
     return 0
+
+
+def write_table_and_png(report: dict, path: Path) -> list[Path]:
+    """Print the README table (kvcap.bench.throughput_report) of each shape measured and
+    write its bar chart next to the JSON: the same stem with .png (-SHAPE.png per shape where
+    there are several). Without matplotlib, a warning and no PNG: the JSON is what counts."""
+    from kvcap.bench import throughput_report
+
+    cells = throughput_report.cells_from_report(report, path.name)
+    shapes = list(dict.fromkeys(c["shape"] for c in cells))
+    written = []
+    for shape in shapes:
+        print(f"\n{throughput_report.markdown_table(cells, shape)}")
+        png = path.with_suffix(".png") if len(shapes) == 1 else path.with_name(
+            f"{path.stem}-{shape}.png")
+        try:
+            written.append(throughput_report.plot(cells, png, shape=shape))
+        except ImportError as e:
+            logger.warning("no throughput PNG (matplotlib is not available: %s)", e)
+            continue
+        print(f"wrote {png}")
+    return written
 
 
 def _save(report: dict, path: Path) -> None:

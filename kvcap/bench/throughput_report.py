@@ -1,0 +1,259 @@
+"""The throughput matrix as a README table and a PNG, from `kvcap.bench.throughput` JSONs.
+
+    python -m kvcap.bench.throughput_report docs/benchmarks/throughput-2026-11-29c-h200-1k.json \
+        docs/benchmarks/throughput-2026-11-29c-h200-16k.json \
+        --png docs/benchmarks/throughput-2026-11-29c-h200.png
+
+Several files may cover different contexts (or concurrencies); every cell keeps the file, GPU,
+date and commit it came from. Where two files hold the same cell, the later file's wins. The
+markdown table goes to stdout; errors are one line on stderr (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import re
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+from kvcap.scales.fsutil import atomic_write_bytes
+
+DEFAULT_SHAPE = "llama-3.1-8b"
+# (kv mode in the JSON, column title, bar colour)
+KV_COLUMNS = (("fp16", "FP16 KV", "#4c72b0"), ("fp8", "E4M3 (native)", "#dd8452"),
+              ("fp8-software", "E4M3 (software)", "#55a868"))
+_SKIP_BLOCKS = re.compile(r"needs (\d+) KV blocks, pool has (\d+)")
+
+
+class ReportError(ValueError):
+    """An input that is not a usable throughput JSON, or a selection with no cells."""
+
+
+def cells_from_report(report: object, source: str) -> list[dict]:
+    """The cells of one throughput report (already parsed), each with its provenance (source,
+    gpu, date, commit) and, for a cell that did not fit, `pool_tokens` where it can be known
+    (the run's capacity record, else the block counts in its skip reason)."""
+    if not isinstance(report, dict) or not isinstance(report.get("cells"), list):
+        raise ReportError(f"{source}: no 'cells' list (not a kvcap.bench.throughput JSON)")
+    capacity = {(c.get("shape"), c.get("kv")): c.get("tokens")
+                for c in report.get("capacity") or [] if isinstance(c, dict)}
+    cells = []
+    for i, raw in enumerate(report["cells"]):
+        if not isinstance(raw, dict):
+            raise ReportError(f"{source}: cell {i} is not an object")
+        for key in ("shape", "kv", "concurrency", "context"):
+            if key not in raw:
+                raise ReportError(f"{source}: cell {i} has no {key!r}")
+        if not all(isinstance(raw[k], int) and raw[k] > 0 for k in ("concurrency", "context")):
+            raise ReportError(f"{source}: cell {i}: concurrency and context must be positive "
+                              "integers")
+        if "skip" not in raw and not isinstance(raw.get("decode_tok_s"), (int, float)):
+            raise ReportError(f"{source}: cell {i} has neither 'decode_tok_s' nor 'skip'")
+        cell = dict(raw)
+        cell.update(source=source, gpu=report.get("gpu", "unknown GPU"),
+                    date=report.get("date", "unknown date"),
+                    commit=report.get("commit", "unknown"))
+        if "skip" in cell and cell.get("pool_tokens") is None:
+            cell["pool_tokens"] = (capacity.get((cell["shape"], cell["kv"]))
+                                   or _pool_tokens_from_skip(cell))
+        cells.append(cell)
+    return cells
+
+
+def _pool_tokens_from_skip(cell: dict) -> int | None:
+    """Pool tokens from "needs N KV blocks, pool has M": the block size is what turns
+    `context` tokens into N / concurrency blocks."""
+    m = _SKIP_BLOCKS.search(str(cell.get("skip", "")))
+    if not m:
+        return None
+    per_seq = int(m.group(1)) // cell["concurrency"]
+    if per_seq <= 0:
+        return None
+    return int(m.group(2)) * math.ceil(cell["context"] / per_seq)
+
+
+def load_cells(paths: Iterable[str | Path]) -> list[dict]:
+    """The cells of one or more throughput JSONs, in file order (see cells_from_report)."""
+    cells: list[dict] = []
+    for p in paths:
+        path = Path(p)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ReportError(f"cannot read {path}: {e.strerror or e}") from None
+        try:
+            report = json.loads(text)
+        except ValueError as e:
+            raise ReportError(f"{path} is not valid JSON ({e})") from None
+        cells.extend(cells_from_report(report, path.name))
+    return cells
+
+
+def _select(cells: list[dict], shape: str) -> dict[tuple[str, int, int], dict]:
+    """(kv, concurrency, context) -> cell for one shape; a later cell replaces an earlier one."""
+    out: dict[tuple[str, int, int], dict] = {}
+    for c in cells:
+        if c["shape"] == shape:
+            out[(c["kv"], c["concurrency"], c["context"])] = c
+    if not out:
+        shapes = sorted({c["shape"] for c in cells})
+        raise ReportError(f"no cells for shape {shape!r} (the files hold: "
+                          f"{', '.join(shapes) or 'no cells'})")
+    return out
+
+
+def _rows(sel: dict[tuple[str, int, int], dict]) -> list[tuple[int, int]]:
+    """(concurrency, context) pairs, sorted by context, then concurrency."""
+    return sorted({(conc, ctx) for _, conc, ctx in sel}, key=lambda r: (r[1], r[0]))
+
+
+def _pool(n: int) -> str:
+    """879472 -> 879K, 1758224 -> 1.76M."""
+    if n >= 1_000_000:
+        return f"{n / 1e6:.2f}M"
+    return f"{round(n / 1000)}K" if n >= 10_000 else f"{n:,}"
+
+
+def _row_label(conc: int, ctx: int) -> str:
+    """16 x 1K for 16 x 1024 tokens (contexts count in KiB as the README does)."""
+    return f"{conc} x {f'{ctx // 1024}K' if ctx % 1024 == 0 else ctx}"
+
+
+def _measured(cell: dict | None) -> bool:
+    return cell is not None and "skip" not in cell
+
+
+def _skip_text(cell: dict) -> str:
+    if _SKIP_BLOCKS.search(str(cell["skip"])):
+        pool = cell.get("pool_tokens")
+        return f"does not fit ({_pool(pool)}-token pool)" if pool else "does not fit"
+    return f"skipped: {cell['skip']}"
+
+
+def _cell_text(cell: dict | None, fp16: dict | None, ratio: bool) -> str:
+    if cell is None:
+        return "not run"
+    if not _measured(cell):
+        return _skip_text(cell)
+    text = f"{cell['decode_tok_s']:,.0f}"
+    if ratio and _measured(fp16):
+        text += f" ({cell['decode_tok_s'] / fp16['decode_tok_s']:.2f}x)"
+    elif ratio and (cell.get("fits_only_in_e4m3") or fp16 is not None):
+        text += " (FP16 does not fit)"
+    return text
+
+
+def _each(cells: Iterable[dict], fmt: str) -> str:
+    """`fmt` filled from each cell, distinct values in first-seen order, comma-joined."""
+    return ", ".join(dict.fromkeys(fmt.format(**c) for c in cells))
+
+
+def markdown_table(cells: list[dict], shape: str = DEFAULT_SHAPE) -> str:
+    """Decode tok/s per (concurrency x context), one column per KV mode; E4M3 columns carry
+    the ratio to FP16 in parentheses. The last line names the source files and commits."""
+    sel = _select(cells, shape)
+    lines = ["| concurrency x context | " + " | ".join(t for _, t, _ in KV_COLUMNS) + " |",
+             "| --- |" + " --- |" * len(KV_COLUMNS)]
+    for conc, ctx in _rows(sel):
+        fp16 = sel.get(("fp16", conc, ctx))
+        texts = [_cell_text(sel.get((kv, conc, ctx)), fp16, ratio=kv != "fp16")
+                 for kv, _, _ in KV_COLUMNS]
+        lines.append(f"| {_row_label(conc, ctx)} | " + " | ".join(texts) + " |")
+    cs = list(sel.values())
+    lines += ["", f"{shape} decode tok/s (E4M3/FP16 in parentheses), {_each(cs, '{gpu}')}, "
+              f"{_each(cs, '{date}')}; source: {_each(cs, '`{source}` (commit {commit})')}"]
+    return "\n".join(lines)
+
+
+def _title(sel: dict[tuple[str, int, int], dict], shape: str) -> str:
+    cs = list(sel.values())
+    commits = _each(cs, "{commit}")
+    return (f"kvcap decode throughput: {_each(cs, '{gpu}')}, {shape}, {_each(cs, '{date}')}, "
+            f"commit{'s' if ',' in commits else ''} {commits}")
+
+
+def plot(cells: list[dict], out_png: str | Path, shape: str = DEFAULT_SHAPE) -> Path:
+    """Grouped bars of decode tok/s per (concurrency x context), one bar per KV mode, each
+    labelled with its roofline fraction; log y where the values span more than 10x. Written
+    atomically (a temporary sibling, then a rename)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    sel = _select(cells, shape)
+    rows = _rows(sel)
+    fig = Figure(figsize=(max(6.0, 1.9 * len(rows) + 2), 4.8))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    width = 0.8 / len(KV_COLUMNS)
+    values = [c["decode_tok_s"] for c in sel.values() if _measured(c)]
+    log = bool(values) and min(values) > 0 and max(values) / min(values) > 10
+    for i, (kv, label, colour) in enumerate(KV_COLUMNS):
+        xs, hs, fracs = [], [], []
+        for j, (conc, ctx) in enumerate(rows):
+            x = j + (i - (len(KV_COLUMNS) - 1) / 2) * width
+            cell = sel.get((kv, conc, ctx))
+            if _measured(cell):
+                xs.append(x)
+                hs.append(cell["decode_tok_s"])
+                fracs.append(cell.get("roofline_fraction"))
+            else:  # an empty slot says why, from the bottom of the axes up
+                text = "not run" if cell is None else _skip_text(cell)
+                ax.text(x, 0.02, text, transform=ax.get_xaxis_transform(), rotation=90,
+                        ha="center", va="bottom", fontsize=6, color="0.35")
+        bars = ax.bar(xs, hs, width, label=label, color=colour)
+        ax.bar_label(bars, labels=["" if f is None else f"{f:.2f}" for f in fracs],
+                     fontsize=6, padding=1)
+    if log:
+        ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax.margins(y=0.12)
+    ax.set_xticks(range(len(rows)), [_row_label(*r) for r in rows])
+    ax.set_xlabel("concurrency x context")
+    ax.set_ylabel("decode tok/s" + (" (log)" if log else ""))
+    ax.set_title(_title(sel, shape), fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", title="KV cache (bar labels: roofline fraction)",
+              title_fontsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out, buf.getvalue())
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvcap.bench.throughput_report",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("files", nargs="+", metavar="FILE.json", help="kvcap.bench.throughput JSONs")
+    ap.add_argument("--png", default=None, metavar="OUT.png", help="also write the bar chart")
+    ap.add_argument("--shape", default=DEFAULT_SHAPE, help=f"default {DEFAULT_SHAPE}")
+    args = ap.parse_args(argv)
+    try:
+        cells = load_cells(args.files)
+        table = markdown_table(cells, args.shape)
+    except ReportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    replaced = sum(c["shape"] == args.shape for c in cells) - len(_select(cells, args.shape))
+    if replaced:
+        print(f"note: {replaced} cell(s) appear in more than one file; the later file's are used",
+              file=sys.stderr)
+    print(table)
+    if args.png:
+        try:
+            plot(cells, args.png, shape=args.shape)
+        except OSError as e:
+            print(f"error: cannot write {args.png}: {e.strerror or e}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
