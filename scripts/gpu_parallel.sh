@@ -62,6 +62,11 @@ job_throughput3() {  # the decode cells only (no 64 x 16K prefill), every KV mod
     --concurrency 16 --context 16384 --kv fp16 fp8 fp8-software --out-tokens 64 \
     --repeats 1 --out "$RES/throughput16k"
 }
+job_throughputhf() {  # issue 6's 10x check with the HF baseline in the same run
+  timeout ${THROUGHPUT_S:-300} python3 -m kvcap.bench.throughput --shapes llama-3.1-8b \
+    --concurrency 1 16 --context 1024 --kv fp16 --out-tokens 64 --repeats 1 --hf-baseline \
+    --out "$RES/throughput-hf"
+}
 job_tp() {  # issue 11 on the GPUs this job is given (CUDA_VISIBLE_DEVICES)
   OUT="$RES/tp" bash scripts/gpu_tp.sh --budget-s ${TP_BUDGET_S:-470}
 }
