@@ -54,11 +54,10 @@ class Engine:
         self._truncated: dict[str, str] = {}  # text cut at a stop string
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.timer = None  # kvcap.engine.timing.StepTimer while step timing is on
-        # Queue the next decode step before reading this one's tokens (see the module doc).
-        # Needs device tokens on this process (off under tensor parallelism) and nothing
-        # recording per forward (`ModelRunner.can_run_ahead`); on CPU the ops are synchronous,
-        # so it would only cost.
-        self.overlap = (runner.device.type == "cuda" and runner.supports_overlap
+        # Queue the next decode step before reading this one's tokens (see the module doc), when
+        # nothing records per forward (`ModelRunner.can_run_ahead`); under tensor parallelism
+        # rank 0 broadcasts the fed ids. On CPU the ops are synchronous, so it would only cost.
+        self.overlap = (runner.device.type == "cuda"
                         and os.environ.get("KVCAP_DISABLE_OVERLAP", "0") in ("", "0"))
         self._ahead: tuple[SchedulerOutput, PendingStep] | None = None
         self.num_steps_ahead = 0  # steps launched ahead of their input tokens

@@ -103,8 +103,6 @@ class ModelRunner:
         self.kv_observer: KVObserverFn | None = None
         self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs()
         self.timer = None  # kvcap.engine.timing.StepTimer while step timing is on (rank 0)
-        # Can a step be launched with input ids taken from device tokens (Engine.overlap)?
-        self.supports_overlap = True
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         from kvcap.engine.cuda_graph import DecodeGraphs
@@ -119,8 +117,8 @@ class ModelRunner:
         anything records per-forward data (a calibration KV observer, a QSA probe or record):
         a step run ahead for a request that then stops would add rows nobody asked for."""
         be = self.backend
-        return (self.supports_overlap and self.kv_observer is None
-                and getattr(be, "probe", None) is None and getattr(be, "record", None) is None)
+        return (self.kv_observer is None and getattr(be, "probe", None) is None
+                and getattr(be, "record", None) is None)
 
     def make_plan(self, chunks, extras: dict[str, RequestExtras]) -> StepPlan:
         """Flatten the scheduler's chunks into the step every tensor-parallel rank runs."""
@@ -258,7 +256,8 @@ class ModelRunner:
             self._reset_prompt_outputs(chunks[i], extras)
         logits = self.run_plan(
             plan, lambda i, lg: self._collect_prompt_outputs(chunks[i], extras, lg), fed)
-        reqs = [ch.request for ch in chunks if ch.samples]
+        sampling = [ch for ch in chunks if ch.samples]
+        reqs = [ch.request for ch in sampling]
         if logits is None:
             return PendingStep(reqs, None, None, None)
         if all(r.sampling_params.temperature == 0.0 for r in reqs):
@@ -268,8 +267,7 @@ class ModelRunner:
             [r.sampling_params for r in reqs],
             seeds=[extras[r.request_id].seed for r in reqs],
             # the step index: tokens sampled before this one (one more in flight when ahead)
-            steps=[len(r.output_token_ids) + ch.ahead for ch, r in
-                   zip((c for c in chunks if c.samples), reqs, strict=True)],
+            steps=[len(ch.request.output_token_ids) + ch.ahead for ch in sampling],
             device=self.device,
         )
         return PendingStep(reqs, logits, self.sampler.sample(logits, batch, resolve=False),
@@ -323,10 +321,7 @@ class ModelRunner:
                 ex.prompt_logprobs.append(d)
 
     def _collect_logprobs(self, reqs, extras, logits, tokens) -> None:
-        # (a request that stopped while a step ran ahead for it has left `extras`)
-        want = [(j, r) for j, r in enumerate(reqs)
-                if r.sampling_params.logprobs is not None and r.request_id in extras
-                and not r.is_finished]
+        want = [(j, r) for j, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
         if not want:
             return
         lsm = torch.log_softmax(logits, dim=-1)

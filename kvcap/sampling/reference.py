@@ -167,11 +167,8 @@ def reference_sample(
     keep = keep_mask(z, top_k, top_p, min_p, compact)
     if compact:
         rows, cols = keep.nonzero(as_tuple=True)
-        k0, k1 = row_keys(rng.to(z.device))
-        h = fmix32(fmix32(cols ^ k0[rows, 0]) ^ k1[rows, 0])
-        u = ((h >> 8).to(torch.float32) + 0.5) * (2.0**-24)
         score = torch.full_like(z, float("-inf"))
-        score[rows, cols] = z[rows, cols] - torch.log(-torch.log(u))
+        score[rows, cols] = z[rows, cols] + gumbel_noise(rng[rows], cols.unsqueeze(1))[:, 0]
     else:
         idx = torch.arange(z.shape[1], device=z.device)
         score = torch.where(keep, z + gumbel_noise(rng, idx), float("-inf"))

@@ -156,9 +156,9 @@ class Sampler:
             # large k, low min-p) need an exact pass over the whole row. In the kernel that is
             # one program per row: one pass for min-p, ~32 bisection passes for top-k, more
             # for top-p's float64 mass (H200, 16 x 248,320: 0.28 ms with min-p alone, 3.7 ms
-            # with top-p alone). The sort-based twin costs ~2.5 ms whatever the rows, so rows
-            # needing top-p's bisection come back -1 and the twin samples them (the same token
-            # from the same (seed, step)); the others stay in the kernel.
+            # with top-p alone; the full sort-based twin took 2.3-2.8 ms whatever the rows), so
+            # rows needing top-p's bisection come back -1 and the twin samples them (the same
+            # token from the same (seed, step)); the others stay in the kernel.
             tok = fused_sample(logits, batch.fparams, batch.iparams, batch.max_top_k,
                                fallback=not batch.any_top_p)
             if resolve:
