@@ -252,6 +252,50 @@ def suggest_one_launch_max_batch(launch: list[dict[str, object]]) -> int:
     return best
 
 
+def twin_cpu(out_dir: Path, repeats: int = 15) -> Path:
+    """The sort-based twin on CPU (1 thread), full vs compact (``reference_sample(compact=)``,
+    the CPU default), top-k 20 + top-p 0.95: equal tokens checked, median ms per call."""
+    import platform
+    import time
+
+    torch.set_num_threads(1)
+    rows = []
+    for b, v in ((1, 49_152), (8, 49_152), (1, 151_936)):
+        g = torch.Generator().manual_seed(b * v)
+        x = torch.randn(b, v, generator=g) * 2.0
+        x[:, :64] += torch.randn(b, 64, generator=g) * 4.0
+        args = (x, torch.ones(b), torch.full((b,), TOP_K, dtype=torch.int32),
+                torch.full((b,), TOP_P), torch.zeros(b),
+                torch.randint(-(2**31), 2**31, (b, 3), generator=g, dtype=torch.int32))
+        row: dict[str, object] = dict(batch=b, vocab=v)
+        toks = {}
+        for compact in (False, True):
+            toks[compact] = reference_sample(*args, compact=compact)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                reference_sample(*args, compact=compact)
+                times.append(time.perf_counter() - t0)
+            row["compact_ms" if compact else "full_ms"] = 1e3 * statistics.median(times)
+        row["tokens_equal"] = bool(torch.equal(toks[False], toks[True]))
+        rows.append(row)
+        print(f"B={b:2d} V={v:7d}: full {row['full_ms']:8.2f} ms, compact "
+              f"{row['compact_ms']:7.2f} ms, tokens equal {row['tokens_equal']}")
+    date = datetime.date.today().isoformat()
+    commit = os.environ.get("KVCAP_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
+                  threads=1, date=date, commit=commit or "unknown", torch=torch.__version__,
+                  timing=f"median of {repeats} calls (time.perf_counter)", rows=rows)
+    out = out_dir / f"sampler-twin-cpu-{date}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, out)
+    print(f"wrote {out}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="docs/benchmarks")
@@ -260,7 +304,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time one vs two launches per B and stage-1 variants",
     )
+    ap.add_argument("--twin-cpu", action="store_true",
+                    help="only the sort-based twin on CPU, full vs compact (no GPU needed)")
     args = ap.parse_args(argv)
+    if args.twin_cpu:
+        twin_cpu(Path(args.out))
+        return 0
     if not torch.cuda.is_available():
         raise SystemExit("error: the sampler benchmark needs a CUDA GPU")
     try:
