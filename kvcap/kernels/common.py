@@ -118,11 +118,38 @@ def load_raw(cache_ptr, row_off, mask, HEAD_DIM: tl.constexpr, SOFTWARE: tl.cons
     return x
 
 
+# Compiled kernels convert E4M3 with explicit PTX (below); the CPU interpreter cannot run
+# inline assembly, so there the conversion goes through Triton's float8 type instead.
+_CVT_ASM = tl.constexpr(not interpreting())
+_CVT_PTX = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                        "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
+
+
 @triton.jit
-def convert_tile(x, FP8: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """Raw [N, D] tile -> OUT_DTYPE; E4M3 bytes through the hardware conversion."""
+def _e4m3_to_f16(x, OPAQUE: tl.constexpr):
+    """uint8 tensor -> float16 through `cvt.rn.f16x2.e4m3x2`, four bytes per 32-bit register.
+
+    Triton moves a pure conversion past the shared-memory load that feeds tl.dot, so the
+    8-bit tile is read straight into the MMA operand layout. That is right for K (QK^T reads
+    K along the head dimension, contiguous bytes) but for V the reduction axis is the token,
+    and the 8-bit operand layout then costs one `ld.shared.b8` per byte. OPAQUE (marking the
+    assembly impure) keeps the conversion where it is written: V is read from shared memory
+    in 16-byte vectors, converted, and moved into the operand layout as FP16
+    (`ldmatrix.trans`)."""
+    return tl.inline_asm_elementwise(_CVT_PTX, "=r,=r,r", [x], dtype=tl.float16,
+                                     is_pure=not OPAQUE, pack=4)
+
+
+@triton.jit
+def convert_tile(x, FP8: tl.constexpr, OUT_DTYPE: tl.constexpr, OPAQUE: tl.constexpr = False):
+    """Raw [N, D] tile -> OUT_DTYPE; E4M3 bytes through the hardware conversion (exact: every
+    E4M3 value is an FP16 and a BF16 number). OPAQUE: see _e4m3_to_f16 (pass it for tiles
+    used as the PV operand)."""
     if FP8:
-        x = x.to(tl.float8e4nv, bitcast=True)
+        if _CVT_ASM:
+            x = _e4m3_to_f16(x, OPAQUE)
+        else:
+            x = x.to(tl.float8e4nv, bitcast=True)
     return x.to(OUT_DTYPE)
 
 

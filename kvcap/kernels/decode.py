@@ -138,7 +138,7 @@ def attend_tiles(q0, q1, q2, q3, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
             acc2 = acc2 * alpha[:, None] + mm(pd, v2, USE_DOT or BLOCK_H >= 16, IEEE)
             acc3 = acc3 * alpha[:, None] + mm(pd, v3, USE_DOT or BLOCK_H >= 16, IEEE)
         else:
-            v = convert_tile(vr, FP8, DOT_DTYPE)
+            v = convert_tile(vr, FP8, DOT_DTYPE, True)
             acc0 = acc0 * alpha[:, None] + mm(pd, v, USE_DOT, IEEE)
         m_i = m_new
         if PREFETCH:
