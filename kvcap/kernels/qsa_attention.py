@@ -117,7 +117,8 @@ def _sparse_kernel(
             acc2 = acc2 * alpha[:, None] + mm(pd, v2, True, IEEE)
             acc3 = acc3 * alpha[:, None] + mm(pd, v3, True, IEEE)
         else:
-            acc0 = acc0 * alpha[:, None] + mm(pd, convert_tile(vr, FP8, DOT_DTYPE, True), True, IEEE)
+            v = convert_tile(vr, FP8, DOT_DTYPE, True)
+            acc0 = acc0 * alpha[:, None] + mm(pd, v, True, IEEE)
         m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     if not SPLIT:
