@@ -15,6 +15,10 @@ job_sampler() {
   [ -n "${SAMPLER_SKIP_TESTS:-}" ] || timeout 120 python3 -m pytest -q -m gpu tests/test_sampler.py 2>&1 | tail -3
   timeout ${SAMPLER_S:-300} python3 -m kvcap.bench.sampler --out "$RES/sampler" --sweep
 }
+job_kerneltests() {  # compiled-kernel tests (issue 5's GPU acceptance)
+  timeout ${KTEST_S:-240} python3 -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_e4m3.py \
+    2>&1 | tail -15
+}
 job_sweep() {  # decode launch-configuration sweep (docs/kernels.md)
   timeout $((LIMIT - 30)) python3 -m kvcap.bench.kernels --sweep-only --out "$RES/kernels-sweep.json"
 }
