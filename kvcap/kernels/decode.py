@@ -245,10 +245,9 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, software: bool,
     From the H200 sweeps (docs/kernels.md): FP16 tiles go through Triton's software pipeliner
     (num_stages=2) and want ~4 programs per SM. E4M3 tiles are decoded in registers between
     the shared-memory load and the dot, are bound by that per-element work rather than by
-    bytes, and gain from ~8 programs per SM and from 128-token tiles at D <= 128 (native:
-    -3% at B=8 x 32K, -13% at B=64 x 16K; software: -3% at B=64); at D=256 the software
-    route gains ~7% from a third pipeline stage. The register prefetch of the next raw tile
-    paid only for the software decoder at D=64."""
+    bytes, and gain from ~8 programs per SM and from 128-token tiles at D <= 128; the
+    software route gains 3-7% from a third pipeline stage (sweep of 2026-11-30). The register
+    prefetch of the next raw tile paid only for the software decoder at D=64."""
     if device.type != "cuda":
         return 16, 1, 1, fp8, 4
     if not grouped:
@@ -256,9 +255,7 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, software: bool,
     if software and head_dim <= 64:
         return 32, 4, 1, True, 8
     if fp8:
-        if head_dim <= 128:
-            return 128, 4, 2, False, 8
-        return 64, 4, 3 if software else 2, False, 8
+        return (128 if head_dim <= 128 else 64), 4, 3 if software else 2, False, 8
     pps = 8 if head_dim >= 256 else 4
     if head_dim <= 64:
         return 128, 4, 2, False, pps
