@@ -415,6 +415,9 @@ def orchestrate(args) -> int:
 
 
 def git_commit() -> str:
+    """KVCAP_COMMIT when set (a copied working tree may carry a stale .git), else git's."""
+    if os.environ.get("KVCAP_COMMIT"):
+        return os.environ["KVCAP_COMMIT"]
     try:
         return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, timeout=5).stdout.strip()

@@ -2,6 +2,7 @@
 
     python -m kvcap.bench.kernels [--out docs/benchmarks/kernels-DATE.json] [--sweep]
         [--sweep-only] [--batches 1,4,8,16,64] [--contexts 1024,...] [--shapes a,b]
+    python -m kvcap.bench.kernels --markdown docs/benchmarks/kernels-DATE.json   # doc tables
 
 1. Checks on fresh random data: store_kv bytes == e4m3.encode; decode (every route) and mixed
    prefill+decode against the torch reference backend.
@@ -284,7 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also sweep decode launch configs")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--sweep-only", action="store_true", help="skip the decode matrix")
+    ap.add_argument("--markdown", metavar="JSON",
+                    help="print the per-shape tables of docs/kernels.md from a result file")
     args = ap.parse_args(argv)
+    if args.markdown:
+        with open(args.markdown) as fh:
+            print(markdown_tables(json.load(fh)))
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -351,6 +358,38 @@ def main(argv: list[str] | None = None) -> int:
     print_summary(rows)
     print(f"wrote {out}")
     return 0
+
+
+def _ctx(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def markdown_tables(result: dict) -> str:
+    """The per-shape decode tables of docs/kernels.md, from a benchmark JSON."""
+    out = []
+    shapes = dict.fromkeys(r["shape"] for r in result["cells"])
+    for shape in shapes:
+        out += [f"#### {shape}", "",
+                "| B | ctx | splits E4M3/FP16 | SDPA µs | FP16 paged µs (x SDPA) | "
+                "E4M3 native µs (x SDPA, % ceil) | E4M3 software µs (x SDPA, % ceil) |",
+                "|---|---|---|---|---|---|---|"]
+        for r in result["cells"]:
+            if r["shape"] != shape:
+                continue
+            head = f"| {r['batch']} | {_ctx(r['context'])} |"
+            if "skipped" in r:
+                out.append(f"{head} skipped: {r['skipped']} | | | | |")
+                continue
+            cols = [f"{r['splits']}/{r['splits_fp16']}", f"{r['sdpa_fp16']['ms'] * 1e3:.1f}",
+                    f"{r['paged_fp16']['ms'] * 1e3:.1f} "
+                    f"({r['paged_fp16']['speedup_vs_sdpa']:.2f})"]
+            for arm in ("e4m3_native", "e4m3_software"):
+                c = r[arm]
+                cols.append(f"{c['ms'] * 1e3:.1f} ({c['speedup_vs_sdpa']:.2f}, "
+                            f"{c['pct_ceiling']:.0f}%)")
+            out.append(f"{head} " + " | ".join(cols) + " |")
+        out.append("")
+    return "\n".join(out)
 
 
 def _fmt(row: dict) -> str:

@@ -296,6 +296,9 @@ def _print_table(report: dict) -> None:
 
 
 def _commit() -> str:
+    """KVCAP_COMMIT when set (a copied working tree may carry a stale .git), else git's."""
+    if os.environ.get("KVCAP_COMMIT"):
+        return os.environ["KVCAP_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, check=False).stdout.strip() or "unknown"
