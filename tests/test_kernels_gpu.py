@@ -88,29 +88,36 @@ def test_decode_routes_agree(hq, hkv, d):
             assert _err(outs[(g, s, "software")], outs[(g, s, "native")]) < 1e-3
 
 
-def test_native_conversion_exact_all_codes():
-    """convert_tile (the kernels' inline cvt.rn.f16x2.e4m3x2, both the pure and the opaque
-    form) maps all 256 E4M3 codes exactly as torch's float8_e4m3fn does (NaN codes: NaN)."""
+@pytest.mark.parametrize("software", [False, True])
+def test_conversion_exact_all_codes(software):
+    """convert_tile's inline PTX (native cvt.rn.f16x2.e4m3x2 and the packed software decoder,
+    each in the pure and the opaque form) maps all 256 E4M3 codes exactly as torch's
+    float8_e4m3fn does (software: times 2^-8). NaN codes: NaN natively; the software decoder
+    gives +-480 * 2^-8 (the encoder never writes them)."""
     import triton
     import triton.language as tl
 
     from kvcap.kernels.common import convert_tile
 
     @triton.jit
-    def _convert(src, dst16, dstbf, OPAQUE: tl.constexpr):
+    def _convert(src, dst16, dstbf, SOFTWARE: tl.constexpr, OPAQUE: tl.constexpr):
         i = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
         x = tl.load(src + i)
-        tl.store(dst16 + i, convert_tile(x, True, tl.float16, OPAQUE))
-        tl.store(dstbf + i, convert_tile(x, True, tl.bfloat16, OPAQUE))
+        tl.store(dst16 + i, convert_tile(x, True, SOFTWARE, tl.float16, OPAQUE))
+        tl.store(dstbf + i, convert_tile(x, True, SOFTWARE, tl.bfloat16, OPAQUE))
 
     codes = torch.arange(256, dtype=torch.int32, device="cuda").to(torch.uint8)
     want = codes.view(torch.float8_e4m3fn).float()
+    nan = want.isnan()
+    if software:
+        want = want / 256
+        want[nan] = torch.where(codes[nan] >= 128, -480.0, 480.0) / 256
+        nan = torch.zeros_like(nan)
     for opaque in (False, True):
         h = torch.empty(256, dtype=torch.float16, device="cuda")
         b = torch.empty(256, dtype=torch.bfloat16, device="cuda")
-        _convert[(1,)](codes, h, b, opaque)
+        _convert[(1,)](codes, h, b, software, opaque)
         for got in (h.float(), b.float()):
-            nan = want.isnan()
             assert torch.equal(got.isnan(), nan)
             assert torch.equal(got[~nan], want[~nan])
             assert torch.equal(torch.signbit(got[~nan]), torch.signbit(want[~nan]))

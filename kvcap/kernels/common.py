@@ -1,13 +1,14 @@
 """Shared pieces of the attention kernels: E4M3 tile decoders, paged addressing, routing
 switches and launch heuristics. Imports nothing else of kvcap (kernels take tensors and ints).
 
-E4M3 decode on read, two exact routes:
-  * native: uint8 -> bitcast float8e4nv -> .to(fp16/bf16), the hardware conversion (SM89+);
-  * software ("packed"): four bytes per 32-bit word; two integer ops per pair of bytes move
-    each byte's `eeeemmm` into FP16 exponent/mantissa positions (sign already in place), which
-    is the E4M3 value times 2^-8 exactly (subnormals included). The 2^8 is folded into the
-    hoisted scales, so the decoder costs no float multiply at all. A word yields bytes 0..3 as
-    four column groups (column 4c + j), so the kernels split the head dimension the same way.
+E4M3 decode on read, two exact routes, both on the raw [N, D] byte tile:
+  * native: `cvt.rn.f16x2.e4m3x2`, the hardware conversion (SM89+), two bytes per instruction;
+  * software ("packed"): four bytes per 32-bit register; two AND/shift/OR steps per *pair* of
+    bytes move each byte's `eeeemmm` into FP16 exponent/mantissa positions (the sign bit goes
+    to FP16's sign), which is the E4M3 value times 2^-8 exactly (subnormals included), and two
+    byte permutes put the halves back in element order. The 2^8 is folded into the hoisted
+    scales, so the decoder costs no float multiply at all.
+Both are inline PTX in compiled kernels; the CPU interpreter runs Triton-op twins of them.
 """
 
 from __future__ import annotations
@@ -25,9 +26,6 @@ ENV_DISABLE_SPLIT_K = "KVCAP_DISABLE_SPLIT_K"
 
 SOFTWARE_FP8_FACTOR = 256.0  # the packed decoder yields value * 2^-8
 LOG2E = 1.4426950408889634
-
-_SIGN_PAIR = tl.constexpr(-2147450880)  # 0x80008000 as a signed int32
-_MAG_PAIR = tl.constexpr(0x3F803F80)  # 0x7F007F00 >> 1
 
 
 def _flag(name: str) -> bool:
@@ -105,29 +103,29 @@ def paged_row_offsets(bt_ptr, bt_stride, seq, pos, mask, BLOCK_SIZE: tl.constexp
 
 
 @triton.jit
-def load_raw(cache_ptr, row_off, mask, HEAD_DIM: tl.constexpr, SOFTWARE: tl.constexpr):
-    """Raw cache tile, masked rows = 0: [N, HEAD_DIM] elements, or for the software E4M3
-    route [N, HEAD_DIM // 4] int32 words (four bytes each)."""
-    if SOFTWARE:
-        c = tl.arange(0, HEAD_DIM // 4)
-        wptr = cache_ptr.to(tl.pointer_type(tl.int32))
-        x = tl.load(wptr + (row_off // 4)[:, None] + c[None, :], mask=mask[:, None], other=0)
-    else:
-        d = tl.arange(0, HEAD_DIM)
-        x = tl.load(cache_ptr + row_off[:, None] + d[None, :], mask=mask[:, None], other=0)
-    return x
+def load_raw(cache_ptr, row_off, mask, HEAD_DIM: tl.constexpr):
+    """Raw cache tile [N, HEAD_DIM] (E4M3: bytes), masked rows = 0."""
+    d = tl.arange(0, HEAD_DIM)
+    return tl.load(cache_ptr + row_off[:, None] + d[None, :], mask=mask[:, None], other=0)
 
 
-# Compiled kernels convert E4M3 with explicit PTX (below); the CPU interpreter cannot run
-# inline assembly, so there the conversion goes through Triton's float8 type instead.
+# Compiled kernels convert E4M3 with inline PTX (below); the CPU interpreter cannot run it, so
+# there the same conversions are written with Triton ops.
 _CVT_ASM = tl.constexpr(not interpreting())
-_CVT_PTX = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-                        "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
+# native: bytes 0,1 -> $0 (f16x2), bytes 2,3 -> $1
+_NATIVE_PTX = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                           "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
+# software (packed): e = bytes 0 and 2 as FP16 halves, o = bytes 1 and 3; then element order
+_SOFTWARE_PTX = tl.constexpr(
+    "{ .reg .b32 e, o, t; "
+    "shl.b32 e, $2, 8; and.b32 e, e, 0x80008000; shl.b32 t, $2, 7; and.b32 t, t, 0x3F803F80; "
+    "or.b32 e, e, t; and.b32 o, $2, 0x80008000; shr.b32 t, $2, 1; and.b32 t, t, 0x3F803F80; "
+    "or.b32 o, o, t; prmt.b32 $0, e, o, 0x5410; prmt.b32 $1, e, o, 0x7632; }")
 
 
 @triton.jit
-def _e4m3_to_f16(x, OPAQUE: tl.constexpr):
-    """uint8 tensor -> float16 through `cvt.rn.f16x2.e4m3x2`, four bytes per 32-bit register.
+def _e4m3_ptx(x, SOFTWARE: tl.constexpr, OPAQUE: tl.constexpr):
+    """uint8 tensor -> float16, four bytes per 32-bit register, through inline PTX.
 
     Triton moves a pure conversion past the shared-memory load that feeds tl.dot, so the
     8-bit tile is read straight into the MMA operand layout. That is right for K (QK^T reads
@@ -135,41 +133,38 @@ def _e4m3_to_f16(x, OPAQUE: tl.constexpr):
     and the 8-bit operand layout then costs one `ld.shared.b8` per byte. OPAQUE (marking the
     assembly impure) keeps the conversion where it is written: V is read from shared memory
     in 16-byte vectors, converted, and moved into the operand layout as FP16
-    (`ldmatrix.trans`)."""
-    return tl.inline_asm_elementwise(_CVT_PTX, "=r,=r,r", [x], dtype=tl.float16,
-                                     is_pure=not OPAQUE, pack=4)
+    (`ldmatrix.trans`). See docs/kernels.md, "Third change"."""
+    if SOFTWARE:
+        r = tl.inline_asm_elementwise(_SOFTWARE_PTX, "=r,=r,r", [x], dtype=tl.float16,
+                                      is_pure=not OPAQUE, pack=4)
+    else:
+        r = tl.inline_asm_elementwise(_NATIVE_PTX, "=r,=r,r", [x], dtype=tl.float16,
+                                      is_pure=not OPAQUE, pack=4)
+    return r
 
 
 @triton.jit
-def convert_tile(x, FP8: tl.constexpr, OUT_DTYPE: tl.constexpr, OPAQUE: tl.constexpr = False):
-    """Raw [N, D] tile -> OUT_DTYPE; E4M3 bytes through the hardware conversion (exact: every
-    E4M3 value is an FP16 and a BF16 number). OPAQUE: see _e4m3_to_f16 (pass it for tiles
-    used as the PV operand)."""
+def _e4m3_software_ops(x):
+    """The packed decoder's result (value * 2^-8 as FP16 bits) with Triton ops, per byte."""
+    w = x.to(tl.int32)
+    h = ((w & 0x80) << 8) | ((w & 0x7F) << 7)
+    return h.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def convert_tile(x, FP8: tl.constexpr, SOFTWARE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                 OPAQUE: tl.constexpr = False):
+    """Raw [N, D] tile -> OUT_DTYPE. E4M3 bytes: native -> the value, software -> the value
+    times 2^-8 (both exact: every such number is an FP16 and a BF16 number). OPAQUE: see
+    _e4m3_ptx (pass it for tiles used as the PV operand)."""
     if FP8:
         if _CVT_ASM:
-            x = _e4m3_to_f16(x, OPAQUE)
+            x = _e4m3_ptx(x, SOFTWARE, OPAQUE)
+        elif SOFTWARE:
+            x = _e4m3_software_ops(x)
         else:
             x = x.to(tl.float8e4nv, bitcast=True)
     return x.to(OUT_DTYPE)
-
-
-@triton.jit
-def _half_to(h, OUT_DTYPE: tl.constexpr):
-    x = h.to(tl.int16).to(tl.float16, bitcast=True)
-    return x.to(OUT_DTYPE)
-
-
-@triton.jit
-def decode_words(w, OUT_DTYPE: tl.constexpr):
-    """Packed software E4M3 decode of int32 words [N, C] (four bytes each) into four column
-    groups (t0, t1, t2, t3), tj[:, c] = value(byte j of word c) * 2^-8."""
-    odd = (w & _SIGN_PAIR) | ((w >> 1) & _MAG_PAIR)  # bytes 1 (low half) and 3 (high half)
-    even = ((w << 8) & _SIGN_PAIR) | ((w << 7) & _MAG_PAIR)  # bytes 0 and 2
-    t0 = _half_to(even, OUT_DTYPE)
-    t1 = _half_to(odd, OUT_DTYPE)
-    t2 = _half_to(even >> 16, OUT_DTYPE)
-    t3 = _half_to(odd >> 16, OUT_DTYPE)
-    return t0, t1, t2, t3
 
 
 @triton.jit

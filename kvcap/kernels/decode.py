@@ -3,7 +3,8 @@
 One program per (sequence, head program, split). A head program is either one KV head with
 all GROUP query heads that share it (grouped route: each KV tile is loaded once and hits the
 tensor cores through tl.dot, M = the padded group) or one query head (plain route: broadcast
-multiply-sum, the rollback). Scores and outputs accumulate in FP32. Scales are hoisted:
+multiply-sum, the rollback). Both E4M3 decoders work on the same raw byte tile, so the loop is
+the same for every cache dtype. Scores and outputs accumulate in FP32. Scales are hoisted:
 k_scale (and the software decoder's 2^8) fold into the softmax scale, v_scale multiplies the
 normalised output once, after the split merge. Rows of sequences whose query length is not 1
 are skipped (the prefill kernel serves them), so mixed batches need no host-side split.
@@ -20,7 +21,6 @@ from kvcap.kernels.common import (
     SOFTWARE_FP8_FACTOR,
     check_cache,
     convert_tile,
-    decode_words,
     dot_dtype,
     grouped_enabled,
     load_raw,
@@ -34,69 +34,42 @@ from kvcap.kernels.common import (
 
 
 @triton.jit
-def _load_q(q_ptr, row_base, heads, hmask, HEAD_DIM: tl.constexpr, SOFTWARE: tl.constexpr,
-            DOT_DTYPE: tl.constexpr, stride_qh):
-    """Query rows [BLOCK_H, HEAD_DIM], or four column groups [BLOCK_H, HEAD_DIM // 4]."""
+def _load_q(q_ptr, row_base, heads, hmask, HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr,
+            stride_qh):
+    """Query rows [BLOCK_H, HEAD_DIM]."""
     base = q_ptr + row_base + heads[:, None].to(tl.int64) * stride_qh
-    if SOFTWARE:
-        c4 = tl.arange(0, HEAD_DIM // 4)[None, :] * 4
-        q0 = tl.load(base + c4, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
-        q1 = tl.load(base + c4 + 1, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
-        q2 = tl.load(base + c4 + 2, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
-        q3 = tl.load(base + c4 + 3, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
-    else:
-        d = tl.arange(0, HEAD_DIM)[None, :]
-        q0 = tl.load(base + d, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
-        q1 = q0
-        q2 = q0
-        q3 = q0
-    return q0, q1, q2, q3
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    return tl.load(base + d, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
 
 
 @triton.jit
-def _store_rows(base, hmask, o0, o1, o2, o3, HEAD_DIM: tl.constexpr, SOFTWARE: tl.constexpr):
-    """Store [BLOCK_H, HEAD_DIM] (or its four column groups) at base [BLOCK_H, 1] pointers."""
-    if SOFTWARE:
-        c4 = tl.arange(0, HEAD_DIM // 4)[None, :] * 4
-        tl.store(base + c4, o0.to(base.dtype.element_ty), mask=hmask[:, None])
-        tl.store(base + c4 + 1, o1.to(base.dtype.element_ty), mask=hmask[:, None])
-        tl.store(base + c4 + 2, o2.to(base.dtype.element_ty), mask=hmask[:, None])
-        tl.store(base + c4 + 3, o3.to(base.dtype.element_ty), mask=hmask[:, None])
-    else:
-        d = tl.arange(0, HEAD_DIM)[None, :]
-        tl.store(base + d, o0.to(base.dtype.element_ty), mask=hmask[:, None])
+def store_rows(base, hmask, o, HEAD_DIM: tl.constexpr):
+    """Store [BLOCK_H, HEAD_DIM] at base [BLOCK_H, 1] pointers."""
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(base + d, o.to(base.dtype.element_ty), mask=hmask[:, None])
 
 
 @triton.jit
-def attend_tiles(q0, q1, q2, q3, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
+def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
                  qk_scale, head_off, stride_cb, stride_ct, qpos,
                  BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, FP8: tl.constexpr, SOFTWARE: tl.constexpr,
                  USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
                  CAUSAL: tl.constexpr, PREFETCH: tl.constexpr):
     """Online-softmax attention of BLOCK_H query rows over cached tokens [lo, hi) of one KV
-    head. Returns (m, l, acc0..acc3): base-2 running max, sum, unnormalised FP32 outputs
-    (acc1..3 are only used by the software route's column groups). With CAUSAL, row r sees
-    positions <= qpos[r]. With PREFETCH the raw K/V bytes of the next tile are loaded into
-    registers before the current tile is decoded and used, keeping loads in flight."""
+    head. Returns (m, l, acc): base-2 running max, sum, unnormalised FP32 output. With
+    CAUSAL, row r sees positions <= qpos[r]. With PREFETCH the raw K/V bytes of the next tile
+    are loaded into registers before the current tile is decoded and used, keeping loads in
+    flight."""
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    if SOFTWARE:
-        acc0 = tl.zeros([BLOCK_H, HEAD_DIM // 4], tl.float32)
-        acc1 = tl.zeros([BLOCK_H, HEAD_DIM // 4], tl.float32)
-        acc2 = tl.zeros([BLOCK_H, HEAD_DIM // 4], tl.float32)
-        acc3 = tl.zeros([BLOCK_H, HEAD_DIM // 4], tl.float32)
-    else:
-        acc0 = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-        acc1 = acc0
-        acc2 = acc0
-        acc3 = acc0
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     if PREFETCH:
         pos0 = lo + tl.arange(0, BLOCK_N)
         row0 = paged_row_offsets(bt_ptr, bt_stride, seq, pos0, pos0 < hi, BLOCK_SIZE,
                                  stride_cb, stride_ct, head_off)
-        kr = load_raw(kc_ptr, row0, pos0 < hi, HEAD_DIM, SOFTWARE)
-        vr = load_raw(vc_ptr, row0, pos0 < hi, HEAD_DIM, SOFTWARE)
+        kr = load_raw(kc_ptr, row0, pos0 < hi, HEAD_DIM)
+        vr = load_raw(vc_ptr, row0, pos0 < hi, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pmask = pos < hi
@@ -105,21 +78,15 @@ def attend_tiles(q0, q1, q2, q3, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
             nmask = npos < hi
             nrow = paged_row_offsets(bt_ptr, bt_stride, seq, npos, nmask, BLOCK_SIZE,
                                      stride_cb, stride_ct, head_off)
-            kn = load_raw(kc_ptr, nrow, nmask, HEAD_DIM, SOFTWARE)
-            vn = load_raw(vc_ptr, nrow, nmask, HEAD_DIM, SOFTWARE)
+            kn = load_raw(kc_ptr, nrow, nmask, HEAD_DIM)
+            vn = load_raw(vc_ptr, nrow, nmask, HEAD_DIM)
         else:
             row = paged_row_offsets(bt_ptr, bt_stride, seq, pos, pmask, BLOCK_SIZE, stride_cb,
                                     stride_ct, head_off)
-            kr = load_raw(kc_ptr, row, pmask, HEAD_DIM, SOFTWARE)
-            vr = load_raw(vc_ptr, row, pmask, HEAD_DIM, SOFTWARE)
-        if SOFTWARE:
-            k0, k1, k2, k3 = decode_words(kr, DOT_DTYPE)
-            s = mm(q0, tl.trans(k0), USE_DOT, IEEE) + mm(q1, tl.trans(k1), USE_DOT, IEEE)
-            s += mm(q2, tl.trans(k2), USE_DOT, IEEE) + mm(q3, tl.trans(k3), USE_DOT, IEEE)
-        else:
-            k = convert_tile(kr, FP8, DOT_DTYPE)
-            s = mm(q0, tl.trans(k), USE_DOT, IEEE)
-        s = s * qk_scale
+            kr = load_raw(kc_ptr, row, pmask, HEAD_DIM)
+            vr = load_raw(vc_ptr, row, pmask, HEAD_DIM)
+        k = convert_tile(kr, FP8, SOFTWARE, DOT_DTYPE)
+        s = mm(q, tl.trans(k), USE_DOT, IEEE) * qk_scale
         if CAUSAL:
             valid = pmask[None, :] & (pos[None, :] <= qpos[:, None])
         else:
@@ -130,21 +97,13 @@ def attend_tiles(q0, q1, q2, q3, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        pd = p.to(DOT_DTYPE)
-        if SOFTWARE:
-            v0, v1, v2, v3 = decode_words(vr, DOT_DTYPE)
-            acc0 = acc0 * alpha[:, None] + mm(pd, v0, USE_DOT or BLOCK_H >= 16, IEEE)
-            acc1 = acc1 * alpha[:, None] + mm(pd, v1, USE_DOT or BLOCK_H >= 16, IEEE)
-            acc2 = acc2 * alpha[:, None] + mm(pd, v2, USE_DOT or BLOCK_H >= 16, IEEE)
-            acc3 = acc3 * alpha[:, None] + mm(pd, v3, USE_DOT or BLOCK_H >= 16, IEEE)
-        else:
-            v = convert_tile(vr, FP8, DOT_DTYPE, True)
-            acc0 = acc0 * alpha[:, None] + mm(pd, v, USE_DOT, IEEE)
+        v = convert_tile(vr, FP8, SOFTWARE, DOT_DTYPE, True)
+        acc = acc * alpha[:, None] + mm(p.to(DOT_DTYPE), v, USE_DOT, IEEE)
         m_i = m_new
         if PREFETCH:
             kr = kn
             vr = vn
-    return m_i, l_i, acc0, acc1, acc2, acc3
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -184,10 +143,10 @@ def _decode_kernel(
     if SOFTWARE:
         qk_scale = qk_scale * 256.0
         out_scale = out_scale * 256.0
-    q0, q1, q2, q3 = _load_q(q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, HEAD_DIM,
-                             SOFTWARE, DOT_DTYPE, stride_qh)
-    m_i, l_i, a0, a1, a2, a3 = attend_tiles(
-        q0, q1, q2, q3, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi, qk_scale,
+    q = _load_q(q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, HEAD_DIM, DOT_DTYPE,
+                stride_qh)
+    m_i, l_i, acc = attend_tiles(
+        q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi, qk_scale,
         kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, h,
         BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, USE_DOT, DOT_DTYPE, IEEE,
         False, PREFETCH)
@@ -195,13 +154,12 @@ def _decode_kernel(
     if not SPLIT:
         inv = (out_scale / l_safe)[:, None]
         base = out_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None].to(tl.int64) * stride_oh
-        _store_rows(base, hmask, a0 * inv, a1 * inv, a2 * inv, a3 * inv, HEAD_DIM, SOFTWARE)
+        store_rows(base, hmask, acc * inv, HEAD_DIM)
     else:
         inv = (1.0 / l_safe)[:, None]
         pbase = (seq.to(tl.int64) * stride_pb + heads.to(tl.int64) * stride_ph
                  + split * stride_ps)
-        _store_rows(po_ptr + pbase[:, None] * HEAD_DIM, hmask, a0 * inv, a1 * inv, a2 * inv,
-                    a3 * inv, HEAD_DIM, SOFTWARE)
+        store_rows(po_ptr + pbase[:, None] * HEAD_DIM, hmask, acc * inv, HEAD_DIM)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(plse_ptr + pbase, lse, mask=hmask)
 
@@ -243,19 +201,17 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, software: bool,
     """(BLOCK_N, num_warps, num_stages, prefetch, programs per SM) for the decode kernel.
 
     From the H200 sweeps (docs/kernels.md): FP16 tiles go through Triton's software pipeliner
-    (num_stages=2) and want ~4 programs per SM. E4M3 tiles are decoded in registers between
+    (num_stages=2) and want ~4 programs per SM. E4M3 tiles are converted in registers between
     the shared-memory load and the dot, are bound by that per-element work rather than by
-    bytes, and gain from ~8 programs per SM and from 128-token tiles at D <= 128; the
-    software route gains 3-7% from a third pipeline stage (sweep of 2026-11-30). The register
-    prefetch of the next raw tile paid only for the software decoder at D=64."""
+    bytes, and gain from ~8 programs per SM and from 128-token tiles at D <= 128. Both E4M3
+    decoders share the tile loop, so they share the configuration (`software` is kept for
+    sweeps that want to tell them apart)."""
     if device.type != "cuda":
         return 16, 1, 1, fp8, 4
     if not grouped:
         return (64, 4, 2, False, 4) if head_dim <= 64 else (32, 4, 2, False, 4)
-    if software and head_dim <= 64:
-        return 32, 4, 1, True, 8
     if fp8:
-        return (128 if head_dim <= 128 else 64), 4, 3 if software else 2, False, 8
+        return (128 if head_dim <= 128 else 64), 4, 2, False, 8
     pps = 8 if head_dim >= 256 else 4
     if head_dim <= 64:
         return 128, 4, 2, False, pps
@@ -319,7 +275,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         *ps, num_splits,
         GROUP=group, HEADS=heads, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2],
         BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8, SOFTWARE=software,
-        USE_DOT=grouped and (not software or d >= 64), PREFETCH=pf,
+        USE_DOT=grouped, PREFETCH=pf,
         DOT_DTYPE=dt, IEEE=ieee,
         num_warps=nw, num_stages=ns,
     )

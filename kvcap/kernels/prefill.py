@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kvcap.kernels.common import LOG2E, check_cache, dot_dtype, use_software_fp8
-from kvcap.kernels.decode import _store_rows, attend_tiles
+from kvcap.kernels.decode import attend_tiles, store_rows
 
 
 @triton.jit
@@ -56,27 +56,17 @@ def _prefill_kernel(
         out_scale = out_scale * 256.0
     qbase = q_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_qt + \
         head.to(tl.int64)[:, None] * stride_qh
-    if SOFTWARE:
-        c4 = tl.arange(0, HEAD_DIM // 4)[None, :] * 4
-        q0 = tl.load(qbase + c4, mask=rmask[:, None], other=0.0).to(DOT_DTYPE)
-        q1 = tl.load(qbase + c4 + 1, mask=rmask[:, None], other=0.0).to(DOT_DTYPE)
-        q2 = tl.load(qbase + c4 + 2, mask=rmask[:, None], other=0.0).to(DOT_DTYPE)
-        q3 = tl.load(qbase + c4 + 3, mask=rmask[:, None], other=0.0).to(DOT_DTYPE)
-    else:
-        d = tl.arange(0, HEAD_DIM)[None, :]
-        q0 = tl.load(qbase + d, mask=rmask[:, None], other=0.0).to(DOT_DTYPE)
-        q1 = q0
-        q2 = q0
-        q3 = q0
-    m_i, l_i, a0, a1, a2, a3 = attend_tiles(
-        q0, q1, q2, q3, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, 0, kv_end, qk_scale,
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    q = tl.load(qbase + d, mask=rmask[:, None], other=0.0).to(DOT_DTYPE)
+    m_i, l_i, acc = attend_tiles(
+        q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, 0, kv_end, qk_scale,
         kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, qpos,
         BLOCK_Q * BLOCK_G, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, USE_DOT, DOT_DTYPE,
         IEEE, True, PREFETCH)
     inv = (out_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     obase = out_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_ot + \
         head.to(tl.int64)[:, None] * stride_oh
-    _store_rows(obase, rmask, a0 * inv, a1 * inv, a2 * inv, a3 * inv, HEAD_DIM, SOFTWARE)
+    store_rows(obase, rmask, acc * inv, HEAD_DIM)
 
 
 def prefill_config(head_dim: int, group: int, device: torch.device) -> tuple[int, int, int, int]:
@@ -127,7 +117,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=d,
         BLOCK_SIZE=k_cache.shape[2], BLOCK_N=bn, FP8=fp8, SOFTWARE=software,
         DOT_DTYPE=dt, IEEE=ieee, SKIP_DECODE=skip_decode,
-        USE_DOT=not software or d >= 64, PREFETCH=False,
+        USE_DOT=True, PREFETCH=False,
         num_warps=nw, num_stages=ns,
     )
     return out

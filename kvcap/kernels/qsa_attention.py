@@ -24,7 +24,6 @@ from kvcap.kernels.common import (
     SOFTWARE_FP8_FACTOR,
     check_cache,
     convert_tile,
-    decode_words,
     dot_dtype,
     load_raw,
     merge_splits,
@@ -33,7 +32,7 @@ from kvcap.kernels.common import (
     sm_count,
     use_software_fp8,
 )
-from kvcap.kernels.decode import _load_q, _store_rows, choose_num_splits
+from kvcap.kernels.decode import _load_q, choose_num_splits, store_rows
 
 
 @triton.jit
@@ -72,22 +71,13 @@ def _sparse_kernel(
     if SOFTWARE:
         qk_scale = qk_scale * 256.0
         out_scale = out_scale * 256.0
-    q0, q1, q2, q3 = _load_q(q_ptr, t.to(tl.int64) * stride_qt, heads, hmask, HEAD_DIM,
-                             SOFTWARE, DOT_DTYPE, stride_qh)
+    q = _load_q(q_ptr, t.to(tl.int64) * stride_qt, heads, hmask, HEAD_DIM, DOT_DTYPE,
+                stride_qh)
     head_off = kvh.to(tl.int64) * stride_ch
     tok_base = tok_ptr + t.to(tl.int64) * stride_tt + hs * stride_ts
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    if SOFTWARE:
-        acc0 = tl.zeros([BLOCK_H, HEAD_DIM // 4], tl.float32)
-        acc1 = tl.zeros([BLOCK_H, HEAD_DIM // 4], tl.float32)
-        acc2 = tl.zeros([BLOCK_H, HEAD_DIM // 4], tl.float32)
-        acc3 = tl.zeros([BLOCK_H, HEAD_DIM // 4], tl.float32)
-    else:
-        acc0 = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-        acc1 = acc0
-        acc2 = acc0
-        acc3 = acc0
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         i = start + tl.arange(0, BLOCK_N)
         m = i < hi
@@ -95,42 +85,27 @@ def _sparse_kernel(
         m = m & (tok >= 0)
         row = paged_row_offsets(bt_ptr, bt_stride, seq, tok, m, BLOCK_SIZE, stride_cb,
                                 stride_ct, head_off)
-        kr = load_raw(kc_ptr, row, m, HEAD_DIM, SOFTWARE)
-        vr = load_raw(vc_ptr, row, m, HEAD_DIM, SOFTWARE)
-        if SOFTWARE:
-            k0, k1, k2, k3 = decode_words(kr, DOT_DTYPE)
-            s = mm(q0, tl.trans(k0), USE_DOT, IEEE) + mm(q1, tl.trans(k1), USE_DOT, IEEE)
-            s += mm(q2, tl.trans(k2), USE_DOT, IEEE) + mm(q3, tl.trans(k3), USE_DOT, IEEE)
-        else:
-            s = mm(q0, tl.trans(convert_tile(kr, FP8, DOT_DTYPE)), USE_DOT, IEEE)
+        kr = load_raw(kc_ptr, row, m, HEAD_DIM)
+        vr = load_raw(vc_ptr, row, m, HEAD_DIM)
+        s = mm(q, tl.trans(convert_tile(kr, FP8, SOFTWARE, DOT_DTYPE)), USE_DOT, IEEE)
         s = tl.where(m[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        pd = p.to(DOT_DTYPE)
-        if SOFTWARE:
-            v0, v1, v2, v3 = decode_words(vr, DOT_DTYPE)
-            acc0 = acc0 * alpha[:, None] + mm(pd, v0, True, IEEE)
-            acc1 = acc1 * alpha[:, None] + mm(pd, v1, True, IEEE)
-            acc2 = acc2 * alpha[:, None] + mm(pd, v2, True, IEEE)
-            acc3 = acc3 * alpha[:, None] + mm(pd, v3, True, IEEE)
-        else:
-            v = convert_tile(vr, FP8, DOT_DTYPE, True)
-            acc0 = acc0 * alpha[:, None] + mm(pd, v, True, IEEE)
+        v = convert_tile(vr, FP8, SOFTWARE, DOT_DTYPE, True)
+        acc = acc * alpha[:, None] + mm(p.to(DOT_DTYPE), v, True, IEEE)
         m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     if not SPLIT:
         inv = (out_scale / l_safe)[:, None]
         base = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None].to(tl.int64) * stride_oh
-        _store_rows(base, hmask, acc0 * inv, acc1 * inv, acc2 * inv, acc3 * inv, HEAD_DIM,
-                    SOFTWARE)
+        store_rows(base, hmask, acc * inv, HEAD_DIM)
     else:
         inv = (1.0 / l_safe)[:, None]
         pbase = t.to(tl.int64) * stride_pt + heads.to(tl.int64) * stride_ph + split * stride_ps
-        _store_rows(po_ptr + pbase[:, None] * HEAD_DIM, hmask, acc0 * inv, acc1 * inv,
-                    acc2 * inv, acc3 * inv, HEAD_DIM, SOFTWARE)
+        store_rows(po_ptr + pbase[:, None] * HEAD_DIM, hmask, acc * inv, HEAD_DIM)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(plse_ptr + pbase, lse, mask=hmask)
 
@@ -205,7 +180,7 @@ def qsa_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         tokens.stride(0), tokens.stride(1), *ps, num_splits,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_SIZE=k_cache.shape[2], BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8,
-        SOFTWARE=software, USE_DOT=not software or d >= 64, DOT_DTYPE=dt, IEEE=ieee,
+        SOFTWARE=software, USE_DOT=True, DOT_DTYPE=dt, IEEE=ieee,
         SHARED_SEL=hs == 1, num_warps=nw, num_stages=ns,
     )
     if num_splits > 1:
