@@ -26,6 +26,7 @@ import math
 import os
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -33,6 +34,7 @@ import triton.language as tl
 
 from kvcap.kernels.common import sm_count
 from kvcap.kernels.decode import choose_num_splits, decode_config, paged_decode
+from kvcap.scales.fsutil import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -315,8 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         result = {"info": info, "ceilings": ceil, "checks": checks, "sweep": sweep,
                   "cells": rows}
-        with open(out, "w") as fh:
-            json.dump(result, fh, indent=1)
+        atomic_write_text(Path(out), json.dumps(result, indent=1))
 
     if args.sweep or args.sweep_only:
         run_sweep(l2, sweep, save)

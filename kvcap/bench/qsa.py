@@ -26,8 +26,11 @@ import logging
 import math
 import os
 import sys
+from pathlib import Path
 
 import torch
+
+from kvcap.scales.fsutil import atomic_write_text
 
 BLOCK_SIZE = 16
 HQ, HKV, D, HI, DI = 24, 4, 256, 4, 128
@@ -199,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict = {"info": info, "checks": [], "cells": [], "quality": None, "e2e": None}
 
     def save() -> None:
-        with open(out, "w") as fh:
-            json.dump(doc, fh, indent=1)
+        atomic_write_text(Path(out), json.dumps(doc, indent=1))
 
     if not args.skip_checks:
         doc["checks"] = run_checks()

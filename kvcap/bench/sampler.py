@@ -36,6 +36,7 @@ from kvcap.kernels.sampling_topk_topp import (
     pack_params,
 )
 from kvcap.sampling.reference import keep_mask, reference_sample, scaled_logits
+from kvcap.scales.fsutil import atomic_write_text
 
 BATCHES = (1, 8, 16, 64)
 VOCABS = (49_152, 151_936, 248_320)  # SmolLM2 / Qwen2.5 / Qwen3.5-class vocabularies
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         result["suggested_one_launch_max_batch"] = suggest_one_launch_max_batch(launch_rows)
     out = Path(args.out) / f"sampler-{date}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    atomic_write_text(out, json.dumps(result, indent=2) + "\n")
     print(f"\n{result['gpu']}  commit {result['commit'][:10]}  -> {out}")
     print(" B       V    k     p min_p | tok mask   fb 1v2 | sort_ms engine_ms |"
           " eager one   two | graphs sort   one   two | path x sort x sort(graphs)")  # fmt: skip

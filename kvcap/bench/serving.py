@@ -33,6 +33,8 @@ from urllib.parse import urlparse
 import httpx
 from tqdm.auto import tqdm
 
+from kvcap.scales.fsutil import atomic_write_text
+
 logger = logging.getLogger("kvcap.bench.serving")
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
@@ -277,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     text = json.dumps(report, indent=2)
     if args.output:
-        args.output.write_text(text + "\n")
+        atomic_write_text(args.output, text + "\n")
         logger.info("wrote %s", args.output)
     sys.stdout.write(text + "\n")
     r = report["requests"]

@@ -29,6 +29,7 @@ import torch
 
 from kvcap.bench.throughput import weight_bytes
 from kvcap.engine.timing import PHASES, StepTimer
+from kvcap.scales.fsutil import atomic_write_text
 
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -203,7 +204,7 @@ def main(argv=None) -> int:
             doc["results"].append(row)
             print(format_row(row), flush=True)
             if args.out:  # after every cell: a cut-short run keeps what it measured
-                Path(args.out).write_text(json.dumps(doc, indent=1))
+                atomic_write_text(Path(args.out), json.dumps(doc, indent=1))
     if args.out:
         print(f"wrote {args.out}")
     return 0

@@ -1,0 +1,38 @@
+"""kvcap.bench.kernels --markdown: the docs' per-shape tables come from a result file."""
+
+from __future__ import annotations
+
+import json
+
+from kvcap.bench.kernels import main, markdown_tables
+
+
+def _arm(ms: float, sdpa: float, pct: float) -> dict:
+    return {"ms": ms, "tbs": 1.0, "pct_ceiling": pct, "speedup_vs_sdpa": sdpa / ms}
+
+
+def _result() -> dict:
+    cell = {"shape": "llama31-8b", "batch": 8, "context": 16384, "splits": 17,
+            "splits_fp16": 9, "sdpa_fp16": _arm(0.130, 0.130, 90.0),
+            "paged_fp16": _arm(0.134, 0.130, 88.0), "e4m3_native": _arm(0.1035, 0.130, 56.0),
+            "e4m3_software": _arm(0.1084, 0.130, 53.0)}
+    return {"cells": [cell, {"shape": "llama31-8b", "batch": 64, "context": 131072,
+                             "skipped": "FP16 KV over 20 GiB"},
+                      {**cell, "shape": "smollm2-135m", "context": 1000}]}
+
+
+def test_markdown_tables_rows():
+    text = markdown_tables(_result())
+    lines = text.splitlines()
+    assert lines[0] == "#### llama31-8b" and "#### smollm2-135m" in lines
+    row = "| 8 | 16K | 17/9 | 130.0 | 134.0 (0.97) | 103.5 (1.26, 56%) | 108.4 (1.20, 53%) |"
+    assert row in lines
+    assert "| 64 | 128K | skipped: FP16 KV over 20 GiB | | | | |" in lines
+    assert any(line.startswith("| 8 | 1000 |") for line in lines)  # not a multiple of 1024
+
+
+def test_markdown_cli(tmp_path, capsys):
+    path = tmp_path / "k.json"
+    path.write_text(json.dumps(_result()))
+    assert main(["--markdown", str(path)]) == 0
+    assert "#### llama31-8b" in capsys.readouterr().out
