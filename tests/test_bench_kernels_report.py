@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 
-from kvcap.bench.kernels import main, markdown_tables
+import torch
+
+if not torch.cuda.is_available():  # before kvcap.kernels is imported (its constexprs read it)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvcap.bench.kernels import main, markdown_tables  # noqa: E402
 
 
 def _arm(ms: float, sdpa: float, pct: float) -> dict:

@@ -110,7 +110,8 @@ def load_raw(cache_ptr, row_off, mask, HEAD_DIM: tl.constexpr):
 
 
 # Compiled kernels convert E4M3 with inline PTX (below); the CPU interpreter cannot run it, so
-# there the same conversions are written with Triton ops.
+# there the same conversions are written with Triton ops. Read at import, like triton.jit's
+# own choice between compiling and interpreting: set TRITON_INTERPRET before importing kvcap.
 _CVT_ASM = tl.constexpr(not interpreting())
 # native: bytes 0,1 -> $0 (f16x2), bytes 2,3 -> $1
 _NATIVE_PTX = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
