@@ -94,6 +94,30 @@ def test_decode_shapes_fp8(hq, hkv, d, bs):
     _check(case, out, "fp8_e4m3")
 
 
+@pytest.mark.parametrize("fp8_mode", ["native", "software"])
+@pytest.mark.parametrize("hq,hkv,d,num_splits", [(9, 3, 64, 1), (8, 2, 128, 3), (4, 1, 256, 2)])
+def test_decode_word_route(fp8_mode, hq, hkv, d, num_splits):
+    """The E4M3 word route (four column groups per 32-bit word) against the torch twin and a
+    dense float64 computation, and against the byte route."""
+    case = make_case([(50, 1), (9, 1), (130, 1)], hq, hkv, d, kv_dtype="fp8_e4m3", pad_rows=2,
+                     seed=d + num_splits, device=DEV)
+    twin = _reference(case)
+    out = _decode(case, fp8_mode=fp8_mode, num_splits=num_splits, words=True)
+    _check(case, out, "fp8_e4m3", twin)
+    nt = case.meta.num_tokens
+    bytes_route = _decode(case, fp8_mode=fp8_mode, num_splits=num_splits, words=False)
+    assert _err(out[:nt], bytes_route[:nt]) < 1e-3
+
+
+def test_decode_word_route_refuses_what_it_cannot_do():
+    case = make_case([(20, 1)], 4, 2, 32, kv_dtype="fp8_e4m3", device=DEV)
+    with pytest.raises(ValueError, match="words=True needs"):
+        _decode(case, words=True)
+    case = make_case([(20, 1)], 4, 2, 64, kv_dtype="fp16", device=DEV)
+    with pytest.raises(ValueError, match="words=True needs"):
+        _decode(case, words=True)
+
+
 def test_software_equals_native():
     """Both decoders are exact, so the only difference is the 2^8 moved into the scales."""
     case = make_case(DECODE, 8, 2, 64, kv_dtype="fp8_e4m3", seed=3, device=DEV)

@@ -287,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also sweep decode launch configs")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--sweep-only", action="store_true", help="skip the decode matrix")
+    ap.add_argument("--compare-words", action="store_true",
+                    help="time the E4M3 byte and word routes on the sweep cells, then stop")
     ap.add_argument("--markdown", metavar="JSON",
                     help="print the per-shape tables of docs/kernels.md from a result file")
     args = ap.parse_args(argv)
@@ -319,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
                   "cells": rows}
         atomic_write_text(Path(out), json.dumps(result, indent=1))
 
+    if args.compare_words:
+        info["compare_words"] = compare_words(l2, ceil["read_tbs"])
+        save()
+        return 0
     if args.sweep or args.sweep_only:
         run_sweep(l2, sweep, save)
     if args.sweep_only:
@@ -433,6 +439,38 @@ SWEEP_FP8 = [(64, 4, 2, False), (128, 4, 2, False), (128, 8, 2, False), (64, 4, 
 SWEEP_FP16 = [(64, 4, 2, False), (128, 4, 2, False), (32, 4, 2, False)]
 SWEEP_CELLS = [("llama31-8b", 32, 8, 128, 8, 32768), ("llama31-8b", 32, 8, 128, 64, 16384),
                ("gqa6-d256", 24, 4, 256, 8, 32768), ("smollm2-135m", 9, 3, 64, 16, 32768)]
+
+
+WORD_CELLS = SWEEP_CELLS + [("llama31-8b", 32, 8, 128, 16, 16384),
+                            ("gqa6-d256", 24, 4, 256, 64, 16384)]
+
+
+def compare_words(l2: int, read_tbs: float) -> list[dict]:
+    """Byte route vs word route (paged_decode(words=...)) for both E4M3 decoders at the
+    default launch configuration; outputs are checked against the byte route first."""
+    rows = []
+    for name, hq, hkv, d, b, ctx in WORD_CELLS:
+        cell = Cell(hq, hkv, d, b, ctx, l2)
+        for arm in ("e4m3_native", "e4m3_software"):
+            got = {}
+            for words in (False, True):
+                fns = cell.fns(arm, words=words)
+                fns[0]()
+                got[words] = cell.out[0].clone()
+                ms = _graph_time(fns, reps=10)
+                tbs = cell.kv_bytes(arm) / (ms * 1e-3) / 1e12
+                rows.append({"shape": name, "batch": b, "context": ctx, "arm": arm,
+                             "words": words, "ms": ms, "tbs": tbs,
+                             "pct_ceiling": 100 * tbs / read_tbs})
+            err = _rel(got[True], got[False])
+            rows[-1]["err_vs_bytes"] = err
+            print(f"words {name:13s} B={b:<3d} ctx={ctx:<6d} {arm:14s} bytes "
+                  f"{rows[-2]['ms'] * 1e3:8.1f}us words {rows[-1]['ms'] * 1e3:8.1f}us "
+                  f"({rows[-2]['ms'] / rows[-1]['ms']:.2f}x, {rows[-1]['pct_ceiling']:.0f}% ceil) "
+                  f"err {err:.1e}", flush=True)
+        del cell
+        torch.cuda.empty_cache()
+    return rows
 
 
 def run_sweep(l2: int, out: list[dict], save) -> list[dict]:

@@ -168,6 +168,50 @@ def convert_tile(x, FP8: tl.constexpr, SOFTWARE: tl.constexpr, OUT_DTYPE: tl.con
     return x.to(OUT_DTYPE)
 
 
+# Word-tile variants (decode at D >= 128): one 32-bit register of four bytes -> four FP16
+# values, one per column group (column 4c + j -> group j), as four separate results. Pure, so
+# Triton reads the words straight into the MMA operand layout: a 32-bit shared load gives an
+# element of each of the four groups' operands, and nothing takes a second shared-memory trip.
+_NATIVE_WORD_PTX = tl.constexpr(
+    "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
+    "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
+    "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }")
+_SOFTWARE_WORD_PTX = tl.constexpr(
+    "{ .reg .b32 e, o, t; "
+    "shl.b32 e, $4, 8; and.b32 e, e, 0x80008000; shl.b32 t, $4, 7; and.b32 t, t, 0x3F803F80; "
+    "or.b32 e, e, t; and.b32 o, $4, 0x80008000; shr.b32 t, $4, 1; and.b32 t, t, 0x3F803F80; "
+    "or.b32 o, o, t; mov.b32 {$0, $2}, e; mov.b32 {$1, $3}, o; }")
+
+
+@triton.jit
+def load_words(cache_ptr, row_off, mask, HEAD_DIM: tl.constexpr):
+    """Raw E4M3 cache tile as int32 words [N, HEAD_DIM // 4] (four bytes each), masked rows 0."""
+    c = tl.arange(0, HEAD_DIM // 4)
+    wptr = cache_ptr.to(tl.pointer_type(tl.int32))
+    return tl.load(wptr + (row_off // 4)[:, None] + c[None, :], mask=mask[:, None], other=0)
+
+
+@triton.jit
+def convert_words(w, SOFTWARE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """int32 words [N, C] -> four column groups (t0..t3), tj[:, c] = decode(byte j of word c)
+    (software: times 2^-8, as convert_tile)."""
+    if _CVT_ASM:
+        if SOFTWARE:
+            t0, t1, t2, t3 = tl.inline_asm_elementwise(
+                _SOFTWARE_WORD_PTX, "=h,=h,=h,=h,r", [w],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+        else:
+            t0, t1, t2, t3 = tl.inline_asm_elementwise(
+                _NATIVE_WORD_PTX, "=h,=h,=h,=h,r", [w],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    else:
+        t0 = convert_tile((w & 0xFF).to(tl.uint8), True, SOFTWARE, tl.float16)
+        t1 = convert_tile(((w >> 8) & 0xFF).to(tl.uint8), True, SOFTWARE, tl.float16)
+        t2 = convert_tile(((w >> 16) & 0xFF).to(tl.uint8), True, SOFTWARE, tl.float16)
+        t3 = convert_tile(((w >> 24) & 0xFF).to(tl.uint8), True, SOFTWARE, tl.float16)
+    return t0.to(OUT_DTYPE), t1.to(OUT_DTYPE), t2.to(OUT_DTYPE), t3.to(OUT_DTYPE)
+
+
 @triton.jit
 def mm(a, b, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
     """a [M, K] @ b [K, N] -> FP32 [M, N]: tensor-core dot, or broadcast-sum (M tiny)."""

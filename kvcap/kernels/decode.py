@@ -21,9 +21,11 @@ from kvcap.kernels.common import (
     SOFTWARE_FP8_FACTOR,
     check_cache,
     convert_tile,
+    convert_words,
     dot_dtype,
     grouped_enabled,
     load_raw,
+    load_words,
     merge_splits,
     mm,
     paged_row_offsets,
@@ -107,6 +109,63 @@ def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
 
 
 @triton.jit
+def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
+                      qk_scale, head_off, stride_cb, stride_ct, stride_qh,
+                      BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, SOFTWARE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                      IEEE: tl.constexpr):
+    """attend_tiles for E4M3 caches read as 32-bit words: the head dimension is split into the
+    four column groups a word decodes to (column 4c + j -> group j), so QK^T is four dots of
+    K = D/4 and the output is four [BLOCK_H, D/4] accumulators (returned in group order)."""
+    qb = q_ptr + q_base + heads[:, None].to(tl.int64) * stride_qh
+    c4 = tl.arange(0, HEAD_DIM // 4)[None, :] * 4
+    q0 = tl.load(qb + c4, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    q1 = tl.load(qb + c4 + 1, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    q2 = tl.load(qb + c4 + 2, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    q3 = tl.load(qb + c4 + 3, mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    a0 = tl.zeros([BLOCK_H, HEAD_DIM // 4], tl.float32)
+    a1 = tl.zeros([BLOCK_H, HEAD_DIM // 4], tl.float32)
+    a2 = tl.zeros([BLOCK_H, HEAD_DIM // 4], tl.float32)
+    a3 = tl.zeros([BLOCK_H, HEAD_DIM // 4], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pmask = pos < hi
+        row = paged_row_offsets(bt_ptr, bt_stride, seq, pos, pmask, BLOCK_SIZE, stride_cb,
+                                stride_ct, head_off)
+        k0, k1, k2, k3 = convert_words(load_words(kc_ptr, row, pmask, HEAD_DIM), SOFTWARE,
+                                       DOT_DTYPE)
+        s = mm(q0, tl.trans(k0), True, IEEE) + mm(q1, tl.trans(k1), True, IEEE)
+        s += mm(q2, tl.trans(k2), True, IEEE) + mm(q3, tl.trans(k3), True, IEEE)
+        s = tl.where(pmask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pd = p.to(DOT_DTYPE)
+        v0, v1, v2, v3 = convert_words(load_words(vc_ptr, row, pmask, HEAD_DIM), SOFTWARE,
+                                       DOT_DTYPE)
+        a0 = a0 * alpha[:, None] + mm(pd, v0, True, IEEE)
+        a1 = a1 * alpha[:, None] + mm(pd, v1, True, IEEE)
+        a2 = a2 * alpha[:, None] + mm(pd, v2, True, IEEE)
+        a3 = a3 * alpha[:, None] + mm(pd, v3, True, IEEE)
+        m_i = m_new
+    return m_i, l_i, a0, a1, a2, a3
+
+
+@triton.jit
+def _store_groups(base, hmask, o0, o1, o2, o3, HEAD_DIM: tl.constexpr):
+    """Store four column groups [BLOCK_H, HEAD_DIM // 4] (column 4c + j) at base pointers."""
+    c4 = tl.arange(0, HEAD_DIM // 4)[None, :] * 4
+    tl.store(base + c4, o0.to(base.dtype.element_ty), mask=hmask[:, None])
+    tl.store(base + c4 + 1, o1.to(base.dtype.element_ty), mask=hmask[:, None])
+    tl.store(base + c4 + 2, o2.to(base.dtype.element_ty), mask=hmask[:, None])
+    tl.store(base + c4 + 3, o3.to(base.dtype.element_ty), mask=hmask[:, None])
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr,
     bt_ptr, seq_lens_ptr, qsl_ptr, ks_ptr, vs_ptr, sm_scale,
@@ -117,7 +176,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, FP8: tl.constexpr, SOFTWARE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, WORDS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     hp = tl.program_id(1)
@@ -143,25 +202,35 @@ def _decode_kernel(
     if SOFTWARE:
         qk_scale = qk_scale * 256.0
         out_scale = out_scale * 256.0
-    q = _load_q(q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, HEAD_DIM, DOT_DTYPE,
-                stride_qh)
-    m_i, l_i, acc = attend_tiles(
-        q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi, qk_scale,
-        kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, h,
-        BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, USE_DOT, DOT_DTYPE, IEEE,
-        False, PREFETCH)
+    if WORDS:
+        m_i, l_i, a0, a1, a2, a3 = attend_word_tiles(
+            q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, kc_ptr, vc_ptr, bt_ptr,
+            bt_stride, seq, lo, hi, qk_scale, kvh.to(tl.int64) * stride_ch, stride_cb,
+            stride_ct, stride_qh, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFTWARE, DOT_DTYPE,
+            IEEE)
+    else:
+        q = _load_q(q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, HEAD_DIM, DOT_DTYPE,
+                    stride_qh)
+        m_i, l_i, acc = attend_tiles(
+            q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi, qk_scale,
+            kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, h,
+            BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, USE_DOT, DOT_DTYPE, IEEE,
+            False, PREFETCH)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     if not SPLIT:
         inv = (out_scale / l_safe)[:, None]
         base = out_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None].to(tl.int64) * stride_oh
-        store_rows(base, hmask, acc * inv, HEAD_DIM)
     else:
         inv = (1.0 / l_safe)[:, None]
         pbase = (seq.to(tl.int64) * stride_pb + heads.to(tl.int64) * stride_ph
                  + split * stride_ps)
-        store_rows(po_ptr + pbase[:, None] * HEAD_DIM, hmask, acc * inv, HEAD_DIM)
+        base = po_ptr + pbase[:, None] * HEAD_DIM
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(plse_ptr + pbase, lse, mask=hmask)
+    if WORDS:
+        _store_groups(base, hmask, a0 * inv, a1 * inv, a2 * inv, a3 * inv, HEAD_DIM)
+    else:
+        store_rows(base, hmask, acc * inv, HEAD_DIM)
 
 
 @triton.jit
@@ -218,6 +287,11 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, software: bool,
     return 64, 4, 2, False, pps
 
 
+def use_words(head_dim: int, grouped: bool, fp8: bool, device: torch.device) -> bool:
+    """Whether E4M3 decode reads the cache as words (attend_word_tiles) by default."""
+    return False
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  query_start_loc: torch.Tensor, softmax_scale: float, max_seq_len: int,
@@ -225,13 +299,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  fp8_mode: str = "auto", grouped: bool | None = None,
                  num_splits: int | None = None, block_n: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
-                 prefetch: bool | None = None) -> torch.Tensor:
+                 prefetch: bool | None = None, words: bool | None = None) -> torch.Tensor:
     """Decode attention for every sequence whose query length is 1 (others are skipped).
 
     q [T, Hq, D], out [T, Hq, D] (the token row of sequence i is query_start_loc[i]);
     caches [num_blocks, Hkv, block_size, D] (uint8 = E4M3 with 0-dim FP32 k/v scales);
     block_tables int32 [B, W]; seq_lens int32 [B]; query_start_loc int32 [B+1].
     `max_seq_len` (host int) only drives the split heuristic: any value is correct.
+    `words`: read an E4M3 cache as 32-bit words in four column groups (attend_word_tiles;
+    grouped route, head_dim >= 64 only).
     """
     num_seqs = seq_lens.shape[0]
     _, hq, d = q.shape
@@ -252,6 +328,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         grouped = grouped_enabled()
     heads = group if grouped else 1
     head_programs = hkv if grouped else hq
+    if words is None:
+        words = use_words(d, grouped, fp8, q.device)
+    if words and not (fp8 and grouped and d >= 64):
+        raise ValueError("words=True needs an E4M3 cache, the grouped route and head_dim >= 64")
     bn, nw, ns, pf, pps = decode_config(d, grouped, fp8, software, q.device)
     bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
     pf = pf if prefetch is None else prefetch
@@ -275,7 +355,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         *ps, num_splits,
         GROUP=group, HEADS=heads, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2],
         BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8, SOFTWARE=software,
-        USE_DOT=grouped, PREFETCH=pf,
+        USE_DOT=grouped, PREFETCH=pf, WORDS=words,
         DOT_DTYPE=dt, IEEE=ieee,
         num_warps=nw, num_stages=ns,
     )
