@@ -288,8 +288,12 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, software: bool,
 
 
 def use_words(head_dim: int, grouped: bool, fp8: bool, device: torch.device) -> bool:
-    """Whether E4M3 decode reads the cache as words (attend_word_tiles) by default."""
-    return False
+    """Whether E4M3 decode reads the cache as words (attend_word_tiles) by default: at
+    D = 128 only. H200, same run (docs/benchmarks/words-2026-11-30-h200.json): the word route
+    takes 0.88-0.90x the byte route's time natively and 0.93-0.94x in software at D = 128,
+    0.96-1.03x at D = 256, and 1.8-2.4x at D = 64 (four K = 16 dots per tile). The same rule
+    holds on every device, so the CPU tests run the defaults the GPU runs."""
+    return fp8 and grouped and head_dim == 128
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
