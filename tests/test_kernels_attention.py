@@ -109,6 +109,16 @@ def test_decode_word_route(fp8_mode, hq, hkv, d, num_splits):
     assert _err(out[:nt], bytes_route[:nt]) < 1e-3
 
 
+def test_word_route_switch(monkeypatch):
+    from kvcap.kernels.decode import use_words
+    dev = torch.device(DEV)
+    assert use_words(128, True, True, dev)
+    assert not use_words(64, True, True, dev) and not use_words(256, True, True, dev)
+    assert not use_words(128, False, True, dev) and not use_words(128, True, False, dev)
+    monkeypatch.setenv("KVCAP_DISABLE_WORD_DECODE", "1")
+    assert not use_words(128, True, True, dev)
+
+
 def test_decode_word_route_refuses_what_it_cannot_do():
     case = make_case([(20, 1)], 4, 2, 32, kv_dtype="fp8_e4m3", device=DEV)
     with pytest.raises(ValueError, match="words=True needs"):

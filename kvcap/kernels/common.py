@@ -23,6 +23,7 @@ import triton.language as tl
 ENV_FORCE_SOFTWARE_FP8 = "KVCAP_FORCE_SOFTWARE_FP8"
 ENV_DISABLE_GROUPED = "KVCAP_DISABLE_GROUPED_DECODE"
 ENV_DISABLE_SPLIT_K = "KVCAP_DISABLE_SPLIT_K"
+ENV_DISABLE_WORDS = "KVCAP_DISABLE_WORD_DECODE"
 
 SOFTWARE_FP8_FACTOR = 256.0  # the packed decoder yields value * 2^-8
 LOG2E = 1.4426950408889634
@@ -63,6 +64,10 @@ def grouped_enabled() -> bool:
 
 def split_k_enabled() -> bool:
     return not _flag(ENV_DISABLE_SPLIT_K)
+
+
+def words_enabled() -> bool:
+    return not _flag(ENV_DISABLE_WORDS)
 
 
 _SM_COUNT: dict[int, int] = {}

@@ -32,6 +32,7 @@ from kvcap.kernels.common import (
     sm_count,
     split_k_enabled,
     use_software_fp8,
+    words_enabled,
 )
 
 
@@ -293,7 +294,7 @@ def use_words(head_dim: int, grouped: bool, fp8: bool, device: torch.device) -> 
     takes 0.88-0.90x the byte route's time natively and 0.93-0.94x in software at D = 128,
     0.96-1.03x at D = 256, and 1.8-2.4x at D = 64 (four K = 16 dots per tile). The same rule
     holds on every device, so the CPU tests run the defaults the GPU runs."""
-    return fp8 and grouped and head_dim == 128
+    return fp8 and grouped and head_dim == 128 and words_enabled()
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
