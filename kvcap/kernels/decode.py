@@ -4,10 +4,12 @@ One program per (sequence, head program, split). A head program is either one KV
 all GROUP query heads that share it (grouped route: each KV tile is loaded once and hits the
 tensor cores through tl.dot, M = the padded group) or one query head (plain route: broadcast
 multiply-sum, the rollback). Both E4M3 decoders work on the same raw byte tile, so the loop is
-the same for every cache dtype. Scores and outputs accumulate in FP32. Scales are hoisted:
-k_scale (and the software decoder's 2^8) fold into the softmax scale, v_scale multiplies the
-normalised output once, after the split merge. Rows of sequences whose query length is not 1
-are skipped (the prefill kernel serves them), so mixed batches need no host-side split.
+the same for every cache dtype; at head_dim 128 E4M3 tiles are read as 32-bit words in four
+column groups instead (attend_word_tiles, see use_words). Scores and outputs accumulate in
+FP32. Scales are hoisted: k_scale (and the software decoder's 2^8) fold into the softmax
+scale, v_scale multiplies the normalised output once, after the split merge. Rows of sequences
+whose query length is not 1 are skipped (the prefill kernel serves them), so mixed batches
+need no host-side split.
 """
 
 from __future__ import annotations
