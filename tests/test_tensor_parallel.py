@@ -381,9 +381,15 @@ def test_rank0_dying_or_interrupted_stops_the_workers(tiny, sig):
         time.sleep(1.0)  # mid-generation
         driver.send_signal(sig)
         start = time.monotonic()
-        while any(_alive(w) for w in workers) and time.monotonic() - start < 10.0:
+        # Generous bound: on a loaded 2-core box the interrupt may land after generation, where
+        # the normal shutdown gives workers up to 15 s and the group teardown 10 s more.
+        while any(_alive(w) for w in workers) and time.monotonic() - start < 40.0:
             time.sleep(0.05)
-        assert not any(_alive(w) for w in workers)
+        alive = [w for w in workers if _alive(w)]
+        if alive:
+            driver.kill()
+            pytest.fail(f"workers {alive} outlived rank 0 by 40 s; rank 0 said:\n"
+                        f"{driver.communicate(timeout=30)[1][-3000:]}")
         assert driver.wait(30) != 0
     finally:
         driver.kill()
