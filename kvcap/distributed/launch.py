@@ -263,6 +263,10 @@ def lifeline_watch(rank: int, stopping: threading.Event) -> None:
         except Exception:  # closed or unreadable stdin: treat like EOF
             pass
         if not stopping.is_set():
+            # Exit even if the logging below blocks: a clean-clone CI run once saw this message
+            # and then a worker alive 40 s later (logging.shutdown waits on handler locks that a
+            # thread stuck in the dead group may hold).
+            threading.Timer(2.0, os._exit, args=(3,)).start()
             logger.error("rank %d: rank 0 (pid %d) is gone; stopping", rank, parent)
             logging.shutdown()
             os._exit(3)
