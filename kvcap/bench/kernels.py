@@ -341,9 +341,9 @@ def main(argv: list[str] | None = None) -> int:
                 cell = Cell(hq, hkv, d, b, ctx, l2)
                 ms, outs = time_cell(cell, ARMS)
                 dev = cell.q[0].device
-                cfg = decode_config(d, True, True, False, dev)
+                cfg = decode_config(d, True, True, dev)
                 splits = choose_num_splits(b, hkv, ctx, cfg[0], sm_count(dev), cfg[4])
-                cfg16 = decode_config(d, True, False, False, dev)
+                cfg16 = decode_config(d, True, False, dev)
                 splits16 = choose_num_splits(b, hkv, ctx, cfg16[0], sm_count(dev), cfg16[4])
                 row = {"shape": name, "hq": hq, "hkv": hkv, "head_dim": d, "batch": b,
                        "context": ctx, "rotations": cell.r, "splits": splits,

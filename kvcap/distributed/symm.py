@@ -9,8 +9,8 @@ activations are staged in an FP32 buffer: the copy casts, the sum runs in FP32 (
 than NCCL's FP16 sum) and the result is cast back. Larger messages use the data group's NCCL
 all-reduce. Set-up is collective and verified: one all-reduce of
 known values must come out exact on every rank, else every rank falls back to NCCL with a
-warning. On the H200 (2026-11-29) the first set-up failed on a misaligned probe (fixed since);
-not yet measured working on hardware (see docs/tensor_parallel.md).
+warning. On 2x H200 (2026-11-30) it set up and passed the self-check, but was no faster than
+NCCL in a graph, so NCCL stays the default (see docs/tensor_parallel.md).
 """
 
 from __future__ import annotations

@@ -121,12 +121,21 @@ _CVT_ASM = tl.constexpr(not interpreting())
 # native: bytes 0,1 -> $0 (f16x2), bytes 2,3 -> $1
 _NATIVE_PTX = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
                            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
-# software (packed): e = bytes 0 and 2 as FP16 halves, o = bytes 1 and 3; then element order
-_SOFTWARE_PTX = tl.constexpr(
-    "{ .reg .b32 e, o, t; "
-    "shl.b32 e, $2, 8; and.b32 e, e, 0x80008000; shl.b32 t, $2, 7; and.b32 t, t, 0x3F803F80; "
-    "or.b32 e, e, t; and.b32 o, $2, 0x80008000; shr.b32 t, $2, 1; and.b32 t, t, 0x3F803F80; "
-    "or.b32 o, o, t; prmt.b32 $0, e, o, 0x5410; prmt.b32 $1, e, o, 0x7632; }")
+
+
+def _packed_ptx(src: str, out: str) -> str:
+    """The packed software decoder on the 32-bit register `src`: e = bytes 0 and 2 as FP16
+    halves, o = bytes 1 and 3 (each value * 2^-8); `out` moves e/o into the results."""
+    return ("{ .reg .b32 e, o, t; "
+            f"shl.b32 e, {src}, 8; and.b32 e, e, 0x80008000; shl.b32 t, {src}, 7; "
+            "and.b32 t, t, 0x3F803F80; or.b32 e, e, t; "
+            f"and.b32 o, {src}, 0x80008000; shr.b32 t, {src}, 1; and.b32 t, t, 0x3F803F80; "
+            f"or.b32 o, o, t; {out} }}")
+
+
+# software, element order: bytes 0,1 -> $0, bytes 2,3 -> $1 (two byte permutes)
+_SOFTWARE_PTX = tl.constexpr(_packed_ptx("$2", "prmt.b32 $0, e, o, 0x5410; "
+                                               "prmt.b32 $1, e, o, 0x7632;"))
 
 
 @triton.jit
@@ -181,11 +190,7 @@ _NATIVE_WORD_PTX = tl.constexpr(
     "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
     "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
     "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }")
-_SOFTWARE_WORD_PTX = tl.constexpr(
-    "{ .reg .b32 e, o, t; "
-    "shl.b32 e, $4, 8; and.b32 e, e, 0x80008000; shl.b32 t, $4, 7; and.b32 t, t, 0x3F803F80; "
-    "or.b32 e, e, t; and.b32 o, $4, 0x80008000; shr.b32 t, $4, 1; and.b32 t, t, 0x3F803F80; "
-    "or.b32 o, o, t; mov.b32 {$0, $2}, e; mov.b32 {$1, $3}, o; }")
+_SOFTWARE_WORD_PTX = tl.constexpr(_packed_ptx("$4", "mov.b32 {$0, $2}, e; mov.b32 {$1, $3}, o;"))
 
 
 @triton.jit
@@ -215,6 +220,18 @@ def convert_words(w, SOFTWARE: tl.constexpr, OUT_DTYPE: tl.constexpr):
         t2 = convert_tile(((w >> 16) & 0xFF).to(tl.uint8), True, SOFTWARE, tl.float16)
         t3 = convert_tile(((w >> 24) & 0xFF).to(tl.uint8), True, SOFTWARE, tl.float16)
     return t0.to(OUT_DTYPE), t1.to(OUT_DTYPE), t2.to(OUT_DTYPE), t3.to(OUT_DTYPE)
+
+
+@triton.jit
+def online_softmax_step(s, m_i, l_i):
+    """One tile of the base-2 online softmax: masked scores s [M, N] (-inf = not visible),
+    running max m_i and sum l_i [M]. Returns (m_new, alpha, p, l_new): alpha rescales what was
+    accumulated so far, p are the tile's unnormalised probabilities."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit

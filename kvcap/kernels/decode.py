@@ -30,6 +30,7 @@ from kvcap.kernels.common import (
     load_words,
     merge_splits,
     mm,
+    online_softmax_step,
     paged_row_offsets,
     sm_count,
     split_k_enabled,
@@ -96,12 +97,7 @@ def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
             valid = pmask[None, :] & (pos[None, :] <= qpos[:, None])
         else:
             valid = pmask[None, :]
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, alpha, p, l_i = online_softmax_step(tl.where(valid, s, float("-inf")), m_i, l_i)
         v = convert_tile(vr, FP8, SOFTWARE, DOT_DTYPE, True)
         acc = acc * alpha[:, None] + mm(p.to(DOT_DTYPE), v, USE_DOT, IEEE)
         m_i = m_new
@@ -142,11 +138,7 @@ def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_st
         s = mm(q0, tl.trans(k0), True, IEEE) + mm(q1, tl.trans(k1), True, IEEE)
         s += mm(q2, tl.trans(k2), True, IEEE) + mm(q3, tl.trans(k3), True, IEEE)
         s = tl.where(pmask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, alpha, p, l_i = online_softmax_step(s, m_i, l_i)
         pd = p.to(DOT_DTYPE)
         v0, v1, v2, v3 = convert_words(load_words(vc_ptr, row, pmask, HEAD_DIM), SOFTWARE,
                                        DOT_DTYPE)
@@ -268,7 +260,7 @@ def choose_num_splits(num_seqs: int, head_programs: int, max_seq_len: int, block
     return int(max(1, min(want, tiles // 4, MAX_SPLITS)))
 
 
-def decode_config(head_dim: int, grouped: bool, fp8: bool, software: bool,
+def decode_config(head_dim: int, grouped: bool, fp8: bool,
                   device: torch.device) -> tuple[int, int, int, bool, int]:
     """(BLOCK_N, num_warps, num_stages, prefetch, programs per SM) for the decode kernel.
 
@@ -276,8 +268,7 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, software: bool,
     (num_stages=2) and want ~4 programs per SM. E4M3 tiles are converted in registers between
     the shared-memory load and the dot, are bound by that per-element work rather than by
     bytes, and gain from ~8 programs per SM and from 128-token tiles at D <= 128. Both E4M3
-    decoders share the tile loop, so they share the configuration (`software` is kept for
-    sweeps that want to tell them apart)."""
+    decoders share the tile loop, so they share the configuration."""
     if device.type != "cuda":
         return 16, 1, 1, fp8, 4
     if not grouped:
@@ -339,7 +330,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         words = use_words(d, grouped, fp8, q.device)
     if words and not (fp8 and grouped and d >= 64):
         raise ValueError("words=True needs an E4M3 cache, the grouped route and head_dim >= 64")
-    bn, nw, ns, pf, pps = decode_config(d, grouped, fp8, software, q.device)
+    bn, nw, ns, pf, pps = decode_config(d, grouped, fp8, q.device)
     bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
     pf = pf if prefetch is None else prefetch
     if num_splits is None:

@@ -28,6 +28,7 @@ from kvcap.kernels.common import (
     load_raw,
     merge_splits,
     mm,
+    online_softmax_step,
     paged_row_offsets,
     sm_count,
     use_software_fp8,
@@ -89,11 +90,7 @@ def _sparse_kernel(
         vr = load_raw(vc_ptr, row, m, HEAD_DIM)
         s = mm(q, tl.trans(convert_tile(kr, FP8, SOFTWARE, DOT_DTYPE)), USE_DOT, IEEE)
         s = tl.where(m[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, alpha, p, l_i = online_softmax_step(s, m_i, l_i)
         v = convert_tile(vr, FP8, SOFTWARE, DOT_DTYPE, True)
         acc = acc * alpha[:, None] + mm(p.to(DOT_DTYPE), v, True, IEEE)
         m_i = m_new
