@@ -1,0 +1,81 @@
+"""Compile kvcap's paged decode kernel for an NVIDIA target on any machine (no GPU needed) and
+count the shared-memory, ldmatrix, MMA and conversion instructions in its PTX — the reading
+behind docs/kernels.md's third to fifth changes (the 8B shape: group 4, D=128, BLOCK_N=128).
+
+    python scripts/inspect_decode_ptx.py [--cache fp16|native|software] [--words] [--sm 90]
+        [--head-dim 128] [--dump DIR]
+
+Counts are per compiled kernel (the loop body appears once, plus the prologue). Use the GPU's
+Triton version for numbers that match the GPU (docs/kernels.md used triton 3.6, installed with
+`pip install --target DIR triton==3.6.0` and put first on PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvcap.kernels import decode  # noqa: E402
+
+PATTERNS = ["ld.shared.b8", "ld.shared", "st.shared", "ldmatrix", "mma.sync", "wgmma",
+            "cp.async", "bar.sync", "cvt.rn.f16x2.e4m3x2", "prmt"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cache", choices=["fp16", "native", "software"], default="native")
+    ap.add_argument("--words", action="store_true", help="the E4M3 word route")
+    ap.add_argument("--sm", type=int, default=90)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dump", type=Path, help="write the TTGIR and PTX here")
+    args = ap.parse_args()
+    fp8 = args.cache != "fp16"
+    if args.words and not fp8:
+        ap.error("--words needs an E4M3 cache (--cache native|software)")
+    consts = dict(GROUP=4, HEADS=4, BLOCK_H=16, HEAD_DIM=args.head_dim, BLOCK_SIZE=16,
+                  BLOCK_N=128, SPLIT=True, FP8=fp8, SOFTWARE=args.cache == "software",
+                  USE_DOT=True, DOT_DTYPE=tl.float16, IEEE=False, PREFETCH=False,
+                  WORDS=args.words)
+    params = list(inspect.signature(decode._decode_kernel.fn).parameters)
+    consts = {k: v for k, v in consts.items() if k in params}  # older kernels: fewer switches
+    cache = "*u8" if fp8 else "*fp16"
+    ptrs = dict(q_ptr="*fp16", kc_ptr=cache, vc_ptr=cache, out_ptr="*fp16", po_ptr="*fp32",
+                plse_ptr="*fp32", bt_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
+                ks_ptr="*fp32", vs_ptr="*fp32")
+    sig, attrs = {}, {}
+    for i, p in enumerate(params):
+        sig[p] = ("constexpr" if p in consts else ptrs.get(p)
+                  or ("fp32" if p == "sm_scale" else "i32"))
+        if p in ptrs or p.startswith("stride"):  # as the JIT marks them
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    k = triton.compile(ASTSource(decode._decode_kernel, sig, consts, attrs),
+                       target=GPUTarget("cuda", args.sm, 32),
+                       options=dict(num_warps=4, num_stages=2))
+    ptx = k.asm["ptx"]
+    if args.dump:
+        args.dump.mkdir(parents=True, exist_ok=True)
+        (args.dump / "decode.ttgir").write_text(k.asm["ttgir"])
+        (args.dump / "decode.ptx").write_text(ptx)
+    print(f"triton {triton.__version__}, sm_{args.sm}, cache {args.cache}, "
+          f"{'words' if args.words else 'bytes'}, D={args.head_dim}")
+    for pat in PATTERNS:
+        n = len(re.findall(re.escape(pat) + (r"\b" if pat == "ld.shared.b8" else ""), ptx))
+        print(f"  {pat:22s} {n}")
+    print(f"  shared memory bytes    {k.metadata.shared}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
