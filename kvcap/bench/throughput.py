@@ -128,8 +128,14 @@ def _run_requests(llm, tag: str, ids: list[list[int]], params) -> tuple[float, f
 
 
 def weight_bytes(llm) -> int:
-    """Bytes of the model's parameters: what every decode step reads at least once."""
-    return sum(p.numel() * p.element_size() for p in llm.model.parameters())
+    """Bytes of the parameters every decode step reads in full: all of them except an untied
+    input embedding table, of which a step gathers one row per token (a tied one is read in
+    full by the LM head). Rooflines before 2026-12-01 counted the whole table too (1 GiB more
+    for Llama-3.1-8B, so their roofline fractions read ~6% higher)."""
+    emb = llm.model.embed_tokens.weight
+    tied = getattr(llm.model.lm_head, "weight", None) is emb
+    return sum(p.numel() * p.element_size() for p in llm.model.parameters()
+               if tied or p is not emb)
 
 
 def roofline_step_s(llm, concurrency: int, context: int, ceiling_tbs: float) -> float:

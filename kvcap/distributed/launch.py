@@ -252,6 +252,15 @@ def attach(world: int, device: torch.device, worker_config: dict[str, Any]) -> T
     return TPDriver(world, device, worker_config)
 
 
+def exit_deadline(seconds: int) -> None:
+    """Worker side: have the kernel end this process in `seconds` (SIGALRM, default action)
+    whatever Python is doing by then. Clean-clone CI runs saw a worker log rank 0's death and
+    then live on for 40 s: a Python-level exit (a timer thread calling os._exit, logging's
+    shutdown, posting the error to rank 0's store) needs the GIL and locks that a thread stuck
+    in the broken group may hold; the alarm needs neither. Callable from any thread."""
+    signal.alarm(seconds)
+
+
 def lifeline_watch(rank: int, stopping: threading.Event) -> None:
     """Worker side: exit as soon as rank 0 is gone (EOF on the stdin pipe it holds)."""
 
@@ -263,10 +272,7 @@ def lifeline_watch(rank: int, stopping: threading.Event) -> None:
         except Exception:  # closed or unreadable stdin: treat like EOF
             pass
         if not stopping.is_set():
-            # Exit even if the logging below blocks: a clean-clone CI run once saw this message
-            # and then a worker alive 40 s later (logging.shutdown waits on handler locks that a
-            # thread stuck in the dead group may hold).
-            threading.Timer(2.0, os._exit, args=(3,)).start()
+            exit_deadline(2)
             logger.error("rank %d: rank 0 (pid %d) is gone; stopping", rank, parent)
             logging.shutdown()
             os._exit(3)

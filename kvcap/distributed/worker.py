@@ -20,13 +20,20 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kvcap.distributed.launch import KEY, TPRuntime, lifeline_watch, set_worker_runtime
+from kvcap.distributed.launch import (
+    KEY,
+    TPRuntime,
+    exit_deadline,
+    lifeline_watch,
+    set_worker_runtime,
+)
 
 logger = logging.getLogger("kvcap.distributed.worker")
 
 
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 handles Ctrl-C and stops us
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)  # exit_deadline relies on the default action
     rank, world, port = int(argv[0]), int(argv[1]), int(argv[2])
     stopping = threading.Event()
     lifeline_watch(rank, stopping)
@@ -55,6 +62,7 @@ def main(argv: list[str]) -> int:
         return 0
     except BaseException as e:
         stopping.set()
+        exit_deadline(5)  # the error report below talks to a rank 0 that may be gone or stuck
         if getattr(e, "tp_agreed", False):
             logger.debug("stopping after an agreed refusal: %s", e)
             return 2
@@ -69,6 +77,7 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     code = main(sys.argv[1:])
+    exit_deadline(5)  # logging.shutdown can block on a handler lock (see exit_deadline)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

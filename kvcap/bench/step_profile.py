@@ -1,0 +1,187 @@
+"""Where a GPU decode step's time goes: kernel time per step by category, and the model's
+GEMMs against the read ceiling.
+
+    python -m kvcap.bench.step_profile [--config kvcap/bench/configs/llama-3.1-8b.json]
+        [--cells fp16:16:1024 fp8:16:16384 ...] [--steps 20] [--out FILE]
+
+1. GEMMs: every distinct linear of the model (fused QKV, o_proj, fused gate/up, down_proj,
+   LM head) as `F.linear` (cuBLAS) at M = 16 and 64 rows, timed in a CUDA graph over enough
+   distinct weight copies to defeat L2; bytes read (weights + activations) over time, as a
+   fraction of the streaming-read ceiling measured in the same run.
+2. Steps: a random-weight model in the engine (CUDA graphs, overlap: the serving path) with
+   `concurrency` requests of `context` tokens, all decoding; `--steps` decode steps under the
+   torch profiler. Kernel time per step by category (GEMM, attention, KV write, norm, RoPE,
+   activation, sampling, other) next to the wall time per step, so the gap between the step and
+   its roofline (`kvcap.bench.throughput`) can be attributed.
+
+Writes JSON (atomically) and prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import functools
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvcap.bench.kernels import _graph_time, measure_ceilings
+from kvcap.scales.fsutil import atomic_write_text
+
+CONFIGS = Path(__file__).parent / "configs"
+# First match wins; names are matched lower-case.
+CATEGORIES = [
+    ("attention", ("_decode_kernel", "_merge_kernel", "_prefill", "qsa")),
+    ("kv_write", ("store_kv",)),
+    ("norm", ("rms_norm", "rmsnorm")),
+    ("rope", ("rope",)),
+    ("activation", ("silu",)),
+    ("sampling", ("argmax", "topk", "top_p", "sampl", "softmax", "multinomial")),
+    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "sm90_", "sm80_", "splitk")),
+]
+
+
+def category(kernel_name: str) -> str:
+    name = kernel_name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in name for k in keys):
+            return cat
+    return "other"
+
+
+def linear_shapes(spec) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each distinct linear of a Llama-family model."""
+    q = spec.num_heads * spec.head_dim
+    kv = spec.num_kv_heads * spec.head_dim
+    return {"qkv_proj": (q + 2 * kv, spec.hidden_size), "o_proj": (spec.hidden_size, q),
+            "gate_up_proj": (2 * spec.intermediate_size, spec.hidden_size),
+            "down_proj": (spec.hidden_size, spec.intermediate_size),
+            "lm_head": (spec.vocab_size, spec.hidden_size)}
+
+
+def time_gemms(spec, rows: list[int], ceiling_tbs: float) -> list[dict]:
+    out = []
+    for name, (n, k) in linear_shapes(spec).items():
+        w_bytes = n * k * 2
+        copies = max(2, -(-(400 << 20) // w_bytes))  # > 8x the H200's 50 MB L2
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
+              for _ in range(copies)]
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            fns = [functools.partial(F.linear, x, w) for w in ws]  # the model's own call
+            ms = _graph_time(fns) / copies
+            moved = w_bytes + 2 * m * (n + k)
+            tbs = moved / ms / 1e9
+            out.append({"linear": name, "n": n, "k": k, "m": m, "us": 1e3 * ms, "tbs": tbs,
+                        "pct_ceiling": 100 * tbs / ceiling_tbs})
+        del ws
+        torch.cuda.empty_cache()
+    return out
+
+
+def profile_cell(config: Path, kv: str, concurrency: int, context: int, steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvcap import LLM, SamplingParams
+    from kvcap.bench.throughput import _sync, calibrated_scales
+
+    model = f"dummy:{config}"
+    scales = calibrated_scales(model, "float16") if kv == "fp8" else None
+    llm = LLM(model=model, dtype="float16", kv_cache_dtype="fp8_e4m3" if kv == "fp8" else "auto",
+              kv_scales=scales, max_num_seqs=concurrency, max_model_len=context + 256,
+              max_num_batched_tokens=8192)
+    try:
+        gen = torch.Generator().manual_seed(context + concurrency)
+        ids = torch.randint(100, llm.spec.vocab_size - 100, (concurrency, context),
+                            generator=gen).tolist()
+        params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
+        for i, p in enumerate(ids):
+            llm.engine.add_request(f"r{i}", p, params)
+        # Prefill, then a few decode steps so every request decodes in lockstep.
+        while _prefilling(llm):
+            llm.engine.step()
+        for _ in range(8):
+            llm.engine.step()
+        _sync(llm)
+        acts = [ProfilerActivity.CUDA] if llm.device.type == "cuda" else [ProfilerActivity.CPU]
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                llm.engine.step()
+            _sync(llm)
+            wall_ms = 1e3 * (time.perf_counter() - t0) / steps
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        kernels: dict[str, float] = collections.defaultdict(float)
+        for ev in prof.key_averages():
+            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if t and ev.device_type == torch.autograd.DeviceType.CUDA:  # GPU kernels only
+                kernels[ev.key] += t / 1e3 / steps  # ms per step
+        by_cat: dict[str, float] = collections.defaultdict(float)
+        for name, ms in kernels.items():
+            by_cat[category(name)] += ms
+        top = sorted(kernels.items(), key=lambda kv_: -kv_[1])[:20]
+        return {"kv": kv, "concurrency": concurrency, "context": context, "steps": steps,
+                "wall_ms_per_step": wall_ms, "kernel_ms_per_step": sum(kernels.values()),
+                "by_category_ms": dict(sorted(by_cat.items(), key=lambda x: -x[1])),
+                "top_kernels_ms": [{"name": n[:160], "ms": ms} for n, ms in top]}
+    finally:
+        llm.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+
+
+def _prefilling(llm) -> bool:
+    return any(r.num_computed_tokens < r.num_prompt_tokens for r in llm.scheduler.running) or \
+        bool(llm.scheduler.waiting)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", type=Path, default=CONFIGS / "llama-3.1-8b.json")
+    ap.add_argument("--cells", nargs="+", default=["fp16:16:1024", "fp16:16:16384",
+                                                   "fp8:16:16384"],
+                    help="KV:CONCURRENCY:CONTEXT with KV fp16 or fp8")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    from kvcap.bench.throughput import _commit
+    from kvcap.config import ModelSpec
+
+    spec = ModelSpec.from_hf_config(json.loads(args.config.read_text()))
+    ceil = measure_ceilings()
+    report = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+              "commit": _commit(), "torch": torch.__version__, "config": args.config.name,
+              "read_ceiling_tbs": ceil["read_tbs"],
+              "gemms": time_gemms(spec, args.rows, ceil["read_tbs"]), "cells": []}
+    out = args.out or Path(f"step-profile-{report['date']}.json")
+
+    def save() -> None:
+        atomic_write_text(out, json.dumps(report, indent=1))
+
+    save()
+    for cell in args.cells:
+        kv, c, ctx = cell.split(":")
+        report["cells"].append(profile_cell(args.config, kv, int(c), int(ctx), args.steps))
+        save()
+    print(f"read ceiling {ceil['read_tbs']:.2f} TB/s")
+    print(f"{'linear':14} {'m':>4} {'us':>8} {'TB/s':>6} {'%ceil':>6}")
+    for g in report["gemms"]:
+        print(f"{g['linear']:14} {g['m']:4d} {g['us']:8.1f} {g['tbs']:6.2f} "
+              f"{g['pct_ceiling']:6.1f}")
+    for c in report["cells"]:
+        cats = ", ".join(f"{k} {v:.2f}" for k, v in c["by_category_ms"].items())
+        print(f"{c['kv']} {c['concurrency']}x{c['context']}: wall {c['wall_ms_per_step']:.2f} "
+              f"ms/step, kernels {c['kernel_ms_per_step']:.2f} ms ({cats})")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""The step profiler's kernel categories and linear shapes, and the roofline's weight bytes."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from kvcap.bench.step_profile import CONFIGS, category, linear_shapes
+from kvcap.bench.throughput import weight_bytes
+from kvcap.config import ModelSpec
+
+
+def test_kernel_categories():
+    assert category("sm90_xmma_gemm_f16f16_f16f32_f32_tn_n_tilesize64x64x64") == "gemm"
+    assert category("nvjet_hsh_64x8_64x16_2x1_v_bz_splitK_TNT") == "gemm"
+    assert category("_decode_kernel") == "attention"
+    assert category("_merge_kernel") == "attention"
+    assert category("_store_kv_kernel") == "kv_write"
+    assert category("_add_rms_norm_kernel") == "norm"
+    assert category("_rope_split_qkv_kernel") == "rope"
+    assert category("_silu_mul_kernel") == "activation"
+    assert category("void at::native::reduce_kernel<argmax>") == "sampling"
+    assert category("void at::native::vectorized_elementwise_kernel<4, copy>") == "other"
+
+
+def test_linear_shapes_of_the_8b_config():
+    spec = ModelSpec.from_hf_config(json.loads((CONFIGS / "llama-3.1-8b.json").read_text()))
+    assert linear_shapes(spec) == {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096),
+                                   "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336),
+                                   "lm_head": (128256, 4096)}
+
+
+def _fake_llm(tied: bool):
+    model = nn.Module()
+    model.embed_tokens = nn.Embedding(100, 8, dtype=torch.float16)
+    model.lm_head = nn.Linear(8, 100, bias=False, dtype=torch.float16)
+    model.body = nn.Linear(8, 8, bias=False, dtype=torch.float16)
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight
+    return SimpleNamespace(model=model)
+
+
+def test_roofline_weight_bytes_skip_an_untied_input_embedding():
+    # untied: LM head (800) + body (64) halves; the 800-element embedding table is gathered
+    assert weight_bytes(_fake_llm(tied=False)) == 2 * (800 + 64)
+    # tied: the shared table is read in full by the LM head, once
+    assert weight_bytes(_fake_llm(tied=True)) == 2 * (800 + 64)
+    untied = _fake_llm(tied=False)
+    assert sum(p.numel() for p in untied.model.parameters()) == 800 + 800 + 64
