@@ -74,6 +74,22 @@ job_throughputhf() {  # issue 6's 10x check with the HF baseline in the same run
 job_tp() {  # issue 11 on the GPUs this job is given (CUDA_VISIBLE_DEVICES)
   OUT="$RES/tp" bash scripts/gpu_tp.sh --budget-s ${TP_BUDGET_S:-470}
 }
+job_profile() {  # where an 8B decode step's time goes (kernel categories, GEMMs vs ceiling)
+  timeout ${PROFILE_S:-300} python3 -m kvcap.bench.step_profile --out "$RES/step-profile.json" \
+    ${PROFILE_ARGS:-}
+}
+job_decoders() {  # E4M3 decoder pairings (K/V native/software) on the sweep cells
+  timeout ${DECODERS_S:-240} python3 -m kvcap.bench.kernels --skip-checks --compare-decoders \
+    --out "$RES/decoders.json"
+}
+job_tput16k() {  # the 16 x 16K decode cell, every KV mode, current defaults
+  timeout ${THROUGHPUT16_S:-200} python3 -m kvcap.bench.throughput --shapes llama-3.1-8b \
+    --concurrency 16 --context 16384 --kv ${TPUT_KV:-fp16 fp8 fp8-software} --out-tokens 64 \
+    --repeats 1 --out "$RES/throughput16k"
+}
+job_gputests() {  # the whole GPU test suite
+  timeout ${GPUTESTS_S:-500} python3 -m pytest -q -m gpu tests 2>&1 | tail -25
+}
 job_throughput() {
   timeout $((LIMIT - 60)) python3 -m kvcap.bench.throughput --shapes llama-3.1-8b \
     --concurrency 16 64 --context 1024 16384 --kv fp16 fp8 fp8-software --out-tokens 64 \

@@ -128,6 +128,23 @@ def test_decode_word_route_refuses_what_it_cannot_do():
         _decode(case, words=True)
 
 
+@pytest.mark.parametrize("fp8_mode", ["native-k", "native-v"])
+@pytest.mark.parametrize("hq,hkv,d,words", [(8, 2, 128, True), (8, 2, 128, False),
+                                            (9, 3, 64, False)])
+def test_mixed_decoders_equal_native(fp8_mode, hq, hkv, d, words):
+    """K and V decoded by different E4M3 decoders (the 2^8 of the software one folded into
+    only its own scale) give the native result, split and unsplit, and match the twin."""
+    case = make_case([(50, 1), (9, 1), (130, 1)], hq, hkv, d, kv_dtype="fp8_e4m3", pad_rows=2,
+                     seed=d + hq, device=DEV)
+    twin = _reference(case)
+    nt = case.meta.num_tokens
+    for splits in (1, 3):
+        native = _decode(case, fp8_mode="native", num_splits=splits, words=words)
+        out = _decode(case, fp8_mode=fp8_mode, num_splits=splits, words=words)
+        _check(case, out, "fp8_e4m3", twin)
+        assert _err(out[:nt], native[:nt]) < 1e-3
+
+
 def test_software_equals_native():
     """Both decoders are exact, so the only difference is the 2^8 moved into the scales."""
     case = make_case(DECODE, 8, 2, 64, kv_dtype="fp8_e4m3", seed=3, device=DEV)

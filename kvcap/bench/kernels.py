@@ -228,7 +228,8 @@ class Cell:
         self.qsl = torch.arange(b + 1, dtype=torch.int32, device="cuda")
         self.out = [torch.empty(b, hq, d, dtype=torch.float16, device="cuda") for _ in range(r)]
 
-    def fns(self, arm: str, **kw) -> list:
+    def fns(self, arm: str, fp8_mode: str | None = None, **kw) -> list:
+        """One decode call per KV set; `fp8_mode` overrides the arm's E4M3 decoder."""
         sc = 1 / math.sqrt(self.d)
         f = []
         for i in range(self.r):
@@ -240,7 +241,7 @@ class Cell:
             else:
                 fp8 = arm.startswith("e4m3")
                 kc, vc = (self.k8, self.v8) if fp8 else (self.k16, self.v16)
-                mode = "software" if arm == "e4m3_software" else "auto"
+                mode = fp8_mode or ("software" if arm == "e4m3_software" else "auto")
                 f.append(lambda i=i, kc=kc, vc=vc, fp8=fp8, mode=mode: paged_decode(
                     self.q[i], kc, vc, self.out[i], self.tables[i], self.seq_lens, self.qsl,
                     sc, self.ctx, self.ks if fp8 else None, self.vs if fp8 else None,
@@ -289,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-only", action="store_true", help="skip the decode matrix")
     ap.add_argument("--compare-words", action="store_true",
                     help="time the E4M3 byte and word routes on the sweep cells, then stop")
+    ap.add_argument("--compare-decoders", action="store_true",
+                    help="time every E4M3 decoder pairing (K/V native/software) on the sweep "
+                         "cells, then stop")
     ap.add_argument("--markdown", metavar="JSON",
                     help="print the per-shape tables of docs/kernels.md from a result file")
     args = ap.parse_args(argv)
@@ -323,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.compare_words:
         info["compare_words"] = compare_words(l2, ceil["read_tbs"])
+        save()
+        return 0
+    if args.compare_decoders:
+        info["compare_decoders"] = compare_decoders(l2, ceil["read_tbs"])
         save()
         return 0
     if args.sweep or args.sweep_only:
@@ -468,6 +476,35 @@ def compare_words(l2: int, read_tbs: float) -> list[dict]:
                   f"{rows[-2]['ms'] * 1e3:8.1f}us words {rows[-1]['ms'] * 1e3:8.1f}us "
                   f"({rows[-2]['ms'] / rows[-1]['ms']:.2f}x, {rows[-1]['pct_ceiling']:.0f}% ceil) "
                   f"err {err:.1e}", flush=True)
+        del cell
+        torch.cuda.empty_cache()
+    return rows
+
+
+DECODER_MODES = ("native", "software", "native-k", "native-v")
+
+
+def compare_decoders(l2: int, read_tbs: float) -> list[dict]:
+    """Every E4M3 decoder pairing (paged_decode fp8_mode: both native, both software, K native
+    + V software, K software + V native) at the default route and launch configuration; each
+    output must equal the native one exactly (the decoders give identical values)."""
+    rows = []
+    for name, hq, hkv, d, b, ctx in WORD_CELLS:
+        cell = Cell(hq, hkv, d, b, ctx, l2)
+        ref = None
+        for mode in DECODER_MODES:
+            fns = cell.fns("e4m3_native", fp8_mode=mode)
+            fns[0]()
+            got = cell.out[0].clone()
+            ref = got if ref is None else ref
+            ms = _graph_time(fns, reps=10)
+            tbs = cell.kv_bytes("e4m3_native") / (ms * 1e-3) / 1e12
+            rows.append({"shape": name, "batch": b, "context": ctx, "fp8_mode": mode, "ms": ms,
+                         "tbs": tbs, "pct_ceiling": 100 * tbs / read_tbs,
+                         "max_abs_diff_vs_native": float((got.float() - ref.float()).abs().max())})
+        line = " ".join(f"{r['fp8_mode']} {r['ms'] * 1e3:7.1f}us ({r['pct_ceiling']:.0f}%)"
+                        for r in rows[-len(DECODER_MODES):])
+        print(f"decoders {name:13s} B={b:<3d} ctx={ctx:<6d} {line}", flush=True)
         del cell
         torch.cuda.empty_cache()
     return rows

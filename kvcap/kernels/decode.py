@@ -26,6 +26,7 @@ from kvcap.kernels.common import (
     convert_words,
     dot_dtype,
     grouped_enabled,
+    has_native_fp8,
     load_raw,
     load_words,
     merge_splits,
@@ -60,13 +61,13 @@ def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
                  qk_scale, head_off, stride_cb, stride_ct, qpos,
                  BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, FP8: tl.constexpr, SOFTWARE: tl.constexpr,
-                 USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
-                 CAUSAL: tl.constexpr, PREFETCH: tl.constexpr):
+                 SOFTWARE_V: tl.constexpr, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 IEEE: tl.constexpr, CAUSAL: tl.constexpr, PREFETCH: tl.constexpr):
     """Online-softmax attention of BLOCK_H query rows over cached tokens [lo, hi) of one KV
     head. Returns (m, l, acc): base-2 running max, sum, unnormalised FP32 output. With
     CAUSAL, row r sees positions <= qpos[r]. With PREFETCH the raw K/V bytes of the next tile
     are loaded into registers before the current tile is decoded and used, keeping loads in
-    flight."""
+    flight. SOFTWARE / SOFTWARE_V: the decoder of K / of V (they may differ)."""
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -98,7 +99,7 @@ def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
         else:
             valid = pmask[None, :]
         m_new, alpha, p, l_i = online_softmax_step(tl.where(valid, s, float("-inf")), m_i, l_i)
-        v = convert_tile(vr, FP8, SOFTWARE, DOT_DTYPE, True)
+        v = convert_tile(vr, FP8, SOFTWARE_V, DOT_DTYPE, True)
         acc = acc * alpha[:, None] + mm(p.to(DOT_DTYPE), v, USE_DOT, IEEE)
         m_i = m_new
         if PREFETCH:
@@ -111,8 +112,8 @@ def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
 def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
                       qk_scale, head_off, stride_cb, stride_ct, stride_qh,
                       BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, SOFTWARE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      BLOCK_N: tl.constexpr, SOFTWARE: tl.constexpr, SOFTWARE_V: tl.constexpr,
+                      DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
     """attend_tiles for E4M3 caches read as 32-bit words: the head dimension is split into the
     four column groups a word decodes to (column 4c + j -> group j), so QK^T is four dots of
     K = D/4 and the output is four [BLOCK_H, D/4] accumulators (returned in group order)."""
@@ -140,7 +141,7 @@ def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_st
         s = tl.where(pmask[None, :], s * qk_scale, float("-inf"))
         m_new, alpha, p, l_i = online_softmax_step(s, m_i, l_i)
         pd = p.to(DOT_DTYPE)
-        v0, v1, v2, v3 = convert_words(load_words(vc_ptr, row, pmask, HEAD_DIM), SOFTWARE,
+        v0, v1, v2, v3 = convert_words(load_words(vc_ptr, row, pmask, HEAD_DIM), SOFTWARE_V,
                                        DOT_DTYPE)
         a0 = a0 * alpha[:, None] + mm(pd, v0, True, IEEE)
         a1 = a1 * alpha[:, None] + mm(pd, v1, True, IEEE)
@@ -169,7 +170,7 @@ def _decode_kernel(
     stride_pb, stride_ph, stride_ps, num_splits,
     GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, FP8: tl.constexpr, SOFTWARE: tl.constexpr,
+    SPLIT: tl.constexpr, FP8: tl.constexpr, SOFTWARE: tl.constexpr, SOFTWARE_V: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
     PREFETCH: tl.constexpr, WORDS: tl.constexpr,
 ):
@@ -196,21 +197,22 @@ def _decode_kernel(
         out_scale = tl.load(vs_ptr)
     if SOFTWARE:
         qk_scale = qk_scale * 256.0
+    if SOFTWARE_V:
         out_scale = out_scale * 256.0
     if WORDS:
         m_i, l_i, a0, a1, a2, a3 = attend_word_tiles(
             q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, kc_ptr, vc_ptr, bt_ptr,
             bt_stride, seq, lo, hi, qk_scale, kvh.to(tl.int64) * stride_ch, stride_cb,
-            stride_ct, stride_qh, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFTWARE, DOT_DTYPE,
-            IEEE)
+            stride_ct, stride_qh, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFTWARE, SOFTWARE_V,
+            DOT_DTYPE, IEEE)
     else:
         q = _load_q(q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, HEAD_DIM, DOT_DTYPE,
                     stride_qh)
         m_i, l_i, acc = attend_tiles(
             q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi, qk_scale,
             kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, h,
-            BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, USE_DOT, DOT_DTYPE, IEEE,
-            False, PREFETCH)
+            BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, SOFTWARE_V, USE_DOT,
+            DOT_DTYPE, IEEE, False, PREFETCH)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     if not SPLIT:
         inv = (out_scale / l_safe)[:, None]
@@ -290,6 +292,22 @@ def use_words(head_dim: int, grouped: bool, fp8: bool, device: torch.device) -> 
     return fp8 and grouped and head_dim == 128 and words_enabled()
 
 
+MIXED_FP8_MODES = ("native-k", "native-v")
+
+
+def fp8_decoders(device: torch.device, fp8_mode: str) -> tuple[bool, bool]:
+    """(software K decoder?, software V decoder?). Besides auto/native/software, fp8_mode
+    "native-k" decodes K in hardware and V in software, "native-v" the reverse: the two
+    decoders use different units (the conversion pipe vs integer ALUs) and give identical
+    values, so splitting them can balance the per-element work."""
+    if fp8_mode in MIXED_FP8_MODES:
+        if not has_native_fp8(device):
+            raise ValueError(f"fp8_mode={fp8_mode!r} needs the SM89+ hardware conversion")
+        return fp8_mode == "native-v", fp8_mode == "native-k"
+    software = use_software_fp8(device, fp8_mode)
+    return software, software
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  query_start_loc: torch.Tensor, softmax_scale: float, max_seq_len: int,
@@ -321,7 +339,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     fp8 = k_cache.dtype == torch.uint8
     if fp8 and (k_scale is None or v_scale is None):
         raise ValueError("an E4M3 cache needs k_scale and v_scale")
-    software = fp8 and use_software_fp8(q.device, fp8_mode)
+    software, software_v = fp8_decoders(q.device, fp8_mode) if fp8 else (False, False)
     if grouped is None:
         grouped = grouped_enabled()
     heads = group if grouped else 1
@@ -352,7 +370,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         *ps, num_splits,
         GROUP=group, HEADS=heads, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2],
-        BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8, SOFTWARE=software,
+        BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8, SOFTWARE=software, SOFTWARE_V=software_v,
         USE_DOT=grouped, PREFETCH=pf, WORDS=words,
         DOT_DTYPE=dt, IEEE=ieee,
         num_warps=nw, num_stages=ns,
@@ -360,7 +378,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if num_splits > 1:
         _merge_kernel[(num_seqs, hq)](
             out, po, plse, query_start_loc, v_scale if fp8 else dummy,
-            SOFTWARE_FP8_FACTOR if software else 1.0,
+            SOFTWARE_FP8_FACTOR if software_v else 1.0,
             out.stride(0), out.stride(1), *ps, num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=d,
             FP8=fp8, num_warps=4 if q.device.type == "cuda" else 1,

@@ -61,8 +61,8 @@ def _prefill_kernel(
     m_i, l_i, acc = attend_tiles(
         q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, 0, kv_end, qk_scale,
         kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, qpos,
-        BLOCK_Q * BLOCK_G, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, USE_DOT, DOT_DTYPE,
-        IEEE, True, PREFETCH)
+        BLOCK_Q * BLOCK_G, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, SOFTWARE, USE_DOT,
+        DOT_DTYPE, IEEE, True, PREFETCH)
     inv = (out_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     obase = out_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_ot + \
         head.to(tl.int64)[:, None] * stride_oh
