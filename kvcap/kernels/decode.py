@@ -296,15 +296,21 @@ MIXED_FP8_MODES = ("native-k", "native-v")
 
 
 def fp8_decoders(device: torch.device, fp8_mode: str) -> tuple[bool, bool]:
-    """(software K decoder?, software V decoder?). Besides auto/native/software, fp8_mode
-    "native-k" decodes K in hardware and V in software, "native-v" the reverse: the two
-    decoders use different units (the conversion pipe vs integer ALUs) and give identical
-    values, so splitting them can balance the per-element work."""
+    """(software K decoder?, software V decoder?). fp8_mode "native-k" decodes K in hardware
+    and V with the packed software decoder, "native-v" the reverse; "native" and "software"
+    use one decoder for both. The decoders give identical values on different units (the
+    conversion pipe vs the integer ALUs), so splitting the work balances them: "auto" is
+    "native-k" where the GPU converts E4M3 (H200, same run, docs/benchmarks/decoders-2026-12-
+    01-h200.json: 0.95-1.00x the all-native time on the six cells measured; 0.95x at 8 x 32K and
+    on the D = 256 shape) and "software" elsewhere or with KVCAP_FORCE_SOFTWARE_FP8=1. The
+    prefill and QSA kernels keep one decoder for both."""
     if fp8_mode in MIXED_FP8_MODES:
         if not has_native_fp8(device):
             raise ValueError(f"fp8_mode={fp8_mode!r} needs the SM89+ hardware conversion")
         return fp8_mode == "native-v", fp8_mode == "native-k"
     software = use_software_fp8(device, fp8_mode)
+    if fp8_mode == "auto" and not software:
+        return False, True  # native-k
     return software, software
 
 
