@@ -28,7 +28,12 @@ import torch
 CONFIGS = Path(__file__).parent / "configs"
 SHAPES = {"llama-3.1-8b": f"dummy:{CONFIGS / 'llama-3.1-8b.json'}",
           "gqa6-d256": f"dummy:{CONFIGS / 'gqa6-d256.json'}", "embedded": "default"}
-KV_MODES = {"fp16": ("auto", "0"), "fp8": ("fp8_e4m3", "0"), "fp8-software": ("fp8_e4m3", "1")}
+# KV mode -> (kv_cache_dtype, environment for the arm); "fp8" is the default E4M3 decode,
+# "fp8-allnative" the hardware conversion for K and V alike (the pre-2026-12-01 default).
+KV_MODES = {"fp16": ("auto", {}), "fp8": ("fp8_e4m3", {}),
+            "fp8-software": ("fp8_e4m3", {"KVCAP_FORCE_SOFTWARE_FP8": "1"}),
+            "fp8-allnative": ("fp8_e4m3", {"KVCAP_DISABLE_MIXED_DECODERS": "1"})}
+ARM_ENV = ("KVCAP_FORCE_SOFTWARE_FP8", "KVCAP_DISABLE_MIXED_DECODERS")
 logger = logging.getLogger("kvcap.bench.throughput")
 
 
@@ -177,7 +182,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="+", default=["llama-3.1-8b"], choices=list(SHAPES))
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 64])
     ap.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 16384, 32768, 131072])
-    ap.add_argument("--kv", nargs="+", default=list(KV_MODES), choices=list(KV_MODES))
+    ap.add_argument("--kv", nargs="+", default=["fp16", "fp8", "fp8-software"],
+                    choices=list(KV_MODES))
     ap.add_argument("--out-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kv-gib", type=float, default=None, help="fixed KV budget for every arm")
@@ -204,8 +210,9 @@ def main(argv=None) -> int:
         model = SHAPES[shape]
         scales = calibrated_scales(model, "float16") if model.startswith("dummy:") else None
         for mode in [] if args.hf_only else args.kv:
-            kv_dtype, sw = KV_MODES[mode]
-            os.environ["KVCAP_FORCE_SOFTWARE_FP8"] = sw
+            kv_dtype, env = KV_MODES[mode]
+            for key in ARM_ENV:
+                os.environ[key] = env.get(key, "0")
             kw = dict(kv_cache_memory_gib=args.kv_gib) if args.kv_gib else {}
             llm = LLM(model=model, dtype="float16", kv_cache_dtype=kv_dtype,
                       kv_scales=scales if kv_dtype == "fp8_e4m3" else None,
@@ -237,7 +244,8 @@ def main(argv=None) -> int:
                 report["hf_baseline"].append({"shape": shape, **hf_baseline(
                     model[len("dummy:"):], b, 1024, 64)})
                 _save(report, path)
-    os.environ.pop("KVCAP_FORCE_SOFTWARE_FP8", None)
+    for key in ARM_ENV:
+        os.environ.pop(key, None)
     _mark_fp8_only(report)
     report["complete"] = True
     _save(report, path)

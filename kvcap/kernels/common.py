@@ -24,6 +24,7 @@ ENV_FORCE_SOFTWARE_FP8 = "KVCAP_FORCE_SOFTWARE_FP8"
 ENV_DISABLE_GROUPED = "KVCAP_DISABLE_GROUPED_DECODE"
 ENV_DISABLE_SPLIT_K = "KVCAP_DISABLE_SPLIT_K"
 ENV_DISABLE_WORDS = "KVCAP_DISABLE_WORD_DECODE"
+ENV_DISABLE_MIXED = "KVCAP_DISABLE_MIXED_DECODERS"
 
 SOFTWARE_FP8_FACTOR = 256.0  # the packed decoder yields value * 2^-8
 LOG2E = 1.4426950408889634
@@ -68,6 +69,10 @@ def split_k_enabled() -> bool:
 
 def words_enabled() -> bool:
     return not _flag(ENV_DISABLE_WORDS)
+
+
+def mixed_decoders_enabled() -> bool:
+    return not _flag(ENV_DISABLE_MIXED)
 
 
 _SM_COUNT: dict[int, int] = {}

@@ -30,6 +30,7 @@ from kvcap.kernels.common import (
     load_raw,
     load_words,
     merge_splits,
+    mixed_decoders_enabled,
     mm,
     online_softmax_step,
     paged_row_offsets,
@@ -302,14 +303,15 @@ def fp8_decoders(device: torch.device, fp8_mode: str) -> tuple[bool, bool]:
     conversion pipe vs the integer ALUs), so splitting the work balances them: "auto" is
     "native-k" where the GPU converts E4M3 (H200, same run, docs/benchmarks/decoders-2026-12-
     01-h200.json: 0.95-1.00x the all-native time on the six cells measured; 0.95x at 8 x 32K and
-    on the D = 256 shape) and "software" elsewhere or with KVCAP_FORCE_SOFTWARE_FP8=1. The
-    prefill and QSA kernels keep one decoder for both."""
+    on the D = 256 shape; KVCAP_DISABLE_MIXED_DECODERS=1 makes it "native") and "software"
+    elsewhere or with KVCAP_FORCE_SOFTWARE_FP8=1. The prefill and QSA kernels keep one decoder
+    for both."""
     if fp8_mode in MIXED_FP8_MODES:
         if not has_native_fp8(device):
             raise ValueError(f"fp8_mode={fp8_mode!r} needs the SM89+ hardware conversion")
         return fp8_mode == "native-v", fp8_mode == "native-k"
     software = use_software_fp8(device, fp8_mode)
-    if fp8_mode == "auto" and not software:
+    if fp8_mode == "auto" and not software and mixed_decoders_enabled():
         return False, True  # native-k
     return software, software
 
