@@ -64,7 +64,7 @@ job_throughput3() {  # the decode cells only (no 64 x 16K prefill), every KV mod
     --repeats 1 --out "$RES/throughput"
   timeout ${THROUGHPUT16_S:-120} python3 -m kvcap.bench.throughput --shapes llama-3.1-8b \
     --concurrency 16 --context 16384 --kv fp16 fp8 fp8-software --out-tokens 64 \
-    --repeats 1 --out "$RES/throughput16k"
+    --repeats ${TPUT_REPEATS:-1} --out "$RES/throughput16k"
 }
 job_throughputhf() {  # issue 6's 10x check with the HF baseline in the same run
   timeout ${THROUGHPUT_S:-300} python3 -m kvcap.bench.throughput --shapes llama-3.1-8b \
@@ -85,7 +85,7 @@ job_decoders() {  # E4M3 decoder pairings (K/V native/software) on the sweep cel
 job_tput16k() {  # the 16 x 16K decode cell, every KV mode, current defaults
   timeout ${THROUGHPUT16_S:-200} python3 -m kvcap.bench.throughput --shapes llama-3.1-8b \
     --concurrency 16 --context 16384 --kv ${TPUT_KV:-fp16 fp8 fp8-software} --out-tokens 64 \
-    --repeats 1 --out "$RES/throughput16k"
+    --repeats ${TPUT_REPEATS:-1} --out "$RES/throughput16k"
 }
 job_gputests() {  # the whole GPU test suite (the server tests need openai/uvicorn: not there)
   timeout ${GPUTESTS_S:-500} python3 -m pytest -q -m gpu tests --ignore=tests/test_server.py \
