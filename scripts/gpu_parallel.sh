@@ -80,7 +80,7 @@ job_profile() {  # where an 8B decode step's time goes (kernel categories, GEMMs
 }
 job_decoders() {  # E4M3 decoder pairings (K/V native/software) on the sweep cells
   timeout ${DECODERS_S:-240} python3 -m kvcap.bench.kernels --skip-checks --compare-decoders \
-    --out "$RES/decoders.json"
+    --out "$RES/decoders${DECODERS_ARGS:+-contig}.json" ${DECODERS_ARGS:-}
 }
 job_tput16k() {  # the 16 x 16K decode cell, every KV mode, current defaults
   timeout ${THROUGHPUT16_S:-200} python3 -m kvcap.bench.throughput --shapes llama-3.1-8b \

@@ -44,6 +44,7 @@ BATCHES = [1, 4, 8, 16, 64]
 CONTEXTS = [1024, 4096, 16384, 32768, 131072]
 ARMS = ["sdpa_fp16", "paged_fp16", "e4m3_native", "e4m3_software"]
 BLOCK_SIZE = 16
+CONTIGUOUS_TABLES = False  # --contiguous-tables
 MAX_FP16_KV_BYTES = 20 * 2**30
 
 
@@ -201,7 +202,10 @@ class Cell:
         self.sv = [torch.randn(b, hkv, ctx, d, generator=g, device="cuda", dtype=torch.float16)
                    for _ in range(r)]
         total = r * b * nblk
-        perm = torch.randperm(total, device="cuda")
+        # Random block order (a pool fragmented by a long-running server) unless
+        # CONTIGUOUS_TABLES (a fresh pool, as in an end-to-end benchmark's first requests).
+        perm = (torch.arange(total, device="cuda") if CONTIGUOUS_TABLES
+                else torch.randperm(total, device="cuda"))
         self.tables = perm.view(r, b, nblk).to(torch.int32)
         pool_shape = (total, hkv, BLOCK_SIZE, d)
         self.k16 = torch.empty(pool_shape, dtype=torch.float16, device="cuda")
@@ -293,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-decoders", action="store_true",
                     help="time every E4M3 decoder pairing (K/V native/software) on the sweep "
                          "cells, then stop")
+    ap.add_argument("--contiguous-tables", action="store_true",
+                    help="every sequence's KV blocks in order (default: a random permutation)")
     ap.add_argument("--markdown", metavar="JSON",
                     help="print the per-shape tables of docs/kernels.md from a result file")
     args = ap.parse_args(argv)
@@ -304,7 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    global CONTIGUOUS_TABLES
+    CONTIGUOUS_TABLES = args.contiguous_tables
     info = run_info()
+    info["contiguous_tables"] = CONTIGUOUS_TABLES
     l2 = info["l2_bytes"]
     info["block_size"] = BLOCK_SIZE
     checks = [] if args.skip_checks else run_checks()
