@@ -18,10 +18,9 @@ logger = logging.getLogger(__name__)
 
 
 class TritonBackend(AttentionBackend):
-    """fp8_mode: "auto" (hardware E4M3 conversion on SM89+ — in decode, for K, with V through the
-    packed software decoder, which balances the two units (kvcap.kernels.decode.fp8_decoders) —
-    and the exact packed software decoder elsewhere or with KVCAP_FORCE_SOFTWARE_FP8=1),
-    "native" (hardware for everything) or "software"."""
+    """fp8_mode: "auto" (hardware E4M3 conversion on SM89+, the exact packed software decoder
+    elsewhere or with KVCAP_FORCE_SOFTWARE_FP8=1), "native" or "software"; decode also takes
+    "native-k" / "native-v" (kvcap.kernels.decode.fp8_decoders)."""
 
     name = "triton"
 

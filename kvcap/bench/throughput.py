@@ -29,11 +29,11 @@ CONFIGS = Path(__file__).parent / "configs"
 SHAPES = {"llama-3.1-8b": f"dummy:{CONFIGS / 'llama-3.1-8b.json'}",
           "gqa6-d256": f"dummy:{CONFIGS / 'gqa6-d256.json'}", "embedded": "default"}
 # KV mode -> (kv_cache_dtype, environment for the arm); "fp8" is the default E4M3 decode,
-# "fp8-allnative" the hardware conversion for K and V alike (the pre-2026-12-01 default).
+# "fp8-mixed" K by the hardware conversion and V by the software decoder.
 KV_MODES = {"fp16": ("auto", {}), "fp8": ("fp8_e4m3", {}),
             "fp8-software": ("fp8_e4m3", {"KVCAP_FORCE_SOFTWARE_FP8": "1"}),
-            "fp8-allnative": ("fp8_e4m3", {"KVCAP_DISABLE_MIXED_DECODERS": "1"})}
-ARM_ENV = ("KVCAP_FORCE_SOFTWARE_FP8", "KVCAP_DISABLE_MIXED_DECODERS")
+            "fp8-mixed": ("fp8_e4m3", {"KVCAP_MIXED_DECODERS": "1"})}
+ARM_ENV = ("KVCAP_FORCE_SOFTWARE_FP8", "KVCAP_MIXED_DECODERS")
 logger = logging.getLogger("kvcap.bench.throughput")
 
 

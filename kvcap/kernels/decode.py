@@ -300,12 +300,14 @@ def fp8_decoders(device: torch.device, fp8_mode: str) -> tuple[bool, bool]:
     """(software K decoder?, software V decoder?). fp8_mode "native-k" decodes K in hardware
     and V with the packed software decoder, "native-v" the reverse; "native" and "software"
     use one decoder for both. The decoders give identical values on different units (the
-    conversion pipe vs the integer ALUs), so splitting the work balances them: "auto" is
-    "native-k" where the GPU converts E4M3 (H200, same run, docs/benchmarks/decoders-2026-12-
-    01-h200.json: 0.95-1.00x the all-native time on the six cells measured; 0.95x at 8 x 32K and
-    on the D = 256 shape; KVCAP_DISABLE_MIXED_DECODERS=1 makes it "native") and "software"
-    elsewhere or with KVCAP_FORCE_SOFTWARE_FP8=1. The prefill and QSA kernels keep one decoder
-    for both."""
+    conversion pipe vs the integer ALUs). "auto" is "native" where the GPU converts E4M3
+    ("native-k" with KVCAP_MIXED_DECODERS=1) and "software" elsewhere or with
+    KVCAP_FORCE_SOFTWARE_FP8=1. Why "native-k" is not the default (H200): alone, the decode
+    kernel takes 0.93-1.00x the all-native time on all six benchmark cells, in random and in
+    in-order block tables (docs/benchmarks/decoders-2026-12-01-h200*.json), yet end to end at
+    16 x 16K on the 8B shape decode is 1.2-1.5% slower with it, in three runs and both arm
+    orders (throughput-2026-12-01-h200-16k-*.json). The prefill and QSA kernels always use
+    one decoder for both."""
     if fp8_mode in MIXED_FP8_MODES:
         if not has_native_fp8(device):
             raise ValueError(f"fp8_mode={fp8_mode!r} needs the SM89+ hardware conversion")
