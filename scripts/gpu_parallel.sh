@@ -87,6 +87,11 @@ job_tput16k() {  # the 16 x 16K decode cell, every KV mode, current defaults
     --concurrency 16 --context 16384 --kv ${TPUT_KV:-fp16 fp8 fp8-software} --out-tokens 64 \
     --repeats ${TPUT_REPEATS:-1} --out "$RES/throughput16k"
 }
+job_tputlong() {  # 16 x 16K and 16 x 32K in one run, every KV mode, current defaults
+  timeout ${TPUTLONG_S:-480} python3 -m kvcap.bench.throughput --shapes llama-3.1-8b \
+    --concurrency 16 --context 16384 32768 --kv fp16 fp8 fp8-software --out-tokens 64 \
+    --repeats 1 --out "$RES/throughputlong"
+}
 job_gputests() {  # the whole GPU test suite (the server tests need openai/uvicorn: not there)
   timeout ${GPUTESTS_S:-500} python3 -m pytest -q -m gpu tests --ignore=tests/test_server.py \
     --ignore=tests/test_server_load.py --ignore=tests/test_serve_cli.py 2>&1 | tail -25
