@@ -164,6 +164,7 @@ class LLM:
                                        driver=self.tp)
         else:
             self.runner = ModelRunner(self.model, backend, self.pool, self.device)
+        self.runner.set_context_classes(self.max_model_len)
         if self.qsa is not None:  # before capture: the decode graphs record the QSA backend
             qsa_wiring.enable_qsa(self, self.qsa)
         no_graphs = qsa_wiring.graph_refusal(self.runner.backend)

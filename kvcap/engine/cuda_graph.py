@@ -33,12 +33,23 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
 
 
+def context_classes(max_model_len: int) -> list[int]:
+    """The context lengths decode graphs are captured for (a decode step runs the graph of the
+    smallest class >= its longest sequence). Eager decode on CUDA uses the same classes for
+    its split-K choice, so graph and eager runs compute the same sums (same greedy tokens)."""
+    return sorted({c for c in (2048, 16384) if c < max_model_len} | {max_model_len})
+
+
+def context_class(classes: list[int], max_seq_len: int) -> int:
+    return next((c for c in classes if c >= max_seq_len), max_seq_len)
+
+
 class DecodeGraphs:
     def __init__(self, model, backend, pool, device: torch.device, max_num_seqs: int,
                  max_model_len: int):
         self.model, self.backend, self.pool, self.device = model, backend, pool, device
         self.buckets = batch_buckets(max_num_seqs)
-        self.classes = sorted({c for c in (2048, 16384) if c < max_model_len} | {max_model_len})
+        self.classes = context_classes(max_model_len)
         self.block_size = pool.spec.block_size
         width = -(-max_model_len // self.block_size)
         n = self.buckets[-1]
@@ -92,7 +103,7 @@ class DecodeGraphs:
 
     def context_class(self, max_seq_len: int) -> int:
         """The split-count hint both paths use, so eager and graph steps reduce alike."""
-        return next((c for c in self.classes if c >= max_seq_len), max_seq_len)
+        return context_class(self.classes, max_seq_len)
 
     def can_run(self, num_seqs: int, max_seq_len: int) -> bool:
         return num_seqs <= self.buckets[-1] and max_seq_len <= self.classes[-1]

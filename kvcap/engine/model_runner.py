@@ -102,7 +102,17 @@ class ModelRunner:
         self._eager = EagerInputs(device, pool.spec.block_size)
         self.kv_observer: KVObserverFn | None = None
         self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs()
+        self.context_classes: list[int] | None = None  # set_context_classes (CUDA)
         self.timer = None  # kvcap.engine.timing.StepTimer while step timing is on (rank 0)
+
+    def set_context_classes(self, max_model_len: int) -> None:
+        """Eager decode steps on CUDA report the graph context class as their max_seq_len (it
+        only drives the split-K choice), whether or not graphs are captured: enforce_eager and
+        graph runs then give the same greedy tokens."""
+        from kvcap.engine.cuda_graph import context_classes
+
+        if self.device.type == "cuda":
+            self.context_classes = context_classes(max_model_len)
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         from kvcap.engine.cuda_graph import DecodeGraphs
@@ -188,8 +198,10 @@ class ModelRunner:
         input_ids, pos, meta = self._eager.build(plan)
         if fed_ids is not None:
             input_ids.copy_(fed_ids, non_blocking=True)
-        if self.graphs is not None and meta.is_decode_only:
-            meta.max_seq_len = self.graphs.context_class(meta.max_seq_len)
+        if self.context_classes is not None and meta.is_decode_only:
+            from kvcap.engine.cuda_graph import context_class
+
+            meta.max_seq_len = context_class(self.context_classes, meta.max_seq_len)
         ctx = ForwardContext(self.backend, self.pool, meta, self.kv_observer)
         if t is not None:
             t.mark("prepare")
