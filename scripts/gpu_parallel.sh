@@ -92,6 +92,9 @@ job_tputlong() {  # 16 x 16K and 16 x 32K in one run, every KV mode, current def
     --concurrency 16 --context 16384 32768 --kv fp16 fp8 fp8-software --out-tokens 64 \
     --repeats 1 --out "$RES/throughputlong"
 }
+job_gemm() {  # decode-size GEMMs: cuBLAS vs the weight-streaming Triton kernel (sweep)
+  timeout ${GEMM_S:-300} python3 -m kvcap.bench.gemm --out "$RES/gemm.json"
+}
 job_gputests() {  # the whole GPU test suite (the server tests need openai/uvicorn: not there)
   timeout ${GPUTESTS_S:-500} python3 -m pytest -q -m gpu tests --ignore=tests/test_server.py \
     --ignore=tests/test_server_load.py --ignore=tests/test_serve_cli.py 2>&1 | tail -25

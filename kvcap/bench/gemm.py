@@ -1,0 +1,112 @@
+"""Decode-size GEMMs: cuBLAS (`F.linear`) vs kvcap's weight-streaming Triton kernel
+(kvcap.kernels.skinny_gemm) on every distinct linear of a model, at M = 16 and 64 rows.
+
+    python -m kvcap.bench.gemm [--config kvcap/bench/configs/llama-3.1-8b.json] [--out FILE]
+
+Checks each kernel configuration against an FP32 reference first, then times both in CUDA
+graphs over enough distinct weight copies to defeat L2 (median of replays), as bytes read
+(weights + activations) per second and as a fraction of the streaming-read ceiling measured in
+the same run. Sweeps the Triton launch configuration per shape and reports the best next to
+cuBLAS. Writes JSON (atomically) and prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import itertools
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvcap.bench.kernels import _graph_time, measure_ceilings
+from kvcap.bench.step_profile import CONFIGS, linear_shapes
+from kvcap.kernels.skinny_gemm import skinny_linear
+from kvcap.scales.fsutil import atomic_write_text
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages)
+SWEEP = [(bn, bk, nw, ns) for bn, bk, nw, ns in
+         itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 5))]
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).norm() / want.norm())
+
+
+def bench_shape(name: str, n: int, k: int, rows: list[int], ceiling: float) -> list[dict]:
+    w_bytes = n * k * 2
+    copies = max(2, -(-(400 << 20) // w_bytes))  # > 8x the H200's 50 MB L2
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02 for _ in range(copies)]
+    out = []
+    for m in rows:
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        want = x.float() @ ws[0].float().t()
+        moved = w_bytes + 2 * m * (n + k)
+
+        def row(impl: str, ms: float, m=m, moved=moved, **extra) -> dict:
+            tbs = moved / ms / 1e9
+            return {"linear": name, "n": n, "k": k, "m": m, "impl": impl, "us": 1e3 * ms,
+                    "tbs": tbs, "pct_ceiling": 100 * tbs / ceiling, **extra}
+
+        cublas_err = _rel_err(F.linear(x, ws[0]), want)
+        out.append(row("cublas", _graph_time([functools.partial(F.linear, x, w) for w in ws]),
+                       rel_err=cublas_err))
+        for bn, bk, nw, ns in SWEEP:
+            kw = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+            try:
+                err = _rel_err(skinny_linear(x, ws[0], **kw), want)
+                if err > 4 * cublas_err + 1e-4:
+                    raise AssertionError(f"relative error {err:.2e} vs cuBLAS {cublas_err:.2e}")
+                ms = _graph_time([functools.partial(skinny_linear, x, w, **kw) for w in ws])
+            except Exception as e:  # noqa: BLE001 - a config that cannot run is reported
+                print(f"{name} m={m} {bn},{bk},{nw},{ns}: {e!s:.100}", flush=True)
+                continue
+            out.append(row("triton", ms, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns,
+                           rel_err=err))
+    del ws
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", type=Path, default=CONFIGS / "llama-3.1-8b.json")
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    from kvcap.bench.throughput import _commit
+    from kvcap.config import ModelSpec
+
+    spec = ModelSpec.from_hf_config(json.loads(args.config.read_text()))
+    ceil = measure_ceilings()["read_tbs"]
+    report = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+              "commit": _commit(), "torch": torch.__version__, "config": args.config.name,
+              "read_ceiling_tbs": ceil, "rows": []}
+    out = args.out or Path(f"gemm-{report['date']}.json")
+    for name, (n, k) in linear_shapes(spec).items():
+        report["rows"] += bench_shape(name, n, k, args.rows, ceil)
+        atomic_write_text(out, json.dumps(report, indent=1))
+    print(f"read ceiling {ceil:.2f} TB/s")
+    print(f"{'linear':14} {'m':>3} {'cuBLAS us':>10} {'%ceil':>6} {'triton us':>10} {'%ceil':>6} "
+          f"{'ratio':>6}  best config (BN, BK, warps, stages)")
+    for name in linear_shapes(spec):
+        for m in args.rows:
+            rows = [r for r in report["rows"] if r["linear"] == name and r["m"] == m]
+            cb = next(r for r in rows if r["impl"] == "cublas")
+            tr = min((r for r in rows if r["impl"] == "triton"), key=lambda r: r["us"],
+                     default=None)
+            if tr is None:
+                print(f"{name:14} {m:3d} {cb['us']:10.1f} {cb['pct_ceiling']:6.1f}  (no triton)")
+                continue
+            print(f"{name:14} {m:3d} {cb['us']:10.1f} {cb['pct_ceiling']:6.1f} {tr['us']:10.1f} "
+                  f"{tr['pct_ceiling']:6.1f} {cb['us'] / tr['us']:6.2f}  "
+                  f"{tr['block_n']}, {tr['block_k']}, {tr['num_warps']}, {tr['num_stages']}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""Y = X @ W^T for the few rows of a decode step (M <= 64): a weight-streaming GEMM.
+
+At decode batch sizes a linear layer reads its whole weight matrix to produce a handful of rows,
+so it is a pure streaming read: one program per BLOCK_N weight rows walks the whole K axis in
+BLOCK_K steps (software-pipelined loads, num_stages deep), multiplies the [BLOCK_M, BLOCK_K]
+activation tile (M padded to the 16-row MMA minimum) with tl.dot and writes its [M, BLOCK_N]
+output once: no split-K workspace, no reduction kernel. X is tiny and stays in L2. FP32
+accumulation, FP16/BF16 in and out. Experimental: not wired into the model yet
+(`python -m kvcap.bench.gemm` compares it with cuBLAS on a model's linears).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 64
+
+
+@triton.jit
+def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EVEN_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mmask = rm < M
+    nmask = rn < N
+    xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    wp = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(xp, mask=mmask[:, None], other=0.0)
+            w = tl.load(wp, mask=nmask[:, None], other=0.0)
+        else:
+            kmask = (k + rk) < K
+            x = tl.load(xp, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(wp, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+        xp += BLOCK_K
+        wp += BLOCK_K
+    yp = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+def default_config(n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages). Placeholder until the H200 sweep
+    (`python -m kvcap.bench.gemm`) picks per-shape values."""
+    if device.type != "cuda":
+        return 16, 32, 1, 1
+    return 32, 128, 4, 4
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                  block_n: int | None = None, block_k: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 64), w [N, K] (row-major, K contiguous) -> x @ w.T [M, N]."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"skinny_linear needs x [M, K] and w [N, K]; got {tuple(x.shape)} and "
+                         f"{tuple(w.shape)}")
+    m, k = x.shape
+    n = w.shape[0]
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"skinny_linear handles 1..{MAX_ROWS} rows, got {m}")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError("skinny_linear needs x and w contiguous along K")
+    if x.dtype != w.dtype:
+        raise ValueError(f"x is {x.dtype} but w is {w.dtype}")
+    bn, bk, nw, ns = default_config(n, k, x.device)
+    bn, bk, nw, ns = block_n or bn, block_k or bk, num_warps or nw, num_stages or ns
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_m = max(16, triton.next_power_of_2(m))
+    _skinny_gemm_kernel[(triton.cdiv(n, bn),)](
+        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
+        num_warps=nw, num_stages=ns)
+    return out

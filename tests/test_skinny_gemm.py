@@ -1,0 +1,48 @@
+"""The weight-streaming decode GEMM against torch (CPU interpreter; compiled on a GPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvcap.kernels.skinny_gemm import skinny_linear  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+pytestmark = pytest.mark.skipif(DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs CUDA or the Triton interpreter")
+
+
+@pytest.mark.parametrize("m,n,k,bn,bk", [(1, 48, 64, 16, 32), (16, 40, 96, 16, 32),
+                                         (5, 70, 80, 32, 32), (33, 16, 64, 16, 64)])
+def test_matches_torch(m, n, k, bn, bk):
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).to(DEV, torch.float16)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(DEV, torch.float16)
+    got = skinny_linear(x, w, block_n=bn, block_k=bk)
+    want = x.float() @ w.float().t()
+    assert got.shape == (m, n) and got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
+
+
+def test_strided_rows_and_out_buffer():
+    x = torch.randn(8, 128).to(DEV, torch.float16)[::2]  # row stride 256
+    w = torch.randn(32, 64).to(DEV, torch.float16)
+    x = x[:, :64]
+    out = torch.full((4, 32), 7.0, dtype=torch.float16, device=DEV)
+    skinny_linear(x, w, out=out, block_n=16, block_k=32)
+    torch.testing.assert_close(out.float(), x.float() @ w.float().t(), rtol=2e-3, atol=2e-3)
+
+
+def test_refuses_what_it_cannot_do():
+    w = torch.randn(16, 32, dtype=torch.float16, device=DEV)
+    with pytest.raises(ValueError, match="1..64 rows"):
+        skinny_linear(torch.randn(65, 32, dtype=torch.float16, device=DEV), w)
+    with pytest.raises(ValueError, match=r"x \[M, K\] and w \[N, K\]"):
+        skinny_linear(torch.randn(4, 16, dtype=torch.float16, device=DEV), w)
+    with pytest.raises(ValueError, match="contiguous along K"):
+        skinny_linear(torch.randn(32, 4, dtype=torch.float16, device=DEV).t(), w)
