@@ -5,8 +5,14 @@ so it is a pure streaming read: one program per BLOCK_N weight rows walks the wh
 BLOCK_K steps (software-pipelined loads, num_stages deep), multiplies the [BLOCK_M, BLOCK_K]
 activation tile (M padded to the 16-row MMA minimum) with tl.dot and writes its [M, BLOCK_N]
 output once: no split-K workspace, no reduction kernel. X is tiny and stays in L2. FP32
-accumulation, FP16/BF16 in and out. Experimental: not wired into the model yet
-(`python -m kvcap.bench.gemm` compares it with cuBLAS on a model's linears).
+accumulation, FP16/BF16 in and out.
+
+Experimental, not wired into the model: on the H200 (docs/benchmarks/gemm-2026-12-01-h200.json,
+`python -m kvcap.bench.gemm`) its best configuration per shape takes 0.94-1.09x cuBLAS's time on
+the Llama-3.1-8B linears (faster on the LM head, 94% of the read ceiling, and on o_proj / gate_up
+at 16 rows; slower on down_proj), i.e. ~1.5% of a 16 x 1K decode step at best. The small
+projections (QKV 68%, o_proj 56-61% of the ceiling for both) are bound by one wave's ramp-up and
+tail, not by the kernel's loop.
 """
 
 from __future__ import annotations
@@ -47,11 +53,13 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
 
 
 def default_config(n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages). Placeholder until the H200 sweep
-    (`python -m kvcap.bench.gemm`) picks per-shape values."""
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages): the H200 sweep's most frequent winner
+    (32, 128, 4, 5; 64-row tiles with 3 stages won on the widest matrices)."""
     if device.type != "cuda":
         return 16, 32, 1, 1
-    return 32, 128, 4, 4
+    if n >= 16384:
+        return 64, 128, 4, 3
+    return 32, 128, 4, 5
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
