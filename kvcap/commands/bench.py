@@ -7,8 +7,9 @@ import importlib
 
 from kvcap.errors import ConfigError
 
-HELP = "run a benchmark: throughput | kernels | sampler | serving | qsa (see docs/benchmarks)"
-SUITES = ("throughput", "kernels", "sampler", "serving", "qsa")
+SUITES = ("throughput", "throughput_report", "kernels", "sampler", "serving", "qsa",
+          "step_overhead", "step_profile", "gemm")
+HELP = f"run a benchmark: {' | '.join(SUITES)} (see docs/benchmarks)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -263,9 +263,11 @@ class ModelRunner:
             row_of = {id(r): i for i, r in enumerate(inflight.reqs)}
             fed = self.fed_ids(inflight.tokens, [row_of[id(ch.request)] for ch in chunks])
             plan.fed = True
-        self.broadcast_plan(plan)
         for i, _, _ in plan.prompt_rows:
             self._reset_prompt_outputs(chunks[i], extras)
+        # Nothing between the broadcast and the forward: under tensor parallelism an exception
+        # there (Ctrl-C) would leave the other ranks waiting in the forward's collectives.
+        self.broadcast_plan(plan)
         logits = self.run_plan(
             plan, lambda i, lg: self._collect_prompt_outputs(chunks[i], extras, lg), fed)
         sampling = [ch for ch in chunks if ch.samples]
