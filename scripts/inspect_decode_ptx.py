@@ -37,6 +37,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", choices=["fp16", "native", "software"], default="native")
     ap.add_argument("--words", action="store_true", help="the E4M3 word route")
+    ap.add_argument("--mixed", action="store_true",
+                    help="with --cache native: V through the software decoder (fp8_mode native-k)")
     ap.add_argument("--sm", type=int, default=90)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dump", type=Path, help="write the TTGIR and PTX here")
@@ -46,6 +48,7 @@ def main() -> int:
         ap.error("--words needs an E4M3 cache (--cache native|software)")
     consts = dict(GROUP=4, HEADS=4, BLOCK_H=16, HEAD_DIM=args.head_dim, BLOCK_SIZE=16,
                   BLOCK_N=128, SPLIT=True, FP8=fp8, SOFTWARE=args.cache == "software",
+                  SOFTWARE_V=args.cache == "software" or args.mixed,
                   USE_DOT=True, DOT_DTYPE=tl.float16, IEEE=False, PREFETCH=False,
                   WORDS=args.words)
     params = list(inspect.signature(decode._decode_kernel.fn).parameters)

@@ -1,0 +1,39 @@
+"""The decode kernel compiles for the GPUs kvcap promises to run on, without a GPU: the exact
+software E4M3 decoder on pre-FP8 targets (Turing sm_75, Ampere sm_80 / sm_86) must carry no
+FP8 instruction (ptxas refuses `cvt ... e4m3x2` below sm_89), and the hardware route on Hopper
+uses it. Runs scripts/inspect_decode_ptx.py in a subprocess: compiling needs the real inline
+PTX, which the CPU interpreter (TRITON_INTERPRET=1 in CI) replaces at import."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "inspect_decode_ptx.py"
+
+
+def _counts(*args: str) -> dict[str, int]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {m[1]: int(m[2]) for m in re.finditer(r"^\s+(\S+(?: \S+)*?)\s+(\d+)$", run.stdout,
+                                                 re.MULTILINE)}
+
+
+@pytest.mark.parametrize("sm,words", [(75, False), (80, False), (80, True), (86, True)])
+def test_software_decoder_compiles_for_pre_fp8_gpus(sm, words):
+    c = _counts("--cache", "software", "--sm", str(sm), *(["--words"] if words else []))
+    assert c["cvt.rn.f16x2.e4m3x2"] == 0
+    if not words:
+        assert c["prmt"] > 0  # the packed decoder's byte permutes are there
+
+
+def test_hardware_conversion_on_hopper():
+    c = _counts("--cache", "native", "--sm", "90")
+    assert c["cvt.rn.f16x2.e4m3x2"] > 0 and c["mma.sync"] > 0
