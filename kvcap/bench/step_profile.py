@@ -24,6 +24,7 @@ import collections
 import datetime
 import functools
 import json
+import os
 import time
 from pathlib import Path
 
@@ -88,12 +89,18 @@ def profile_cell(config: Path, kv: str, concurrency: int, context: int, steps: i
     from torch.profiler import ProfilerActivity, profile
 
     from kvcap import LLM, SamplingParams
-    from kvcap.bench.throughput import _sync, calibrated_scales
+    from kvcap.bench.throughput import ARM_ENV, KV_MODES, _sync, calibrated_scales
 
     model = f"dummy:{config}"
-    scales = calibrated_scales(model, "float16") if kv == "fp8" else None
-    llm = LLM(model=model, dtype="float16", kv_cache_dtype="fp8_e4m3" if kv == "fp8" else "auto",
-              kv_scales=scales, max_num_seqs=concurrency, max_model_len=context + 256,
+    if kv not in KV_MODES:
+        raise SystemExit(f"KV mode {kv!r} is not one of {', '.join(KV_MODES)}")
+    kv_dtype, env = KV_MODES[kv]
+    scales = calibrated_scales(model, "float16") if kv_dtype == "fp8_e4m3" else None
+    saved = {key: os.environ.get(key) for key in ARM_ENV}
+    for key in ARM_ENV:  # read at build (graph capture) and at every eager launch
+        os.environ[key] = env.get(key, "0")
+    llm = LLM(model=model, dtype="float16", kv_cache_dtype=kv_dtype, kv_scales=scales,
+              max_num_seqs=concurrency, max_model_len=context + 256,
               max_num_batched_tokens=8192)
     try:
         gen = torch.Generator().manual_seed(context + concurrency)
@@ -131,6 +138,11 @@ def profile_cell(config: Path, kv: str, concurrency: int, context: int, steps: i
                 "by_category_ms": dict(sorted(by_cat.items(), key=lambda x: -x[1])),
                 "top_kernels_ms": [{"name": n[:160], "ms": ms} for n, ms in top]}
     finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         llm.shutdown()
         del llm
         torch.cuda.empty_cache()
@@ -146,7 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config", type=Path, default=CONFIGS / "llama-3.1-8b.json")
     ap.add_argument("--cells", nargs="+", default=["fp16:16:1024", "fp16:16:16384",
                                                    "fp8:16:16384"],
-                    help="KV:CONCURRENCY:CONTEXT with KV fp16 or fp8")
+                    help="KV:CONCURRENCY:CONTEXT, KV one of kvcap.bench.throughput's modes "
+                         "(fp16, fp8, fp8-software, fp8-mixed)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--out", type=Path, default=None)
