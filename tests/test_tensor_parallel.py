@@ -225,8 +225,8 @@ def test_embedded_tp2_greedy_tokens_equal_tp1(dtype):
     # Same numbers up to the reduction order of the row-parallel sums. In FP16 every partial
     # sum is rounded, and over 30 layers the logits drift by up to ~10 FP16 ulps at their scale
     # (max 0.32 on logits of magnitude 31 on the 2026-12-01 Xeon; under 0.25 on earlier CPU
-    # machines), so the FP16 bound is
-    # relative to the logits' scale, plus a bound on the distributions (KL).
+    # machines), so the FP16 bound is relative to the logits' scale, plus a bound on the
+    # distributions (KL).
     for a, b in zip(logits1, logits2, strict=True):
         diff = (a - b).abs().max().item()
         if dtype == "float32":
