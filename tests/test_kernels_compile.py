@@ -1,8 +1,9 @@
 """The decode kernel compiles for the GPUs kvcap promises to run on, without a GPU: the exact
-software E4M3 decoder on pre-FP8 targets (Turing sm_75, Ampere sm_80 / sm_86) must carry no
-FP8 instruction (ptxas refuses `cvt ... e4m3x2` below sm_89), and the hardware route on Hopper
-uses it. Runs scripts/inspect_decode_ptx.py in a subprocess: compiling needs the real inline
-PTX, which the CPU interpreter (TRITON_INTERPRET=1 in CI) replaces at import."""
+software E4M3 decoder on pre-FP8 targets (Volta sm_70, Turing sm_75, Ampere sm_80 / sm_86) must
+carry no FP8 instruction (ptxas refuses `cvt ... e4m3x2` below sm_89); Triton has no MMA below
+sm_80, so V100 and T4 get FMA dots. The hardware route on Hopper uses the conversion. Runs
+scripts/inspect_decode_ptx.py in a subprocess: compiling needs the real inline PTX, which the
+CPU interpreter (TRITON_INTERPRET=1 in CI) replaces at import."""
 
 from __future__ import annotations
 
@@ -26,12 +27,14 @@ def _counts(*args: str) -> dict[str, int]:
                                                  re.MULTILINE)}
 
 
-@pytest.mark.parametrize("sm,words", [(75, False), (80, False), (80, True), (86, True)])
+@pytest.mark.parametrize("sm,words", [(70, False), (75, False), (80, False), (80, True),
+                                      (86, True)])
 def test_software_decoder_compiles_for_pre_fp8_gpus(sm, words):
     c = _counts("--cache", "software", "--sm", str(sm), *(["--words"] if words else []))
     assert c["cvt.rn.f16x2.e4m3x2"] == 0
     if not words:
         assert c["prmt"] > 0  # the packed decoder's byte permutes are there
+    assert (c["mma.sync"] > 0) == (sm >= 80)
 
 
 def test_hardware_conversion_on_hopper():
