@@ -104,6 +104,23 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> 
         raise ValueError(f"head_dim {head_dim} not supported (16/32/64/128/256)")
 
 
+def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         out: torch.Tensor, k_scale, v_scale) -> tuple[int, int, int, bool]:
+    """The checks every paged attention launcher makes: (query heads, KV heads, head_dim,
+    E4M3 cache?) of q [T, Hq, D] over caches [blocks, Hkv, block_size, D]."""
+    _, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    check_cache(k_cache, v_cache, d)
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    if q.stride(2) != 1 or out.stride(2) != 1:
+        raise ValueError("q/out head_dim must be contiguous")
+    fp8 = k_cache.dtype == torch.uint8
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an E4M3 cache needs k_scale and v_scale")
+    return hq, hkv, d, fp8
+
+
 @triton.jit
 def paged_row_offsets(bt_ptr, bt_stride, seq, pos, mask, BLOCK_SIZE: tl.constexpr,
                       stride_b, stride_t, head_off):

@@ -21,7 +21,7 @@ import triton.language as tl
 from kvcap.kernels.common import (
     LOG2E,
     SOFTWARE_FP8_FACTOR,
-    check_cache,
+    check_attention_args,
     convert_tile,
     convert_words,
     dot_dtype,
@@ -336,19 +336,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     grouped route, head_dim >= 64 only).
     """
     num_seqs = seq_lens.shape[0]
-    _, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    check_cache(k_cache, v_cache, d)
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
-    if q.stride(2) != 1 or out.stride(2) != 1:
-        raise ValueError("q/out head_dim must be contiguous")
+    hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
     if num_seqs == 0:
         return out
     group = hq // hkv
-    fp8 = k_cache.dtype == torch.uint8
-    if fp8 and (k_scale is None or v_scale is None):
-        raise ValueError("an E4M3 cache needs k_scale and v_scale")
     software, software_v = fp8_decoders(q.device, fp8_mode) if fp8 else (False, False)
     if grouped is None:
         grouped = grouped_enabled()

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcap.kernels.common import LOG2E, check_cache, dot_dtype, use_software_fp8
+from kvcap.kernels.common import LOG2E, check_attention_args, dot_dtype, use_software_fp8
 from kvcap.kernels.decode import attend_tiles, store_rows
 
 
@@ -89,19 +89,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     skip_decode=False, for every sequence). Shapes as in `paged_decode`; `max_query_len`
     (host int) sizes the grid and must be >= every sequence's query length."""
     num_seqs = seq_lens.shape[0]
-    _, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    check_cache(k_cache, v_cache, d)
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
-    if q.stride(2) != 1 or out.stride(2) != 1:
-        raise ValueError("q/out head_dim must be contiguous")
+    hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
     if num_seqs == 0 or max_query_len < 1:
         return out
     group = hq // hkv
-    fp8 = k_cache.dtype == torch.uint8
-    if fp8 and (k_scale is None or v_scale is None):
-        raise ValueError("an E4M3 cache needs k_scale and v_scale")
     software = fp8 and use_software_fp8(q.device, fp8_mode)
     block_g = triton.next_power_of_2(group)
     block_m, bn, nw, ns = prefill_config(d, group, q.device)
