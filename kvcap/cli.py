@@ -36,8 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What to do about missing scales, appended to the gate's own message on the CLI.
+GATE_HINT = ("an E4M3 KV cache needs calibrated scales: kvcap calibrate -> kvcap overlay -> "
+             "kvcap materialize (or --kv-scales PACK); `kvcap demo` runs the whole chain; "
+             "--kv-cache-dtype auto runs without E4M3")
+
+
 def main(argv: list[str] | None = None) -> int:
-    from kvcap.errors import KvcapError
+    from kvcap.errors import KvcapError, ScaleGateError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -51,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except KvcapError as e:
-        print(f"error: {e}", file=sys.stderr)
+        hint = f"; {GATE_HINT}" if isinstance(e, ScaleGateError) and " Missing: " in str(e) else ""
+        print(f"error: {e}{hint}", file=sys.stderr)  # one line, whatever went wrong
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -118,6 +118,7 @@ def test_verify_refuses_base_without_scales(chain: dict, capsys: pytest.CaptureF
     assert rc == 2 and "gate passed" not in out
     assert err.strip().startswith("error: Loaded 0/4 K/V scales. Missing: model.layers.0.")
     assert len(err.strip().splitlines()) == 1
+    assert "kvcap calibrate -> kvcap overlay -> kvcap materialize" in err  # what to do
 
 
 def test_verify_negative_control(chain: dict, capsys: pytest.CaptureFixture) -> None:
