@@ -333,7 +333,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables int32 [B, W]; seq_lens int32 [B]; query_start_loc int32 [B+1].
     `max_seq_len` (host int) only drives the split heuristic: any value is correct.
     `words`: read an E4M3 cache as 32-bit words in four column groups (attend_word_tiles;
-    grouped route, head_dim >= 64 only).
+    grouped route, head_dim >= 64 only). `fp8_mode`: auto | native | software | native-k |
+    native-v (fp8_decoders).
     """
     num_seqs = seq_lens.shape[0]
     hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
