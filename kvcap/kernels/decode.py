@@ -305,7 +305,7 @@ def fp8_decoders(device: torch.device, fp8_mode: str) -> tuple[bool, bool]:
     KVCAP_FORCE_SOFTWARE_FP8=1. Why "native-k" is not the default (H200): alone, the decode
     kernel takes 0.93-1.00x the all-native time on all six benchmark cells, in random and in
     in-order block tables (docs/benchmarks/decoders-2026-12-01-h200*.json), yet end to end at
-    16 x 16K on the 8B shape decode is 1.2-1.5% slower with it, in three runs and both arm
+    16 x 16K on the 8B shape decode is 1.1-1.5% slower with it, in three runs and both arm
     orders (throughput-2026-12-01-h200-16k-*.json). The prefill and QSA kernels always use
     one decoder for both."""
     if fp8_mode in MIXED_FP8_MODES:
