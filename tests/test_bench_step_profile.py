@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from kvcap.bench.step_profile import CONFIGS, category, linear_shapes
-from kvcap.bench.throughput import weight_bytes
+from kvcap.bench.gemm import linear_shapes
+from kvcap.bench.step_profile import category
+from kvcap.bench.throughput import CONFIGS, weight_bytes
 from kvcap.config import ModelSpec
 
 
@@ -50,3 +51,15 @@ def test_roofline_weight_bytes_skip_an_untied_input_embedding():
     assert weight_bytes(_fake_llm(tied=True)) == 2 * (800 + 64)
     untied = _fake_llm(tied=False)
     assert sum(p.numel() for p in untied.model.parameters()) == 800 + 800 + 64
+
+
+def test_bad_cells_are_refused_before_any_gpu_work(capsys):
+    import pytest
+
+    from kvcap.bench.step_profile import main
+
+    for bad in ("fp9:16:1024", "fp8:16", "fp8:x:1024"):
+        with pytest.raises(SystemExit) as exc:
+            main(["--cells", bad])
+        assert exc.value.code == 2
+        assert f"--cells {bad!r}: want KV:CONCURRENCY:CONTEXT" in capsys.readouterr().err

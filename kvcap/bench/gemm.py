@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcap.bench.kernels import _graph_time, measure_ceilings
-from kvcap.bench.step_profile import CONFIGS, linear_shapes
+from kvcap.bench.throughput import CONFIGS
 from kvcap.kernels.skinny_gemm import skinny_linear
 from kvcap.scales.fsutil import atomic_write_text
 
@@ -32,11 +32,23 @@ SWEEP = [(bn, bk, nw, ns) for bn, bk, nw, ns in
          itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 5))]
 
 
+def linear_shapes(spec) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each distinct linear of a Llama-family model."""
+    q = spec.num_heads * spec.head_dim
+    kv = spec.num_kv_heads * spec.head_dim
+    return {"qkv_proj": (q + 2 * kv, spec.hidden_size), "o_proj": (spec.hidden_size, q),
+            "gate_up_proj": (2 * spec.intermediate_size, spec.hidden_size),
+            "down_proj": (spec.hidden_size, spec.intermediate_size),
+            "lm_head": (spec.vocab_size, spec.hidden_size)}
+
+
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).norm() / want.norm())
 
 
-def bench_shape(name: str, n: int, k: int, rows: list[int], ceiling: float) -> list[dict]:
+def bench_shape(name: str, n: int, k: int, rows: list[int], ceiling: float,
+                sweep=SWEEP) -> list[dict]:
+    """cuBLAS and every Triton configuration in `sweep` (none: cuBLAS only) on one linear."""
     w_bytes = n * k * 2
     copies = max(2, -(-(400 << 20) // w_bytes))  # > 8x the H200's 50 MB L2
     ws = [torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02 for _ in range(copies)]
@@ -54,7 +66,7 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], ceiling: float) -> l
         cublas_err = _rel_err(F.linear(x, ws[0]), want)
         out.append(row("cublas", _graph_time([functools.partial(F.linear, x, w) for w in ws]),
                        rel_err=cublas_err))
-        for bn, bk, nw, ns in SWEEP:
+        for bn, bk, nw, ns in sweep:
             kw = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
             try:
                 err = _rel_err(skinny_linear(x, ws[0], **kw), want)

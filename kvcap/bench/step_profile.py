@@ -22,19 +22,17 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
-import functools
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from kvcap.bench.kernels import _graph_time, measure_ceilings
+from kvcap.bench.gemm import bench_shape, linear_shapes
+from kvcap.bench.kernels import measure_ceilings
+from kvcap.bench.throughput import CONFIGS, kv_arm
 from kvcap.scales.fsutil import atomic_write_text
 
-CONFIGS = Path(__file__).parent / "configs"
 # First match wins; names are matched lower-case.
 CATEGORIES = [
     ("attention", ("_decode_kernel", "_merge_kernel", "_prefill", "qsa")),
@@ -55,97 +53,71 @@ def category(kernel_name: str) -> str:
     return "other"
 
 
-def linear_shapes(spec) -> dict[str, tuple[int, int]]:
-    """(out_features, in_features) of each distinct linear of a Llama-family model."""
-    q = spec.num_heads * spec.head_dim
-    kv = spec.num_kv_heads * spec.head_dim
-    return {"qkv_proj": (q + 2 * kv, spec.hidden_size), "o_proj": (spec.hidden_size, q),
-            "gate_up_proj": (2 * spec.intermediate_size, spec.hidden_size),
-            "down_proj": (spec.hidden_size, spec.intermediate_size),
-            "lm_head": (spec.vocab_size, spec.hidden_size)}
-
-
 def time_gemms(spec, rows: list[int], ceiling_tbs: float) -> list[dict]:
-    out = []
-    for name, (n, k) in linear_shapes(spec).items():
-        w_bytes = n * k * 2
-        copies = max(2, -(-(400 << 20) // w_bytes))  # > 8x the H200's 50 MB L2
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
-              for _ in range(copies)]
-        for m in rows:
-            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-            fns = [functools.partial(F.linear, x, w) for w in ws]  # the model's own call
-            ms = _graph_time(fns)  # per call (the graph runs every copy once)
-            moved = w_bytes + 2 * m * (n + k)
-            tbs = moved / ms / 1e9
-            out.append({"linear": name, "n": n, "k": k, "m": m, "us": 1e3 * ms, "tbs": tbs,
-                        "pct_ceiling": 100 * tbs / ceiling_tbs})
-        del ws
-        torch.cuda.empty_cache()
-    return out
+    """cuBLAS (`F.linear`, the model's own call) on every distinct linear of the model."""
+    return [r for name, (n, k) in linear_shapes(spec).items()
+            for r in bench_shape(name, n, k, rows, ceiling_tbs, sweep=())]
 
 
 def profile_cell(config: Path, kv: str, concurrency: int, context: int, steps: int) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
-    from kvcap import LLM, SamplingParams
-    from kvcap.bench.throughput import ARM_ENV, KV_MODES, _sync, calibrated_scales
+    from kvcap import LLM
+    from kvcap.bench.throughput import calibrated_scales
 
     model = f"dummy:{config}"
-    if kv not in KV_MODES:
-        raise SystemExit(f"KV mode {kv!r} is not one of {', '.join(KV_MODES)}")
-    kv_dtype, env = KV_MODES[kv]
-    scales = calibrated_scales(model, "float16") if kv_dtype == "fp8_e4m3" else None
-    saved = {key: os.environ.get(key) for key in ARM_ENV}
-    for key in ARM_ENV:  # read at build (graph capture) and at every eager launch
-        os.environ[key] = env.get(key, "0")
-    llm = LLM(model=model, dtype="float16", kv_cache_dtype=kv_dtype, kv_scales=scales,
-              max_num_seqs=concurrency, max_model_len=context + 256,
-              max_num_batched_tokens=8192)
-    try:
-        gen = torch.Generator().manual_seed(context + concurrency)
-        ids = torch.randint(100, llm.spec.vocab_size - 100, (concurrency, context),
-                            generator=gen).tolist()
-        params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
-        for i, p in enumerate(ids):
-            llm.engine.add_request(f"r{i}", p, params)
-        # Prefill, then a few decode steps so every request decodes in lockstep.
-        while _prefilling(llm):
-            llm.engine.step()
-        for _ in range(8):
+    with kv_arm(kv) as kv_dtype:  # the arm's switches hold through capture and every step
+        scales = calibrated_scales(model, "float16") if kv_dtype == "fp8_e4m3" else None
+        llm = LLM(model=model, dtype="float16", kv_cache_dtype=kv_dtype, kv_scales=scales,
+                  max_num_seqs=concurrency, max_model_len=context + 256,
+                  max_num_batched_tokens=8192)
+        try:
+            return {"kv": kv, **_profile_steps(llm, concurrency, context, steps)}
+        finally:
+            llm.shutdown()
+            del llm
+            torch.cuda.empty_cache()
+
+
+def _profile_steps(llm, concurrency: int, context: int, steps: int) -> dict:
+    """`steps` decode steps of `concurrency` requests of `context` tokens, under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvcap import SamplingParams
+    from kvcap.bench.throughput import _sync
+
+    gen = torch.Generator().manual_seed(context + concurrency)
+    ids = torch.randint(100, llm.spec.vocab_size - 100, (concurrency, context),
+                        generator=gen).tolist()
+    params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
+    for i, p in enumerate(ids):
+        llm.engine.add_request(f"r{i}", p, params)
+    # Prefill, then a few decode steps so every request decodes in lockstep.
+    while _prefilling(llm):
+        llm.engine.step()
+    for _ in range(8):
+        llm.engine.step()
+    _sync(llm)
+    acts = [ProfilerActivity.CUDA] if llm.device.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
             llm.engine.step()
         _sync(llm)
-        acts = [ProfilerActivity.CUDA] if llm.device.type == "cuda" else [ProfilerActivity.CPU]
-        with profile(activities=acts) as prof:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                llm.engine.step()
-            _sync(llm)
-            wall_ms = 1e3 * (time.perf_counter() - t0) / steps
-        while llm.engine.has_unfinished():
-            llm.engine.step()
-        kernels: dict[str, float] = collections.defaultdict(float)
-        for ev in prof.key_averages():
-            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-            if t and ev.device_type == torch.autograd.DeviceType.CUDA:  # GPU kernels only
-                kernels[ev.key] += t / 1e3 / steps  # ms per step
-        by_cat: dict[str, float] = collections.defaultdict(float)
-        for name, ms in kernels.items():
-            by_cat[category(name)] += ms
-        top = sorted(kernels.items(), key=lambda kv_: -kv_[1])[:20]
-        return {"kv": kv, "concurrency": concurrency, "context": context, "steps": steps,
-                "wall_ms_per_step": wall_ms, "kernel_ms_per_step": sum(kernels.values()),
-                "by_category_ms": dict(sorted(by_cat.items(), key=lambda x: -x[1])),
-                "top_kernels_ms": [{"name": n[:160], "ms": ms} for n, ms in top]}
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        llm.shutdown()
-        del llm
-        torch.cuda.empty_cache()
+        wall_ms = 1e3 * (time.perf_counter() - t0) / steps
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    kernels: dict[str, float] = collections.defaultdict(float)
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t and ev.device_type == torch.autograd.DeviceType.CUDA:  # GPU kernels only
+            kernels[ev.key] += t / 1e3 / steps  # ms per step
+    by_cat: dict[str, float] = collections.defaultdict(float)
+    for name, ms in kernels.items():
+        by_cat[category(name)] += ms
+    top = sorted(kernels.items(), key=lambda kv_: -kv_[1])[:20]
+    return {"concurrency": concurrency, "context": context, "steps": steps,
+            "wall_ms_per_step": wall_ms, "kernel_ms_per_step": sum(kernels.values()),
+            "by_category_ms": dict(sorted(by_cat.items(), key=lambda x: -x[1])),
+            "top_kernels_ms": [{"name": n[:160], "ms": ms} for n, ms in top]}
 
 
 def _prefilling(llm) -> bool:
@@ -164,7 +136,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    from kvcap.bench.throughput import _commit
+    from kvcap.bench.throughput import KV_MODES, _commit
+
+    cells = []
+    for cell in args.cells:  # all checked before any GPU time is spent
+        kv, _, rest = cell.partition(":")
+        c, _, ctx = rest.partition(":")
+        if kv not in KV_MODES or not (c.isdigit() and ctx.isdigit()):
+            ap.error(f"--cells {cell!r}: want KV:CONCURRENCY:CONTEXT with KV one of "
+                     f"{', '.join(KV_MODES)}")
+        cells.append((kv, int(c), int(ctx)))
     from kvcap.config import ModelSpec
 
     spec = ModelSpec.from_hf_config(json.loads(args.config.read_text()))
@@ -179,9 +160,8 @@ def main(argv=None) -> int:
         atomic_write_text(out, json.dumps(report, indent=1))
 
     save()
-    for cell in args.cells:
-        kv, c, ctx = cell.split(":")
-        report["cells"].append(profile_cell(args.config, kv, int(c), int(ctx), args.steps))
+    for kv, c, ctx in cells:
+        report["cells"].append(profile_cell(args.config, kv, c, ctx, args.steps))
         save()
     print(f"read ceiling {ceil['read_tbs']:.2f} TB/s")
     print(f"{'linear':14} {'m':>4} {'us':>8} {'TB/s':>6} {'%ceil':>6}")

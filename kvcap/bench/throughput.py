@@ -14,6 +14,7 @@ model (ceil_fp32(max_abs / 448) over a short prefill), so the gate runs as in pr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -21,6 +22,7 @@ import os
 import statistics
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -35,6 +37,26 @@ KV_MODES = {"fp16": ("auto", {}), "fp8": ("fp8_e4m3", {}),
             "fp8-mixed": ("fp8_e4m3", {"KVCAP_MIXED_DECODERS": "1"})}
 ARM_ENV = ("KVCAP_FORCE_SOFTWARE_FP8", "KVCAP_MIXED_DECODERS")
 logger = logging.getLogger("kvcap.bench.throughput")
+
+
+@contextlib.contextmanager
+def kv_arm(mode: str) -> Iterator[str]:
+    """Set the arm's environment switches (read when an LLM is built and graphs are captured,
+    and at every eager launch) for the block; yields its kv_cache_dtype. Restores them after."""
+    if mode not in KV_MODES:
+        raise ValueError(f"KV mode {mode!r} is not one of {', '.join(KV_MODES)}")
+    kv_dtype, env = KV_MODES[mode]
+    saved = {key: os.environ.get(key) for key in ARM_ENV}
+    for key in ARM_ENV:
+        os.environ[key] = env.get(key, "0")
+    try:
+        yield kv_dtype
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def read_ceiling_tbs(device: torch.device) -> float:
@@ -210,42 +232,41 @@ def main(argv=None) -> int:
         model = SHAPES[shape]
         scales = calibrated_scales(model, "float16") if model.startswith("dummy:") else None
         for mode in [] if args.hf_only else args.kv:
-            kv_dtype, env = KV_MODES[mode]
-            for key in ARM_ENV:
-                os.environ[key] = env.get(key, "0")
-            kw = dict(kv_cache_memory_gib=args.kv_gib) if args.kv_gib else {}
-            llm = LLM(model=model, dtype="float16", kv_cache_dtype=kv_dtype,
-                      kv_scales=scales if kv_dtype == "fp8_e4m3" else None,
-                      max_num_seqs=max(args.concurrency), max_model_len=max_ctx,
-                      max_num_batched_tokens=8192,
-                      tensor_parallel_size=args.tensor_parallel_size, qsa=args.qsa, **kw)
-            report["capacity"].append({"shape": shape, "kv": mode, "tokens": llm.pool.num_tokens,
-                                       "bytes_per_token": llm.pool.spec.bytes_per_token})
-            for ctx in args.context:
-                for c in args.concurrency:
-                    cell = {"shape": shape, "kv": mode, "concurrency": c, "context": ctx}
-                    need = c * (-(-ctx // llm.config.block_size))
-                    if need > llm.pool.num_blocks:
-                        cell["skip"] = (f"needs {need} KV blocks, pool has {llm.pool.num_blocks}")
-                        cell["pool_tokens"] = llm.pool.num_tokens
-                    else:
-                        cell.update(run_cell(llm, c, ctx, args.out_tokens, args.repeats))
-                        step = c / cell["decode_tok_s"]
-                        cell["roofline_fraction"] = roofline_step_s(llm, c, ctx, ceiling) / step
-                    report["cells"].append(cell)
-                    print(json.dumps(cell), flush=True)
-                    _save(report, path)  # every cell, so a cut-short run keeps what it measured
-            llm.shutdown()  # a process holds one tensor-parallel LLM at a time
-            del llm
-            gc.collect()
-            torch.cuda.empty_cache()
+            with kv_arm(mode) as kv_dtype:
+                kw = dict(kv_cache_memory_gib=args.kv_gib) if args.kv_gib else {}
+                llm = LLM(model=model, dtype="float16", kv_cache_dtype=kv_dtype,
+                          kv_scales=scales if kv_dtype == "fp8_e4m3" else None,
+                          max_num_seqs=max(args.concurrency), max_model_len=max_ctx,
+                          max_num_batched_tokens=8192,
+                          tensor_parallel_size=args.tensor_parallel_size, qsa=args.qsa, **kw)
+                report["capacity"].append({"shape": shape, "kv": mode,
+                                           "tokens": llm.pool.num_tokens,
+                                           "bytes_per_token": llm.pool.spec.bytes_per_token})
+                for ctx in args.context:
+                    for c in args.concurrency:
+                        cell = {"shape": shape, "kv": mode, "concurrency": c, "context": ctx}
+                        need = c * (-(-ctx // llm.config.block_size))
+                        if need > llm.pool.num_blocks:
+                            cell["skip"] = (f"needs {need} KV blocks, pool has "
+                                            f"{llm.pool.num_blocks}")
+                            cell["pool_tokens"] = llm.pool.num_tokens
+                        else:
+                            cell.update(run_cell(llm, c, ctx, args.out_tokens, args.repeats))
+                            step = c / cell["decode_tok_s"]
+                            cell["roofline_fraction"] = roofline_step_s(llm, c, ctx,
+                                                                        ceiling) / step
+                        report["cells"].append(cell)
+                        print(json.dumps(cell), flush=True)
+                        _save(report, path)  # every cell: a cut-short run keeps what it has
+                llm.shutdown()  # a process holds one tensor-parallel LLM at a time
+                del llm
+                gc.collect()
+                torch.cuda.empty_cache()
         if (args.hf_baseline or args.hf_only) and model.startswith("dummy:"):
             for b in (1, 16):
                 report["hf_baseline"].append({"shape": shape, **hf_baseline(
                     model[len("dummy:"):], b, 1024, 64)})
                 _save(report, path)
-    for key in ARM_ENV:
-        os.environ.pop(key, None)
     _mark_fp8_only(report)
     report["complete"] = True
     _save(report, path)
