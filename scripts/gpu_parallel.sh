@@ -82,6 +82,10 @@ job_decoders() {  # E4M3 decoder pairings (K/V native/software) on the sweep cel
   timeout ${DECODERS_S:-240} python3 -m kvcap.bench.kernels --skip-checks --compare-decoders \
     --out "$RES/decoders${DECODERS_ARGS:+-contig}.json" ${DECODERS_ARGS:-}
 }
+job_occupancy() {  # E4M3 decode: launch configs x register caps x split counts (8B cells)
+  timeout ${OCCUPANCY_S:-420} python3 -m kvcap.bench.kernels --skip-checks --sweep-occupancy \
+    --out "$RES/occupancy.json"
+}
 job_tput16k() {  # the 16 x 16K decode cell, every KV mode, current defaults
   timeout ${THROUGHPUT16_S:-200} python3 -m kvcap.bench.throughput --shapes llama-3.1-8b \
     --concurrency 16 --context 16384 --kv ${TPUT_KV:-fp16 fp8 fp8-software} --out-tokens 64 \

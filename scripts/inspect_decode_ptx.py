@@ -42,12 +42,16 @@ def main() -> int:
     ap.add_argument("--sm", type=int, default=90)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dump", type=Path, help="write the TTGIR and PTX here")
+    ap.add_argument("--block-n", type=int, default=128)
+    ap.add_argument("--num-warps", type=int, default=4)
+    ap.add_argument("--num-stages", type=int, default=2)
+    ap.add_argument("--maxnreg", type=int, help="register cap per thread (ptx .maxnreg)")
     args = ap.parse_args()
     fp8 = args.cache != "fp16"
     if args.words and not fp8:
         ap.error("--words needs an E4M3 cache (--cache native|software)")
     consts = dict(GROUP=4, HEADS=4, BLOCK_H=16, HEAD_DIM=args.head_dim, BLOCK_SIZE=16,
-                  BLOCK_N=128, SPLIT=True, FP8=fp8, SOFTWARE=args.cache == "software",
+                  BLOCK_N=args.block_n, SPLIT=True, FP8=fp8, SOFTWARE=args.cache == "software",
                   SOFTWARE_V=args.cache == "software" or args.mixed,
                   USE_DOT=True, DOT_DTYPE=tl.float16, IEEE=False, PREFETCH=False,
                   WORDS=args.words)
@@ -65,18 +69,21 @@ def main() -> int:
             attrs[(i,)] = [["tt.divisibility", 16]]
     k = triton.compile(ASTSource(decode._decode_kernel, sig, consts, attrs),
                        target=GPUTarget("cuda", args.sm, 32),
-                       options=dict(num_warps=4, num_stages=2))
+                       options=dict(num_warps=args.num_warps, num_stages=args.num_stages,
+                                    maxnreg=args.maxnreg))
     ptx = k.asm["ptx"]
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
         (args.dump / "decode.ttgir").write_text(k.asm["ttgir"])
         (args.dump / "decode.ptx").write_text(ptx)
     print(f"triton {triton.__version__}, sm_{args.sm}, cache {args.cache}, "
-          f"{'words' if args.words else 'bytes'}, D={args.head_dim}")
+          f"{'words' if args.words else 'bytes'}, D={args.head_dim}, BLOCK_N={args.block_n}, "
+          f"{args.num_warps} warps, {args.num_stages} stages")
     for pat in PATTERNS:
         n = len(re.findall(re.escape(pat) + (r"\b" if pat == "ld.shared.b8" else ""), ptx))
         print(f"  {pat:22s} {n}")
     print(f"  shared memory bytes    {k.metadata.shared}")
+    print(f"  registers per thread   {k.n_regs if hasattr(k, 'n_regs') else 'n/a'}")
     return 0
 
 

@@ -297,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-decoders", action="store_true",
                     help="time every E4M3 decoder pairing (K/V native/software) on the sweep "
                          "cells, then stop")
+    ap.add_argument("--sweep-occupancy", action="store_true",
+                    help="time launch configurations, register caps and split counts of the "
+                         "E4M3 default route on the 8B target cells, then stop")
     ap.add_argument("--contiguous-tables", action="store_true",
                     help="every sequence's KV blocks in order (default: a random permutation)")
     ap.add_argument("--markdown", metavar="JSON",
@@ -337,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_words:
         info["compare_words"] = compare_words(l2, ceil["read_tbs"])
         save()
+        return 0
+    if args.sweep_occupancy:
+        info["sweep_occupancy"] = []
+        sweep_occupancy(l2, ceil["read_tbs"], info["sweep_occupancy"], save)
         return 0
     if args.compare_decoders:
         info["compare_decoders"] = compare_decoders(l2, ceil["read_tbs"])
@@ -516,6 +523,62 @@ def compare_decoders(l2: int, read_tbs: float) -> list[dict]:
         print(f"decoders {name:13s} B={b:<3d} ctx={ctx:<6d} {line}", flush=True)
         del cell
         torch.cuda.empty_cache()
+    return rows
+
+
+# (block_n, num_warps, num_stages, maxnreg) for the occupancy sweep: at the default 128/4/2 the
+# word-route kernel uses 168 registers (ptxas, sm_90a), so an SM holds 3 programs (12 warps);
+# a cap of 128 registers holds 4 (44 bytes spilled). Smaller programs trade the cross-warp
+# softmax barriers for fewer warps each.
+OCCUPANCY_CONFIGS = [(128, 4, 2, None), (128, 4, 2, 128), (128, 4, 3, 128), (64, 4, 2, None),
+                     (64, 4, 3, None), (64, 4, 4, None), (128, 8, 2, None), (128, 8, 3, None),
+                     (64, 2, 2, None), (64, 2, 3, None), (32, 1, 2, None), (32, 1, 3, None)]
+OCCUPANCY_CELLS = [("llama31-8b", 32, 8, 128, 8, 32768), ("llama31-8b", 32, 8, 128, 16, 16384),
+                   ("llama31-8b", 32, 8, 128, 64, 16384)]
+
+
+def sweep_occupancy(l2: int, read_tbs: float, rows: list[dict], save,
+                    arms=("e4m3_native", "e4m3_software"), mults=(0.5, 1, 2)) -> list[dict]:
+    """Launch configurations x register caps x split counts (relative to the default heuristic)
+    on the target cells, default route; every output is compared with the default launch's.
+    Rows are appended to `rows` and `save()` runs after every cell."""
+    for name, hq, hkv, d, b, ctx in OCCUPANCY_CELLS:
+        cell = Cell(hq, hkv, d, b, ctx, l2)
+        for arm in arms:
+            fns = cell.fns(arm)
+            fns[0]()
+            ref = cell.out[0].clone()
+            base_ms = _graph_time(fns, reps=10)
+            for bn, nw, ns, nreg in OCCUPANCY_CONFIGS:
+                # the heuristic at this tile size, E4M3's 8 programs per SM
+                base = choose_num_splits(b, hkv, ctx, bn, sm_count(cell.q[0].device), 8)
+                for mult in mults:
+                    splits = max(1, int(base * mult))
+                    kw = dict(block_n=bn, num_warps=nw, num_stages=ns, maxnreg=nreg,
+                              num_splits=splits)
+                    try:
+                        fns = cell.fns(arm, **kw)
+                        fns[0]()
+                        err = _rel(cell.out[0], ref)
+                        ms = _graph_time(fns, reps=10)
+                    except Exception as e:  # noqa: BLE001 - report and continue the sweep
+                        print(f"occupancy {name} {arm} {kw} failed: {e!s:.120}", flush=True)
+                        break
+                    tbs = cell.kv_bytes(arm) / (ms * 1e-3) / 1e12
+                    rows.append({"shape": name, "batch": b, "context": ctx, "arm": arm, **kw,
+                                 "ms": ms, "default_ms": base_ms, "tbs": tbs,
+                                 "pct_ceiling": 100 * tbs / read_tbs, "rel_err_vs_default": err})
+            ranked = sorted((r for r in rows if r["arm"] == arm and r["batch"] == b
+                             and r["shape"] == name), key=lambda r: r["ms"])
+            for r in ranked[:4]:
+                print(f"occupancy {name} B={b} ctx={ctx} {arm}: BN={r['block_n']} "
+                      f"W={r['num_warps']} S={r['num_stages']} R={r['maxnreg']} "
+                      f"splits={r['num_splits']} {r['ms'] * 1e3:.1f}us "
+                      f"({r['pct_ceiling']:.0f}%; default {base_ms * 1e3:.1f}us) "
+                      f"err {r['rel_err_vs_default']:.1e}", flush=True)
+        del cell
+        torch.cuda.empty_cache()
+        save()
     return rows
 
 

@@ -325,7 +325,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  fp8_mode: str = "auto", grouped: bool | None = None,
                  num_splits: int | None = None, block_n: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
-                 prefetch: bool | None = None, words: bool | None = None) -> torch.Tensor:
+                 prefetch: bool | None = None, words: bool | None = None,
+                 maxnreg: int | None = None) -> torch.Tensor:
     """Decode attention for every sequence whose query length is 1 (others are skipped).
 
     q [T, Hq, D], out [T, Hq, D] (the token row of sequence i is query_start_loc[i]);
@@ -334,7 +335,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     `max_seq_len` (host int) only drives the split heuristic: any value is correct.
     `words`: read an E4M3 cache as 32-bit words in four column groups (attend_word_tiles;
     grouped route, head_dim >= 64 only). `fp8_mode`: auto | native | software | native-k |
-    native-v (fp8_decoders).
+    native-v (fp8_decoders). `maxnreg`: a register cap per thread (more programs per SM;
+    CUDA only).
     """
     num_seqs = seq_lens.shape[0]
     hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
@@ -365,6 +367,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ps = (hq * num_splits, num_splits, 1)
     dummy = k_cache
     dt, ieee = dot_dtype(q.dtype)
+    launch = {"maxnreg": maxnreg} if maxnreg and q.device.type == "cuda" else {}
     _decode_kernel[(num_seqs, head_programs, num_splits)](
         q, k_cache, v_cache, out, po, plse, block_tables, seq_lens, query_start_loc,
         k_scale if fp8 else dummy, v_scale if fp8 else dummy, softmax_scale * LOG2E,
@@ -375,7 +378,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8, SOFTWARE=software, SOFTWARE_V=software_v,
         USE_DOT=grouped, PREFETCH=pf, WORDS=words,
         DOT_DTYPE=dt, IEEE=ieee,
-        num_warps=nw, num_stages=ns,
+        num_warps=nw, num_stages=ns, **launch,
     )
     if num_splits > 1:
         _merge_kernel[(num_seqs, hq)](
