@@ -84,7 +84,7 @@ job_decoders() {  # E4M3 decoder pairings (K/V native/software) on the sweep cel
 }
 job_occupancy() {  # E4M3 decode: launch configs x register caps x split counts (8B cells)
   timeout ${OCCUPANCY_S:-420} python3 -m kvcap.bench.kernels --skip-checks --sweep-occupancy \
-    --out "$RES/occupancy.json"
+    --out "$RES/occupancy.json" ${OCCUPANCY_ARGS:-}
 }
 job_tput16k() {  # the 16 x 16K decode cell, every KV mode, current defaults
   timeout ${THROUGHPUT16_S:-200} python3 -m kvcap.bench.throughput --shapes llama-3.1-8b \

@@ -299,7 +299,9 @@ def main(argv: list[str] | None = None) -> int:
                          "cells, then stop")
     ap.add_argument("--sweep-occupancy", action="store_true",
                     help="time launch configurations, register caps and split counts of the "
-                         "E4M3 default route on the 8B target cells, then stop")
+                         "E4M3 default route on the target cells, then stop")
+    ap.add_argument("--occupancy-configs", type=parse_configs, default=OCCUPANCY_CONFIGS,
+                    help="BN:WARPS:STAGES:MAXNREG,... for --sweep-occupancy")
     ap.add_argument("--contiguous-tables", action="store_true",
                     help="every sequence's KV blocks in order (default: a random permutation)")
     ap.add_argument("--markdown", metavar="JSON",
@@ -343,7 +345,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.sweep_occupancy:
         info["sweep_occupancy"] = []
-        sweep_occupancy(l2, ceil["read_tbs"], info["sweep_occupancy"], save)
+        cells = [c for c in OCCUPANCY_CELLS if c[0] in args.shapes.split(",")]
+        sweep_occupancy(l2, ceil["read_tbs"], info["sweep_occupancy"], save,
+                        configs=args.occupancy_configs, cells=cells)
         return 0
     if args.compare_decoders:
         info["compare_decoders"] = compare_decoders(l2, ceil["read_tbs"])
@@ -534,22 +538,37 @@ OCCUPANCY_CONFIGS = [(128, 4, 2, None), (128, 4, 2, 128), (128, 4, 3, 128), (64,
                      (64, 4, 3, None), (64, 4, 4, None), (128, 8, 2, None), (128, 8, 3, None),
                      (64, 2, 2, None), (64, 2, 3, None), (32, 1, 2, None), (32, 1, 3, None)]
 OCCUPANCY_CELLS = [("llama31-8b", 32, 8, 128, 8, 32768), ("llama31-8b", 32, 8, 128, 16, 16384),
-                   ("llama31-8b", 32, 8, 128, 64, 16384)]
+                   ("llama31-8b", 32, 8, 128, 64, 16384), ("gqa6-d256", 24, 4, 256, 8, 32768),
+                   ("gqa6-d256", 24, 4, 256, 64, 16384), ("smollm2-135m", 9, 3, 64, 16, 32768)]
+
+
+def parse_configs(text: str) -> list[tuple]:
+    """'BN:W:S:R,...' (R 0 = no register cap) -> OCCUPANCY_CONFIGS-style tuples."""
+    try:
+        out = []
+        for item in text.split(","):
+            bn, nw, ns, nreg = (int(x) for x in item.split(":"))
+            out.append((bn, nw, ns, nreg or None))
+        return out
+    except ValueError:
+        raise SystemExit(f"--occupancy-configs {text!r}: expected BN:WARPS:STAGES:MAXNREG,... "
+                         "(MAXNREG 0 = no cap), e.g. 128:4:3:128,64:4:4:0") from None
 
 
 def sweep_occupancy(l2: int, read_tbs: float, rows: list[dict], save,
-                    arms=("e4m3_native", "e4m3_software"), mults=(0.5, 1, 2)) -> list[dict]:
+                    arms=("e4m3_native", "e4m3_software"), mults=(0.5, 1, 2),
+                    configs=OCCUPANCY_CONFIGS, cells=OCCUPANCY_CELLS) -> list[dict]:
     """Launch configurations x register caps x split counts (relative to the default heuristic)
     on the target cells, default route; every output is compared with the default launch's.
     Rows are appended to `rows` and `save()` runs after every cell."""
-    for name, hq, hkv, d, b, ctx in OCCUPANCY_CELLS:
+    for name, hq, hkv, d, b, ctx in cells:
         cell = Cell(hq, hkv, d, b, ctx, l2)
         for arm in arms:
             fns = cell.fns(arm)
             fns[0]()
             ref = cell.out[0].clone()
             base_ms = _graph_time(fns, reps=10)
-            for bn, nw, ns, nreg in OCCUPANCY_CONFIGS:
+            for bn, nw, ns, nreg in configs:
                 # the heuristic at this tile size, E4M3's 8 programs per SM
                 base = choose_num_splits(b, hkv, ctx, bn, sm_count(cell.q[0].device), 8)
                 for mult in mults:
