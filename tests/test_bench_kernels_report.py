@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():  # before kvcap.kernels is imported (its constexprs read it)
@@ -42,3 +43,11 @@ def test_markdown_cli(tmp_path, capsys):
     path.write_text(json.dumps(_result()))
     assert main(["--markdown", str(path)]) == 0
     assert "#### llama31-8b" in capsys.readouterr().out
+
+
+def test_occupancy_configs_parse():
+    from kvcap.bench.kernels import parse_configs
+
+    assert parse_configs("128:4:3:128,64:4:4:0") == [(128, 4, 3, 128), (64, 4, 4, None)]
+    with pytest.raises(SystemExit, match="BN:WARPS:STAGES:MAXNREG"):
+        parse_configs("128:4:3")

@@ -21,7 +21,12 @@ from test_kernels_cases import SENTINEL, dense_expected, make_case  # noqa: E402
 from kvcap.attention.torch_ref import TorchReferenceBackend  # noqa: E402
 from kvcap.attention.triton_backend import TritonBackend  # noqa: E402
 from kvcap.kernels import common  # noqa: E402
-from kvcap.kernels.decode import _decode_kernel, choose_num_splits, paged_decode  # noqa: E402
+from kvcap.kernels.decode import (  # noqa: E402
+    _decode_kernel,
+    choose_num_splits,
+    decode_config,
+    paged_decode,
+)
 from kvcap.kernels.prefill import paged_prefill  # noqa: E402
 from kvcap.kernels.store_kv import store_kv  # noqa: E402
 
@@ -216,6 +221,20 @@ def test_split_heuristic():
     assert choose_num_splits(128, 8, 32768, 64, 132) == 1
     assert choose_num_splits(1, 8, 64, 64, 132) == 1
     assert choose_num_splits(1, 1, 10**6, 64, 132) <= 64
+
+
+def test_decode_config_register_cap():
+    """The E4M3 word route (D = 128) runs capped at 128 registers with three stages on CUDA
+    (4 programs per SM instead of 3); other shapes and the CPU interpreter run uncapped."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    native = decode_config(128, True, True, cuda)
+    assert (native.block_n, native.num_stages, native.maxnreg) == (128, 3, 128)
+    assert native.programs_per_sm == 4
+    assert decode_config(128, True, True, cuda, software=True).programs_per_sm == 8
+    assert decode_config(128, True, False, cuda).maxnreg is None  # FP16 cache
+    assert decode_config(256, True, True, cuda).maxnreg is None
+    assert decode_config(64, True, True, cuda).maxnreg is None
+    assert decode_config(128, True, True, cpu).maxnreg is None
 
 
 def test_bad_arguments():

@@ -14,6 +14,8 @@ need no host-side split.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -263,25 +265,38 @@ def choose_num_splits(num_seqs: int, head_programs: int, max_seq_len: int, block
     return int(max(1, min(want, tiles // 4, MAX_SPLITS)))
 
 
-def decode_config(head_dim: int, grouped: bool, fp8: bool,
-                  device: torch.device) -> tuple[int, int, int, bool, int]:
-    """(BLOCK_N, num_warps, num_stages, prefetch, programs per SM) for the decode kernel.
+class DecodeConfig(NamedTuple):
+    block_n: int
+    num_warps: int
+    num_stages: int
+    prefetch: bool
+    programs_per_sm: int  # drives choose_num_splits
+    maxnreg: int | None  # register cap per thread (None: the compiler's choice)
+
+
+def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
+                  software: bool = False) -> DecodeConfig:
+    """Launch configuration of the decode kernel (`software`: the K decoder is the packed
+    software one).
 
     From the H200 sweeps (docs/kernels.md): FP16 tiles go through Triton's software pipeliner
     (num_stages=2) and want ~4 programs per SM. E4M3 tiles are converted in registers between
     the shared-memory load and the dot, are bound by that per-element work rather than by
-    bytes, and gain from ~8 programs per SM and from 128-token tiles at D <= 128. Both E4M3
-    decoders share the tile loop, so they share the configuration."""
+    bytes, and gain from 128-token tiles at D <= 128. The E4M3 word route (D = 128) uses 168
+    registers per thread uncapped, so an SM holds 3 programs; capped at 128 (40 bytes spilled)
+    it holds 4, and with three pipeline stages the hardware decoder is 6-11% faster, the software
+    one 0-4% (occupancy sweep, docs/benchmarks/occupancy-2026-12-01-h200.json); the native
+    decoder then wants 4 programs per SM, the software one 8."""
     if device.type != "cuda":
-        return 16, 1, 1, fp8, 4
+        return DecodeConfig(16, 1, 1, fp8, 4, None)
     if not grouped:
-        return (64, 4, 2, False, 4) if head_dim <= 64 else (32, 4, 2, False, 4)
+        return DecodeConfig(64 if head_dim <= 64 else 32, 4, 2, False, 4, None)
+    if fp8 and head_dim == 128:
+        return DecodeConfig(128, 4, 3, False, 8 if software else 4, 128)
     if fp8:
-        return (128 if head_dim <= 128 else 64), 4, 2, False, 8
+        return DecodeConfig(128 if head_dim <= 128 else 64, 4, 2, False, 8, None)
     pps = 8 if head_dim >= 256 else 4
-    if head_dim <= 64:
-        return 128, 4, 2, False, pps
-    return 64, 4, 2, False, pps
+    return DecodeConfig(128 if head_dim <= 64 else 64, 4, 2, False, pps, None)
 
 
 def use_words(head_dim: int, grouped: bool, fp8: bool, device: torch.device) -> bool:
@@ -336,7 +351,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     `words`: read an E4M3 cache as 32-bit words in four column groups (attend_word_tiles;
     grouped route, head_dim >= 64 only). `fp8_mode`: auto | native | software | native-k |
     native-v (fp8_decoders). `maxnreg`: a register cap per thread (more programs per SM;
-    CUDA only).
+    CUDA only; 0 = none; default: decode_config's when no other launch knob is given).
     """
     num_seqs = seq_lens.shape[0]
     hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
@@ -352,12 +367,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         words = use_words(d, grouped, fp8, q.device)
     if words and not (fp8 and grouped and d >= 64):
         raise ValueError("words=True needs an E4M3 cache, the grouped route and head_dim >= 64")
-    bn, nw, ns, pf, pps = decode_config(d, grouped, fp8, q.device)
-    bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
-    pf = pf if prefetch is None else prefetch
+    cfg = decode_config(d, grouped, fp8, q.device, software)
+    bn, nw, ns = block_n or cfg.block_n, num_warps or cfg.num_warps, num_stages or cfg.num_stages
+    pf = cfg.prefetch if prefetch is None else prefetch
+    if maxnreg is None and block_n is None and num_warps is None and num_stages is None:
+        maxnreg = cfg.maxnreg  # the cap belongs to the default launch configuration
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, head_programs, max_seq_len, bn,
-                                       sm_count(q.device), pps)
+                                       sm_count(q.device), cfg.programs_per_sm)
     block_h = max(16, triton.next_power_of_2(heads)) if grouped else 1
     if num_splits > 1:
         po = torch.empty((num_seqs, hq, num_splits, d), dtype=torch.float32, device=q.device)
@@ -367,7 +384,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ps = (hq * num_splits, num_splits, 1)
     dummy = k_cache
     dt, ieee = dot_dtype(q.dtype)
-    launch = {"maxnreg": maxnreg} if maxnreg and q.device.type == "cuda" else {}
+    launch = {"maxnreg": maxnreg} if maxnreg and q.device.type == "cuda" else {}  # 0: no cap
     _decode_kernel[(num_seqs, head_programs, num_splits)](
         q, k_cache, v_cache, out, po, plse, block_tables, seq_lens, query_start_loc,
         k_scale if fp8 else dummy, v_scale if fp8 else dummy, softmax_scale * LOG2E,
