@@ -221,16 +221,21 @@ def test_split_heuristic():
     assert choose_num_splits(128, 8, 32768, 64, 132) == 1
     assert choose_num_splits(1, 8, 64, 64, 132) == 1
     assert choose_num_splits(1, 1, 10**6, 64, 132) <= 64
+    # whole waves: 64 (sequence, head) programs on 132 SMs x 4 -> 8 splits (512 programs),
+    # not 9 (576: a second wave of 48); 16 x 8 programs -> 4; 64 x 8 -> 1
+    assert choose_num_splits(8, 8, 32768, 128, 132, 4, whole_waves=True) == 8
+    assert choose_num_splits(8, 8, 32768, 128, 132, 4) == 9
+    assert choose_num_splits(16, 8, 16384, 128, 132, 4, whole_waves=True) == 4
+    assert choose_num_splits(64, 8, 16384, 128, 132, 4, whole_waves=True) == 1
 
 
 def test_decode_config_register_cap():
     """The E4M3 word route (D = 128) runs capped at 128 registers with three stages on CUDA
     (4 programs per SM instead of 3); other shapes and the CPU interpreter run uncapped."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    native = decode_config(128, True, True, cuda)
-    assert (native.block_n, native.num_stages, native.maxnreg) == (128, 3, 128)
-    assert native.programs_per_sm == 4
-    assert decode_config(128, True, True, cuda, software=True).programs_per_sm == 8
+    cfg = decode_config(128, True, True, cuda)
+    assert (cfg.block_n, cfg.num_stages, cfg.maxnreg) == (128, 3, 128)
+    assert cfg.programs_per_sm == 4 and cfg.whole_waves
     assert decode_config(128, True, False, cuda).maxnreg is None  # FP16 cache
     assert decode_config(256, True, True, cuda).maxnreg is None
     assert decode_config(64, True, True, cuda).maxnreg is None

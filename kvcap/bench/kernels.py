@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                 dev = cell.q[0].device
                 cfg = decode_config(d, True, True, dev)
                 splits = choose_num_splits(b, hkv, ctx, cfg.block_n, sm_count(dev),
-                                           cfg.programs_per_sm)
+                                           cfg.programs_per_sm, cfg.whole_waves)
                 cfg16 = decode_config(d, True, False, dev)
                 splits16 = choose_num_splits(b, hkv, ctx, cfg16.block_n, sm_count(dev),
                                              cfg16.programs_per_sm)

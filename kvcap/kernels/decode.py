@@ -254,14 +254,19 @@ MAX_SPLITS = 64
 
 
 def choose_num_splits(num_seqs: int, head_programs: int, max_seq_len: int, block_n: int,
-                      num_sms: int, programs_per_sm: int = 4) -> int:
+                      num_sms: int, programs_per_sm: int = 4, whole_waves: bool = False) -> int:
     """Split the context so the grid holds about `programs_per_sm` programs per SM (memory
-    latency needs many loads in flight), keeping >= 4 tiles per split."""
+    latency needs many loads in flight), keeping >= 4 tiles per split. With `whole_waves`
+    (`programs_per_sm` is then how many programs an SM holds at once) the grid never exceeds
+    one full wave by a partial one: 9 splits of 64 (sequence, head) programs on 132 SMs x 4 is
+    576 programs, 48 of which run in a second wave on an almost idle GPU (H200, 8B shape,
+    8 x 32K: 184 us at 9 splits, 161 us at 8)."""
     if not split_k_enabled():
         return 1
     tiles = triton.cdiv(max(max_seq_len, 1), block_n)
     base = max(num_seqs * head_programs, 1)
-    want = triton.cdiv(programs_per_sm * num_sms, base)
+    slots = programs_per_sm * num_sms
+    want = slots // base if whole_waves else triton.cdiv(slots, base)
     return int(max(1, min(want, tiles // 4, MAX_SPLITS)))
 
 
@@ -271,32 +276,32 @@ class DecodeConfig(NamedTuple):
     num_stages: int
     prefetch: bool
     programs_per_sm: int  # drives choose_num_splits
-    maxnreg: int | None  # register cap per thread (None: the compiler's choice)
+    maxnreg: int | None = None  # register cap per thread (None: the compiler's choice)
+    whole_waves: bool = False  # programs_per_sm is the residency: split in whole waves
 
 
-def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
-                  software: bool = False) -> DecodeConfig:
-    """Launch configuration of the decode kernel (`software`: the K decoder is the packed
-    software one).
+def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device) -> DecodeConfig:
+    """Launch configuration of the decode kernel.
 
     From the H200 sweeps (docs/kernels.md): FP16 tiles go through Triton's software pipeliner
     (num_stages=2) and want ~4 programs per SM. E4M3 tiles are converted in registers between
     the shared-memory load and the dot, are bound by that per-element work rather than by
-    bytes, and gain from 128-token tiles at D <= 128. The E4M3 word route (D = 128) uses 168
-    registers per thread uncapped, so an SM holds 3 programs; capped at 128 (40 bytes spilled)
-    it holds 4, and with three pipeline stages the hardware decoder is 6-11% faster, the software
-    one 0-4% (occupancy sweep, docs/benchmarks/occupancy-2026-12-01-h200.json); the native
-    decoder then wants 4 programs per SM, the software one 8."""
+    bytes, and gain from 128-token tiles at D <= 128. The E4M3 word route (D = 128) needs 168
+    registers per thread uncapped, so an SM holds 3 programs; capped at 128 (40 bytes spilled,
+    ptxas sm_90a) it holds 4, and with three pipeline stages and a grid of whole waves of 4
+    programs per SM it is the fastest configuration for both decoders
+    (docs/benchmarks/occupancy-2026-12-01*-h200.json). Both decoders share the tile loop, so
+    they share the configuration."""
     if device.type != "cuda":
-        return DecodeConfig(16, 1, 1, fp8, 4, None)
+        return DecodeConfig(16, 1, 1, fp8, 4)
     if not grouped:
-        return DecodeConfig(64 if head_dim <= 64 else 32, 4, 2, False, 4, None)
+        return DecodeConfig(64 if head_dim <= 64 else 32, 4, 2, False, 4)
     if fp8 and head_dim == 128:
-        return DecodeConfig(128, 4, 3, False, 8 if software else 4, 128)
+        return DecodeConfig(128, 4, 3, False, 4, maxnreg=128, whole_waves=True)
     if fp8:
-        return DecodeConfig(128 if head_dim <= 128 else 64, 4, 2, False, 8, None)
+        return DecodeConfig(128 if head_dim <= 128 else 64, 4, 2, False, 8)
     pps = 8 if head_dim >= 256 else 4
-    return DecodeConfig(128 if head_dim <= 64 else 64, 4, 2, False, pps, None)
+    return DecodeConfig(128 if head_dim <= 64 else 64, 4, 2, False, pps)
 
 
 def use_words(head_dim: int, grouped: bool, fp8: bool, device: torch.device) -> bool:
@@ -367,14 +372,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         words = use_words(d, grouped, fp8, q.device)
     if words and not (fp8 and grouped and d >= 64):
         raise ValueError("words=True needs an E4M3 cache, the grouped route and head_dim >= 64")
-    cfg = decode_config(d, grouped, fp8, q.device, software)
+    cfg = decode_config(d, grouped, fp8, q.device)
     bn, nw, ns = block_n or cfg.block_n, num_warps or cfg.num_warps, num_stages or cfg.num_stages
     pf = cfg.prefetch if prefetch is None else prefetch
     if maxnreg is None and block_n is None and num_warps is None and num_stages is None:
         maxnreg = cfg.maxnreg  # the cap belongs to the default launch configuration
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, head_programs, max_seq_len, bn,
-                                       sm_count(q.device), cfg.programs_per_sm)
+                                       sm_count(q.device), cfg.programs_per_sm, cfg.whole_waves)
     block_h = max(16, triton.next_power_of_2(heads)) if grouped else 1
     if num_splits > 1:
         po = torch.empty((num_seqs, hq, num_splits, d), dtype=torch.float32, device=q.device)
