@@ -45,6 +45,7 @@ def main() -> int:
     ap.add_argument("--block-n", type=int, default=128)
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--num-stages", type=int, default=2)
+    ap.add_argument("--pairs", action="store_true", help="word route: bytes permuted in pairs")
     ap.add_argument("--maxnreg", type=int, help="register cap per thread (ptx .maxnreg)")
     args = ap.parse_args()
     fp8 = args.cache != "fp16"
@@ -54,7 +55,7 @@ def main() -> int:
                   BLOCK_N=args.block_n, SPLIT=True, FP8=fp8, SOFTWARE=args.cache == "software",
                   SOFTWARE_V=args.cache == "software" or args.mixed,
                   USE_DOT=True, DOT_DTYPE=tl.float16, IEEE=False, PREFETCH=False,
-                  WORDS=args.words)
+                  WORDS=args.words, PAIRS=args.pairs)
     params = list(inspect.signature(decode._decode_kernel.fn).parameters)
     consts = {k: v for k, v in consts.items() if k in params}  # older kernels: fewer switches
     cache = "*u8" if fp8 else "*fp16"

@@ -112,6 +112,31 @@ def test_word_route_long_context(hq, hkv, d, mode, dtype):
         assert _err(outs[0], outs[1]) < tol / 4
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (24, 4, 256), (40, 8, 64)])
+@pytest.mark.parametrize("mode", ["native", "software", "native-k", "native-v"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_word_pairs_bit_identical(hq, hkv, d, mode, dtype):
+    """The word route converting byte pairs (pairs=True: bytes permuted before the conversion,
+    each group's pair out as one f16x2 register) gives the four-result PTX's output bit for
+    bit (same values, same dot order), split and unsplit, and matches float64."""
+    case = make_case([(20000, 1), (333, 1), (8191, 1)], hq, hkv, d, kv_dtype="fp8_e4m3",
+                     dtype=dtype, device="cuda", seed=d + 2)
+    m, c = case.meta, case.cache
+    store_kv(case.k, case.v, c.k_cache, c.v_cache, m.slot_mapping, c.k_scale, c.v_scale)
+    exp = dense_expected(case)
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    for splits in (1, 7):
+        outs = []
+        for pairs in (False, True):
+            out = case.out_buffer()
+            paged_decode(case.q, c.k_cache, c.v_cache, out, m.block_tables, m.seq_lens,
+                         m.query_start_loc, case.softmax_scale, m.max_seq_len, c.k_scale,
+                         c.v_scale, fp8_mode=mode, num_splits=splits, words=True, pairs=pairs)
+            assert _err(out, exp) < tol, (splits, pairs)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), splits
+
+
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (24, 4, 256), (9, 3, 64)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_mixed_decoders_bit_identical(hq, hkv, d, dtype):

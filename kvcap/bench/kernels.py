@@ -302,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-only", action="store_true", help="skip the decode matrix")
     ap.add_argument("--compare-words", action="store_true",
                     help="time the E4M3 byte and word routes on the sweep cells, then stop")
+    ap.add_argument("--compare-pairs", action="store_true",
+                    help="time the E4M3 word route with and without byte-pair conversion on "
+                         "the 8B cells, then stop")
     ap.add_argument("--compare-decoders", action="store_true",
                     help="time every E4M3 decoder pairing (K/V native/software) on the sweep "
                          "cells, then stop")
@@ -348,7 +351,12 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_text(Path(out), json.dumps(result, indent=1))
 
     if args.compare_words:
-        info["compare_words"] = compare_words(l2, ceil["read_tbs"])
+        info["compare_words"] = compare_knob(l2, ceil["read_tbs"], "words", WORD_CELLS)
+        save()
+        return 0
+    if args.compare_pairs:
+        info["compare_pairs"] = compare_knob(l2, ceil["read_tbs"], "pairs", WORD_CELLS[:2]
+                                             + [WORD_CELLS[4]])
         save()
         return 0
     if args.sweep_occupancy:
@@ -483,28 +491,28 @@ WORD_CELLS = SWEEP_CELLS + [("llama31-8b", 32, 8, 128, 16, 16384),
                             ("gqa6-d256", 24, 4, 256, 64, 16384)]
 
 
-def compare_words(l2: int, read_tbs: float) -> list[dict]:
-    """Byte route vs word route (paged_decode(words=...)) for both E4M3 decoders at the
-    default launch configuration; outputs are checked against the byte route first."""
+def compare_knob(l2: int, read_tbs: float, knob: str, cells: list) -> list[dict]:
+    """paged_decode(knob=False) vs (knob=True) for both E4M3 decoders at the default launch
+    configuration, e.g. the byte vs the word route (`words`); each row records the relative
+    difference of the knob's output from the default's."""
     rows = []
-    for name, hq, hkv, d, b, ctx in WORD_CELLS:
+    for name, hq, hkv, d, b, ctx in cells:
         cell = Cell(hq, hkv, d, b, ctx, l2)
         for arm in ("e4m3_native", "e4m3_software"):
             got = {}
-            for words in (False, True):
-                fns = cell.fns(arm, words=words)
+            for on in (False, True):
+                fns = cell.fns(arm, **{knob: on})
                 fns[0]()
-                got[words] = cell.out[0].clone()
-                ms = _graph_time(fns, reps=10)
+                got[on] = cell.out[0].clone()
+                ms = _graph_time(fns, reps=20)
                 tbs = cell.kv_bytes(arm) / (ms * 1e-3) / 1e12
                 rows.append({"shape": name, "batch": b, "context": ctx, "arm": arm,
-                             "words": words, "ms": ms, "tbs": tbs,
-                             "pct_ceiling": 100 * tbs / read_tbs})
+                             knob: on, "ms": ms, "tbs": tbs, "pct_ceiling": 100 * tbs / read_tbs})
             err = _rel(got[True], got[False])
-            rows[-1]["err_vs_bytes"] = err
-            print(f"words {name:13s} B={b:<3d} ctx={ctx:<6d} {arm:14s} bytes "
-                  f"{rows[-2]['ms'] * 1e3:8.1f}us words {rows[-1]['ms'] * 1e3:8.1f}us "
-                  f"({rows[-2]['ms'] / rows[-1]['ms']:.2f}x, {rows[-1]['pct_ceiling']:.0f}% ceil) "
+            rows[-1]["err_vs_off"] = err
+            print(f"{knob} {name:13s} B={b:<3d} ctx={ctx:<6d} {arm:14s} off "
+                  f"{rows[-2]['ms'] * 1e3:8.1f}us on {rows[-1]['ms'] * 1e3:8.1f}us "
+                  f"({rows[-2]['ms'] / rows[-1]['ms']:.3f}x, {rows[-1]['pct_ceiling']:.0f}% ceil) "
                   f"err {err:.1e}", flush=True)
         del cell
         torch.cuda.empty_cache()

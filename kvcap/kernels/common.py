@@ -213,6 +213,19 @@ _NATIVE_WORD_PTX = tl.constexpr(
     "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
     "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }")
 _SOFTWARE_WORD_PTX = tl.constexpr(_packed_ptx("$4", "mov.b32 {$0, $2}, e; mov.b32 {$1, $3}, o;"))
+# Two words (two elements of the same thread, pack=2) -> each group's pair as one f16x2
+# register, which is how the MMA operand holds them: the bytes are permuted before the
+# conversion (two prmt per word pair) instead of the halves after it.
+_NATIVE_PAIR_PTX = tl.constexpr(
+    "{ .reg .b32 x, y; .reg .b16 xl, xh, yl, yh; "
+    "prmt.b32 x, $4, $5, 0x5140; prmt.b32 y, $4, $5, 0x7362; "
+    "mov.b32 {xl, xh}, x; mov.b32 {yl, yh}, y; "
+    "cvt.rn.f16x2.e4m3x2 $0, xl; cvt.rn.f16x2.e4m3x2 $1, xh; "
+    "cvt.rn.f16x2.e4m3x2 $2, yl; cvt.rn.f16x2.e4m3x2 $3, yh; }")
+_SOFTWARE_PAIR_PTX = tl.constexpr(
+    "{ .reg .b32 x, y; prmt.b32 x, $4, $5, 0x5410; prmt.b32 y, $4, $5, 0x7632; "
+    + _packed_ptx("x", "mov.b32 $0, e; mov.b32 $1, o;")
+    + _packed_ptx("y", "mov.b32 $2, e; mov.b32 $3, o;") + " }")
 
 
 @triton.jit
@@ -224,10 +237,14 @@ def load_words(cache_ptr, row_off, mask, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def convert_words(w, SOFTWARE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+def convert_words(w, SOFTWARE: tl.constexpr, OUT_DTYPE: tl.constexpr, PAIRS: tl.constexpr = False):
     """int32 words [N, C] -> four column groups (t0..t3), tj[:, c] = decode(byte j of word c)
     (software: times 2^-8, as convert_tile)."""
-    if _CVT_ASM:
+    if _CVT_ASM and PAIRS:
+        t0, t1, t2, t3 = tl.inline_asm_elementwise(
+            _SOFTWARE_PAIR_PTX if SOFTWARE else _NATIVE_PAIR_PTX, "=r,=r,=r,=r,r,r", [w],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+    elif _CVT_ASM:
         if SOFTWARE:
             t0, t1, t2, t3 = tl.inline_asm_elementwise(
                 _SOFTWARE_WORD_PTX, "=h,=h,=h,=h,r", [w],

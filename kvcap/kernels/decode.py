@@ -116,7 +116,7 @@ def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_st
                       qk_scale, head_off, stride_cb, stride_ct, stride_qh,
                       BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       BLOCK_N: tl.constexpr, SOFTWARE: tl.constexpr, SOFTWARE_V: tl.constexpr,
-                      DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+                      DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, PAIRS: tl.constexpr):
     """attend_tiles for E4M3 caches read as 32-bit words: the head dimension is split into the
     four column groups a word decodes to (column 4c + j -> group j), so QK^T is four dots of
     K = D/4 and the output is four [BLOCK_H, D/4] accumulators (returned in group order)."""
@@ -138,14 +138,14 @@ def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_st
         row = paged_row_offsets(bt_ptr, bt_stride, seq, pos, pmask, BLOCK_SIZE, stride_cb,
                                 stride_ct, head_off)
         k0, k1, k2, k3 = convert_words(load_words(kc_ptr, row, pmask, HEAD_DIM), SOFTWARE,
-                                       DOT_DTYPE)
+                                       DOT_DTYPE, PAIRS)
         s = mm(q0, tl.trans(k0), True, IEEE) + mm(q1, tl.trans(k1), True, IEEE)
         s += mm(q2, tl.trans(k2), True, IEEE) + mm(q3, tl.trans(k3), True, IEEE)
         s = tl.where(pmask[None, :], s * qk_scale, float("-inf"))
         m_new, alpha, p, l_i = online_softmax_step(s, m_i, l_i)
         pd = p.to(DOT_DTYPE)
         v0, v1, v2, v3 = convert_words(load_words(vc_ptr, row, pmask, HEAD_DIM), SOFTWARE_V,
-                                       DOT_DTYPE)
+                                       DOT_DTYPE, PAIRS)
         a0 = a0 * alpha[:, None] + mm(pd, v0, True, IEEE)
         a1 = a1 * alpha[:, None] + mm(pd, v1, True, IEEE)
         a2 = a2 * alpha[:, None] + mm(pd, v2, True, IEEE)
@@ -175,7 +175,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, FP8: tl.constexpr, SOFTWARE: tl.constexpr, SOFTWARE_V: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
-    PREFETCH: tl.constexpr, WORDS: tl.constexpr,
+    PREFETCH: tl.constexpr, WORDS: tl.constexpr, PAIRS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     hp = tl.program_id(1)
@@ -207,7 +207,7 @@ def _decode_kernel(
             q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, kc_ptr, vc_ptr, bt_ptr,
             bt_stride, seq, lo, hi, qk_scale, kvh.to(tl.int64) * stride_ch, stride_cb,
             stride_ct, stride_qh, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFTWARE, SOFTWARE_V,
-            DOT_DTYPE, IEEE)
+            DOT_DTYPE, IEEE, PAIRS)
     else:
         q = _load_q(q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, HEAD_DIM, DOT_DTYPE,
                     stride_qh)
@@ -346,7 +346,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  num_splits: int | None = None, block_n: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
                  prefetch: bool | None = None, words: bool | None = None,
-                 maxnreg: int | None = None) -> torch.Tensor:
+                 maxnreg: int | None = None, pairs: bool = False) -> torch.Tensor:
     """Decode attention for every sequence whose query length is 1 (others are skipped).
 
     q [T, Hq, D], out [T, Hq, D] (the token row of sequence i is query_start_loc[i]);
@@ -357,6 +357,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     grouped route, head_dim >= 64 only). `fp8_mode`: auto | native | software | native-k |
     native-v (fp8_decoders). `maxnreg`: a register cap per thread (more programs per SM;
     CUDA only; 0 = none; default: decode_config's when no other launch knob is given).
+    `pairs`: the word route permutes each thread's byte pairs before the conversion, so every
+    column group's pair leaves it as one f16x2 register (fewer permutes; same values).
     """
     num_seqs = seq_lens.shape[0]
     hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
@@ -372,6 +374,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         words = use_words(d, grouped, fp8, q.device)
     if words and not (fp8 and grouped and d >= 64):
         raise ValueError("words=True needs an E4M3 cache, the grouped route and head_dim >= 64")
+    if pairs and not words:
+        raise ValueError("pairs=True converts the word route's byte pairs: it needs words=True")
     cfg = decode_config(d, grouped, fp8, q.device)
     bn, nw, ns = block_n or cfg.block_n, num_warps or cfg.num_warps, num_stages or cfg.num_stages
     pf = cfg.prefetch if prefetch is None else prefetch
@@ -398,7 +402,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         *ps, num_splits,
         GROUP=group, HEADS=heads, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2],
         BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8, SOFTWARE=software, SOFTWARE_V=software_v,
-        USE_DOT=grouped, PREFETCH=pf, WORDS=words,
+        USE_DOT=grouped, PREFETCH=pf, WORDS=words, PAIRS=pairs,
         DOT_DTYPE=dt, IEEE=ieee,
         num_warps=nw, num_stages=ns, **launch,
     )
