@@ -235,7 +235,7 @@ def test_decode_config_register_cap():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     cfg = decode_config(128, True, True, cuda)
     assert (cfg.block_n, cfg.num_stages, cfg.maxnreg) == (128, 3, 128)
-    assert cfg.programs_per_sm == 4 and cfg.whole_waves
+    assert cfg.programs_per_sm == 4 and cfg.whole_waves and cfg.pairs
     assert decode_config(128, True, False, cuda).maxnreg is None  # FP16 cache
     assert decode_config(256, True, True, cuda).maxnreg is None
     assert decode_config(64, True, True, cuda).maxnreg is None

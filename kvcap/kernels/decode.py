@@ -278,6 +278,7 @@ class DecodeConfig(NamedTuple):
     programs_per_sm: int  # drives choose_num_splits
     maxnreg: int | None = None  # register cap per thread (None: the compiler's choice)
     whole_waves: bool = False  # programs_per_sm is the residency: split in whole waves
+    pairs: bool = False  # word route: convert byte pairs (see paged_decode)
 
 
 def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device) -> DecodeConfig:
@@ -291,13 +292,15 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device)
     ptxas sm_90a) it holds 4, and with three pipeline stages and a grid of whole waves of 4
     programs per SM it is the fastest configuration for both decoders
     (docs/benchmarks/occupancy-2026-12-01*-h200.json). Both decoders share the tile loop, so
-    they share the configuration."""
+    they share the configuration. Converting byte pairs (`pairs`) takes 64 of the 144 permutes
+    out of the compiled kernel and runs 1.3-6% faster, bit-identical
+    (docs/benchmarks/pairs-2026-12-01-h200.json)."""
     if device.type != "cuda":
         return DecodeConfig(16, 1, 1, fp8, 4)
     if not grouped:
         return DecodeConfig(64 if head_dim <= 64 else 32, 4, 2, False, 4)
     if fp8 and head_dim == 128:
-        return DecodeConfig(128, 4, 3, False, 4, maxnreg=128, whole_waves=True)
+        return DecodeConfig(128, 4, 3, False, 4, maxnreg=128, whole_waves=True, pairs=True)
     if fp8:
         return DecodeConfig(128 if head_dim <= 128 else 64, 4, 2, False, 8)
     pps = 8 if head_dim >= 256 else 4
@@ -346,7 +349,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  num_splits: int | None = None, block_n: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
                  prefetch: bool | None = None, words: bool | None = None,
-                 maxnreg: int | None = None, pairs: bool = False) -> torch.Tensor:
+                 maxnreg: int | None = None, pairs: bool | None = None) -> torch.Tensor:
     """Decode attention for every sequence whose query length is 1 (others are skipped).
 
     q [T, Hq, D], out [T, Hq, D] (the token row of sequence i is query_start_loc[i]);
@@ -374,9 +377,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         words = use_words(d, grouped, fp8, q.device)
     if words and not (fp8 and grouped and d >= 64):
         raise ValueError("words=True needs an E4M3 cache, the grouped route and head_dim >= 64")
+    cfg = decode_config(d, grouped, fp8, q.device)
+    if pairs is None:
+        pairs = words and cfg.pairs
     if pairs and not words:
         raise ValueError("pairs=True converts the word route's byte pairs: it needs words=True")
-    cfg = decode_config(d, grouped, fp8, q.device)
     bn, nw, ns = block_n or cfg.block_n, num_warps or cfg.num_warps, num_stages or cfg.num_stages
     pf = cfg.prefetch if prefetch is None else prefetch
     if maxnreg is None and block_n is None and num_warps is None and num_stages is None:
