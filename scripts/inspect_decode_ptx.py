@@ -46,9 +46,17 @@ def main() -> int:
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--num-stages", type=int, default=2)
     ap.add_argument("--pairs", action="store_true", help="word route: bytes permuted in pairs")
+    ap.add_argument("--defaults", action="store_true",
+                    help="tile, warps, stages, register cap and pairs from decode_config (CUDA)")
     ap.add_argument("--maxnreg", type=int, help="register cap per thread (ptx .maxnreg)")
     args = ap.parse_args()
     fp8 = args.cache != "fp16"
+    if args.defaults:
+        import torch
+
+        cfg = decode.decode_config(args.head_dim, True, fp8, torch.device("cuda"))
+        args.block_n, args.num_warps, args.num_stages = cfg.block_n, cfg.num_warps, cfg.num_stages
+        args.maxnreg, args.pairs = cfg.maxnreg, args.words and cfg.pairs
     if args.words and not fp8:
         ap.error("--words needs an E4M3 cache (--cache native|software)")
     consts = dict(GROUP=4, HEADS=4, BLOCK_H=16, HEAD_DIM=args.head_dim, BLOCK_SIZE=16,
@@ -84,7 +92,6 @@ def main() -> int:
         n = len(re.findall(re.escape(pat) + (r"\b" if pat == "ld.shared.b8" else ""), ptx))
         print(f"  {pat:22s} {n}")
     print(f"  shared memory bytes    {k.metadata.shared}")
-    print(f"  registers per thread   {k.n_regs if hasattr(k, 'n_regs') else 'n/a'}")
     return 0
 
 

@@ -27,16 +27,19 @@ def _counts(*args: str) -> dict[str, int]:
                                                  re.MULTILINE)}
 
 
-@pytest.mark.parametrize("sm,words", [(70, False), (75, False), (80, False), (80, True),
-                                      (86, True)])
+@pytest.mark.parametrize("sm,words", [(70, False), (70, True), (75, True), (80, False),
+                                      (80, True), (86, True)])
 def test_software_decoder_compiles_for_pre_fp8_gpus(sm, words):
-    c = _counts("--cache", "software", "--sm", str(sm), *(["--words"] if words else []))
+    """At the launch configuration the GPU gets (decode_config: for the word route at D = 128,
+    3 stages, a 128-register cap and byte pairs)."""
+    c = _counts("--cache", "software", "--sm", str(sm), "--defaults",
+                *(["--words"] if words else []))
     assert c["cvt.rn.f16x2.e4m3x2"] == 0
-    if not words:
-        assert c["prmt"] > 0  # the packed decoder's byte permutes are there
+    assert c["prmt"] > 0  # the packed decoder's / the byte pairs' permutes are there
     assert (c["mma.sync"] > 0) == (sm >= 80)
 
 
-def test_hardware_conversion_on_hopper():
-    c = _counts("--cache", "native", "--sm", "90")
+@pytest.mark.parametrize("words", [False, True])
+def test_hardware_conversion_on_hopper(words):
+    c = _counts("--cache", "native", "--sm", "90", "--defaults", *(["--words"] if words else []))
     assert c["cvt.rn.f16x2.e4m3x2"] > 0 and c["mma.sync"] > 0
