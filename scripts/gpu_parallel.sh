@@ -86,6 +86,15 @@ job_occupancy() {  # E4M3 decode: launch configs x register caps x split counts 
   timeout ${OCCUPANCY_S:-420} python3 -m kvcap.bench.kernels --skip-checks --sweep-occupancy \
     --out "$RES/occupancy.json" ${OCCUPANCY_ARGS:-}
 }
+job_kernels8b() {  # the issue-5 target cells (8B shape) with SDPA, FP16 paged and both decoders
+  timeout ${KERNELS8B_S:-200} python3 -m kvcap.bench.kernels --shapes llama31-8b \
+    --batches 8,16,64 --contexts 4096,16384,32768 --out "$RES/kernels-8b.json"
+}
+job_tput32k() {  # the 16 x 32K decode cell, every KV mode, current defaults
+  timeout ${THROUGHPUT32_S:-300} python3 -m kvcap.bench.throughput --shapes llama-3.1-8b \
+    --concurrency 16 --context 32768 --kv ${TPUT_KV:-fp16 fp8 fp8-software} --out-tokens 64 \
+    --repeats 1 --out "$RES/throughput32k"
+}
 job_tput16k() {  # the 16 x 16K decode cell, every KV mode, current defaults
   timeout ${THROUGHPUT16_S:-200} python3 -m kvcap.bench.throughput --shapes llama-3.1-8b \
     --concurrency 16 --context 16384 --kv ${TPUT_KV:-fp16 fp8 fp8-software} --out-tokens 64 \

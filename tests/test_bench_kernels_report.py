@@ -51,3 +51,12 @@ def test_occupancy_configs_parse():
     assert parse_configs("128:4:3:128,64:4:4:0") == [(128, 4, 3, 128), (64, 4, 4, None)]
     with pytest.raises(SystemExit, match="BN:WARPS:STAGES:MAXNREG"):
         parse_configs("128:4:3")
+
+
+def test_occupancy_split_candidates():
+    from kvcap.bench.kernels import split_candidates
+
+    # the old heuristic's 0.5/1/2x (17 splits at 8 x 32K, 8 KV heads, 132 SMs)
+    assert split_candidates(8, 8, 32768, 128, 132, False) == [8, 17, 34]
+    # whole waves of 2..8 programs per SM: floor(r * 132 / 64)
+    assert split_candidates(8, 8, 32768, 128, 132, True) == [4, 6, 8, 10, 12, 14, 16]

@@ -313,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
                          "E4M3 default route on the target cells, then stop")
     ap.add_argument("--occupancy-configs", type=parse_configs, default=OCCUPANCY_CONFIGS,
                     help="BN:WARPS:STAGES:MAXNREG,... for --sweep-occupancy")
+    ap.add_argument("--occupancy-waves", action="store_true",
+                    help="--sweep-occupancy times the split counts that fill whole waves of "
+                         "2..8 programs per SM (default: 0.5/1/2x the old heuristic)")
     ap.add_argument("--contiguous-tables", action="store_true",
                     help="every sequence's KV blocks in order (default: a random permutation)")
     ap.add_argument("--markdown", metavar="JSON",
@@ -363,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         info["sweep_occupancy"] = []
         cells = [c for c in OCCUPANCY_CELLS if c[0] in args.shapes.split(",")]
         sweep_occupancy(l2, ceil["read_tbs"], info["sweep_occupancy"], save,
-                        configs=args.occupancy_configs, cells=cells)
+                        waves=args.occupancy_waves, configs=args.occupancy_configs, cells=cells)
         return 0
     if args.compare_decoders:
         info["compare_decoders"] = compare_decoders(l2, ceil["read_tbs"])
@@ -573,12 +576,22 @@ def parse_configs(text: str) -> list[tuple]:
                          "(MAXNREG 0 = no cap), e.g. 128:4:3:128,64:4:4:0") from None
 
 
+def split_candidates(b: int, hkv: int, ctx: int, bn: int, sms: int, waves: bool) -> list[int]:
+    """Split counts to time: 0.5x, 1x and 2x the old heuristic (8 programs per SM, rounded
+    up), or with `waves` every count that fills whole waves of 2..8 resident programs per SM."""
+    if not waves:
+        base = choose_num_splits(b, hkv, ctx, bn, sms, 8)
+        return sorted({max(1, int(base * m)) for m in (0.5, 1, 2)})
+    return sorted({choose_num_splits(b, hkv, ctx, bn, sms, r, whole_waves=True)
+                   for r in range(2, 9)})
+
+
 def sweep_occupancy(l2: int, read_tbs: float, rows: list[dict], save,
-                    arms=("e4m3_native", "e4m3_software"), mults=(0.5, 1, 2),
+                    arms=("e4m3_native", "e4m3_software"), waves: bool = False,
                     configs=OCCUPANCY_CONFIGS, cells=OCCUPANCY_CELLS) -> list[dict]:
-    """Launch configurations x register caps x split counts (relative to the default heuristic)
-    on the target cells, default route; every output is compared with the default launch's.
-    Rows are appended to `rows` and `save()` runs after every cell."""
+    """Launch configurations x register caps x split counts (split_candidates) on the target
+    cells, default route; every output is compared with the default launch's. Rows are
+    appended to `rows` and `save()` runs after every cell."""
     for name, hq, hkv, d, b, ctx in cells:
         cell = Cell(hq, hkv, d, b, ctx, l2)
         for arm in arms:
@@ -587,10 +600,8 @@ def sweep_occupancy(l2: int, read_tbs: float, rows: list[dict], save,
             ref = cell.out[0].clone()
             base_ms = _graph_time(fns, reps=10)
             for bn, nw, ns, nreg in configs:
-                # the heuristic at this tile size, E4M3's 8 programs per SM
-                base = choose_num_splits(b, hkv, ctx, bn, sm_count(cell.q[0].device), 8)
-                for mult in mults:
-                    splits = max(1, int(base * mult))
+                for splits in split_candidates(b, hkv, ctx, bn, sm_count(cell.q[0].device),
+                                               waves):
                     kw = dict(block_n=bn, num_warps=nw, num_stages=ns, maxnreg=nreg,
                               num_splits=splits)
                     try:
