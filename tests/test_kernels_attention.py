@@ -229,9 +229,13 @@ def test_split_heuristic():
     assert choose_num_splits(64, 8, 16384, 128, 132, 4, whole_waves=True) == 1
 
 
-def test_decode_config_register_cap():
+def test_decode_config_register_cap(monkeypatch):
     """The E4M3 word route (D = 128) runs capped at 128 registers with three stages on CUDA
-    (4 programs per SM instead of 3); other shapes and the CPU interpreter run uncapped."""
+    (4 programs per SM instead of 3 on Hopper); other shapes and the CPU interpreter run
+    uncapped."""
+    from kvcap.kernels import decode
+
+    monkeypatch.setattr(decode, "word_route_residency", lambda device: 4)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     cfg = decode_config(128, True, True, cuda)
     assert (cfg.block_n, cfg.num_stages, cfg.maxnreg) == (128, 3, 128)
@@ -240,6 +244,30 @@ def test_decode_config_register_cap():
     assert decode_config(256, True, True, cuda).maxnreg is None
     assert decode_config(64, True, True, cuda).maxnreg is None
     assert decode_config(128, True, True, cpu).maxnreg is None
+
+
+def test_programs_per_sm():
+    """Residency of the word-route program (41,472 B shared, 128 registers, 4 warps): registers
+    bound on Hopper, shared memory on A100 and on 100 KiB parts; a torch without the shared
+    memory property falls back to the compute capability's figure."""
+    from types import SimpleNamespace
+
+    from kvcap.kernels.common import programs_per_sm
+    from kvcap.kernels.decode import WORD_ROUTE_SHARED_BYTES as smem
+
+    def props(major, minor, shared=None):
+        p = SimpleNamespace(major=major, minor=minor, regs_per_multiprocessor=65536,
+                            max_threads_per_multi_processor=2048)
+        if shared is not None:
+            p.shared_memory_per_multiprocessor = shared
+        return p
+
+    assert programs_per_sm(props(9, 0, 233472), smem, 128, 4) == 4  # H100 / H200
+    assert programs_per_sm(props(9, 0), smem, 128, 4) == 4
+    assert programs_per_sm(props(8, 0, 167936), smem, 128, 4) == 3  # A100
+    assert programs_per_sm(props(8, 6, 102400), smem, 128, 4) == 2  # RTX 30xx
+    assert programs_per_sm(props(8, 9), smem, 128, 4) == 2  # RTX 40xx / L4
+    assert programs_per_sm(props(9, 0, 233472), smem, 168, 4) == 3  # uncapped
 
 
 def test_bad_arguments():

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from kvcap.kernels.decode import WORD_ROUTE_SHARED_BYTES  # noqa: E402
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "inspect_decode_ptx.py"
 
 
@@ -37,9 +39,13 @@ def test_software_decoder_compiles_for_pre_fp8_gpus(sm, words):
     assert c["cvt.rn.f16x2.e4m3x2"] == 0
     assert c["prmt"] > 0  # the packed decoder's / the byte pairs' permutes are there
     assert (c["mma.sync"] > 0) == (sm >= 80)
+    if words and sm >= 80:  # the residency the split heuristic assumes (decode_config)
+        assert c["shared memory bytes"] <= WORD_ROUTE_SHARED_BYTES
 
 
 @pytest.mark.parametrize("words", [False, True])
 def test_hardware_conversion_on_hopper(words):
     c = _counts("--cache", "native", "--sm", "90", "--defaults", *(["--words"] if words else []))
     assert c["cvt.rn.f16x2.e4m3x2"] > 0 and c["mma.sync"] > 0
+    if words:
+        assert c["shared memory bytes"] <= WORD_ROUTE_SHARED_BYTES

@@ -87,6 +87,26 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+# Shared memory per SM by compute capability, for torch builds whose device properties lack it.
+_SHARED_PER_SM = {(7, 0): 96 << 10, (7, 5): 64 << 10, (8, 0): 164 << 10, (8, 6): 100 << 10,
+                  (8, 7): 164 << 10, (8, 9): 100 << 10, (9, 0): 228 << 10}
+
+
+def programs_per_sm(props, shared_bytes: int, regs_per_thread: int, num_warps: int) -> int:
+    """How many programs of a kernel an SM holds at once, limited by shared memory (plus the
+    1 KiB the driver reserves per block), registers and threads. `props`: CUDA device
+    properties (torch.cuda.get_device_properties)."""
+    cc = (props.major, props.minor)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 0) or _SHARED_PER_SM.get(
+        cc, 100 << 10)
+    regs = getattr(props, "regs_per_multiprocessor", 0) or 65536
+    threads = getattr(props, "max_threads_per_multi_processor", 0) or 2048
+    by_smem = smem // (shared_bytes + 1024)
+    by_regs = regs // (regs_per_thread * 32 * num_warps)
+    by_threads = threads // (32 * num_warps)
+    return max(1, min(by_smem, by_regs, by_threads, 32))
+
+
 def dot_dtype(q_dtype: torch.dtype):
     """(tl dtype of tl.dot operands, IEEE fp32 dot?) for queries of `q_dtype`. The CPU
     interpreter's tl.dot mishandles bf16 operands, so there bf16 runs as an FP32 dot."""

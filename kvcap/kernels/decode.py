@@ -36,6 +36,7 @@ from kvcap.kernels.common import (
     mm,
     online_softmax_step,
     paged_row_offsets,
+    programs_per_sm,
     sm_count,
     split_k_enabled,
     use_software_fp8,
@@ -281,6 +282,24 @@ class DecodeConfig(NamedTuple):
     pairs: bool = False  # word route: convert byte pairs (see paged_decode)
 
 
+# Shared memory of the E4M3 word-route program at its default configuration (BLOCK_N 128, 4
+# warps, 3 stages, pairs): 41,472 bytes with triton 3.6 and 3.9 for sm_80 to sm_90
+# (scripts/inspect_decode_ptx.py --words --defaults; tests/test_kernels_compile.py checks it).
+WORD_ROUTE_SHARED_BYTES = 41472
+_RESIDENCY: dict[int, int] = {}
+
+
+def word_route_residency(device: torch.device) -> int:
+    """Programs of the E4M3 word route an SM of `device` holds at once (128 registers per
+    thread): 4 on Hopper (registers bound), 3 on A100 and 2 on 100 KiB parts such as the RTX
+    30xx / 40xx (shared memory bound)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _RESIDENCY:
+        _RESIDENCY[idx] = programs_per_sm(torch.cuda.get_device_properties(idx),
+                                          WORD_ROUTE_SHARED_BYTES, 128, 4)
+    return _RESIDENCY[idx]
+
+
 def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device) -> DecodeConfig:
     """Launch configuration of the decode kernel.
 
@@ -300,7 +319,8 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device)
     if not grouped:
         return DecodeConfig(64 if head_dim <= 64 else 32, 4, 2, False, 4)
     if fp8 and head_dim == 128:
-        return DecodeConfig(128, 4, 3, False, 4, maxnreg=128, whole_waves=True, pairs=True)
+        resident = word_route_residency(device)
+        return DecodeConfig(128, 4, 3, False, resident, maxnreg=128, whole_waves=True, pairs=True)
     if fp8:
         return DecodeConfig(128 if head_dim <= 128 else 64, 4, 2, False, 8)
     pps = 8 if head_dim >= 256 else 4
