@@ -56,7 +56,7 @@ def main() -> int:
 
         # the residency (read from the GPU) drives split counts only, not the compiled code
         decode.word_route_residency = lambda device: 4
-        cfg = decode.decode_config(args.head_dim, True, fp8, torch.device("cuda"))
+        cfg = decode.decode_config(args.head_dim, True, fp8, torch.device("cuda"), args.words)
         args.block_n, args.num_warps, args.num_stages = cfg.block_n, cfg.num_warps, cfg.num_stages
         args.maxnreg, args.pairs = cfg.maxnreg, args.words and cfg.pairs
     if args.words and not fp8:

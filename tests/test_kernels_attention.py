@@ -241,6 +241,8 @@ def test_decode_config_register_cap(monkeypatch):
     assert (cfg.block_n, cfg.num_stages, cfg.maxnreg) == (128, 3, 128)
     assert cfg.programs_per_sm == 4 and cfg.whole_waves and cfg.pairs
     assert decode_config(128, True, False, cuda).maxnreg is None  # FP16 cache
+    byte_route = decode_config(128, True, True, cuda, words=False)  # KVCAP_DISABLE_WORD_DECODE
+    assert byte_route.maxnreg is None and not byte_route.whole_waves
     assert decode_config(256, True, True, cuda).maxnreg is None
     assert decode_config(64, True, True, cuda).maxnreg is None
     assert decode_config(128, True, True, cpu).maxnreg is None

@@ -300,16 +300,18 @@ def word_route_residency(device: torch.device) -> int:
     return _RESIDENCY[idx]
 
 
-def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device) -> DecodeConfig:
-    """Launch configuration of the decode kernel.
+def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
+                  words: bool | None = None) -> DecodeConfig:
+    """Launch configuration of the decode kernel (`words`: the E4M3 word route; default: the
+    route use_words picks).
 
     From the H200 sweeps (docs/kernels.md): FP16 tiles go through Triton's software pipeliner
     (num_stages=2) and want ~4 programs per SM. E4M3 tiles are converted in registers between
     the shared-memory load and the dot, are bound by that per-element work rather than by
     bytes, and gain from 128-token tiles at D <= 128. The E4M3 word route (D = 128) needs 168
-    registers per thread uncapped, so an SM holds 3 programs; capped at 128 (40 bytes spilled,
-    ptxas sm_90a) it holds 4, and with three pipeline stages and a grid of whole waves of 4
-    programs per SM it is the fastest configuration for both decoders
+    registers per thread uncapped, so an H200 SM holds 3 programs; capped at 128 (ptxas sm_90a:
+    40 bytes spilled, none with byte pairs) it holds 4, and with three pipeline stages and a
+    grid of whole waves (word_route_residency) it is the fastest configuration for both decoders
     (docs/benchmarks/occupancy-2026-12-01*-h200.json). Both decoders share the tile loop, so
     they share the configuration. Converting byte pairs (`pairs`) takes 64 of the 144 permutes
     out of the compiled kernel and runs 1.3-6% faster, bit-identical
@@ -318,7 +320,9 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device)
         return DecodeConfig(16, 1, 1, fp8, 4)
     if not grouped:
         return DecodeConfig(64 if head_dim <= 64 else 32, 4, 2, False, 4)
-    if fp8 and head_dim == 128:
+    if words is None:
+        words = use_words(head_dim, grouped, fp8, device)
+    if fp8 and words and head_dim == 128:
         resident = word_route_residency(device)
         return DecodeConfig(128, 4, 3, False, resident, maxnreg=128, whole_waves=True, pairs=True)
     if fp8:
@@ -397,7 +401,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         words = use_words(d, grouped, fp8, q.device)
     if words and not (fp8 and grouped and d >= 64):
         raise ValueError("words=True needs an E4M3 cache, the grouped route and head_dim >= 64")
-    cfg = decode_config(d, grouped, fp8, q.device)
+    cfg = decode_config(d, grouped, fp8, q.device, words)
     if pairs is None:
         pairs = words and cfg.pairs
     if pairs and not words:
