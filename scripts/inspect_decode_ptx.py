@@ -33,6 +33,26 @@ PATTERNS = ["ld.shared.b8", "ld.shared", "st.shared", "ldmatrix", "mma.sync", "w
             "cp.async", "bar.sync", "cvt.rn.f16x2.e4m3x2", "prmt"]
 
 
+def ptxas_usage(ptx: str, sm: int) -> dict[str, int]:
+    """Registers per thread and spilled bytes, from `ptxas -v` of the Triton wheel's ptxas."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    arch = f"sm_{sm}a" if sm >= 90 else f"sm_{sm}"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        run = subprocess.run([get_ptxas(sm).path, f"-arch={arch}", "-v", str(src), "-o",
+                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
+    info = run.stdout + run.stderr
+    regs = re.search(r"Used (\d+) registers", info)
+    spills = re.search(r"(\d+) bytes spill stores", info)
+    return {"registers": int(regs[1]) if regs else -1,
+            "spill store bytes": int(spills[1]) if spills else -1}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", choices=["fp16", "native", "software"], default="native")
@@ -56,7 +76,8 @@ def main() -> int:
 
         # the residency (read from the GPU) drives split counts only, not the compiled code
         decode.word_route_residency = lambda device: 4
-        cfg = decode.decode_config(args.head_dim, True, fp8, torch.device("cuda"), args.words)
+        cfg = decode.decode_config(args.head_dim, True, fp8, torch.device("cuda"), args.words,
+                                   mma=args.sm >= 80)
         args.block_n, args.num_warps, args.num_stages = cfg.block_n, cfg.num_warps, cfg.num_stages
         args.maxnreg, args.pairs = cfg.maxnreg, args.words and cfg.pairs
     if args.words and not fp8:
@@ -94,6 +115,8 @@ def main() -> int:
         n = len(re.findall(re.escape(pat) + (r"\b" if pat == "ld.shared.b8" else ""), ptx))
         print(f"  {pat:22s} {n}")
     print(f"  shared memory bytes    {k.metadata.shared}")
+    for key, value in ptxas_usage(ptx, args.sm).items():
+        print(f"  {key:22s} {value}")
     return 0
 
 

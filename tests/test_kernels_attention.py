@@ -229,20 +229,29 @@ def test_split_heuristic():
     assert choose_num_splits(64, 8, 16384, 128, 132, 4, whole_waves=True) == 1
 
 
-def test_decode_config_register_cap(monkeypatch):
-    """The E4M3 word route (D = 128) runs capped at 128 registers with three stages on CUDA
-    (4 programs per SM instead of 3 on Hopper); other shapes and the CPU interpreter run
-    uncapped."""
+@pytest.mark.parametrize("mma", [True, False])
+def test_decode_config_by_gpu(monkeypatch, mma):
+    """sm_80+ (tensor-core dots): the E4M3 word route (D = 128) runs capped at 128 registers
+    with three stages (4 programs per SM instead of 3 on Hopper); other shapes run uncapped.
+    Below sm_80 (FMA dots) every cache reads bytes in 32-token tiles (16 at D = 256), uncapped.
+    The CPU interpreter keeps its own small tiles."""
     from kvcap.kernels import decode
 
     monkeypatch.setattr(decode, "word_route_residency", lambda device: 4)
+    monkeypatch.setattr(decode, "has_mma", lambda device: mma)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     cfg = decode_config(128, True, True, cuda)
-    assert (cfg.block_n, cfg.num_stages, cfg.maxnreg) == (128, 3, 128)
-    assert cfg.programs_per_sm == 4 and cfg.whole_waves and cfg.pairs
+    assert decode.use_words(128, True, True, cuda) == mma
+    if mma:
+        assert (cfg.block_n, cfg.num_stages, cfg.maxnreg) == (128, 3, 128)
+        assert cfg.programs_per_sm == 4 and cfg.whole_waves and cfg.pairs
+        byte_route = decode_config(128, True, True, cuda, words=False)  # the rollback switch
+        assert byte_route.maxnreg is None and not byte_route.whole_waves
+    else:
+        assert (cfg.block_n, cfg.maxnreg, cfg.pairs) == (32, None, False)
+        assert decode_config(256, True, True, cuda).block_n == 16
+        assert decode_config(128, True, False, cuda).block_n == 32  # FP16 cache
     assert decode_config(128, True, False, cuda).maxnreg is None  # FP16 cache
-    byte_route = decode_config(128, True, True, cuda, words=False)  # KVCAP_DISABLE_WORD_DECODE
-    assert byte_route.maxnreg is None and not byte_route.whole_waves
     assert decode_config(256, True, True, cuda).maxnreg is None
     assert decode_config(64, True, True, cuda).maxnreg is None
     assert decode_config(128, True, True, cpu).maxnreg is None

@@ -25,22 +25,32 @@ def _counts(*args: str) -> dict[str, int]:
     run = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
                          env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    return {m[1]: int(m[2]) for m in re.finditer(r"^\s+(\S+(?: \S+)*?)\s+(\d+)$", run.stdout,
+    return {m[1]: int(m[2]) for m in re.finditer(r"^\s+(\S+(?: \S+)*?)\s+(-?\d+)$", run.stdout,
                                                  re.MULTILINE)}
 
 
-@pytest.mark.parametrize("sm,words", [(70, False), (70, True), (75, True), (80, False),
-                                      (80, True), (86, True)])
-def test_software_decoder_compiles_for_pre_fp8_gpus(sm, words):
-    """At the launch configuration the GPU gets (decode_config: for the word route at D = 128,
-    3 stages, a 128-register cap and byte pairs)."""
-    c = _counts("--cache", "software", "--sm", str(sm), "--defaults",
-                *(["--words"] if words else []))
+@pytest.mark.parametrize("sm,head_dim", [(70, 64), (70, 128), (70, 256), (75, 64), (75, 128),
+                                         (75, 256), (80, 128), (86, 128)])
+def test_software_decoder_compiles_for_pre_fp8_gpus(sm, head_dim):
+    """At the launch configuration and route the GPU gets (decode_config / use_words: FMA-dot
+    GPUs below sm_80 read bytes in 32-token tiles, 16 at D = 256; sm_80+ at D = 128 take the
+    word route with 3 stages, a 128-register cap and byte pairs): no FP8 instruction and no
+    register spills."""
+    words = sm >= 80 and head_dim == 128
+    c = _counts("--cache", "software", "--sm", str(sm), "--head-dim", str(head_dim),
+                "--defaults", *(["--words"] if words else []))
     assert c["cvt.rn.f16x2.e4m3x2"] == 0
     assert c["prmt"] > 0  # the packed decoder's / the byte pairs' permutes are there
     assert (c["mma.sync"] > 0) == (sm >= 80)
-    if words and sm >= 80:  # the residency the split heuristic assumes (decode_config)
+    assert c["spill store bytes"] == 0
+    if words:  # the residency the split heuristic assumes (decode_config)
         assert c["shared memory bytes"] <= WORD_ROUTE_SHARED_BYTES
+
+
+@pytest.mark.parametrize("sm", [70, 75])
+def test_fp16_cache_compiles_without_spills_on_fma_gpus(sm):
+    c = _counts("--cache", "fp16", "--sm", str(sm), "--defaults")
+    assert c["spill store bytes"] == 0 and c["mma.sync"] == 0
 
 
 @pytest.mark.parametrize("words", [False, True])
@@ -49,3 +59,4 @@ def test_hardware_conversion_on_hopper(words):
     assert c["cvt.rn.f16x2.e4m3x2"] > 0 and c["mma.sync"] > 0
     if words:
         assert c["shared memory bytes"] <= WORD_ROUTE_SHARED_BYTES
+        assert c["spill store bytes"] == 0

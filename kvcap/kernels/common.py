@@ -38,11 +38,31 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of a CUDA device, cached (it is asked at every kernel launch)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABILITY:
+        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    return _CAPABILITY[idx]
+
+
 def has_native_fp8(device: torch.device) -> bool:
     """SM89+ converts E4M3 in hardware; the CPU interpreter emulates the conversion."""
     if device.type != "cuda":
         return True
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return capability(device) >= (8, 9)
+
+
+def has_mma(device: torch.device) -> bool:
+    """Whether Triton's tl.dot uses tensor-core MMA on `device` (sm_80+); below it (Volta,
+    Turing) dots run as FMA loops with very different register needs. The CPU interpreter
+    counts as MMA so that CPU tests run the defaults modern GPUs run."""
+    if device.type != "cuda":
+        return True
+    return capability(device) >= (8, 0)
 
 
 def use_software_fp8(device: torch.device, fp8_mode: str = "auto") -> bool:

@@ -28,6 +28,7 @@ from kvcap.kernels.common import (
     convert_words,
     dot_dtype,
     grouped_enabled,
+    has_mma,
     has_native_fp8,
     load_raw,
     load_words,
@@ -301,9 +302,15 @@ def word_route_residency(device: torch.device) -> int:
 
 
 def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
-                  words: bool | None = None) -> DecodeConfig:
+                  words: bool | None = None, mma: bool | None = None) -> DecodeConfig:
     """Launch configuration of the decode kernel (`words`: the E4M3 word route; default: the
-    route use_words picks).
+    route use_words picks; `mma`: the GPU has Triton's tensor-core dots, default: has_mma).
+
+    Below sm_80 (V100, T4: FMA dots) the MMA-tuned tiles spill kilobytes per thread (ptxas,
+    triton 3.6: 3.9-11.6 KB at BLOCK_N 128 / 64), so those GPUs take 32-token tiles (16 at
+    D = 256), which compile without spills for every cache dtype and head size — chosen from
+    the compiler's output, not measured (no such GPU was available); tests/test_kernels_compile.py
+    checks the spills.
 
     From the H200 sweeps (docs/kernels.md): FP16 tiles go through Triton's software pipeliner
     (num_stages=2) and want ~4 programs per SM. E4M3 tiles are converted in registers between
@@ -320,6 +327,8 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
         return DecodeConfig(16, 1, 1, fp8, 4)
     if not grouped:
         return DecodeConfig(64 if head_dim <= 64 else 32, 4, 2, False, 4)
+    if not (has_mma(device) if mma is None else mma):
+        return DecodeConfig(32 if head_dim <= 128 else 16, 4, 2, False, 8)
     if words is None:
         words = use_words(head_dim, grouped, fp8, device)
     if fp8 and words and head_dim == 128:
@@ -335,9 +344,10 @@ def use_words(head_dim: int, grouped: bool, fp8: bool, device: torch.device) -> 
     """Whether E4M3 decode reads the cache as words (attend_word_tiles) by default: at
     D = 128 only. H200, same run (docs/benchmarks/words-2026-11-30-h200.json): the word route
     takes 0.88-0.90x the byte route's time natively and 0.93-0.94x in software at D = 128,
-    0.96-1.03x at D = 256, and 1.8-2.4x at D = 64 (four K = 16 dots per tile). The same rule
-    holds on every device, so the CPU tests run the defaults the GPU runs."""
-    return fp8 and grouped and head_dim == 128 and words_enabled()
+    0.96-1.03x at D = 256, and 1.8-2.4x at D = 64 (four K = 16 dots per tile). It exists to feed
+    tensor-core operand layouts, so GPUs without Triton MMA (below sm_80) read bytes; the CPU
+    interpreter follows the sm_80+ rule, so CPU tests run the defaults those GPUs run."""
+    return fp8 and grouped and head_dim == 128 and words_enabled() and has_mma(device)
 
 
 MIXED_FP8_MODES = ("native-k", "native-v")
