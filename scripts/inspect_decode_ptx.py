@@ -33,6 +33,48 @@ PATTERNS = ["ld.shared.b8", "ld.shared", "st.shared", "ldmatrix", "mma.sync", "w
             "cp.async", "bar.sync", "cvt.rn.f16x2.e4m3x2", "prmt"]
 
 
+def compile_kernel(fn, consts: dict, fp8: bool, sm: int, num_warps: int, num_stages: int,
+                   maxnreg: int | None = None):
+    """triton.compile a kvcap attention kernel for `sm`, pointers typed as its launcher passes
+    them (E4M3 caches as uint8) and marked 16-byte aligned as the JIT marks them."""
+    params = list(inspect.signature(fn.fn).parameters)
+    consts = {k: v for k, v in consts.items() if k in params}  # older kernels: fewer switches
+    cache = "*u8" if fp8 else "*fp16"
+    ptrs = dict(q_ptr="*fp16", kc_ptr=cache, vc_ptr=cache, out_ptr="*fp16", po_ptr="*fp32",
+                plse_ptr="*fp32", bt_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
+                ks_ptr="*fp32", vs_ptr="*fp32")
+    sig, attrs = {}, {}
+    for i, p in enumerate(params):
+        sig[p] = ("constexpr" if p in consts else ptrs.get(p)
+                  or ("fp32" if p == "sm_scale" else "i32"))
+        if p in ptrs or p.startswith("stride"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", sm, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages,
+                                       maxnreg=maxnreg))
+
+
+def inspect_prefill(args, fp8: bool) -> int:
+    """The chunked-prefill kernel (group 4) at prefill_config's tiles for --sm."""
+    import torch
+
+    from kvcap.kernels import prefill
+
+    block_m, bn, nw, ns = prefill.prefill_config(args.head_dim, 4, torch.device("cuda"),
+                                                 mma=args.sm >= 80)
+    consts = dict(GROUP=4, BLOCK_G=4, BLOCK_Q=block_m // 4, HEAD_DIM=args.head_dim,
+                  BLOCK_SIZE=16, BLOCK_N=bn, FP8=fp8, SOFTWARE=args.cache == "software",
+                  DOT_DTYPE=tl.float16, IEEE=False, SKIP_DECODE=True, USE_DOT=True,
+                  PREFETCH=False)
+    k = compile_kernel(prefill._prefill_kernel, consts, fp8, args.sm, nw, ns)
+    print(f"triton {triton.__version__}, sm_{args.sm}, prefill, cache {args.cache}, "
+          f"D={args.head_dim}, BLOCK_M={block_m}, BLOCK_N={bn}, {nw} warps, {ns} stages")
+    print(f"  mma.sync               {k.asm['ptx'].count('mma.sync')}")
+    for key, value in ptxas_usage(k.asm["ptx"], args.sm).items():
+        print(f"  {key:22s} {value}")
+    return 0
+
+
 def ptxas_usage(ptx: str, sm: int) -> dict[str, int]:
     """Registers per thread and spilled bytes, from `ptxas -v` of the Triton wheel's ptxas."""
     import subprocess
@@ -69,8 +111,12 @@ def main() -> int:
     ap.add_argument("--defaults", action="store_true",
                     help="tile, warps, stages, register cap and pairs from decode_config (CUDA)")
     ap.add_argument("--maxnreg", type=int, help="register cap per thread (ptx .maxnreg)")
+    ap.add_argument("--kernel", choices=["decode", "prefill"], default="decode",
+                    help="prefill: the chunked-prefill kernel (group 4) at prefill_config's tiles")
     args = ap.parse_args()
     fp8 = args.cache != "fp16"
+    if args.kernel == "prefill":
+        return inspect_prefill(args, fp8)
     if args.defaults:
         import torch
 
@@ -87,22 +133,8 @@ def main() -> int:
                   SOFTWARE_V=args.cache == "software" or args.mixed,
                   USE_DOT=True, DOT_DTYPE=tl.float16, IEEE=False, PREFETCH=False,
                   WORDS=args.words, PAIRS=args.pairs)
-    params = list(inspect.signature(decode._decode_kernel.fn).parameters)
-    consts = {k: v for k, v in consts.items() if k in params}  # older kernels: fewer switches
-    cache = "*u8" if fp8 else "*fp16"
-    ptrs = dict(q_ptr="*fp16", kc_ptr=cache, vc_ptr=cache, out_ptr="*fp16", po_ptr="*fp32",
-                plse_ptr="*fp32", bt_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
-                ks_ptr="*fp32", vs_ptr="*fp32")
-    sig, attrs = {}, {}
-    for i, p in enumerate(params):
-        sig[p] = ("constexpr" if p in consts else ptrs.get(p)
-                  or ("fp32" if p == "sm_scale" else "i32"))
-        if p in ptrs or p.startswith("stride"):  # as the JIT marks them
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    k = triton.compile(ASTSource(decode._decode_kernel, sig, consts, attrs),
-                       target=GPUTarget("cuda", args.sm, 32),
-                       options=dict(num_warps=args.num_warps, num_stages=args.num_stages,
-                                    maxnreg=args.maxnreg))
+    k = compile_kernel(decode._decode_kernel, consts, fp8, args.sm, args.num_warps,
+                       args.num_stages, args.maxnreg)
     ptx = k.asm["ptx"]
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
-"""The decode kernel compiles for the GPUs kvcap promises to run on, without a GPU: the exact
-software E4M3 decoder on pre-FP8 targets (Volta sm_70, Turing sm_75, Ampere sm_80 / sm_86) must
-carry no FP8 instruction (ptxas refuses `cvt ... e4m3x2` below sm_89); Triton has no MMA below
-sm_80, so V100 and T4 get FMA dots. The hardware route on Hopper uses the conversion. Runs
+"""The decode and prefill kernels compile for the GPUs kvcap promises to run on, without a GPU:
+the exact software E4M3 decoder on pre-FP8 targets (Volta sm_70, Turing sm_75, Ampere sm_80 /
+sm_86) must carry no FP8 instruction (ptxas refuses `cvt ... e4m3x2` below sm_89) and, at each
+target's own launch configuration, spill no register; Triton has no MMA below sm_80, so V100 and
+T4 get FMA dots. The hardware route on Hopper uses the conversion. Runs
 scripts/inspect_decode_ptx.py in a subprocess: compiling needs the real inline PTX, which the
 CPU interpreter (TRITON_INTERPRET=1 in CI) replaces at import."""
 
@@ -60,3 +61,11 @@ def test_hardware_conversion_on_hopper(words):
     if words:
         assert c["shared memory bytes"] <= WORD_ROUTE_SHARED_BYTES
         assert c["spill store bytes"] == 0
+
+
+@pytest.mark.parametrize("sm,head_dim", [(70, 128), (70, 256), (75, 64), (75, 128)])
+def test_prefill_compiles_without_spills_on_fma_gpus(sm, head_dim):
+    """The chunked-prefill kernel at the tiles GPUs without MMA get (prefill_config)."""
+    c = _counts("--kernel", "prefill", "--cache", "software", "--sm", str(sm), "--head-dim",
+                str(head_dim))
+    assert c["spill store bytes"] == 0 and c["mma.sync"] == 0

@@ -14,7 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcap.kernels.common import LOG2E, check_attention_args, dot_dtype, use_software_fp8
+from kvcap.kernels.common import (
+    LOG2E,
+    check_attention_args,
+    dot_dtype,
+    has_mma,
+    use_software_fp8,
+)
 from kvcap.kernels.decode import attend_tiles, store_rows
 
 
@@ -69,10 +75,16 @@ def _prefill_kernel(
     store_rows(obase, rmask, acc * inv, HEAD_DIM)
 
 
-def prefill_config(head_dim: int, group: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M rows, BLOCK_N, num_warps, num_stages)."""
+def prefill_config(head_dim: int, group: int, device: torch.device,
+                   mma: bool | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_M rows, BLOCK_N, num_warps, num_stages). `mma`: the GPU has Triton's tensor-core
+    dots (default: has_mma). Without them (V100, T4) the tiles below spill 0.6-35 KB per thread
+    (ptxas, triton 3.6), so those GPUs take 32 x 16 tiles (16 x 16 at D = 256), which compile
+    without spills for FP16 and E4M3 — chosen from the compiler's output, not measured."""
     if device.type != "cuda":
         return 16, 16, 1, 1
+    if not (has_mma(device) if mma is None else mma):
+        return (32 if head_dim <= 128 else 16), 16, 4, 2
     if head_dim <= 64:
         return 128, 64, 4, 2
     if head_dim <= 128:
