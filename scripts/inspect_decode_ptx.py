@@ -42,7 +42,7 @@ def compile_kernel(fn, consts: dict, fp8: bool, sm: int, num_warps: int, num_sta
     cache = "*u8" if fp8 else "*fp16"
     ptrs = dict(q_ptr="*fp16", kc_ptr=cache, vc_ptr=cache, out_ptr="*fp16", po_ptr="*fp32",
                 plse_ptr="*fp32", bt_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
-                ks_ptr="*fp32", vs_ptr="*fp32")
+                ks_ptr="*fp32", vs_ptr="*fp32", tok_ptr="*i32", seq_ptr="*i32", cnt_ptr="*i32")
     sig, attrs = {}, {}
     for i, p in enumerate(params):
         sig[p] = ("constexpr" if p in consts else ptrs.get(p)
@@ -54,21 +54,29 @@ def compile_kernel(fn, consts: dict, fp8: bool, sm: int, num_warps: int, num_sta
                                        maxnreg=maxnreg))
 
 
-def inspect_prefill(args, fp8: bool) -> int:
-    """The chunked-prefill kernel (group 4) at prefill_config's tiles for --sm."""
+def inspect_other(args, fp8: bool) -> int:
+    """The chunked-prefill or the QSA sparse kernel (group 4) at its launcher's tiles for --sm."""
     import torch
 
-    from kvcap.kernels import prefill
+    from kvcap.kernels import prefill, qsa_attention
 
-    block_m, bn, nw, ns = prefill.prefill_config(args.head_dim, 4, torch.device("cuda"),
-                                                 mma=args.sm >= 80)
-    consts = dict(GROUP=4, BLOCK_G=4, BLOCK_Q=block_m // 4, HEAD_DIM=args.head_dim,
-                  BLOCK_SIZE=16, BLOCK_N=bn, FP8=fp8, SOFTWARE=args.cache == "software",
-                  DOT_DTYPE=tl.float16, IEEE=False, SKIP_DECODE=True, USE_DOT=True,
-                  PREFETCH=False)
-    k = compile_kernel(prefill._prefill_kernel, consts, fp8, args.sm, nw, ns)
-    print(f"triton {triton.__version__}, sm_{args.sm}, prefill, cache {args.cache}, "
-          f"D={args.head_dim}, BLOCK_M={block_m}, BLOCK_N={bn}, {nw} warps, {ns} stages")
+    cuda, mma, software = torch.device("cuda"), args.sm >= 80, args.cache == "software"
+    if args.kernel == "prefill":
+        block_m, bn, nw, ns = prefill.prefill_config(args.head_dim, 4, cuda, mma=mma)
+        consts = dict(GROUP=4, BLOCK_G=4, BLOCK_Q=block_m // 4, HEAD_DIM=args.head_dim,
+                      BLOCK_SIZE=16, BLOCK_N=bn, FP8=fp8, SOFTWARE=software,
+                      DOT_DTYPE=tl.float16, IEEE=False, SKIP_DECODE=True, USE_DOT=True,
+                      PREFETCH=False)
+        fn, tile = prefill._prefill_kernel, f"BLOCK_M={block_m}, BLOCK_N={bn}"
+    else:
+        bn, nw, ns, _ = qsa_attention.sparse_config(cuda, fp8, args.head_dim, mma=mma)
+        consts = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=args.head_dim, BLOCK_SIZE=16, BLOCK_N=bn,
+                      SPLIT=True, FP8=fp8, SOFTWARE=software, USE_DOT=True,
+                      DOT_DTYPE=tl.float16, IEEE=False, SHARED_SEL=True)
+        fn, tile = qsa_attention._sparse_kernel, f"BLOCK_N={bn}"
+    k = compile_kernel(fn, consts, fp8, args.sm, nw, ns)
+    print(f"triton {triton.__version__}, sm_{args.sm}, {args.kernel}, cache {args.cache}, "
+          f"D={args.head_dim}, {tile}, {nw} warps, {ns} stages")
     print(f"  mma.sync               {k.asm['ptx'].count('mma.sync')}")
     for key, value in ptxas_usage(k.asm["ptx"], args.sm).items():
         print(f"  {key:22s} {value}")
@@ -111,12 +119,13 @@ def main() -> int:
     ap.add_argument("--defaults", action="store_true",
                     help="tile, warps, stages, register cap and pairs from decode_config (CUDA)")
     ap.add_argument("--maxnreg", type=int, help="register cap per thread (ptx .maxnreg)")
-    ap.add_argument("--kernel", choices=["decode", "prefill"], default="decode",
-                    help="prefill: the chunked-prefill kernel (group 4) at prefill_config's tiles")
+    ap.add_argument("--kernel", choices=["decode", "prefill", "qsa"], default="decode",
+                    help="prefill: the chunked-prefill kernel, qsa: the sparse (QSA) attention "
+                         "kernel, both group 4 at their launchers' tiles for --sm")
     args = ap.parse_args()
     fp8 = args.cache != "fp16"
-    if args.kernel == "prefill":
-        return inspect_prefill(args, fp8)
+    if args.kernel != "decode":
+        return inspect_other(args, fp8)
     if args.defaults:
         import torch
 

@@ -63,9 +63,11 @@ def test_hardware_conversion_on_hopper(words):
         assert c["spill store bytes"] == 0
 
 
+@pytest.mark.parametrize("kernel", ["prefill", "qsa"])
 @pytest.mark.parametrize("sm,head_dim", [(70, 128), (70, 256), (75, 64), (75, 128)])
-def test_prefill_compiles_without_spills_on_fma_gpus(sm, head_dim):
-    """The chunked-prefill kernel at the tiles GPUs without MMA get (prefill_config)."""
-    c = _counts("--kernel", "prefill", "--cache", "software", "--sm", str(sm), "--head-dim",
+def test_prefill_and_qsa_compile_without_spills_on_fma_gpus(kernel, sm, head_dim):
+    """The chunked-prefill and QSA sparse kernels at the tiles GPUs without MMA get
+    (prefill_config, sparse_config)."""
+    c = _counts("--kernel", kernel, "--cache", "software", "--sm", str(sm), "--head-dim",
                 str(head_dim))
     assert c["spill store bytes"] == 0 and c["mma.sync"] == 0

@@ -25,6 +25,7 @@ from kvcap.kernels.common import (
     check_cache,
     convert_tile,
     dot_dtype,
+    has_mma,
     load_raw,
     merge_splits,
     mm,
@@ -123,10 +124,15 @@ def _merge_rows_kernel(
              res.to(out_ptr.dtype.element_ty))
 
 
-def sparse_config(device: torch.device, fp8: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, num_warps, num_stages, programs per SM) — the dense decode's choices."""
+def sparse_config(device: torch.device, fp8: bool, head_dim: int = 128,
+                  mma: bool | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_N, num_warps, num_stages, programs per SM) — the dense decode's choices. `mma`:
+    the GPU has Triton's tensor-core dots (default: has_mma); without them (V100, T4) the
+    decode kernel's no-spill tiles: 32 tokens, 16 at D = 256 (decode_config)."""
     if device.type != "cuda":
         return 16, 1, 1, 4
+    if not (has_mma(device) if mma is None else mma):
+        return (32 if head_dim <= 128 else 16), 4, 2, 8
     return 64, 4, 2, 8 if fp8 else 4
 
 
@@ -158,7 +164,7 @@ def qsa_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if fp8 and (k_scale is None or v_scale is None):
         raise ValueError("an E4M3 cache needs k_scale and v_scale")
     software = fp8 and use_software_fp8(q.device, fp8_mode)
-    bn, nw, ns, pps = sparse_config(q.device, fp8)
+    bn, nw, ns, pps = sparse_config(q.device, fp8, d)
     if num_splits is None:
         num_splits = choose_num_splits(t, hkv, width, bn, sm_count(q.device), pps)
     if num_splits > 1:
