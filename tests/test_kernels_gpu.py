@@ -88,18 +88,24 @@ def test_decode_routes_agree(hq, hkv, d):
             assert _err(outs[(g, s, "software")], outs[(g, s, "native")]) < 1e-3
 
 
+def _long_context_case(hq, hkv, d, dtype, seed):
+    """Three decode rows (20K, 333 and 8,191 cached tokens) in an E4M3 cache written by
+    store_kv, their dense float64 expectation and the tolerance for `dtype` queries."""
+    case = make_case([(20000, 1), (333, 1), (8191, 1)], hq, hkv, d, kv_dtype="fp8_e4m3",
+                     dtype=dtype, device="cuda", seed=seed)
+    m, c = case.meta, case.cache
+    store_kv(case.k, case.v, c.k_cache, c.v_cache, m.slot_mapping, c.k_scale, c.v_scale)
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    return case, m, c, dense_expected(case), tol
+
+
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (24, 4, 256), (9, 3, 64)])
 @pytest.mark.parametrize("mode", ["native", "software"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_word_route_long_context(hq, hkv, d, mode, dtype):
     """The E4M3 word route (compiled: the four-result PTX) against a dense float64 computation
     and the byte route, with and without split-K."""
-    case = make_case([(20000, 1), (333, 1), (8191, 1)], hq, hkv, d, kv_dtype="fp8_e4m3",
-                     dtype=dtype, device="cuda", seed=d)
-    m, c = case.meta, case.cache
-    store_kv(case.k, case.v, c.k_cache, c.v_cache, m.slot_mapping, c.k_scale, c.v_scale)
-    exp = dense_expected(case)
-    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    case, m, c, exp, tol = _long_context_case(hq, hkv, d, dtype, seed=d)
     for splits in (1, None):
         outs = []
         for words in (True, False):
@@ -119,12 +125,7 @@ def test_word_pairs_bit_identical(hq, hkv, d, mode, dtype):
     """The word route converting byte pairs (pairs=True: bytes permuted before the conversion,
     each group's pair out as one f16x2 register) gives the four-result PTX's output bit for
     bit (same values, same dot order), split and unsplit, and matches float64."""
-    case = make_case([(20000, 1), (333, 1), (8191, 1)], hq, hkv, d, kv_dtype="fp8_e4m3",
-                     dtype=dtype, device="cuda", seed=d + 2)
-    m, c = case.meta, case.cache
-    store_kv(case.k, case.v, c.k_cache, c.v_cache, m.slot_mapping, c.k_scale, c.v_scale)
-    exp = dense_expected(case)
-    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    case, m, c, exp, tol = _long_context_case(hq, hkv, d, dtype, seed=d + 2)
     for splits in (1, 7):
         outs = []
         for pairs in (False, True):
@@ -142,12 +143,7 @@ def test_word_pairs_bit_identical(hq, hkv, d, mode, dtype):
 def test_mixed_decoders_bit_identical(hq, hkv, d, dtype):
     """K and V on different E4M3 decoders (compiled PTX) give the all-native output bit for
     bit, split and unsplit, and match a dense float64 computation."""
-    case = make_case([(20000, 1), (333, 1), (8191, 1)], hq, hkv, d, kv_dtype="fp8_e4m3",
-                     dtype=dtype, device="cuda", seed=d + 1)
-    m, c = case.meta, case.cache
-    store_kv(case.k, case.v, c.k_cache, c.v_cache, m.slot_mapping, c.k_scale, c.v_scale)
-    exp = dense_expected(case)
-    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    case, m, c, exp, tol = _long_context_case(hq, hkv, d, dtype, seed=d + 1)
     for splits in (1, None):
         outs = {}
         for mode in ("native", "native-k", "native-v"):

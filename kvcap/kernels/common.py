@@ -38,15 +38,21 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-_CAPABILITY: dict[int, tuple[int, int]] = {}
+_PROPERTIES: dict[int, object] = {}
+
+
+def device_properties(device: torch.device):
+    """torch.cuda.get_device_properties of a CUDA device, cached: launchers ask for the SM
+    count, the compute capability and the SM's resources at every kernel launch."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _PROPERTIES:
+        _PROPERTIES[idx] = torch.cuda.get_device_properties(idx)
+    return _PROPERTIES[idx]
 
 
 def capability(device: torch.device) -> tuple[int, int]:
-    """Compute capability of a CUDA device, cached (it is asked at every kernel launch)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _CAPABILITY:
-        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
-    return _CAPABILITY[idx]
+    props = device_properties(device)
+    return props.major, props.minor
 
 
 def has_native_fp8(device: torch.device) -> bool:
@@ -95,16 +101,10 @@ def mixed_decoders_enabled() -> bool:
     return _flag(ENV_MIXED)
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
 def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    return device_properties(device).multi_processor_count
 
 
 # Shared memory per SM by compute capability, for torch builds whose device properties lack it.

@@ -26,6 +26,7 @@ from kvcap.kernels.common import (
     check_attention_args,
     convert_tile,
     convert_words,
+    device_properties,
     dot_dtype,
     grouped_enabled,
     has_mma,
@@ -287,18 +288,13 @@ class DecodeConfig(NamedTuple):
 # warps, 3 stages, pairs): 41,472 bytes with triton 3.6 and 3.9 for sm_80 to sm_90
 # (scripts/inspect_decode_ptx.py --words --defaults; tests/test_kernels_compile.py checks it).
 WORD_ROUTE_SHARED_BYTES = 41472
-_RESIDENCY: dict[int, int] = {}
 
 
 def word_route_residency(device: torch.device) -> int:
     """Programs of the E4M3 word route an SM of `device` holds at once (128 registers per
     thread): 4 on Hopper (registers bound), 3 on A100 and 2 on 100 KiB parts such as the RTX
     30xx / 40xx (shared memory bound)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _RESIDENCY:
-        _RESIDENCY[idx] = programs_per_sm(torch.cuda.get_device_properties(idx),
-                                          WORD_ROUTE_SHARED_BYTES, 128, 4)
-    return _RESIDENCY[idx]
+    return programs_per_sm(device_properties(device), WORD_ROUTE_SHARED_BYTES, 128, 4)
 
 
 def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,

@@ -34,7 +34,7 @@ from kvcap.kernels.common import (
     sm_count,
     use_software_fp8,
 )
-from kvcap.kernels.decode import _load_q, choose_num_splits, store_rows
+from kvcap.kernels.decode import _load_q, choose_num_splits, decode_config, store_rows
 
 
 @triton.jit
@@ -128,11 +128,12 @@ def sparse_config(device: torch.device, fp8: bool, head_dim: int = 128,
                   mma: bool | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_N, num_warps, num_stages, programs per SM) — the dense decode's choices. `mma`:
     the GPU has Triton's tensor-core dots (default: has_mma); without them (V100, T4) the
-    decode kernel's no-spill tiles: 32 tokens, 16 at D = 256 (decode_config)."""
+    decode kernel's own no-spill configuration (decode_config)."""
     if device.type != "cuda":
         return 16, 1, 1, 4
     if not (has_mma(device) if mma is None else mma):
-        return (32 if head_dim <= 128 else 16), 4, 2, 8
+        cfg = decode_config(head_dim, True, fp8, device, words=False, mma=False)
+        return cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm
     return 64, 4, 2, 8 if fp8 else 4
 
 
