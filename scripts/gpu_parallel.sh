@@ -109,8 +109,20 @@ job_gemm() {  # decode-size GEMMs: cuBLAS vs the weight-streaming Triton kernel 
   timeout ${GEMM_S:-300} python3 -m kvcap.bench.gemm --out "$RES/gemm.json"
 }
 job_gputests() {  # the whole GPU test suite (the server tests need openai/uvicorn: not there)
-  timeout ${GPUTESTS_S:-500} python3 -m pytest -q -m gpu tests --ignore=tests/test_server.py \
+  # GPUTESTS_XDIST=N: N pytest-xdist workers (carried as a wheel; the tests are compile-bound)
+  timeout ${GPUTESTS_S:-500} python3 -m pytest -q -m gpu ${GPUTESTS_XDIST:+-n $GPUTESTS_XDIST} \
+    tests --ignore=tests/test_server.py \
     --ignore=tests/test_server_load.py --ignore=tests/test_serve_cli.py 2>&1 | tail -25
+}
+job_ncu() {  # Nsight Compute over the decode kernels (hardware counters; Firecracker kinds only)
+  local rep="$RES/ncu-decode"
+  timeout ${NCU_S:-300} ncu --clock-control none --profile-from-start off --set full \
+    --import-source no -f -o "$rep" python3 scripts/ncu_decode.py ${NCU_ARGS:-} 2>&1 | tail -8
+  ncu -i "$rep.ncu-rep" --page details > "$RES/ncu-details.txt" 2>&1
+  ncu -i "$rep.ncu-rep" --page raw --csv > "$RES/ncu-raw.csv" 2>&1
+  ncu -i "$rep.ncu-rep" --page source --print-source sass --csv > "$RES/ncu-sass.csv" 2>&1
+  grep -E "Duration|Throughput|Warp Cycles Per Issued|Issue Slots Busy|Achieved Occupancy|Registers" \
+    "$RES/ncu-details.txt" | head -60
 }
 job_throughput() {
   timeout $((LIMIT - 60)) python3 -m kvcap.bench.throughput --shapes llama-3.1-8b \
