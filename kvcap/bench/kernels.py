@@ -313,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
                          "E4M3 default route on the target cells, then stop")
     ap.add_argument("--occupancy-configs", type=parse_configs, default=OCCUPANCY_CONFIGS,
                     help="BN:WARPS:STAGES:MAXNREG,... for --sweep-occupancy")
+    ap.add_argument("--occupancy-arms", default="e4m3_native,e4m3_software",
+                    help="arms --sweep-occupancy times (paged_fp16, e4m3_native, e4m3_software)")
     ap.add_argument("--occupancy-waves", action="store_true",
                     help="--sweep-occupancy times the split counts that fill whole waves of "
                          "2..8 programs per SM (default: 0.5/1/2x the old heuristic)")
@@ -366,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         info["sweep_occupancy"] = []
         cells = [c for c in OCCUPANCY_CELLS if c[0] in args.shapes.split(",")]
         sweep_occupancy(l2, ceil["read_tbs"], info["sweep_occupancy"], save,
-                        waves=args.occupancy_waves, configs=args.occupancy_configs, cells=cells)
+                        arms=tuple(args.occupancy_arms.split(",")), waves=args.occupancy_waves,
+                        configs=args.occupancy_configs, cells=cells)
         return 0
     if args.compare_decoders:
         info["compare_decoders"] = compare_decoders(l2, ceil["read_tbs"])
@@ -558,7 +561,8 @@ def compare_decoders(l2: int, read_tbs: float) -> list[dict]:
 OCCUPANCY_CONFIGS = [(128, 4, 2, None), (128, 4, 2, 128), (128, 4, 3, 128), (64, 4, 2, None),
                      (64, 4, 3, None), (64, 4, 4, None), (128, 8, 2, None), (128, 8, 3, None),
                      (64, 2, 2, None), (64, 2, 3, None), (32, 1, 2, None), (32, 1, 3, None)]
-OCCUPANCY_CELLS = [("llama31-8b", 32, 8, 128, 8, 32768), ("llama31-8b", 32, 8, 128, 16, 16384),
+OCCUPANCY_CELLS = [("llama31-8b", 32, 8, 128, 8, 16384), ("llama31-8b", 32, 8, 128, 8, 32768),
+                   ("llama31-8b", 32, 8, 128, 16, 16384),
                    ("llama31-8b", 32, 8, 128, 64, 16384), ("gqa6-d256", 24, 4, 256, 8, 32768),
                    ("gqa6-d256", 24, 4, 256, 64, 16384), ("smollm2-135m", 9, 3, 64, 16, 32768)]
 
