@@ -54,6 +54,14 @@ def compile_kernel(fn, consts: dict, fp8: bool, sm: int, num_warps: int, num_sta
                                        maxnreg=maxnreg))
 
 
+def target_properties(sm: int):
+    """Device properties of an sm_XY GPU as far as decode_config reads them (the shared
+    memory per SM comes from the compute capability's table)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(major=sm // 10, minor=sm % 10)
+
+
 def inspect_other(args, fp8: bool) -> int:
     """The chunked-prefill or the QSA sparse kernel (group 4) at its launcher's tiles for --sm."""
     import torch
@@ -129,8 +137,9 @@ def main() -> int:
     if args.defaults:
         import torch
 
-        # the residency (read from the GPU) drives split counts only, not the compiled code
-        decode.word_route_residency = lambda device: 4
+        # what decode_config reads from the GPU: the target's compute capability (its shared
+        # memory per SM then comes from common._SHARED_PER_SM)
+        decode.device_properties = lambda device: target_properties(args.sm)
         cfg = decode.decode_config(args.head_dim, True, fp8, torch.device("cuda"), args.words,
                                    mma=args.sm >= 80)
         args.block_n, args.num_warps, args.num_stages = cfg.block_n, cfg.num_warps, cfg.num_stages
@@ -141,7 +150,7 @@ def main() -> int:
                   BLOCK_N=args.block_n, SPLIT=True, FP8=fp8, SOFTWARE=args.cache == "software",
                   SOFTWARE_V=args.cache == "software" or args.mixed,
                   USE_DOT=True, DOT_DTYPE=tl.float16, IEEE=False, PREFETCH=False,
-                  WORDS=args.words, PAIRS=args.pairs)
+                  WORDS=args.words, PAIRS=args.pairs, FOLD=True, BLOCK_S=8)
     k = compile_kernel(decode._decode_kernel, consts, fp8, args.sm, args.num_warps,
                        args.num_stages, args.maxnreg)
     ptx = k.asm["ptx"]

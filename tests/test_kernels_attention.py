@@ -21,6 +21,7 @@ from test_kernels_cases import SENTINEL, dense_expected, make_case  # noqa: E402
 from kvcap.attention.torch_ref import TorchReferenceBackend  # noqa: E402
 from kvcap.attention.triton_backend import TritonBackend  # noqa: E402
 from kvcap.kernels import common  # noqa: E402
+from kvcap.kernels import decode as decode_module  # noqa: E402
 from kvcap.kernels.decode import (  # noqa: E402
     _decode_kernel,
     choose_num_splits,
@@ -88,6 +89,27 @@ def test_decode_routes(kv_dtype, fp8_mode, grouped, num_splits):
     twin = _reference(case)
     out = _decode(case, fp8_mode=fp8_mode, grouped=grouped, num_splits=num_splits)
     _check(case, out, kv_dtype, twin)
+
+
+@pytest.mark.parametrize("kv_dtype,fp8_mode,words", [("fp16", "auto", False),
+                                                     ("fp8_e4m3", "software", False),
+                                                     ("fp8_e4m3", "native", True)])
+@pytest.mark.parametrize("grouped", [True, False])
+def test_folded_merge_equals_merge_kernel(kv_dtype, fp8_mode, words, grouped):
+    """The split-K merge done by each (sequence, head program)'s last program gives the merge
+    kernel's bits, call after call (its counters are back at zero), in a mixed batch."""
+    if words and not grouped:
+        pytest.skip("the word route is grouped only")
+    kw = dict(fp8_mode=fp8_mode, grouped=grouped, num_splits=3, words=words or None)
+    for seqs in (MIXED, DECODE):
+        case = make_case(seqs, 8, 2, 64, kv_dtype=kv_dtype, dtype=_DT[kv_dtype], pad_rows=2,
+                         seed=11, device=DEV)
+        two = _decode(case, fold=False, **kw)
+        for _ in range(2):
+            one = _decode(case, fold=True, **kw)
+            assert torch.equal(one, two)
+        assert all(int(c.abs().sum()) == 0 for c in decode_module._COUNTERS.values())
+    _check(case, one, kv_dtype)
 
 
 @pytest.mark.parametrize("hq,hkv,d,bs", [(8, 8, 32, 16), (9, 3, 64, 32), (8, 1, 16, 16),
@@ -227,24 +249,30 @@ def test_split_heuristic():
     assert choose_num_splits(8, 8, 32768, 128, 132, 4) == 9
     assert choose_num_splits(16, 8, 16384, 128, 132, 4, whole_waves=True) == 4
     assert choose_num_splits(64, 8, 16384, 128, 132, 4, whole_waves=True) == 1
+    # past one wave: the fewest splits whose last wave is >= 85% full (512 programs, 396 slots)
+    assert choose_num_splits(64, 8, 16384, 128, 132, 3, whole_waves=True) == 2
+    assert choose_num_splits(8, 8, 32768, 128, 132, 3, whole_waves=True) == 6
+    assert choose_num_splits(16, 8, 16384, 128, 132, 3, whole_waves=True) == 3
+    assert choose_num_splits(64, 8, 256, 128, 132, 3, whole_waves=True) == 1  # too few tiles
 
 
 @pytest.mark.parametrize("mma", [True, False])
 def test_decode_config_by_gpu(monkeypatch, mma):
     """sm_80+ (tensor-core dots): the E4M3 word route (D = 128) runs capped at 128 registers
-    with three stages (4 programs per SM instead of 3 on Hopper); other shapes run uncapped.
+    with the stages and residency word_route_launch gives; other shapes run uncapped.
     Below sm_80 (FMA dots) every cache reads bytes in 32-token tiles (16 at D = 256), uncapped.
     The CPU interpreter keeps its own small tiles."""
     from kvcap.kernels import decode
 
-    monkeypatch.setattr(decode, "word_route_residency", lambda device: 4)
+    monkeypatch.setattr(decode, "word_route_launch", lambda props: (5, 3))
+    monkeypatch.setattr(decode, "device_properties", lambda device: None)
     monkeypatch.setattr(decode, "has_mma", lambda device: mma)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     cfg = decode_config(128, True, True, cuda)
     assert decode.use_words(128, True, True, cuda) == mma
     if mma:
-        assert (cfg.block_n, cfg.num_stages, cfg.maxnreg) == (128, 3, 128)
-        assert cfg.programs_per_sm == 4 and cfg.whole_waves and cfg.pairs
+        assert (cfg.block_n, cfg.num_stages, cfg.maxnreg) == (128, 5, 128)
+        assert cfg.programs_per_sm == 3 and cfg.whole_waves and cfg.pairs
         byte_route = decode_config(128, True, True, cuda, words=False)  # the rollback switch
         assert byte_route.maxnreg is None and not byte_route.whole_waves
     else:
@@ -258,13 +286,15 @@ def test_decode_config_by_gpu(monkeypatch, mma):
 
 
 def test_programs_per_sm():
-    """Residency of the word-route program (41,472 B shared, 128 registers, 4 warps): registers
-    bound on Hopper, shared memory on A100 and on 100 KiB parts; a torch without the shared
-    memory property falls back to the compute capability's figure."""
+    """Residency of the word-route program (41,472 B shared at 3 stages, 128 registers,
+    4 warps): registers bound on Hopper, shared memory on A100 and on 100 KiB parts; a torch
+    without the shared memory property falls back to the compute capability's figure."""
     from types import SimpleNamespace
 
     from kvcap.kernels.common import programs_per_sm
-    from kvcap.kernels.decode import WORD_ROUTE_SHARED_BYTES as smem
+    from kvcap.kernels.decode import WORD_ROUTE_SHARED_BYTES, word_route_launch
+
+    smem = WORD_ROUTE_SHARED_BYTES[3]
 
     def props(major, minor, shared=None):
         p = SimpleNamespace(major=major, minor=minor, regs_per_multiprocessor=65536,
@@ -279,6 +309,10 @@ def test_programs_per_sm():
     assert programs_per_sm(props(8, 6, 102400), smem, 128, 4) == 2  # RTX 30xx
     assert programs_per_sm(props(8, 9), smem, 128, 4) == 2  # RTX 40xx / L4
     assert programs_per_sm(props(9, 0, 233472), smem, 168, 4) == 3  # uncapped
+    # double-buffered K/V (5 stages) only where an SM still holds 3 programs
+    assert word_route_launch(props(9, 0, 233472)) == (5, 3)
+    assert word_route_launch(props(8, 0, 167936)) == (3, 3)
+    assert word_route_launch(props(8, 6, 102400)) == (3, 2)
 
 
 def test_bad_arguments():

@@ -305,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-pairs", action="store_true",
                     help="time the E4M3 word route with and without byte-pair conversion on "
                          "the 8B cells, then stop")
+    ap.add_argument("--compare-fold", action="store_true",
+                    help="time decode with the split-K merge in a second launch and folded into "
+                         "the decode kernel, every cache dtype, on the split cells, then stop")
     ap.add_argument("--compare-decoders", action="store_true",
                     help="time every E4M3 decoder pairing (K/V native/software) on the sweep "
                          "cells, then stop")
@@ -362,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_pairs:
         info["compare_pairs"] = compare_knob(l2, ceil["read_tbs"], "pairs", WORD_CELLS[:2]
                                              + [WORD_CELLS[4]])
+        save()
+        return 0
+    if args.compare_fold:
+        info["compare_fold"] = compare_knob(l2, ceil["read_tbs"], "fold", FOLD_CELLS,
+                                            ("paged_fp16", "e4m3_native", "e4m3_software"))
         save()
         return 0
     if args.sweep_occupancy:
@@ -495,16 +503,21 @@ SWEEP_CELLS = [("llama31-8b", 32, 8, 128, 8, 32768), ("llama31-8b", 32, 8, 128, 
 
 WORD_CELLS = SWEEP_CELLS + [("llama31-8b", 32, 8, 128, 16, 16384),
                             ("gqa6-d256", 24, 4, 256, 64, 16384)]
+# cells whose default launch splits the context (the folded merge matters there)
+FOLD_CELLS = [("llama31-8b", 32, 8, 128, 8, 16384), ("llama31-8b", 32, 8, 128, 8, 32768),
+              ("llama31-8b", 32, 8, 128, 16, 16384), ("llama31-8b", 32, 8, 128, 4, 4096),
+              ("gqa6-d256", 24, 4, 256, 8, 32768), ("smollm2-135m", 9, 3, 64, 16, 32768)]
 
 
-def compare_knob(l2: int, read_tbs: float, knob: str, cells: list) -> list[dict]:
+def compare_knob(l2: int, read_tbs: float, knob: str, cells: list,
+                 arms=("e4m3_native", "e4m3_software")) -> list[dict]:
     """paged_decode(knob=False) vs (knob=True) for both E4M3 decoders at the default launch
     configuration, e.g. the byte vs the word route (`words`); each row records the relative
     difference of the knob's output from the default's."""
     rows = []
     for name, hq, hkv, d, b, ctx in cells:
         cell = Cell(hq, hkv, d, b, ctx, l2)
-        for arm in ("e4m3_native", "e4m3_software"):
+        for arm in arms:
             got = {}
             for on in (False, True):
                 fns = cell.fns(arm, **{knob: on})

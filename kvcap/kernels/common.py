@@ -327,22 +327,44 @@ def mm(a, b, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _load_cg(ptr, mask, other, CG: tl.constexpr):
+    """Masked load; with CG around L1 (".cg"), for data other programs of the launch stored."""
+    if CG:
+        return tl.load(ptr, mask=mask, other=other, cache_modifier=".cg")
+    else:
+        return tl.load(ptr, mask=mask, other=other)
+
+
+MERGE_CHUNK = tl.constexpr(8)  # splits merged per step: bounds the merge's registers
+
+
+@triton.jit
 def merge_splits(po_ptr, plse_ptr, vs_ptr, out_factor, row_base, head, stride_ph, stride_ps,
-                 num_splits, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
+                 num_splits, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr,
+                 CG: tl.constexpr = False):
     """LSE merge of one (row, head)'s split-K partials: normalised partial outputs po
     [..., split, HEAD_DIM] and base-2 LSEs plse at row_base + head * stride_ph + split *
     stride_ps (empty splits hold -inf). Returns the FP32 [HEAD_DIM] output times out_factor
-    (and the hoisted v_scale for E4M3)."""
+    (and the hoisted v_scale for E4M3). BLOCK_S: a power of two >= max(num_splits, 8); the
+    partial outputs are read 8 splits at a time (a [64, D] tile would take 64 registers per
+    thread in the decode kernel that folds this merge in). CG: load around L1."""
+    base = row_base + head * stride_ph
     s = tl.arange(0, BLOCK_S)
-    smask = s < num_splits
-    pbase = row_base + head * stride_ph + s * stride_ps
-    lse = tl.load(plse_ptr + pbase, mask=smask, other=float("-inf"))
+    lse = _load_cg(plse_ptr + base + s * stride_ps, s < num_splits, float("-inf"), CG)
     mx = tl.max(lse, 0)
-    w = tl.where(smask & (lse > float("-inf")), tl.exp2(lse - mx), 0.0)
+    total = tl.sum(tl.where(lse > float("-inf"), tl.exp2(lse - mx), 0.0), 0)
     d = tl.arange(0, HEAD_DIM)
-    o = tl.load(po_ptr + pbase[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for c in tl.static_range(0, BLOCK_S, MERGE_CHUNK):
+        sc = c + tl.arange(0, MERGE_CHUNK)
+        smask = sc < num_splits
+        pbase = base + sc * stride_ps
+        lc = _load_cg(plse_ptr + pbase, smask, float("-inf"), CG)
+        w = tl.where(lc > float("-inf"), tl.exp2(lc - mx), 0.0)
+        o = _load_cg(po_ptr + pbase[:, None] * HEAD_DIM + d[None, :], smask[:, None], 0.0, CG)
+        acc += tl.sum(o * w[:, None], 0)
     scale = out_factor
     if FP8:
         scale = scale * tl.load(vs_ptr)
-    return tl.sum(o * w[:, None], 0) * (scale / tl.sum(w, 0))
+    return acc * (scale / total)
 

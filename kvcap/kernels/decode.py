@@ -14,6 +14,7 @@ need no host-side split.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -169,7 +170,7 @@ def _store_groups(base, hmask, o0, o1, o2, o3, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr,
+    q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, cnt_ptr,
     bt_ptr, seq_lens_ptr, qsl_ptr, ks_ptr, vs_ptr, sm_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ch, stride_ct, bt_stride,
@@ -179,6 +180,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr, FP8: tl.constexpr, SOFTWARE: tl.constexpr, SOFTWARE_V: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
     PREFETCH: tl.constexpr, WORDS: tl.constexpr, PAIRS: tl.constexpr = False,
+    FOLD: tl.constexpr = False, BLOCK_S: tl.constexpr = 8,
 ):
     seq = tl.program_id(0)
     hp = tl.program_id(1)
@@ -234,6 +236,34 @@ def _decode_kernel(
         _store_groups(base, hmask, a0 * inv, a1 * inv, a2 * inv, a3 * inv, HEAD_DIM)
     else:
         store_rows(base, hmask, acc * inv, HEAD_DIM)
+    if SPLIT and FOLD:
+        _merge_if_last(out_ptr, po_ptr, plse_ptr, cnt_ptr + seq * tl.num_programs(1) + hp, vs_ptr,
+                       q_row, seq, hp * HEADS, stride_ot, stride_oh, stride_pb, stride_ph,
+                       stride_ps, num_splits, HEADS, BLOCK_S, HEAD_DIM, FP8, SOFTWARE_V)
+
+
+@triton.jit
+def _merge_if_last(out_ptr, po_ptr, plse_ptr, cnt, vs_ptr, q_row, seq, head0, stride_ot,
+                   stride_oh, stride_pb, stride_ph, stride_ps, num_splits, HEADS: tl.constexpr,
+                   BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr,
+                   SOFTWARE_V: tl.constexpr):
+    """The split-K merge folded into the decode kernel: each program of a (sequence, head
+    program) counts itself in at `cnt` (acq_rel, after a barrier so its partial stores are
+    issued first); the one that arrives last merges the HEADS heads, reading the others'
+    partials around L1, and puts the counter back to 0 for the next call or graph replay."""
+    tl.debug_barrier()
+    prev = tl.atomic_add(cnt, 1, sem="acq_rel")
+    tl.debug_barrier()
+    if prev == num_splits - 1:
+        tl.store(cnt, 0)
+        factor = 256.0 if SOFTWARE_V else 1.0  # SOFTWARE_FP8_FACTOR
+        for i in tl.static_range(HEADS):
+            res = merge_splits(po_ptr, plse_ptr, vs_ptr, factor, seq.to(tl.int64) * stride_pb,
+                               head0 + i, stride_ph, stride_ps, num_splits, BLOCK_S, HEAD_DIM,
+                               FP8, True)
+            dst = (out_ptr + q_row.to(tl.int64) * stride_ot + (head0 + i) * stride_oh
+                   + tl.arange(0, HEAD_DIM))
+            tl.store(dst, res.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -254,6 +284,10 @@ def _merge_kernel(
 
 
 MAX_SPLITS = 64
+# The folded merge reads the partials 8 splits at a time, all in flight; past 32 splits
+# (ptxas sm_90a, E4M3 word route: 40 bytes spilled at 64) the merge kernel does it.
+FOLD_MAX_SPLITS = 32
+WAVE_FILL = 0.85  # the least filled last wave choose_num_splits accepts when splitting past one
 
 
 def choose_num_splits(num_seqs: int, head_programs: int, max_seq_len: int, block_n: int,
@@ -267,10 +301,21 @@ def choose_num_splits(num_seqs: int, head_programs: int, max_seq_len: int, block
     if not split_k_enabled():
         return 1
     tiles = triton.cdiv(max(max_seq_len, 1), block_n)
+    limit = max(1, min(tiles // 4, MAX_SPLITS))
     base = max(num_seqs * head_programs, 1)
     slots = programs_per_sm * num_sms
-    want = slots // base if whole_waves else triton.cdiv(slots, base)
-    return int(max(1, min(want, tiles // 4, MAX_SPLITS)))
+    if not whole_waves:
+        return int(max(1, min(triton.cdiv(slots, base), limit)))
+    if base <= slots:
+        return int(max(1, min(slots // base, limit)))
+    # More (sequence, head) programs than one wave holds: split so the last wave is nearly full
+    # (8B shape, 64 x 16K on the H200 at 3 programs per SM: 512 programs fill 1.29 waves and
+    # take 566 us; 2 splits fill 2.59 and take 522 us).
+    for splits in range(1, limit + 1):
+        waves = splits * base / slots
+        if waves / math.ceil(waves) >= WAVE_FILL:
+            return splits
+    return 1
 
 
 class DecodeConfig(NamedTuple):
@@ -284,17 +329,24 @@ class DecodeConfig(NamedTuple):
     pairs: bool = False  # word route: convert byte pairs (see paged_decode)
 
 
-# Shared memory of the E4M3 word-route program at its default configuration (BLOCK_N 128, 4
-# warps, 3 stages, pairs): 41,472 bytes with triton 3.6 and 3.9 for sm_80 to sm_90
-# (scripts/inspect_decode_ptx.py --words --defaults; tests/test_kernels_compile.py checks it).
-WORD_ROUTE_SHARED_BYTES = 41472
+# Shared memory of the E4M3 word-route program (BLOCK_N 128, 4 warps, byte pairs, 128-register
+# cap) by pipeline depth, triton 3.6 and 3.9, sm_80 to sm_90 (scripts/inspect_decode_ptx.py
+# --words --defaults; tests/test_kernels_compile.py checks it). Triton pipelines a load that
+# depends on another load of the loop (the block table) (S - 1) // 2 iterations ahead, so the
+# K/V tiles get one shared buffer at 3 stages -- their loads are issued after the tile was
+# used, and each tile's memory latency is exposed -- and two buffers at 5 stages.
+WORD_ROUTE_SHARED_BYTES = {3: 41472, 5: 74752}
 
 
-def word_route_residency(device: torch.device) -> int:
-    """Programs of the E4M3 word route an SM of `device` holds at once (128 registers per
-    thread): 4 on Hopper (registers bound), 3 on A100 and 2 on 100 KiB parts such as the RTX
-    30xx / 40xx (shared memory bound)."""
-    return programs_per_sm(device_properties(device), WORD_ROUTE_SHARED_BYTES, 128, 4)
+def word_route_launch(props) -> tuple[int, int]:
+    """(pipeline stages, programs per SM) of the E4M3 word route on a GPU with these device
+    properties: 5 stages (double-buffered K/V) where an SM still holds 3 such programs (Hopper:
+    228 KiB of shared memory), else 3 stages (A100: 3 programs, 100 KiB parts such as the
+    RTX 30xx / 40xx: 2)."""
+    resident = programs_per_sm(props, WORD_ROUTE_SHARED_BYTES[5], 128, 4)
+    if resident >= 3:
+        return 5, resident
+    return 3, programs_per_sm(props, WORD_ROUTE_SHARED_BYTES[3], 128, 4)
 
 
 def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
@@ -313,11 +365,13 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
     the shared-memory load and the dot, are bound by that per-element work rather than by
     bytes, and gain from 128-token tiles at D <= 128. The E4M3 word route (D = 128) needs 168
     registers per thread uncapped, so an H200 SM holds 3 programs; capped at 128 (ptxas sm_90a:
-    40 bytes spilled, none with byte pairs) it holds 4, and with three pipeline stages and a
-    grid of whole waves (word_route_residency) it is the fastest configuration for both decoders
-    (docs/benchmarks/occupancy-2026-12-01*-h200.json). Both decoders share the tile loop, so
-    they share the configuration. Converting byte pairs (`pairs`) takes 64 of the 144 permutes
-    out of the compiled kernel and runs 1.3-6% faster, bit-identical
+    40 bytes spilled, none with byte pairs) it holds 4 (docs/benchmarks/occupancy-2026-12-01*-
+    h200.json). Nsight Compute then showed the K/V loads single-buffered at 3 stages (see
+    WORD_ROUTE_SHARED_BYTES); 5 stages double-buffer them at 3 programs per SM, 0-5% faster
+    on the H200's 8B cells (occupancy-2026-12-01d-h200.json), so GPUs with the shared memory
+    for it get 5 stages (word_route_launch); splits fill whole waves. Both decoders share the
+    tile loop, so they share the configuration. Converting byte pairs (`pairs`) takes 64 of the
+    144 permutes out of the compiled kernel and runs 1.3-6% faster, bit-identical
     (docs/benchmarks/pairs-2026-12-01-h200.json)."""
     if device.type != "cuda":
         return DecodeConfig(16, 1, 1, fp8, 4)
@@ -328,8 +382,9 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
     if words is None:
         words = use_words(head_dim, grouped, fp8, device)
     if fp8 and words and head_dim == 128:
-        resident = word_route_residency(device)
-        return DecodeConfig(128, 4, 3, False, resident, maxnreg=128, whole_waves=True, pairs=True)
+        stages, resident = word_route_launch(device_properties(device))
+        return DecodeConfig(128, 4, stages, False, resident, maxnreg=128, whole_waves=True,
+                            pairs=True)
     if fp8:
         return DecodeConfig(128 if head_dim <= 128 else 64, 4, 2, False, 8)
     pps = 8 if head_dim >= 256 else 4
@@ -371,6 +426,28 @@ def fp8_decoders(device: torch.device, fp8_mode: str) -> tuple[bool, bool]:
     return software, software
 
 
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def merge_counters(device: torch.device, n: int, required: bool = False) -> torch.Tensor | None:
+    """The folded merge's arrival counters (int32, zero between calls: the merging program
+    resets its own), one set per (device, stream) so launches on different streams never share
+    one. They only grow outside CUDA graph capture (a tensor zeroed during capture is only
+    zeroed when the graph replays); then this returns None and the caller launches the merge
+    kernel instead, unless `required` (ValueError)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    cur = _COUNTERS.get(key)
+    if cur is None or cur.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if required:
+                raise ValueError(f"fold=True needs {n} merge counters but CUDA graph capture is "
+                                 "running: make one call of this batch size before capturing")
+            return None
+        cur = _COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return cur
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  query_start_loc: torch.Tensor, softmax_scale: float, max_seq_len: int,
@@ -379,7 +456,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  num_splits: int | None = None, block_n: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
                  prefetch: bool | None = None, words: bool | None = None,
-                 maxnreg: int | None = None, pairs: bool | None = None) -> torch.Tensor:
+                 maxnreg: int | None = None, pairs: bool | None = None,
+                 fold: bool | None = None) -> torch.Tensor:
     """Decode attention for every sequence whose query length is 1 (others are skipped).
 
     q [T, Hq, D], out [T, Hq, D] (the token row of sequence i is query_start_loc[i]);
@@ -392,6 +470,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     CUDA only; 0 = none; default: decode_config's when no other launch knob is given).
     `pairs`: the word route permutes each thread's byte pairs before the conversion, so every
     column group's pair leaves it as one f16x2 register (fewer permutes; same values).
+    `fold`: merge the split-K partials inside the decode kernel (the last program of each
+    sequence and head program to finish does it) instead of in a second launch; default: on up
+    to FOLD_MAX_SPLITS splits, except during CUDA graph capture when the counters
+    (merge_counters) would have to grow. fold=True past FOLD_MAX_SPLITS: ValueError.
     """
     num_seqs = seq_lens.shape[0]
     hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
@@ -420,17 +502,24 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         num_splits = choose_num_splits(num_seqs, head_programs, max_seq_len, bn,
                                        sm_count(q.device), cfg.programs_per_sm, cfg.whole_waves)
     block_h = max(16, triton.next_power_of_2(heads)) if grouped else 1
+    counters = dummy = k_cache
     if num_splits > 1:
         po = torch.empty((num_seqs, hq, num_splits, d), dtype=torch.float32, device=q.device)
         plse = torch.empty((num_seqs, hq, num_splits), dtype=torch.float32, device=q.device)
+        if fold and num_splits > FOLD_MAX_SPLITS:
+            raise ValueError(f"fold=True merges at most {FOLD_MAX_SPLITS} splits in the decode "
+                             f"kernel, not {num_splits}: pass fold=None or fewer splits")
+        if fold is not False and num_splits <= FOLD_MAX_SPLITS:
+            counters = merge_counters(q.device, num_seqs * head_programs, bool(fold))
+        fold = counters is not None and counters is not dummy
+        counters = counters if fold else dummy
     else:
         po = plse = out  # unused
     ps = (hq * num_splits, num_splits, 1)
-    dummy = k_cache
     dt, ieee = dot_dtype(q.dtype)
     launch = {"maxnreg": maxnreg} if maxnreg and q.device.type == "cuda" else {}  # 0: no cap
     _decode_kernel[(num_seqs, head_programs, num_splits)](
-        q, k_cache, v_cache, out, po, plse, block_tables, seq_lens, query_start_loc,
+        q, k_cache, v_cache, out, po, plse, counters, block_tables, seq_lens, query_start_loc,
         k_scale if fp8 else dummy, v_scale if fp8 else dummy, softmax_scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -438,15 +527,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GROUP=group, HEADS=heads, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2],
         BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8, SOFTWARE=software, SOFTWARE_V=software_v,
         USE_DOT=grouped, PREFETCH=pf, WORDS=words, PAIRS=pairs,
+        FOLD=bool(fold), BLOCK_S=max(8, triton.next_power_of_2(num_splits)),
         DOT_DTYPE=dt, IEEE=ieee,
         num_warps=nw, num_stages=ns, **launch,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fold:
         _merge_kernel[(num_seqs, hq)](
             out, po, plse, query_start_loc, v_scale if fp8 else dummy,
             SOFTWARE_FP8_FACTOR if software_v else 1.0,
             out.stride(0), out.stride(1), *ps, num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=d,
+            BLOCK_S=max(8, triton.next_power_of_2(num_splits)), HEAD_DIM=d,
             FP8=fp8, num_warps=4 if q.device.type == "cuda" else 1,
         )
     return out

@@ -192,7 +192,7 @@ def qsa_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             out, po, plse, counts, v_scale if fp8 else dummy,
             SOFTWARE_FP8_FACTOR if software else 1.0,
             out.stride(0), out.stride(1), *ps, num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=d, FP8=fp8,
+            BLOCK_S=max(8, triton.next_power_of_2(num_splits)), HEAD_DIM=d, FP8=fp8,
             num_warps=4 if q.device.type == "cuda" else 1,
         )
     return out
