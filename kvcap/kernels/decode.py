@@ -426,25 +426,23 @@ def fp8_decoders(device: torch.device, fp8_mode: str) -> tuple[bool, bool]:
     return software, software
 
 
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def merge_counters(device: torch.device, n: int, required: bool = False) -> torch.Tensor | None:
-    """The folded merge's arrival counters (int32, zero between calls: the merging program
-    resets its own), one set per (device, stream) so launches on different streams never share
-    one. They only grow outside CUDA graph capture (a tensor zeroed during capture is only
-    zeroed when the graph replays); then this returns None and the caller launches the merge
-    kernel instead, unless `required` (ValueError)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    cur = _COUNTERS.get(key)
+    """The folded merge's arrival counters on `device` (int32, zero between calls: the merging
+    program resets its own); decode calls on one device must not overlap on different streams
+    (the engine runs one forward at a time). They only grow outside CUDA graph capture (a
+    tensor zeroed during capture is only zeroed when the graph replays): then this returns
+    None and the caller launches the merge kernel instead, unless `required` (ValueError)."""
+    cur = _COUNTERS.get(device)
     if cur is None or cur.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             if required:
                 raise ValueError(f"fold=True needs {n} merge counters but CUDA graph capture is "
                                  "running: make one call of this batch size before capturing")
             return None
-        cur = _COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        cur = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return cur
 
 
