@@ -469,9 +469,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     `pairs`: the word route permutes each thread's byte pairs before the conversion, so every
     column group's pair leaves it as one f16x2 register (fewer permutes; same values).
     `fold`: merge the split-K partials inside the decode kernel (the last program of each
-    sequence and head program to finish does it) instead of in a second launch; default: on up
-    to FOLD_MAX_SPLITS splits, except during CUDA graph capture when the counters
-    (merge_counters) would have to grow. fold=True past FOLD_MAX_SPLITS: ValueError.
+    sequence and head program to finish does it) instead of in a second launch, up to
+    FOLD_MAX_SPLITS splits. Off by default: on the H200 it saved nothing (0.96-1.04x on the 8B
+    cells, 0.77-0.92x at 4 x 4K; docs/benchmarks/fold-2026-12-01-h200.json) -- the arrival
+    atomic and barriers cost every program what the second launch cost once.
     """
     num_seqs = seq_lens.shape[0]
     hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
@@ -506,8 +507,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         plse = torch.empty((num_seqs, hq, num_splits), dtype=torch.float32, device=q.device)
         if fold and num_splits > FOLD_MAX_SPLITS:
             raise ValueError(f"fold=True merges at most {FOLD_MAX_SPLITS} splits in the decode "
-                             f"kernel, not {num_splits}: pass fold=None or fewer splits")
-        if fold is not False and num_splits <= FOLD_MAX_SPLITS:
+                             f"kernel, not {num_splits}: pass fold=False or fewer splits")
+        if fold:
             counters = merge_counters(q.device, num_seqs * head_programs, bool(fold))
         fold = counters is not None and counters is not dummy
         counters = counters if fold else dummy
