@@ -121,8 +121,9 @@ job_ncu() {  # Nsight Compute over the decode kernels (hardware counters; Firecr
   ncu -i "$rep.ncu-rep" --page details > "$RES/ncu-details.txt" 2>&1
   ncu -i "$rep.ncu-rep" --page raw --csv > "$RES/ncu-raw.csv" 2>&1
   ncu -i "$rep.ncu-rep" --page source --print-source sass --csv > "$RES/ncu-sass.csv" 2>&1
-  grep -E "Duration|Throughput|Warp Cycles Per Issued|Issue Slots Busy|Achieved Occupancy|Registers" \
-    "$RES/ncu-details.txt" | head -60
+  python3 scripts/ncu_summary.py "$RES/ncu-details.txt" "$RES/ncu-sass.csv" \
+    --out "$RES/ncu-decode.json" --meta "{\"commit\": \"$KVCAP_COMMIT\"}"
+  grep -E "Duration|DRAM Throughput|Issue Slots Busy|Registers Per" "$RES/ncu-details.txt" | head -40
 }
 job_throughput() {
   timeout $((LIMIT - 60)) python3 -m kvcap.bench.throughput --shapes llama-3.1-8b \
