@@ -88,6 +88,10 @@ def inspect_other(args, fp8: bool) -> int:
     print(f"  mma.sync               {k.asm['ptx'].count('mma.sync')}")
     for key, value in ptxas_usage(k.asm["ptx"], args.sm).items():
         print(f"  {key:22s} {value}")
+    if args.dump:
+        args.dump.mkdir(parents=True, exist_ok=True)
+        (args.dump / f"{args.kernel}.ttgir").write_text(k.asm["ttgir"])
+        (args.dump / f"{args.kernel}.ptx").write_text(k.asm["ptx"])
     return 0
 
 
