@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,11 +23,11 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "inspect_decode_ptx.p
 
 
 def _stages(sm: int) -> int:
-    """The word route's pipeline depth on an sm_XY GPU (decode_config via word_route_launch)."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    from inspect_decode_ptx import target_properties
-
-    return word_route_launch(target_properties(sm))[0]
+    """The word route's pipeline depth on an sm_XY GPU (decode_config via word_route_launch),
+    from the properties the script gives decode_config (target_properties: the compute
+    capability only). Not imported from the script: it unsets TRITON_INTERPRET at import,
+    which would switch this process's later tests from the interpreter to a missing GPU."""
+    return word_route_launch(SimpleNamespace(major=sm // 10, minor=sm % 10))[0]
 
 
 def _counts(*args: str) -> dict[str, int]:
