@@ -28,6 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvcap.kernels import decode  # noqa: E402
+from kvcap.kernels.common import target_properties  # noqa: E402
 
 PATTERNS = ["ld.shared.b8", "ld.shared", "st.shared", "ldmatrix", "mma.sync", "wgmma",
             "cp.async", "bar.sync", "cvt.rn.f16x2.e4m3x2", "prmt"]
@@ -52,14 +53,6 @@ def compile_kernel(fn, consts: dict, fp8: bool, sm: int, num_warps: int, num_sta
     return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", sm, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages,
                                        maxnreg=maxnreg))
-
-
-def target_properties(sm: int):
-    """Device properties of an sm_XY GPU as far as decode_config reads them (the shared
-    memory per SM comes from the compute capability's table)."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(major=sm // 10, minor=sm % 10)
 
 
 def inspect_other(args, fp8: bool) -> int:

@@ -13,21 +13,19 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
+from kvcap.kernels.common import target_properties  # noqa: E402
 from kvcap.kernels.decode import WORD_ROUTE_SHARED_BYTES, word_route_launch  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "inspect_decode_ptx.py"
 
 
 def _stages(sm: int) -> int:
-    """The word route's pipeline depth on an sm_XY GPU (decode_config via word_route_launch),
-    from the properties the script gives decode_config (target_properties: the compute
-    capability only). Not imported from the script: it unsets TRITON_INTERPRET at import,
-    which would switch this process's later tests from the interpreter to a missing GPU."""
-    return word_route_launch(SimpleNamespace(major=sm // 10, minor=sm % 10))[0]
+    """The word route's pipeline depth on an sm_XY GPU, as decode_config picks it for the
+    script's --defaults (word_route_launch of the target's properties)."""
+    return word_route_launch(target_properties(sm))[0]
 
 
 def _counts(*args: str) -> dict[str, int]:

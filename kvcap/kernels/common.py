@@ -107,6 +107,15 @@ def sm_count(device: torch.device) -> int:
     return device_properties(device).multi_processor_count
 
 
+def target_properties(sm: int):
+    """Device properties of an sm_XY GPU as far as the launch heuristics read them without the
+    GPU (compile-only inspection and tests): the compute capability; programs_per_sm then takes
+    the shared memory per SM from _SHARED_PER_SM and default register and thread counts."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(major=sm // 10, minor=sm % 10)
+
+
 # Shared memory per SM by compute capability, for torch builds whose device properties lack it.
 _SHARED_PER_SM = {(7, 0): 96 << 10, (7, 5): 64 << 10, (8, 0): 164 << 10, (8, 6): 100 << 10,
                   (8, 7): 164 << 10, (8, 9): 100 << 10, (9, 0): 228 << 10}
@@ -327,8 +336,9 @@ def mm(a, b, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _load_cg(ptr, mask, other, CG: tl.constexpr):
-    """Masked load; with CG around L1 (".cg"), for data other programs of the launch stored."""
+def load_cg(ptr, mask, other, CG: tl.constexpr):
+    """Masked load; with CG it bypasses L1 (".cg"): for data that other programs of the same
+    launch stored, which a stale L1 line could otherwise serve."""
     if CG:
         return tl.load(ptr, mask=mask, other=other, cache_modifier=".cg")
     else:
@@ -350,7 +360,7 @@ def merge_splits(po_ptr, plse_ptr, vs_ptr, out_factor, row_base, head, stride_ph
     thread in the decode kernel that folds this merge in). CG: load around L1."""
     base = row_base + head * stride_ph
     s = tl.arange(0, BLOCK_S)
-    lse = _load_cg(plse_ptr + base + s * stride_ps, s < num_splits, float("-inf"), CG)
+    lse = load_cg(plse_ptr + base + s * stride_ps, s < num_splits, float("-inf"), CG)
     mx = tl.max(lse, 0)
     total = tl.sum(tl.where(lse > float("-inf"), tl.exp2(lse - mx), 0.0), 0)
     d = tl.arange(0, HEAD_DIM)
@@ -359,9 +369,9 @@ def merge_splits(po_ptr, plse_ptr, vs_ptr, out_factor, row_base, head, stride_ph
         sc = c + tl.arange(0, MERGE_CHUNK)
         smask = sc < num_splits
         pbase = base + sc * stride_ps
-        lc = _load_cg(plse_ptr + pbase, smask, float("-inf"), CG)
+        lc = load_cg(plse_ptr + pbase, smask, float("-inf"), CG)
         w = tl.where(lc > float("-inf"), tl.exp2(lc - mx), 0.0)
-        o = _load_cg(po_ptr + pbase[:, None] * HEAD_DIM + d[None, :], smask[:, None], 0.0, CG)
+        o = load_cg(po_ptr + pbase[:, None] * HEAD_DIM + d[None, :], smask[:, None], 0.0, CG)
         acc += tl.sum(o * w[:, None], 0)
     scale = out_factor
     if FP8:

@@ -429,19 +429,16 @@ def fp8_decoders(device: torch.device, fp8_mode: str) -> tuple[bool, bool]:
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def merge_counters(device: torch.device, n: int, required: bool = False) -> torch.Tensor | None:
+def merge_counters(device: torch.device, n: int) -> torch.Tensor:
     """The folded merge's arrival counters on `device` (int32, zero between calls: the merging
     program resets its own); decode calls on one device must not overlap on different streams
-    (the engine runs one forward at a time). They only grow outside CUDA graph capture (a
-    tensor zeroed during capture is only zeroed when the graph replays): then this returns
-    None and the caller launches the merge kernel instead, unless `required` (ValueError)."""
+    (the engine runs one forward at a time). They only grow outside CUDA graph capture: a
+    tensor zeroed during capture is only zeroed when the graph replays."""
     cur = _COUNTERS.get(device)
     if cur is None or cur.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            if required:
-                raise ValueError(f"fold=True needs {n} merge counters but CUDA graph capture is "
-                                 "running: make one call of this batch size before capturing")
-            return None
+            raise ValueError(f"fold=True needs {n} merge counters but CUDA graph capture is "
+                             "running: make one call of this batch size before capturing")
         cur = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
     return cur
 
@@ -455,7 +452,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  num_warps: int | None = None, num_stages: int | None = None,
                  prefetch: bool | None = None, words: bool | None = None,
                  maxnreg: int | None = None, pairs: bool | None = None,
-                 fold: bool | None = None) -> torch.Tensor:
+                 fold: bool = False) -> torch.Tensor:
     """Decode attention for every sequence whose query length is 1 (others are skipped).
 
     q [T, Hq, D], out [T, Hq, D] (the token row of sequence i is query_start_loc[i]);
@@ -502,16 +499,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                        sm_count(q.device), cfg.programs_per_sm, cfg.whole_waves)
     block_h = max(16, triton.next_power_of_2(heads)) if grouped else 1
     counters = dummy = k_cache
+    fold = fold and num_splits > 1
+    if fold and num_splits > FOLD_MAX_SPLITS:
+        raise ValueError(f"fold=True merges at most {FOLD_MAX_SPLITS} splits in the decode "
+                         f"kernel, not {num_splits}: pass fold=False or fewer splits")
+    if fold:
+        counters = merge_counters(q.device, num_seqs * head_programs)
     if num_splits > 1:
         po = torch.empty((num_seqs, hq, num_splits, d), dtype=torch.float32, device=q.device)
         plse = torch.empty((num_seqs, hq, num_splits), dtype=torch.float32, device=q.device)
-        if fold and num_splits > FOLD_MAX_SPLITS:
-            raise ValueError(f"fold=True merges at most {FOLD_MAX_SPLITS} splits in the decode "
-                             f"kernel, not {num_splits}: pass fold=False or fewer splits")
-        if fold:
-            counters = merge_counters(q.device, num_seqs * head_programs, bool(fold))
-        fold = counters is not None and counters is not dummy
-        counters = counters if fold else dummy
     else:
         po = plse = out  # unused
     ps = (hq * num_splits, num_splits, 1)
@@ -526,7 +522,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GROUP=group, HEADS=heads, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2],
         BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8, SOFTWARE=software, SOFTWARE_V=software_v,
         USE_DOT=grouped, PREFETCH=pf, WORDS=words, PAIRS=pairs,
-        FOLD=bool(fold), BLOCK_S=max(8, triton.next_power_of_2(num_splits)),
+        FOLD=fold, BLOCK_S=max(8, triton.next_power_of_2(num_splits)),
         DOT_DTYPE=dt, IEEE=ieee,
         num_warps=nw, num_stages=ns, **launch,
     )

@@ -48,6 +48,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kvcap.kernels.common import load_cg
+
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 I32_MIN = tl.constexpr(-2147483648)
 I32_MAX = tl.constexpr(2147483647)
@@ -260,16 +262,6 @@ def _fallback(x_ptr, row_off, V, temp, kk, pp, mp, m_safe, k_hi, top_ord, k0, k1
 
 
 @triton.jit
-def _ld(ptr, mask, other, CG: tl.constexpr):
-    """Masked load; with CG it bypasses L1 (".cg"): for data that other programs of the same
-    launch stored, which a stale L1 line could otherwise serve."""
-    if CG:
-        return tl.load(ptr, mask=mask, other=other, cache_modifier=".cg")
-    else:
-        return tl.load(ptr, mask=mask, other=other)
-
-
-@triton.jit
 def _merge_row(
     x_ptr, stride_x, fp_ptr, ip_ptr, stats_ptr, cand_ptr, tok_ptr, aux_ptr, V, P, ROW_CAND, row,
     P_PAD: tl.constexpr, CAP: tl.constexpr, CAP2: tl.constexpr, EXACT: tl.constexpr,
@@ -284,15 +276,15 @@ def _merge_row(
     pi = tl.arange(0, P_PAD)
     pv = pi < P
     st = stats_ptr + (row * P + pi) * 4
-    m_c = _ld(st, pv, float("-inf"), CG).to(tl.float32)
-    s_c = _ld(st + 1, pv, 0.0, CG)
-    cnt_c = _ld(st + 2, pv, 0.0, CG).to(tl.int32)
-    tau_c = _ld(st + 3, pv, I32_MIN, CG).to(tl.int32)
+    m_c = load_cg(st, pv, float("-inf"), CG).to(tl.float32)
+    s_c = load_cg(st + 1, pv, 0.0, CG)
+    cnt_c = load_cg(st + 2, pv, 0.0, CG).to(tl.int32)
+    tau_c = load_cg(st + 3, pv, I32_MIN, CG).to(tl.int32)
     m = tl.max(m_c, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     z_all = tl.sum(s_c * tl.exp((m_c - m_safe).to(tl.float64)), axis=0)
     base = cand_ptr + row.to(tl.int64) * ROW_CAND
-    first = tl.max(_ld(base + pi * CAP, pv, I64_MIN, CG), axis=0)
+    first = tl.max(load_cg(base + pi * CAP, pv, I64_MIN, CG), axis=0)
     tok = (4294967295 - (first & 4294967295)).to(tl.int32)  # greedy and plain rows
     tok = tl.where((mode == 1) & (m == float("-inf")), 0, tok)  # nothing finite: token 0
     thr_ord = ORD_NEG_INF + tl.zeros([], tl.int32)
@@ -306,7 +298,7 @@ def _merge_row(
         k0, k1 = _row_keys(ip_ptr, row)
         g = tl.max(tau_c, axis=0)  # every finite token with key > g is a candidate
         c = tl.arange(0, CAP)[None, :]
-        ck = _ld(base + pi[:, None] * CAP + c, pv[:, None] & (c < cnt_c[:, None]), I64_MIN, CG)
+        ck = load_cg(base + pi[:, None] * CAP + c, pv[:, None] & (c < cnt_c[:, None]), I64_MIN, CG)
         o2 = (ck >> 32).to(tl.int32)
         n_c = tl.sum(tl.sum((o2 > g).to(tl.int32), axis=1), axis=0)
         exact_total = (g == ORD_NEG_INF) & (n_c <= CAP2)  # all finite tokens are candidates
