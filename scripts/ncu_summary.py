@@ -73,7 +73,7 @@ def parse_sass(path: str, top: int = 8) -> list[dict]:
             if n.isdigit():
                 samples.append((int(n), r[header["Source"]].strip()))
         total = sum(reasons.values()) or 1
-        result.append({"kernel": k["kernel"],
+        result.append({"kernel": k["kernel"], "samples": sum(n for n, _ in samples),
                        "stall_share": {a: round(b / total, 4) for a, b in reasons.most_common()},
                        "top_instructions": [{"samples": n, "sass": s}
                                             for n, s in sorted(samples, reverse=True)[:top]]})
@@ -93,7 +93,7 @@ def main() -> int:
         for k, s in zip(kernels, parse_sass(args.sass), strict=True):
             if k["kernel"] != s["kernel"]:
                 sys.exit(f"{args.sass}: kernel order differs from {args.details}")
-            k.update(stall_share=s["stall_share"], top_instructions=s["top_instructions"])
+            k.update({key: s[key] for key in ("samples", "stall_share", "top_instructions")})
     labels = [x for x in args.labels.split(",") if x]
     for k, label in zip(kernels, labels, strict=False):  # labels may be fewer
         k["label"] = label
