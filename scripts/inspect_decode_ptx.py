@@ -31,17 +31,19 @@ from kvcap.kernels import decode  # noqa: E402
 from kvcap.kernels.common import target_properties  # noqa: E402
 
 PATTERNS = ["ld.shared.b8", "ld.shared", "st.shared", "ldmatrix", "mma.sync", "wgmma",
-            "cp.async", "bar.sync", "cvt.rn.f16x2.e4m3x2", "prmt"]
+            "cp.async", "bar.sync", "cvt.rn.f16x2.e4m3x2", "prmt", "cvt.f32.f16",
+            "cvt.rn.bf16.f16", "cvt.rn.bf16x2.f32"]
 
 
 def compile_kernel(fn, consts: dict, fp8: bool, sm: int, num_warps: int, num_stages: int,
-                   maxnreg: int | None = None):
+                   maxnreg: int | None = None, qtype: str = "fp16"):
     """triton.compile a kvcap attention kernel for `sm`, pointers typed as its launcher passes
-    them (E4M3 caches as uint8) and marked 16-byte aligned as the JIT marks them."""
+    them (E4M3 caches as uint8, queries and outputs `qtype`) and marked 16-byte aligned as the
+    JIT marks them."""
     params = list(inspect.signature(fn.fn).parameters)
     consts = {k: v for k, v in consts.items() if k in params}  # older kernels: fewer switches
-    cache = "*u8" if fp8 else "*fp16"
-    ptrs = dict(q_ptr="*fp16", kc_ptr=cache, vc_ptr=cache, out_ptr="*fp16", po_ptr="*fp32",
+    cache = "*u8" if fp8 else f"*{qtype}"
+    ptrs = dict(q_ptr=f"*{qtype}", kc_ptr=cache, vc_ptr=cache, out_ptr=f"*{qtype}", po_ptr="*fp32",
                 plse_ptr="*fp32", bt_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
                 ks_ptr="*fp32", vs_ptr="*fp32", tok_ptr="*i32", seq_ptr="*i32", cnt_ptr="*i32")
     sig, attrs = {}, {}
@@ -121,6 +123,8 @@ def main() -> int:
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--num-stages", type=int, default=2)
     ap.add_argument("--pairs", action="store_true", help="word route: bytes permuted in pairs")
+    ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16",
+                    help="query dtype (bf16 over an E4M3 cache: the BF16 decoders)")
     ap.add_argument("--defaults", action="store_true",
                     help="tile, warps, stages, register cap and pairs from decode_config (CUDA)")
     ap.add_argument("--maxnreg", type=int, help="register cap per thread (ptx .maxnreg)")
@@ -143,13 +147,16 @@ def main() -> int:
         args.maxnreg, args.pairs = cfg.maxnreg, args.words and cfg.pairs
     if args.words and not fp8:
         ap.error("--words needs an E4M3 cache (--cache native|software)")
+    bf16 = fp8 and args.dtype == "bf16"  # what paged_decode's bf16_bits defaults to
     consts = dict(GROUP=4, HEADS=4, BLOCK_H=16, HEAD_DIM=args.head_dim, BLOCK_SIZE=16,
                   BLOCK_N=args.block_n, SPLIT=True, FP8=fp8, SOFTWARE=args.cache == "software",
                   SOFTWARE_V=args.cache == "software" or args.mixed,
-                  USE_DOT=True, DOT_DTYPE=tl.float16, IEEE=False, PREFETCH=False,
-                  WORDS=args.words, PAIRS=args.pairs, FOLD=True, BLOCK_S=8)
+                  USE_DOT=True, IEEE=False, PREFETCH=False,
+                  DOT_DTYPE=tl.bfloat16 if args.dtype == "bf16" else tl.float16,
+                  WORDS=args.words, PAIRS=args.pairs, FOLD=True, BLOCK_S=8, BF16=bf16,
+                  K_UNIT=2.0 ** 48 if bf16 else 1.0, P_BOOST=2.0 ** 112 if bf16 else 1.0)
     k = compile_kernel(decode._decode_kernel, consts, fp8, args.sm, args.num_warps,
-                       args.num_stages, args.maxnreg)
+                       args.num_stages, args.maxnreg, args.dtype)
     ptx = k.asm["ptx"]
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)

@@ -136,6 +136,40 @@ def test_decode_word_route(fp8_mode, hq, hkv, d, num_splits):
     assert _err(out[:nt], bytes_route[:nt]) < 1e-3
 
 
+@pytest.mark.parametrize("fp8_mode", ["native", "software"])
+@pytest.mark.parametrize("words,grouped,num_splits,hq,hkv,d", [
+    (True, True, 3, 8, 2, 128), (False, True, 1, 9, 3, 64), (False, False, 2, 4, 2, 32)])
+def test_bf16_decoders_bit_identical(fp8_mode, words, grouped, num_splits, hq, hkv, d):
+    """BF16 queries over an E4M3 cache: the decoders that write BF16 bits (times 2^-112 /
+    2^-120, with the query and probabilities boosted by powers of two) give the bits of the
+    route that decodes to FP16 and converts, on every route and decoder pairing, and agree
+    with the torch twin and the dense reference."""
+    case = make_case(DECODE, hq, hkv, d, kv_dtype="fp8_e4m3", dtype=torch.bfloat16, pad_rows=2,
+                     seed=d + num_splits, device=DEV)
+    kw = dict(fp8_mode=fp8_mode, words=words or None, grouped=grouped, num_splits=num_splits)
+    direct = _decode(case, bf16_bits=True, **kw)
+    converted = _decode(case, bf16_bits=False, **kw)
+    assert torch.equal(direct, converted)
+    _check(case, direct, "bf16", _reference(case))
+
+
+def test_bf16_decoders_mixed_pairing():
+    """K in hardware and V in software (and the reverse) with the BF16 decoders: their
+    factors are separate (2^-112 vs 2^-120), still the converting route's bits."""
+    case = make_case(DECODE, 8, 2, 128, kv_dtype="fp8_e4m3", dtype=torch.bfloat16, seed=5,
+                     device=DEV)
+    for mode in ("native-k", "native-v"):
+        assert torch.equal(_decode(case, fp8_mode=mode, num_splits=2, bf16_bits=True),
+                           _decode(case, fp8_mode=mode, num_splits=2, bf16_bits=False))
+
+
+def test_bf16_bits_needs_bf16_queries_and_e4m3():
+    case = make_case(DECODE, 4, 1, 32, kv_dtype="fp8_e4m3", dtype=torch.float16, seed=3,
+                     device=DEV)
+    with pytest.raises(ValueError, match="bf16_bits=True"):
+        _decode(case, bf16_bits=True)
+
+
 def test_word_route_switch(monkeypatch):
     from kvcap.kernels.decode import use_words
     dev = torch.device(DEV)

@@ -45,6 +45,9 @@ CONTEXTS = [1024, 4096, 16384, 32768, 131072]
 ARMS = ["sdpa_fp16", "paged_fp16", "e4m3_native", "e4m3_software"]
 BLOCK_SIZE = 16
 CONTIGUOUS_TABLES = False  # --contiguous-tables
+# --dtype: queries, SDPA tensors and the unquantized paged cache (the "_fp16" arms hold this
+# 16-bit dtype; the JSON's info.dtype says which)
+DTYPE = torch.float16
 MAX_FP16_KV_BYTES = 20 * 2**30
 
 
@@ -203,11 +206,11 @@ class Cell:
         r = self.r
         nblk = math.ceil(ctx / BLOCK_SIZE)
         g = torch.Generator(device="cuda").manual_seed(b * 7 + ctx)
-        self.q = [torch.randn(b, hq, d, generator=g, device="cuda", dtype=torch.float16)
+        self.q = [torch.randn(b, hq, d, generator=g, device="cuda", dtype=DTYPE)
                   for _ in range(r)]
         self.sk = [torch.randn(b, hkv, ctx, d, generator=g, device="cuda",
-                               dtype=torch.float16) * 2 for _ in range(r)]
-        self.sv = [torch.randn(b, hkv, ctx, d, generator=g, device="cuda", dtype=torch.float16)
+                               dtype=DTYPE) * 2 for _ in range(r)]
+        self.sv = [torch.randn(b, hkv, ctx, d, generator=g, device="cuda", dtype=DTYPE)
                    for _ in range(r)]
         total = r * b * nblk
         # Random block order (a pool fragmented by a long-running server) unless
@@ -216,7 +219,7 @@ class Cell:
                 else torch.randperm(total, device="cuda"))
         self.tables = perm.view(r, b, nblk).to(torch.int32)
         pool_shape = (total, hkv, BLOCK_SIZE, d)
-        self.k16 = torch.empty(pool_shape, dtype=torch.float16, device="cuda")
+        self.k16 = torch.empty(pool_shape, dtype=DTYPE, device="cuda")
         self.v16 = torch.empty_like(self.k16)
         self.k8 = torch.empty(pool_shape, dtype=torch.uint8, device="cuda")
         self.v8 = torch.empty_like(self.k8)
@@ -238,7 +241,7 @@ class Cell:
                     d8[idx[j * per: (j + 1) * per]] = e4m3.encode(x[j * per: (j + 1) * per], sc)
         self.seq_lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
         self.qsl = torch.arange(b + 1, dtype=torch.int32, device="cuda")
-        self.out = [torch.empty(b, hq, d, dtype=torch.float16, device="cuda") for _ in range(r)]
+        self.out = [torch.empty(b, hq, d, dtype=DTYPE, device="cuda") for _ in range(r)]
 
     def fns(self, arm: str, fp8_mode: str | None = None, **kw) -> list:
         """One decode call per KV set; `fp8_mode` overrides the arm's E4M3 decoder."""
@@ -323,6 +326,11 @@ def main(argv: list[str] | None = None) -> int:
                          "2..8 programs per SM (default: 0.5/1/2x the old heuristic)")
     ap.add_argument("--contiguous-tables", action="store_true",
                     help="every sequence's KV blocks in order (default: a random permutation)")
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
+                    help="query / SDPA / unquantized-cache dtype (the \"_fp16\" arms)")
+    ap.add_argument("--compare-bf16-bits", action="store_true",
+                    help="BF16 queries: time E4M3 decode to BF16 bits vs to FP16 + conversion "
+                         "(paged_decode bf16_bits) on the 8B cells, then stop")
     ap.add_argument("--markdown", metavar="JSON",
                     help="print the per-shape tables of docs/kernels.md from a result file")
     args = ap.parse_args(argv)
@@ -334,10 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    global CONTIGUOUS_TABLES
+    global CONTIGUOUS_TABLES, DTYPE
     CONTIGUOUS_TABLES = args.contiguous_tables
+    DTYPE = torch.bfloat16 if args.dtype == "bfloat16" or args.compare_bf16_bits else torch.float16
     info = run_info()
     info["contiguous_tables"] = CONTIGUOUS_TABLES
+    info["dtype"] = str(DTYPE).removeprefix("torch.")
     l2 = info["l2_bytes"]
     info["block_size"] = BLOCK_SIZE
     checks = [] if args.skip_checks else run_checks()
@@ -365,6 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_pairs:
         info["compare_pairs"] = compare_knob(l2, ceil["read_tbs"], "pairs", WORD_CELLS[:2]
                                              + [WORD_CELLS[4]])
+        save()
+        return 0
+    if args.compare_bf16_bits:
+        info["compare_bf16_bits"] = compare_knob(l2, ceil["read_tbs"], "bf16_bits",
+                                                 FOLD_CELLS[:3] + [WORD_CELLS[1]] + WORD_CELLS[2:4])
         save()
         return 0
     if args.compare_fold:

@@ -214,6 +214,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--qsa", default=None, metavar="PRESET",
                     help="QSA on every arm, e.g. every4 (kvcap.qsa.enable.PRESET_HELP)")
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
+                    help="model (and unquantized KV) dtype of every arm; kvcap's own default on "
+                         "a BF16-capable GPU is bfloat16")
     ap.add_argument("--out", default="docs/benchmarks")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -230,11 +233,11 @@ def main(argv=None) -> int:
     path = out / f"throughput-{report['date']}.json"
     for shape in args.shapes:
         model = SHAPES[shape]
-        scales = calibrated_scales(model, "float16") if model.startswith("dummy:") else None
+        scales = calibrated_scales(model, args.dtype) if model.startswith("dummy:") else None
         for mode in [] if args.hf_only else args.kv:
             with kv_arm(mode) as kv_dtype:
                 kw = dict(kv_cache_memory_gib=args.kv_gib) if args.kv_gib else {}
-                llm = LLM(model=model, dtype="float16", kv_cache_dtype=kv_dtype,
+                llm = LLM(model=model, dtype=args.dtype, kv_cache_dtype=kv_dtype,
                           kv_scales=scales if kv_dtype == "fp8_e4m3" else None,
                           max_num_seqs=max(args.concurrency), max_model_len=max_ctx,
                           max_num_batched_tokens=8192,
