@@ -148,13 +148,14 @@ def main() -> int:
     if args.words and not fp8:
         ap.error("--words needs an E4M3 cache (--cache native|software)")
     bf16 = fp8 and args.dtype == "bf16"  # what paged_decode's bf16_bits defaults to
+    software_v = args.cache == "software" or args.mixed
     consts = dict(GROUP=4, HEADS=4, BLOCK_H=16, HEAD_DIM=args.head_dim, BLOCK_SIZE=16,
                   BLOCK_N=args.block_n, SPLIT=True, FP8=fp8, SOFTWARE=args.cache == "software",
-                  SOFTWARE_V=args.cache == "software" or args.mixed,
+                  SOFTWARE_V=software_v,
                   USE_DOT=True, IEEE=False, PREFETCH=False,
                   DOT_DTYPE=tl.bfloat16 if args.dtype == "bf16" else tl.float16,
-                  WORDS=args.words, PAIRS=args.pairs, FOLD=True, BLOCK_S=8, BF16=bf16,
-                  K_UNIT=2.0 ** 48 if bf16 else 1.0, P_BOOST=2.0 ** 112 if bf16 else 1.0)
+                  WORDS=args.words, PAIRS=args.pairs, FOLD=True, BLOCK_S=8,
+                  BF16_K=bf16 and args.cache == "software", BF16_V=bf16 and software_v)
     k = compile_kernel(decode._decode_kernel, consts, fp8, args.sm, args.num_warps,
                        args.num_stages, args.maxnreg, args.dtype)
     ptx = k.asm["ptx"]

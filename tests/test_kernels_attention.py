@@ -140,10 +140,10 @@ def test_decode_word_route(fp8_mode, hq, hkv, d, num_splits):
 @pytest.mark.parametrize("words,grouped,num_splits,hq,hkv,d", [
     (True, True, 3, 8, 2, 128), (False, True, 1, 9, 3, 64), (False, False, 2, 4, 2, 32)])
 def test_bf16_decoders_bit_identical(fp8_mode, words, grouped, num_splits, hq, hkv, d):
-    """BF16 queries over an E4M3 cache: the decoders that write BF16 bits (times 2^-112 /
-    2^-120, with the query and probabilities boosted by powers of two) give the bits of the
-    route that decodes to FP16 and converts, on every route and decoder pairing, and agree
-    with the torch twin and the dense reference."""
+    """BF16 queries over an E4M3 cache: the software decoder writing BF16 bits (times 2^-120,
+    the query and probabilities boosted by powers of two) gives the bits of decoding to FP16
+    and converting, on every route (native K/V always go through FP16, so there bf16_bits
+    changes nothing), and agrees with the torch twin and the dense reference."""
     case = make_case(DECODE, hq, hkv, d, kv_dtype="fp8_e4m3", dtype=torch.bfloat16, pad_rows=2,
                      seed=d + num_splits, device=DEV)
     kw = dict(fp8_mode=fp8_mode, words=words or None, grouped=grouped, num_splits=num_splits)
@@ -154,8 +154,9 @@ def test_bf16_decoders_bit_identical(fp8_mode, words, grouped, num_splits, hq, h
 
 
 def test_bf16_decoders_mixed_pairing():
-    """K in hardware and V in software (and the reverse) with the BF16 decoders: their
-    factors are separate (2^-112 vs 2^-120), still the converting route's bits."""
+    """K in hardware and V in software (and the reverse): only the software side writes BF16
+    bits (the query boost and the probabilities' follow it), still the converting route's
+    bits."""
     case = make_case(DECODE, 8, 2, 128, kv_dtype="fp8_e4m3", dtype=torch.bfloat16, seed=5,
                      device=DEV)
     for mode in ("native-k", "native-v"):

@@ -199,7 +199,8 @@ def _packed_ptx(src: str, out: str, bf16: bool = False) -> str:
     halves, o = bytes 1 and 3 (each value * 2^-8); `out` moves e/o into the results. With
     `bf16` the halves are BF16 bits instead: `eeeemmm` lands in the low four exponent bits and
     the top three mantissa bits, the value * 2^-120 (BF16_SOFTWARE_LOG2), same instruction
-    count."""
+    count (subnormals become BF16 subnormals, which the tensor cores keep:
+    tests/test_kernels_gpu.py::test_bf16_decoder_exact_all_codes)."""
     up, down, mask = (4, 4, "0x07F007F0") if bf16 else (7, 1, "0x3F803F80")
     return ("{ .reg .b32 e, o, t; "
             f"shl.b32 e, {src}, 8; and.b32 e, e, 0x80008000; shl.b32 t, {src}, {up}; "
@@ -208,35 +209,22 @@ def _packed_ptx(src: str, out: str, bf16: bool = False) -> str:
             f"or.b32 o, o, t; {out} }}")
 
 
-def _f16x2_to_bf16_bits(src: str, dst: str) -> str:
-    """Two FP16 halves that hold E4M3 values (normal FP16 numbers with 3 mantissa bits) ->
-    two BF16 bit patterns of the value * 2^-112: the sign stays, exponent and mantissa move
-    down 3 bits (FP16's 5-bit exponent becomes the low bits of BF16's 8). Zero stays zero;
-    every E4M3 value lands on a normal BF16 number; one shift and one LOP3 per pair."""
-    return (f"{{ .reg .b32 t, s; shr.b32 t, {src}, 3; and.b32 t, t, 0x0FFF0FFF; "
-            f"and.b32 s, {src}, 0x80008000; or.b32 {dst}, t, s; }}")
-
-
 # software, element order: bytes 0,1 -> $0, bytes 2,3 -> $1 (two byte permutes)
 _SOFTWARE_PTX = tl.constexpr(_packed_ptx("$2", "prmt.b32 $0, e, o, 0x5410; "
                                                "prmt.b32 $1, e, o, 0x7632;"))
 
-# BF16 queries. Converting the FP16 results to BF16 costs two FP32 round trips per pair (more
-# than the decode itself), so for BF16 the decoders write BF16 bits directly, each a fixed
-# power of two below the value: native 2^-112 (cvt to FP16, then _f16x2_to_bf16_bits),
-# software 2^-120 (_packed_ptx(bf16=True)). Those numbers are tiny (down to 2^-129, a BF16
-# subnormal for E4M3 subnormals), so the decode kernel multiplies the query by 2^64 (exact)
-# and the probabilities by 2^112 / 2^120 (exact) before their dots, which keeps every
-# product and partial sum in the FP32 range the FP16 route uses, and puts the rest of the
-# factor into the hoisted k scale: scores and outputs are bit-identical to the FP16 route's.
-BF16_NATIVE_LOG2 = 112
+# BF16 queries. The FP16 results of either decoder reach a BF16 dot through one conversion
+# per element on sm_90 (cvt.rn.bf16.f16) and two below it (cvt.f32.f16, cvt.rn.bf16.f32) --
+# more instructions than the software decode itself -- so the software decoder writes BF16
+# bits directly (BF16 software decoder), the value times 2^-120. Those numbers are tiny (down
+# to 2^-129), so the decode kernel multiplies the query by 2^64 and the probabilities by 2^120
+# (both exact) before their dots, which keeps every product and partial sum in the FP32 range
+# of the FP16 route, and folds the remaining 2^56 into the hoisted k scale: scores and outputs
+# are bit-identical to decoding to FP16 and converting. The hardware conversion has no BF16
+# form before sm_100; cvt to FP16 and a shift into BF16 bits (2^-112) measured slower on the
+# H200 than cvt.rn.bf16.f16 (docs/kernels.md, "Ninth change"), so native K/V keep that.
 BF16_SOFTWARE_LOG2 = 120
 BF16_Q_BOOST_LOG2 = 64
-_BF16_NATIVE_UNIT = tl.constexpr(2.0 ** -BF16_NATIVE_LOG2)  # what the interpreter twin uses
-_NATIVE_BF16_PTX = tl.constexpr(
-    "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $2; "
-    "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
-    + _f16x2_to_bf16_bits("a", "$0") + _f16x2_to_bf16_bits("b", "$1") + " }")
 _SOFTWARE_BF16_PTX = tl.constexpr(_packed_ptx("$2", "prmt.b32 $0, e, o, 0x5410; "
                                                     "prmt.b32 $1, e, o, 0x7632;", bf16=True))
 
@@ -251,15 +239,11 @@ def _e4m3_ptx(x, SOFTWARE: tl.constexpr, OPAQUE: tl.constexpr, BF16: tl.constexp
     and the 8-bit operand layout then costs one `ld.shared.b8` per byte. OPAQUE (marking the
     assembly impure) keeps the conversion where it is written: V is read from shared memory
     in 16-byte vectors, converted, and moved into the operand layout as FP16
-    (`ldmatrix.trans`). See docs/kernels.md, "Third change". BF16: BF16 bits of the value
-    times 2^-BF16_{NATIVE,SOFTWARE}_LOG2 instead (see above)."""
+    (`ldmatrix.trans`). See docs/kernels.md, "Third change". BF16 (software only): BF16 bits
+    of the value times 2^-BF16_SOFTWARE_LOG2 instead (see above)."""
     if BF16:
-        if SOFTWARE:
-            r = tl.inline_asm_elementwise(_SOFTWARE_BF16_PTX, "=r,=r,r", [x],
-                                          dtype=tl.bfloat16, is_pure=not OPAQUE, pack=4)
-        else:
-            r = tl.inline_asm_elementwise(_NATIVE_BF16_PTX, "=r,=r,r", [x],
-                                          dtype=tl.bfloat16, is_pure=not OPAQUE, pack=4)
+        r = tl.inline_asm_elementwise(_SOFTWARE_BF16_PTX, "=r,=r,r", [x], dtype=tl.bfloat16,
+                                      is_pure=not OPAQUE, pack=4)
     elif SOFTWARE:
         r = tl.inline_asm_elementwise(_SOFTWARE_PTX, "=r,=r,r", [x], dtype=tl.float16,
                                       is_pure=not OPAQUE, pack=4)
@@ -278,17 +262,12 @@ def _e4m3_software_ops(x):
 
 
 @triton.jit
-def _e4m3_bf16_ops(x, SOFTWARE: tl.constexpr):
-    """The BF16 decoders' results with Triton ops, as FP32 (the interpreter runs BF16 dots in
-    FP32): software, the BF16 bits the packed decoder builds (value * 2^-120, moved into the
-    top half of an FP32); native, the value * 2^-112."""
-    if SOFTWARE:
-        w = x.to(tl.int32)
-        h = ((w & 0x80) << 8) | ((w & 0x7F) << 4)
-        r = (h << 16).to(tl.float32, bitcast=True)
-    else:
-        r = x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _BF16_NATIVE_UNIT
-    return r
+def _e4m3_bf16_ops(x):
+    """The BF16 software decoder's result with Triton ops, as FP32 (the interpreter runs BF16
+    dots in FP32): the BF16 bits it builds (value * 2^-120) in the top half of an FP32."""
+    w = x.to(tl.int32)
+    h = ((w & 0x80) << 8) | ((w & 0x7F) << 4)
+    return (h << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -296,14 +275,15 @@ def convert_tile(x, FP8: tl.constexpr, SOFTWARE: tl.constexpr, OUT_DTYPE: tl.con
                  OPAQUE: tl.constexpr = False, BF16: tl.constexpr = False):
     """Raw [N, D] tile -> OUT_DTYPE. E4M3 bytes: native -> the value, software -> the value
     times 2^-8 (both exact: every such number is an FP16 and a BF16 number). OPAQUE: see
-    _e4m3_ptx (pass it for tiles used as the PV operand). BF16 (OUT_DTYPE bf16, or fp32 in the
-    interpreter): the BF16 decoders, the value times 2^-BF16_{NATIVE,SOFTWARE}_LOG2."""
+    _e4m3_ptx (pass it for tiles used as the PV operand). BF16 (with SOFTWARE; OUT_DTYPE bf16,
+    or fp32 in the interpreter): the BF16 software decoder, the value times 2^-120."""
     if FP8:
         if BF16:
+            tl.static_assert(SOFTWARE, "the BF16 decoder is the software one")
             if _CVT_ASM:
                 x = _e4m3_ptx(x, SOFTWARE, OPAQUE, True)
             else:
-                x = _e4m3_bf16_ops(x, SOFTWARE)
+                x = _e4m3_bf16_ops(x)
         elif _CVT_ASM:
             x = _e4m3_ptx(x, SOFTWARE, OPAQUE)
         elif SOFTWARE:
@@ -335,22 +315,9 @@ _SOFTWARE_PAIR_PTX = tl.constexpr(
     "{ .reg .b32 x, y; prmt.b32 x, $4, $5, 0x5410; prmt.b32 y, $4, $5, 0x7632; "
     + _packed_ptx("x", "mov.b32 $0, e; mov.b32 $1, o;")
     + _packed_ptx("y", "mov.b32 $2, e; mov.b32 $3, o;") + " }")
-# The same three forms with BF16 results (see _NATIVE_BF16_PTX).
-_NATIVE_WORD_BF16_PTX = tl.constexpr(
-    "{ .reg .b16 lo, hi; .reg .b32 a, b, c, d; mov.b32 {lo, hi}, $4; "
-    "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
-    + _f16x2_to_bf16_bits("a", "c") + _f16x2_to_bf16_bits("b", "d")
-    + "mov.b32 {$0, $1}, c; mov.b32 {$2, $3}, d; }")
+# The BF16 software decoder in both word forms (see _SOFTWARE_BF16_PTX).
 _SOFTWARE_WORD_BF16_PTX = tl.constexpr(
     _packed_ptx("$4", "mov.b32 {$0, $2}, e; mov.b32 {$1, $3}, o;", bf16=True))
-_NATIVE_PAIR_BF16_PTX = tl.constexpr(
-    "{ .reg .b32 x, y, a, b, c, d; .reg .b16 xl, xh, yl, yh; "
-    "prmt.b32 x, $4, $5, 0x5140; prmt.b32 y, $4, $5, 0x7362; "
-    "mov.b32 {xl, xh}, x; mov.b32 {yl, yh}, y; "
-    "cvt.rn.f16x2.e4m3x2 a, xl; cvt.rn.f16x2.e4m3x2 b, xh; "
-    "cvt.rn.f16x2.e4m3x2 c, yl; cvt.rn.f16x2.e4m3x2 d, yh; "
-    + _f16x2_to_bf16_bits("a", "$0") + _f16x2_to_bf16_bits("b", "$1")
-    + _f16x2_to_bf16_bits("c", "$2") + _f16x2_to_bf16_bits("d", "$3") + " }")
 _SOFTWARE_PAIR_BF16_PTX = tl.constexpr(
     "{ .reg .b32 x, y; prmt.b32 x, $4, $5, 0x5410; prmt.b32 y, $4, $5, 0x7632; "
     + _packed_ptx("x", "mov.b32 $0, e; mov.b32 $1, o;", bf16=True)
@@ -369,9 +336,10 @@ def load_words(cache_ptr, row_off, mask, HEAD_DIM: tl.constexpr):
 def convert_words(w, SOFTWARE: tl.constexpr, OUT_DTYPE: tl.constexpr, PAIRS: tl.constexpr = False,
                   BF16: tl.constexpr = False):
     """int32 words [N, C] -> four column groups (t0..t3), tj[:, c] = decode(byte j of word c)
-    (software: times 2^-8, as convert_tile; BF16: the BF16 decoders, as convert_tile)."""
+    (software: times 2^-8, as convert_tile; BF16: the BF16 software decoder, as convert_tile)."""
     if BF16:
-        t0, t1, t2, t3 = _convert_words_bf16(w, SOFTWARE, PAIRS)
+        tl.static_assert(SOFTWARE, "the BF16 decoder is the software one")
+        t0, t1, t2, t3 = _convert_words_bf16(w, PAIRS)
     elif _CVT_ASM and PAIRS:
         t0, t1, t2, t3 = tl.inline_asm_elementwise(
             _SOFTWARE_PAIR_PTX if SOFTWARE else _NATIVE_PAIR_PTX, "=r,=r,=r,=r,r,r", [w],
@@ -394,23 +362,21 @@ def convert_words(w, SOFTWARE: tl.constexpr, OUT_DTYPE: tl.constexpr, PAIRS: tl.
 
 
 @triton.jit
-def _convert_words_bf16(w, SOFTWARE: tl.constexpr, PAIRS: tl.constexpr):
-    """convert_words with the BF16 decoders (BF16 in compiled kernels, FP32 interpreted)."""
+def _convert_words_bf16(w, PAIRS: tl.constexpr):
+    """convert_words with the BF16 software decoder (BF16 compiled, FP32 interpreted)."""
     if _CVT_ASM and PAIRS:
         t0, t1, t2, t3 = tl.inline_asm_elementwise(
-            _SOFTWARE_PAIR_BF16_PTX if SOFTWARE else _NATIVE_PAIR_BF16_PTX, "=r,=r,=r,=r,r,r",
-            [w], dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True,
-            pack=2)
+            _SOFTWARE_PAIR_BF16_PTX, "=r,=r,=r,=r,r,r", [w],
+            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
     elif _CVT_ASM:
         t0, t1, t2, t3 = tl.inline_asm_elementwise(
-            _SOFTWARE_WORD_BF16_PTX if SOFTWARE else _NATIVE_WORD_BF16_PTX, "=h,=h,=h,=h,r",
-            [w], dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True,
-            pack=1)
+            _SOFTWARE_WORD_BF16_PTX, "=h,=h,=h,=h,r", [w],
+            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
     else:
-        t0 = _e4m3_bf16_ops((w & 0xFF).to(tl.uint8), SOFTWARE)
-        t1 = _e4m3_bf16_ops(((w >> 8) & 0xFF).to(tl.uint8), SOFTWARE)
-        t2 = _e4m3_bf16_ops(((w >> 16) & 0xFF).to(tl.uint8), SOFTWARE)
-        t3 = _e4m3_bf16_ops(((w >> 24) & 0xFF).to(tl.uint8), SOFTWARE)
+        t0 = _e4m3_bf16_ops((w & 0xFF).to(tl.uint8))
+        t1 = _e4m3_bf16_ops(((w >> 8) & 0xFF).to(tl.uint8))
+        t2 = _e4m3_bf16_ops(((w >> 16) & 0xFF).to(tl.uint8))
+        t3 = _e4m3_bf16_ops(((w >> 24) & 0xFF).to(tl.uint8))
     return t0, t1, t2, t3
 
 

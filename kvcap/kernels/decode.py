@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from kvcap.kernels.common import (
-    BF16_NATIVE_LOG2,
     BF16_Q_BOOST_LOG2,
     BF16_SOFTWARE_LOG2,
     LOG2E,
@@ -73,13 +72,14 @@ def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
                  BLOCK_N: tl.constexpr, FP8: tl.constexpr, SOFTWARE: tl.constexpr,
                  SOFTWARE_V: tl.constexpr, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
                  IEEE: tl.constexpr, CAUSAL: tl.constexpr, PREFETCH: tl.constexpr,
-                 BF16: tl.constexpr = False, P_BOOST: tl.constexpr = 1.0):
+                 BF16_K: tl.constexpr = False, BF16_V: tl.constexpr = False):
     """Online-softmax attention of BLOCK_H query rows over cached tokens [lo, hi) of one KV
     head. Returns (m, l, acc): base-2 running max, sum, unnormalised FP32 output. With
     CAUSAL, row r sees positions <= qpos[r]. With PREFETCH the raw K/V bytes of the next tile
     are loaded into registers before the current tile is decoded and used, keeping loads in
-    flight. SOFTWARE / SOFTWARE_V: the decoder of K / of V (they may differ). BF16: the BF16
-    decoders (common.BF16_*): q comes boosted, p is multiplied by P_BOOST before the PV dot."""
+    flight. SOFTWARE / SOFTWARE_V: the decoder of K / of V (they may differ). BF16_K / BF16_V:
+    K / V through the BF16 software decoder (common.BF16_*; q then comes boosted, p is boosted
+    before the PV dot)."""
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -104,15 +104,15 @@ def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
                                     stride_ct, head_off)
             kr = load_raw(kc_ptr, row, pmask, HEAD_DIM)
             vr = load_raw(vc_ptr, row, pmask, HEAD_DIM)
-        k = convert_tile(kr, FP8, SOFTWARE, DOT_DTYPE, False, BF16)
+        k = convert_tile(kr, FP8, SOFTWARE, DOT_DTYPE, False, BF16_K)
         s = mm(q, tl.trans(k), USE_DOT, IEEE) * qk_scale
         if CAUSAL:
             valid = pmask[None, :] & (pos[None, :] <= qpos[:, None])
         else:
             valid = pmask[None, :]
         m_new, alpha, p, l_i = online_softmax_step(tl.where(valid, s, float("-inf")), m_i, l_i)
-        v = convert_tile(vr, FP8, SOFTWARE_V, DOT_DTYPE, True, BF16)
-        acc = acc * alpha[:, None] + mm(_p_operand(p, DOT_DTYPE, BF16, P_BOOST), v, USE_DOT, IEEE)
+        v = convert_tile(vr, FP8, SOFTWARE_V, DOT_DTYPE, True, BF16_V)
+        acc = acc * alpha[:, None] + mm(_p_operand(p, DOT_DTYPE, BF16_V), v, USE_DOT, IEEE)
         m_i = m_new
         if PREFETCH:
             kr = kn
@@ -121,9 +121,9 @@ def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
 
 
 @triton.jit
-def _p_operand(p, DOT_DTYPE: tl.constexpr, BF16: tl.constexpr, P_BOOST: tl.constexpr):
-    """The probabilities as the PV dot's operand; for the BF16 decoders times P_BOOST (a power
-    of two that undoes the V decoder's, so the products are the FP16 route's)."""
+def _p_operand(p, DOT_DTYPE: tl.constexpr, BF16: tl.constexpr):
+    """The probabilities as the PV dot's operand; for the BF16 software decoder times 2^120
+    (exact: p <= 1), which undoes the decoder's 2^-120, so the products are the FP16 route's."""
     if BF16:
         r = (p * P_BOOST).to(DOT_DTYPE)
     else:
@@ -133,14 +133,17 @@ def _p_operand(p, DOT_DTYPE: tl.constexpr, BF16: tl.constexpr, P_BOOST: tl.const
 
 @triton.jit
 def boost_q(q, DOT_DTYPE: tl.constexpr, BF16: tl.constexpr):
-    """Queries for the BF16 decoders: times 2^BF16_Q_BOOST_LOG2 (exact), so products with K's
-    tiny BF16 numbers stay normal FP32; the rest of K's factor is in the hoisted scale."""
+    """Queries for the BF16 software decoder: times 2^BF16_Q_BOOST_LOG2 (exact), so products
+    with K's tiny BF16 numbers stay normal FP32; the rest of K's factor is in the hoisted
+    scale."""
     if BF16:
         q = (q.to(tl.float32) * Q_BOOST).to(DOT_DTYPE)
     return q
 
 
 Q_BOOST = tl.constexpr(2.0 ** BF16_Q_BOOST_LOG2)
+P_BOOST = tl.constexpr(2.0 ** BF16_SOFTWARE_LOG2)
+K_UNIT = tl.constexpr(2.0 ** (BF16_SOFTWARE_LOG2 - BF16_Q_BOOST_LOG2))  # on the softmax scale
 
 
 @triton.jit
@@ -149,19 +152,20 @@ def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_st
                       BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       BLOCK_N: tl.constexpr, SOFTWARE: tl.constexpr, SOFTWARE_V: tl.constexpr,
                       DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, PAIRS: tl.constexpr,
-                      BF16: tl.constexpr = False, P_BOOST: tl.constexpr = 1.0):
+                      BF16_K: tl.constexpr = False, BF16_V: tl.constexpr = False):
     """attend_tiles for E4M3 caches read as 32-bit words: the head dimension is split into the
     four column groups a word decodes to (column 4c + j -> group j), so QK^T is four dots of
     K = D/4 and the output is four [BLOCK_H, D/4] accumulators (returned in group order)."""
     qb = q_ptr + q_base + heads[:, None].to(tl.int64) * stride_qh
     c4 = tl.arange(0, HEAD_DIM // 4)[None, :] * 4
-    q0 = boost_q(tl.load(qb + c4, mask=hmask[:, None], other=0.0).to(DOT_DTYPE), DOT_DTYPE, BF16)
+    q0 = boost_q(tl.load(qb + c4, mask=hmask[:, None], other=0.0).to(DOT_DTYPE), DOT_DTYPE,
+                 BF16_K)
     q1 = boost_q(tl.load(qb + c4 + 1, mask=hmask[:, None], other=0.0).to(DOT_DTYPE), DOT_DTYPE,
-                 BF16)
+                 BF16_K)
     q2 = boost_q(tl.load(qb + c4 + 2, mask=hmask[:, None], other=0.0).to(DOT_DTYPE), DOT_DTYPE,
-                 BF16)
+                 BF16_K)
     q3 = boost_q(tl.load(qb + c4 + 3, mask=hmask[:, None], other=0.0).to(DOT_DTYPE), DOT_DTYPE,
-                 BF16)
+                 BF16_K)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     a0 = tl.zeros([BLOCK_H, HEAD_DIM // 4], tl.float32)
@@ -174,14 +178,14 @@ def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_st
         row = paged_row_offsets(bt_ptr, bt_stride, seq, pos, pmask, BLOCK_SIZE, stride_cb,
                                 stride_ct, head_off)
         k0, k1, k2, k3 = convert_words(load_words(kc_ptr, row, pmask, HEAD_DIM), SOFTWARE,
-                                       DOT_DTYPE, PAIRS, BF16)
+                                       DOT_DTYPE, PAIRS, BF16_K)
         s = mm(q0, tl.trans(k0), True, IEEE) + mm(q1, tl.trans(k1), True, IEEE)
         s += mm(q2, tl.trans(k2), True, IEEE) + mm(q3, tl.trans(k3), True, IEEE)
         s = tl.where(pmask[None, :], s * qk_scale, float("-inf"))
         m_new, alpha, p, l_i = online_softmax_step(s, m_i, l_i)
-        pd = _p_operand(p, DOT_DTYPE, BF16, P_BOOST)
+        pd = _p_operand(p, DOT_DTYPE, BF16_V)
         v0, v1, v2, v3 = convert_words(load_words(vc_ptr, row, pmask, HEAD_DIM), SOFTWARE_V,
-                                       DOT_DTYPE, PAIRS, BF16)
+                                       DOT_DTYPE, PAIRS, BF16_V)
         a0 = a0 * alpha[:, None] + mm(pd, v0, True, IEEE)
         a1 = a1 * alpha[:, None] + mm(pd, v1, True, IEEE)
         a2 = a2 * alpha[:, None] + mm(pd, v2, True, IEEE)
@@ -213,7 +217,7 @@ def _decode_kernel(
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
     PREFETCH: tl.constexpr, WORDS: tl.constexpr, PAIRS: tl.constexpr = False,
     FOLD: tl.constexpr = False, BLOCK_S: tl.constexpr = 8,
-    BF16: tl.constexpr = False, K_UNIT: tl.constexpr = 1.0, P_BOOST: tl.constexpr = 1.0,
+    BF16_K: tl.constexpr = False, BF16_V: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     hp = tl.program_id(1)
@@ -236,27 +240,27 @@ def _decode_kernel(
     if FP8:
         qk_scale = qk_scale * tl.load(ks_ptr)
         out_scale = tl.load(vs_ptr)
-    if BF16:
-        qk_scale = qk_scale * K_UNIT  # K's BF16 factor over the query boost; P undoes V's
-    else:
-        if SOFTWARE:
-            qk_scale = qk_scale * 256.0
-        if SOFTWARE_V:
+    if BF16_K:
+        qk_scale = qk_scale * K_UNIT  # K's BF16 factor over the query boost
+    elif SOFTWARE:
+        qk_scale = qk_scale * 256.0
+    if SOFTWARE_V:
+        if not BF16_V:  # the BF16 decoder's V factor is undone on the probabilities
             out_scale = out_scale * 256.0
     if WORDS:
         m_i, l_i, a0, a1, a2, a3 = attend_word_tiles(
             q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, kc_ptr, vc_ptr, bt_ptr,
             bt_stride, seq, lo, hi, qk_scale, kvh.to(tl.int64) * stride_ch, stride_cb,
             stride_ct, stride_qh, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFTWARE, SOFTWARE_V,
-            DOT_DTYPE, IEEE, PAIRS, BF16, P_BOOST)
+            DOT_DTYPE, IEEE, PAIRS, BF16_K, BF16_V)
     else:
         q = boost_q(_load_q(q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, HEAD_DIM,
-                            DOT_DTYPE, stride_qh), DOT_DTYPE, BF16)
+                            DOT_DTYPE, stride_qh), DOT_DTYPE, BF16_K)
         m_i, l_i, acc = attend_tiles(
             q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi, qk_scale,
             kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, h,
             BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, SOFTWARE_V, USE_DOT,
-            DOT_DTYPE, IEEE, False, PREFETCH, BF16, P_BOOST)
+            DOT_DTYPE, IEEE, False, PREFETCH, BF16_K, BF16_V)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     if not SPLIT:
         inv = (out_scale / l_safe)[:, None]
@@ -275,14 +279,15 @@ def _decode_kernel(
     if SPLIT and FOLD:
         _merge_if_last(out_ptr, po_ptr, plse_ptr, cnt_ptr + seq * tl.num_programs(1) + hp, vs_ptr,
                        q_row, seq, hp * HEADS, stride_ot, stride_oh, stride_pb, stride_ph,
-                       stride_ps, num_splits, HEADS, BLOCK_S, HEAD_DIM, FP8, SOFTWARE_V, BF16)
+                       stride_ps, num_splits, HEADS, BLOCK_S, HEAD_DIM, FP8, SOFTWARE_V,
+                       BF16_V)
 
 
 @triton.jit
 def _merge_if_last(out_ptr, po_ptr, plse_ptr, cnt, vs_ptr, q_row, seq, head0, stride_ot,
                    stride_oh, stride_pb, stride_ph, stride_ps, num_splits, HEADS: tl.constexpr,
                    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr,
-                   SOFTWARE_V: tl.constexpr, BF16: tl.constexpr):
+                   SOFTWARE_V: tl.constexpr, BF16_V: tl.constexpr):
     """The split-K merge folded into the decode kernel: each program of a (sequence, head
     program) counts itself in at `cnt` (acq_rel, after a barrier so its partial stores are
     issued first); the one that arrives last merges the HEADS heads, reading the others'
@@ -293,8 +298,8 @@ def _merge_if_last(out_ptr, po_ptr, plse_ptr, cnt, vs_ptr, q_row, seq, head0, st
     if prev == num_splits - 1:
         tl.store(cnt, 0)
         factor = 256.0 if SOFTWARE_V else 1.0  # SOFTWARE_FP8_FACTOR
-        if BF16:
-            factor = 1.0  # the BF16 decoders' V factor is undone on the probabilities
+        if BF16_V:
+            factor = 1.0  # the BF16 decoder's V factor is undone on the probabilities
         for i in tl.static_range(HEADS):
             res = merge_splits(po_ptr, plse_ptr, vs_ptr, factor, seq.to(tl.int64) * stride_pb,
                                head0 + i, stride_ph, stride_ps, num_splits, BLOCK_S, HEAD_DIM,
@@ -508,8 +513,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     FOLD_MAX_SPLITS splits. Off by default: on the H200 it saved nothing (0.96-1.04x on the 8B
     cells, 0.77-0.92x at 4 x 4K; docs/benchmarks/fold-2026-12-01-h200.json) -- the arrival
     atomic and barriers cost every program what the second launch cost once.
-    `bf16_bits`: with BF16 queries and an E4M3 cache, decode straight to BF16 bits (common.
-    BF16_*; the default) instead of to FP16 and converting; outputs are bit-identical.
+    `bf16_bits`: with BF16 queries and an E4M3 cache, the software decoder writes BF16 bits
+    (common.BF16_*; the default) instead of FP16 that is converted; outputs are bit-identical.
+    The hardware conversion always goes through FP16.
     """
     num_seqs = seq_lens.shape[0]
     hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
@@ -521,8 +527,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         bf16_bits = fp8 and q.dtype == torch.bfloat16
     if bf16_bits and not (fp8 and q.dtype == torch.bfloat16):
         raise ValueError("bf16_bits=True decodes an E4M3 cache for BF16 queries: it needs both")
-    k_log2 = BF16_SOFTWARE_LOG2 if software else BF16_NATIVE_LOG2
-    v_log2 = BF16_SOFTWARE_LOG2 if software_v else BF16_NATIVE_LOG2
     if grouped is None:
         grouped = grouped_enabled()
     heads = group if grouped else 1
@@ -569,10 +573,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8, SOFTWARE=software, SOFTWARE_V=software_v,
         USE_DOT=grouped, PREFETCH=pf, WORDS=words, PAIRS=pairs,
         FOLD=fold, BLOCK_S=max(8, triton.next_power_of_2(num_splits)),
-        DOT_DTYPE=dt, IEEE=ieee, BF16=bf16_bits,
-        K_UNIT=2.0 ** (k_log2 - BF16_Q_BOOST_LOG2) if bf16_bits else 1.0,
-        P_BOOST=2.0 ** v_log2 if bf16_bits else 1.0,
-        num_warps=nw, num_stages=ns, **launch,
+        DOT_DTYPE=dt, IEEE=ieee, BF16_K=bf16_bits and software,
+        BF16_V=bf16_bits and software_v, num_warps=nw, num_stages=ns, **launch,
     )
     if num_splits > 1 and not fold:
         _merge_kernel[(num_seqs, hq)](
