@@ -147,8 +147,8 @@ def test_bf16_decoders_bit_identical(fp8_mode, words, grouped, num_splits, hq, h
     case = make_case(DECODE, hq, hkv, d, kv_dtype="fp8_e4m3", dtype=torch.bfloat16, pad_rows=2,
                      seed=d + num_splits, device=DEV)
     kw = dict(fp8_mode=fp8_mode, words=words or None, grouped=grouped, num_splits=num_splits)
-    direct = _decode(case, bf16_bits=True, **kw)
-    converted = _decode(case, bf16_bits=False, **kw)
+    direct = _decode(case, bf16_bits=True, fp16_dots=False, **kw)
+    converted = _decode(case, bf16_bits=False, fp16_dots=False, **kw)
     assert torch.equal(direct, converted)
     _check(case, direct, "bf16", _reference(case))
 
@@ -160,8 +160,30 @@ def test_bf16_decoders_mixed_pairing():
     case = make_case(DECODE, 8, 2, 128, kv_dtype="fp8_e4m3", dtype=torch.bfloat16, seed=5,
                      device=DEV)
     for mode in ("native-k", "native-v"):
-        assert torch.equal(_decode(case, fp8_mode=mode, num_splits=2, bf16_bits=True),
-                           _decode(case, fp8_mode=mode, num_splits=2, bf16_bits=False))
+        kw = dict(fp8_mode=mode, num_splits=2, fp16_dots=False)
+        assert torch.equal(_decode(case, bf16_bits=True, **kw),
+                           _decode(case, bf16_bits=False, **kw))
+
+
+@pytest.mark.parametrize("fp8_mode", ["native", "software"])
+@pytest.mark.parametrize("words,grouped,num_splits,hq,hkv,d,magnitude", [
+    (True, True, 3, 8, 2, 128, 1.0), (True, True, 3, 8, 2, 128, 3e5),
+    (True, True, 1, 8, 2, 128, 1e-6), (False, True, 1, 9, 3, 64, 1.0),
+    (False, False, 2, 4, 2, 32, 3e5)])
+def test_bf16_queries_fp16_dots(fp8_mode, words, grouped, num_splits, hq, hkv, d, magnitude):
+    """BF16 queries over an E4M3 cache on the FP16 route's dots (the default): the query goes
+    into FP16 under one power-of-two scale per program, so queries past FP16's range (3e5,
+    whose scores are huge) or deep in its subnormals (1e-6) still give the BF16 dots' output
+    to within BF16 rounding, the torch twin's, and the dense reference's."""
+    case = make_case(DECODE, hq, hkv, d, kv_dtype="fp8_e4m3", dtype=torch.bfloat16, pad_rows=2,
+                     seed=d + num_splits, device=DEV)
+    case.q.mul_(magnitude)
+    kw = dict(fp8_mode=fp8_mode, words=words or None, grouped=grouped, num_splits=num_splits)
+    fp16_dots = _decode(case, **kw)
+    bf16_dots = _decode(case, fp16_dots=False, **kw)
+    nt = case.meta.num_tokens
+    assert _err(fp16_dots[:nt], bf16_dots[:nt]) < 1e-2
+    _check(case, fp16_dots, "bf16", _reference(case))
 
 
 def test_bf16_bits_needs_bf16_queries_and_e4m3():
@@ -169,6 +191,12 @@ def test_bf16_bits_needs_bf16_queries_and_e4m3():
                      device=DEV)
     with pytest.raises(ValueError, match="bf16_bits=True"):
         _decode(case, bf16_bits=True)
+    with pytest.raises(ValueError, match="fp16_dots=True"):
+        _decode(case, fp16_dots=True)
+    bf16 = make_case(DECODE, 4, 1, 32, kv_dtype="fp8_e4m3", dtype=torch.bfloat16, seed=3,
+                     device=DEV)
+    with pytest.raises(ValueError, match="exclude each other"):
+        _decode(bf16, bf16_bits=True, fp16_dots=True)
 
 
 def test_word_route_switch(monkeypatch):

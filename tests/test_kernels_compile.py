@@ -80,18 +80,22 @@ def test_prefill_and_qsa_compile_without_spills_on_fma_gpus(kernel, sm, head_dim
     assert c["spill store bytes"] == 0 and c["mma.sync"] == 0
 
 
-@pytest.mark.parametrize("sm,head_dim", [(75, 128), (80, 128), (86, 256), (90, 128)])
-def test_bf16_software_decoder_compiles_without_conversions(sm, head_dim):
-    """BF16 queries over an E4M3 cache, software decoder, at the GPU's defaults: it writes
-    BF16 bits, so no decoded value is converted on its way to the dots (decoding to FP16 first
-    cost one cvt.rn.bf16.f16 per element on sm_90, and cvt.f32.f16 + cvt.rn.bf16.f32 per
-    element below it: 256 / 512 per thread and 128-token tile at D = 128), nothing spills, and
-    the word route keeps the shared memory its residency assumes."""
+@pytest.mark.parametrize("cache,sm,head_dim", [("software", 75, 128), ("software", 80, 128),
+                                               ("software", 86, 256), ("native", 90, 128),
+                                               ("software", 90, 128)])
+def test_bf16_queries_compile_without_conversions(cache, sm, head_dim):
+    """BF16 queries over an E4M3 cache at the GPU's defaults (FP16 dots on MMA GPUs, the BF16
+    software decoder below sm_80): no decoded value is converted on its way to the dots
+    (decoding to FP16 for BF16 dots cost one cvt.rn.bf16.f16 per element on sm_90, and
+    cvt.f32.f16 + cvt.rn.bf16.f32 per element below it: 256 / 512 per thread and 128-token
+    tile at D = 128), and the word route keeps the shared memory its residency assumes.
+    Spills: none, but one register at sm_90's native word route (stored before the tile loop
+    and reloaded once, outside the steady-state loop)."""
     words = sm >= 80 and head_dim == 128
-    c = _counts("--cache", "software", "--sm", str(sm), "--head-dim", str(head_dim),
-                "--defaults", "--dtype", "bf16", *(["--words"] if words else []))
+    c = _counts("--cache", cache, "--sm", str(sm), "--head-dim", str(head_dim), "--defaults",
+                "--dtype", "bf16", *(["--words"] if words else []))
     assert c["cvt.f32.f16"] == 0 and c["cvt.rn.bf16.f16"] == 0
-    assert c["cvt.rn.f16x2.e4m3x2"] == 0 and c["prmt"] > 0
-    assert c["spill store bytes"] == 0
+    assert (c["cvt.rn.f16x2.e4m3x2"] > 0) == (cache == "native")
+    assert c["spill store bytes"] <= (4 if cache == "native" else 0)
     if words:
         assert c["shared memory bytes"] <= WORD_ROUTE_SHARED_BYTES[_stages(sm)]

@@ -132,13 +132,37 @@ def _p_operand(p, DOT_DTYPE: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
-def boost_q(q, DOT_DTYPE: tl.constexpr, BF16: tl.constexpr):
-    """Queries for the BF16 software decoder: times 2^BF16_Q_BOOST_LOG2 (exact), so products
-    with K's tiny BF16 numbers stay normal FP32; the rest of K's factor is in the hoisted
-    scale."""
-    if BF16:
-        q = (q.to(tl.float32) * Q_BOOST).to(DOT_DTYPE)
+def scale_q(q, q_up, DOT_DTYPE: tl.constexpr, SCALE_Q: tl.constexpr):
+    """Queries as the QK dot's operand; with SCALE_Q times `q_up` first (an exact power of two:
+    per row for FP16 dots on BF16 queries, 2^64 for the BF16 software decoder), see
+    fp16_row_scale and Q_BOOST."""
+    if SCALE_Q:
+        q = (q.to(tl.float32) * q_up).to(DOT_DTYPE)
+    else:
+        q = q.to(DOT_DTYPE)
     return q
+
+
+@triton.jit
+def _absmax(x):
+    return tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0)
+
+
+@triton.jit
+def fp16_scale(amax):
+    """(2^s, 2^-s) so that the largest |q| of the program's query rows times 2^s lies in
+    [2^14, 2^15): BF16 queries then convert to FP16 without overflow and, but for elements
+    below 2^-28 of that largest (whose products lie far under the FP32 sum's rounding),
+    exactly. This lets BF16 queries over an E4M3 cache run the FP16 route's dots: K and V
+    decode to FP16 exactly on either decoder, and the probabilities carry more mantissa in
+    FP16 than in BF16. One scale for all rows keeps k's scale a scalar (a per-row scale
+    spilled at the word route's 128-register cap)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    shift = tl.where(amax > 0, 141 - ((bits >> 23) & 0xFF), 0)  # 14 - unbiased exponent
+    shift = tl.minimum(tl.maximum(shift, -126), 126)
+    up = ((shift + 127) << 23).to(tl.float32, bitcast=True)
+    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+    return up, down
 
 
 Q_BOOST = tl.constexpr(2.0 ** BF16_Q_BOOST_LOG2)
@@ -152,20 +176,27 @@ def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_st
                       BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       BLOCK_N: tl.constexpr, SOFTWARE: tl.constexpr, SOFTWARE_V: tl.constexpr,
                       DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, PAIRS: tl.constexpr,
-                      BF16_K: tl.constexpr = False, BF16_V: tl.constexpr = False):
+                      BF16_K: tl.constexpr = False, BF16_V: tl.constexpr = False, q_up=1.0,
+                      SCALE_Q: tl.constexpr = False, F16_DOTS: tl.constexpr = False):
     """attend_tiles for E4M3 caches read as 32-bit words: the head dimension is split into the
     four column groups a word decodes to (column 4c + j -> group j), so QK^T is four dots of
-    K = D/4 and the output is four [BLOCK_H, D/4] accumulators (returned in group order)."""
+    K = D/4 and the output is four [BLOCK_H, D/4] accumulators (returned in group order).
+    q_up / SCALE_Q: see scale_q; F16_DOTS: BF16 queries scaled per row (fp16_row_scale)."""
     qb = q_ptr + q_base + heads[:, None].to(tl.int64) * stride_qh
     c4 = tl.arange(0, HEAD_DIM // 4)[None, :] * 4
-    q0 = boost_q(tl.load(qb + c4, mask=hmask[:, None], other=0.0).to(DOT_DTYPE), DOT_DTYPE,
-                 BF16_K)
-    q1 = boost_q(tl.load(qb + c4 + 1, mask=hmask[:, None], other=0.0).to(DOT_DTYPE), DOT_DTYPE,
-                 BF16_K)
-    q2 = boost_q(tl.load(qb + c4 + 2, mask=hmask[:, None], other=0.0).to(DOT_DTYPE), DOT_DTYPE,
-                 BF16_K)
-    q3 = boost_q(tl.load(qb + c4 + 3, mask=hmask[:, None], other=0.0).to(DOT_DTYPE), DOT_DTYPE,
-                 BF16_K)
+    q0 = tl.load(qb + c4, mask=hmask[:, None], other=0.0)
+    q1 = tl.load(qb + c4 + 1, mask=hmask[:, None], other=0.0)
+    q2 = tl.load(qb + c4 + 2, mask=hmask[:, None], other=0.0)
+    q3 = tl.load(qb + c4 + 3, mask=hmask[:, None], other=0.0)
+    if F16_DOTS:
+        amax = tl.maximum(tl.maximum(_absmax(q0), _absmax(q1)),
+                          tl.maximum(_absmax(q2), _absmax(q3)))
+        q_up, down = fp16_scale(amax)
+        qk_scale = qk_scale * down
+    q0 = scale_q(q0, q_up, DOT_DTYPE, SCALE_Q)
+    q1 = scale_q(q1, q_up, DOT_DTYPE, SCALE_Q)
+    q2 = scale_q(q2, q_up, DOT_DTYPE, SCALE_Q)
+    q3 = scale_q(q3, q_up, DOT_DTYPE, SCALE_Q)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     a0 = tl.zeros([BLOCK_H, HEAD_DIM // 4], tl.float32)
@@ -217,7 +248,8 @@ def _decode_kernel(
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
     PREFETCH: tl.constexpr, WORDS: tl.constexpr, PAIRS: tl.constexpr = False,
     FOLD: tl.constexpr = False, BLOCK_S: tl.constexpr = 8,
-    BF16_K: tl.constexpr = False, BF16_V: tl.constexpr = False,
+    BF16_K: tl.constexpr = False, BF16_V: tl.constexpr = False, F16_DOTS: tl.constexpr = False,
+    SCALE_Q: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     hp = tl.program_id(1)
@@ -240,8 +272,10 @@ def _decode_kernel(
     if FP8:
         qk_scale = qk_scale * tl.load(ks_ptr)
         out_scale = tl.load(vs_ptr)
+    q_up = 1.0
     if BF16_K:
         qk_scale = qk_scale * K_UNIT  # K's BF16 factor over the query boost
+        q_up = Q_BOOST
     elif SOFTWARE:
         qk_scale = qk_scale * 256.0
     if SOFTWARE_V:
@@ -252,10 +286,14 @@ def _decode_kernel(
             q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, kc_ptr, vc_ptr, bt_ptr,
             bt_stride, seq, lo, hi, qk_scale, kvh.to(tl.int64) * stride_ch, stride_cb,
             stride_ct, stride_qh, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFTWARE, SOFTWARE_V,
-            DOT_DTYPE, IEEE, PAIRS, BF16_K, BF16_V)
+            DOT_DTYPE, IEEE, PAIRS, BF16_K, BF16_V, q_up, SCALE_Q, F16_DOTS)
     else:
-        q = boost_q(_load_q(q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, HEAD_DIM,
-                            DOT_DTYPE, stride_qh), DOT_DTYPE, BF16_K)
+        q = _load_q(q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, HEAD_DIM, tl.float32,
+                    stride_qh)
+        if F16_DOTS:  # BF16 queries, FP16 dots: one power of two for the program's queries
+            q_up, down = fp16_scale(_absmax(q))
+            qk_scale = qk_scale * down
+        q = scale_q(q, q_up, DOT_DTYPE, SCALE_Q)
         m_i, l_i, acc = attend_tiles(
             q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi, qk_scale,
             kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, h,
@@ -495,7 +533,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  num_warps: int | None = None, num_stages: int | None = None,
                  prefetch: bool | None = None, words: bool | None = None,
                  maxnreg: int | None = None, pairs: bool | None = None,
-                 fold: bool = False, bf16_bits: bool | None = None) -> torch.Tensor:
+                 fold: bool = False, bf16_bits: bool | None = None,
+                 fp16_dots: bool | None = None) -> torch.Tensor:
     """Decode attention for every sequence whose query length is 1 (others are skipped).
 
     q [T, Hq, D], out [T, Hq, D] (the token row of sequence i is query_start_loc[i]);
@@ -515,7 +554,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     atomic and barriers cost every program what the second launch cost once.
     `bf16_bits`: with BF16 queries and an E4M3 cache, the software decoder writes BF16 bits
     (common.BF16_*; the default) instead of FP16 that is converted; outputs are bit-identical.
-    The hardware conversion always goes through FP16.
+    The hardware conversion always goes through FP16. `fp16_dots`: BF16 queries over an E4M3
+    cache run the FP16 route's dots (the query scaled into FP16 by a power of two per row,
+    fp16_row_scale; the default); `bf16_bits` then does not apply.
     """
     num_seqs = seq_lens.shape[0]
     hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
@@ -523,10 +564,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return out
     group = hq // hkv
     software, software_v = fp8_decoders(q.device, fp8_mode) if fp8 else (False, False)
+    bf16_e4m3 = fp8 and q.dtype == torch.bfloat16
+    if fp16_dots is None:  # below sm_80 (FMA dots) the FP32 query tile spilled 352 bytes
+        fp16_dots = bf16_e4m3 and has_mma(q.device)
     if bf16_bits is None:
-        bf16_bits = fp8 and q.dtype == torch.bfloat16
-    if bf16_bits and not (fp8 and q.dtype == torch.bfloat16):
-        raise ValueError("bf16_bits=True decodes an E4M3 cache for BF16 queries: it needs both")
+        bf16_bits = bf16_e4m3 and not fp16_dots
+    for name, on in (("bf16_bits", bf16_bits), ("fp16_dots", fp16_dots)):
+        if on and not bf16_e4m3:
+            raise ValueError(f"{name}=True is for BF16 queries over an E4M3 cache: it needs both")
+    if bf16_bits and fp16_dots:
+        raise ValueError("bf16_bits=True and fp16_dots=True exclude each other (BF16 or FP16 dots)")
     if grouped is None:
         grouped = grouped_enabled()
     heads = group if grouped else 1
@@ -561,7 +608,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     else:
         po = plse = out  # unused
     ps = (hq * num_splits, num_splits, 1)
-    dt, ieee = dot_dtype(q.dtype)
+    dt, ieee = dot_dtype(torch.float16 if fp16_dots else q.dtype)
     launch = {"maxnreg": maxnreg} if maxnreg and q.device.type == "cuda" else {}  # 0: no cap
     _decode_kernel[(num_seqs, head_programs, num_splits)](
         q, k_cache, v_cache, out, po, plse, counters, block_tables, seq_lens, query_start_loc,
@@ -574,7 +621,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         USE_DOT=grouped, PREFETCH=pf, WORDS=words, PAIRS=pairs,
         FOLD=fold, BLOCK_S=max(8, triton.next_power_of_2(num_splits)),
         DOT_DTYPE=dt, IEEE=ieee, BF16_K=bf16_bits and software,
-        BF16_V=bf16_bits and software_v, num_warps=nw, num_stages=ns, **launch,
+        BF16_V=bf16_bits and software_v, F16_DOTS=fp16_dots,
+        SCALE_Q=fp16_dots or (bf16_bits and software),
+        num_warps=nw, num_stages=ns, **launch,
     )
     if num_splits > 1 and not fold:
         _merge_kernel[(num_seqs, hq)](
