@@ -328,9 +328,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="every sequence's KV blocks in order (default: a random permutation)")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
                     help="query / SDPA / unquantized-cache dtype (the \"_fp16\" arms)")
-    ap.add_argument("--compare-bf16-bits", action="store_true",
-                    help="BF16 queries: time E4M3 decode to BF16 bits vs to FP16 + conversion "
-                         "(paged_decode bf16_bits) on the 8B cells, then stop")
+    ap.add_argument("--compare-bf16", action="store_true",
+                    help="BF16 queries over E4M3: time BF16 dots (the software decoder writing "
+                         "BF16 bits, native decoding to FP16 + conversion) against FP16 dots "
+                         "(paged_decode fp16_dots, the default) on the target cells, then stop")
     ap.add_argument("--markdown", metavar="JSON",
                     help="print the per-shape tables of docs/kernels.md from a result file")
     args = ap.parse_args(argv)
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     global CONTIGUOUS_TABLES, DTYPE
     CONTIGUOUS_TABLES = args.contiguous_tables
-    DTYPE = torch.bfloat16 if args.dtype == "bfloat16" or args.compare_bf16_bits else torch.float16
+    DTYPE = torch.bfloat16 if args.dtype == "bfloat16" or args.compare_bf16 else torch.float16
     info = run_info()
     info["contiguous_tables"] = CONTIGUOUS_TABLES
     info["dtype"] = str(DTYPE).removeprefix("torch.")
@@ -377,9 +378,9 @@ def main(argv: list[str] | None = None) -> int:
                                              + [WORD_CELLS[4]])
         save()
         return 0
-    if args.compare_bf16_bits:
-        info["compare_bf16_bits"] = compare_knob(l2, ceil["read_tbs"], "bf16_bits",
-                                                 FOLD_CELLS[:3] + [WORD_CELLS[1]] + WORD_CELLS[2:4])
+    if args.compare_bf16:
+        info["compare_bf16"] = compare_knob(l2, ceil["read_tbs"], "fp16_dots",
+                                            FOLD_CELLS[:3] + [WORD_CELLS[1]] + WORD_CELLS[2:4])
         save()
         return 0
     if args.compare_fold:
