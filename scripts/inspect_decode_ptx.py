@@ -124,9 +124,7 @@ def main() -> int:
     ap.add_argument("--num-stages", type=int, default=2)
     ap.add_argument("--pairs", action="store_true", help="word route: bytes permuted in pairs")
     ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16",
-                    help="query dtype (bf16 over an E4M3 cache: FP16 dots, see --bf16-bits)")
-    ap.add_argument("--bf16-bits", action="store_true",
-                    help="with --dtype bf16: BF16 dots, the software decoder writing BF16 bits")
+                    help="query dtype (bf16 over an E4M3 cache on sm_80+: FP16 dots)")
     ap.add_argument("--defaults", action="store_true",
                     help="tile, warps, stages, register cap and pairs from decode_config (CUDA)")
     ap.add_argument("--maxnreg", type=int, help="register cap per thread (ptx .maxnreg)")
@@ -149,19 +147,14 @@ def main() -> int:
         args.maxnreg, args.pairs = cfg.maxnreg, args.words and cfg.pairs
     if args.words and not fp8:
         ap.error("--words needs an E4M3 cache (--cache native|software)")
-    # BF16 queries over E4M3: FP16 dots by default on MMA GPUs (paged_decode fp16_dots), else
-    # or with --bf16-bits the BF16 software decoder's dots
-    f16_dots = fp8 and args.dtype == "bf16" and not args.bf16_bits and args.sm >= 80
-    bf16 = fp8 and args.dtype == "bf16" and not f16_dots
-    software_v = args.cache == "software" or args.mixed
+    # BF16 queries over E4M3: FP16 dots on MMA GPUs (paged_decode's fp16_dots default)
+    f16_dots = fp8 and args.dtype == "bf16" and args.sm >= 80
     consts = dict(GROUP=4, HEADS=4, BLOCK_H=16, HEAD_DIM=args.head_dim, BLOCK_SIZE=16,
                   BLOCK_N=args.block_n, SPLIT=True, FP8=fp8, SOFTWARE=args.cache == "software",
-                  SOFTWARE_V=software_v,
+                  SOFTWARE_V=args.cache == "software" or args.mixed,
                   USE_DOT=True, IEEE=False, PREFETCH=False,
                   DOT_DTYPE=tl.bfloat16 if args.dtype == "bf16" and not f16_dots else tl.float16,
-                  WORDS=args.words, PAIRS=args.pairs, FOLD=True, BLOCK_S=8,
-                  BF16_K=bf16 and args.cache == "software", BF16_V=bf16 and software_v,
-                  F16_DOTS=f16_dots, SCALE_Q=f16_dots or (bf16 and args.cache == "software"))
+                  WORDS=args.words, PAIRS=args.pairs, FOLD=True, BLOCK_S=8, F16_DOTS=f16_dots)
     k = compile_kernel(decode._decode_kernel, consts, fp8, args.sm, args.num_warps,
                        args.num_stages, args.maxnreg, args.dtype)
     ptx = k.asm["ptx"]

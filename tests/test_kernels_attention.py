@@ -137,35 +137,6 @@ def test_decode_word_route(fp8_mode, hq, hkv, d, num_splits):
 
 
 @pytest.mark.parametrize("fp8_mode", ["native", "software"])
-@pytest.mark.parametrize("words,grouped,num_splits,hq,hkv,d", [
-    (True, True, 3, 8, 2, 128), (False, True, 1, 9, 3, 64), (False, False, 2, 4, 2, 32)])
-def test_bf16_decoders_bit_identical(fp8_mode, words, grouped, num_splits, hq, hkv, d):
-    """BF16 queries over an E4M3 cache: the software decoder writing BF16 bits (times 2^-120,
-    the query and probabilities boosted by powers of two) gives the bits of decoding to FP16
-    and converting, on every route (native K/V always go through FP16, so there bf16_bits
-    changes nothing), and agrees with the torch twin and the dense reference."""
-    case = make_case(DECODE, hq, hkv, d, kv_dtype="fp8_e4m3", dtype=torch.bfloat16, pad_rows=2,
-                     seed=d + num_splits, device=DEV)
-    kw = dict(fp8_mode=fp8_mode, words=words or None, grouped=grouped, num_splits=num_splits)
-    direct = _decode(case, bf16_bits=True, fp16_dots=False, **kw)
-    converted = _decode(case, bf16_bits=False, fp16_dots=False, **kw)
-    assert torch.equal(direct, converted)
-    _check(case, direct, "bf16", _reference(case))
-
-
-def test_bf16_decoders_mixed_pairing():
-    """K in hardware and V in software (and the reverse): only the software side writes BF16
-    bits (the query boost and the probabilities' follow it), still the converting route's
-    bits."""
-    case = make_case(DECODE, 8, 2, 128, kv_dtype="fp8_e4m3", dtype=torch.bfloat16, seed=5,
-                     device=DEV)
-    for mode in ("native-k", "native-v"):
-        kw = dict(fp8_mode=mode, num_splits=2, fp16_dots=False)
-        assert torch.equal(_decode(case, bf16_bits=True, **kw),
-                           _decode(case, bf16_bits=False, **kw))
-
-
-@pytest.mark.parametrize("fp8_mode", ["native", "software"])
 @pytest.mark.parametrize("words,grouped,num_splits,hq,hkv,d,magnitude", [
     (True, True, 3, 8, 2, 128, 1.0), (True, True, 3, 8, 2, 128, 3e5),
     (True, True, 1, 8, 2, 128, 1e-6), (False, True, 1, 9, 3, 64, 1.0),
@@ -186,17 +157,21 @@ def test_bf16_queries_fp16_dots(fp8_mode, words, grouped, num_splits, hq, hkv, d
     _check(case, fp16_dots, "bf16", _reference(case))
 
 
-def test_bf16_bits_needs_bf16_queries_and_e4m3():
+def test_bf16_queries_mixed_decoders():
+    """FP16 dots with K and V on different decoders give the all-native output bit for bit
+    (the decoders' values are equal)."""
+    case = make_case(DECODE, 8, 2, 128, kv_dtype="fp8_e4m3", dtype=torch.bfloat16, seed=5,
+                     device=DEV)
+    native = _decode(case, fp8_mode="native", num_splits=2)
+    for mode in ("native-k", "native-v"):
+        assert torch.equal(_decode(case, fp8_mode=mode, num_splits=2), native)
+
+
+def test_fp16_dots_needs_bf16_queries_and_e4m3():
     case = make_case(DECODE, 4, 1, 32, kv_dtype="fp8_e4m3", dtype=torch.float16, seed=3,
                      device=DEV)
-    with pytest.raises(ValueError, match="bf16_bits=True"):
-        _decode(case, bf16_bits=True)
     with pytest.raises(ValueError, match="fp16_dots=True"):
         _decode(case, fp16_dots=True)
-    bf16 = make_case(DECODE, 4, 1, 32, kv_dtype="fp8_e4m3", dtype=torch.bfloat16, seed=3,
-                     device=DEV)
-    with pytest.raises(ValueError, match="exclude each other"):
-        _decode(bf16, bf16_bits=True, fp16_dots=True)
 
 
 def test_word_route_switch(monkeypatch):

@@ -80,18 +80,16 @@ def test_prefill_and_qsa_compile_without_spills_on_fma_gpus(kernel, sm, head_dim
     assert c["spill store bytes"] == 0 and c["mma.sync"] == 0
 
 
-@pytest.mark.parametrize("cache,sm,head_dim", [("software", 75, 128), ("software", 80, 128),
-                                               ("software", 86, 256), ("native", 90, 128),
-                                               ("software", 90, 128)])
-def test_bf16_queries_compile_without_conversions(cache, sm, head_dim):
-    """BF16 queries over an E4M3 cache at the GPU's defaults (FP16 dots on MMA GPUs, the BF16
-    software decoder below sm_80): no decoded value is converted on its way to the dots
-    (decoding to FP16 for BF16 dots cost one cvt.rn.bf16.f16 per element on sm_90, and
-    cvt.f32.f16 + cvt.rn.bf16.f32 per element below it: 256 / 512 per thread and 128-token
-    tile at D = 128), and the word route keeps the shared memory its residency assumes.
-    Spills: none, but one register at sm_90's native word route (stored before the tile loop
-    and reloaded once, outside the steady-state loop)."""
-    words = sm >= 80 and head_dim == 128
+@pytest.mark.parametrize("cache,sm,head_dim", [("software", 80, 128), ("software", 86, 256),
+                                               ("native", 90, 128), ("software", 90, 128)])
+def test_bf16_queries_compile_to_fp16_dots(cache, sm, head_dim):
+    """BF16 queries over an E4M3 cache at the GPU's defaults run FP16 dots: no decoded value
+    is converted on its way to a dot (BF16 dots cost one cvt.rn.bf16.f16 per element on
+    sm_90, and cvt.f32.f16 + cvt.rn.bf16.f32 per element below it: 256 / 512 per thread and
+    128-token tile at D = 128), and the word route keeps the shared memory its residency
+    assumes. Spills: none, but one register at sm_90's native word route (stored before the
+    tile loop, reloaded once outside the steady-state loop)."""
+    words = head_dim == 128
     c = _counts("--cache", cache, "--sm", str(sm), "--head-dim", str(head_dim), "--defaults",
                 "--dtype", "bf16", *(["--words"] if words else []))
     assert c["cvt.f32.f16"] == 0 and c["cvt.rn.bf16.f16"] == 0

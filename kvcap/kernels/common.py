@@ -194,18 +194,13 @@ _NATIVE_PTX = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
                            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
 
 
-def _packed_ptx(src: str, out: str, bf16: bool = False) -> str:
+def _packed_ptx(src: str, out: str) -> str:
     """The packed software decoder on the 32-bit register `src`: e = bytes 0 and 2 as FP16
-    halves, o = bytes 1 and 3 (each value * 2^-8); `out` moves e/o into the results. With
-    `bf16` the halves are BF16 bits instead: `eeeemmm` lands in the low four exponent bits and
-    the top three mantissa bits, the value * 2^-120 (BF16_SOFTWARE_LOG2), same instruction
-    count (subnormals become BF16 subnormals, which the tensor cores keep:
-    tests/test_kernels_gpu.py::test_bf16_decoder_exact_all_codes)."""
-    up, down, mask = (4, 4, "0x07F007F0") if bf16 else (7, 1, "0x3F803F80")
+    halves, o = bytes 1 and 3 (each value * 2^-8); `out` moves e/o into the results."""
     return ("{ .reg .b32 e, o, t; "
-            f"shl.b32 e, {src}, 8; and.b32 e, e, 0x80008000; shl.b32 t, {src}, {up}; "
-            f"and.b32 t, t, {mask}; or.b32 e, e, t; "
-            f"and.b32 o, {src}, 0x80008000; shr.b32 t, {src}, {down}; and.b32 t, t, {mask}; "
+            f"shl.b32 e, {src}, 8; and.b32 e, e, 0x80008000; shl.b32 t, {src}, 7; "
+            "and.b32 t, t, 0x3F803F80; or.b32 e, e, t; "
+            f"and.b32 o, {src}, 0x80008000; shr.b32 t, {src}, 1; and.b32 t, t, 0x3F803F80; "
             f"or.b32 o, o, t; {out} }}")
 
 
@@ -213,24 +208,9 @@ def _packed_ptx(src: str, out: str, bf16: bool = False) -> str:
 _SOFTWARE_PTX = tl.constexpr(_packed_ptx("$2", "prmt.b32 $0, e, o, 0x5410; "
                                                "prmt.b32 $1, e, o, 0x7632;"))
 
-# BF16 queries. The FP16 results of either decoder reach a BF16 dot through one conversion
-# per element on sm_90 (cvt.rn.bf16.f16) and two below it (cvt.f32.f16, cvt.rn.bf16.f32) --
-# more instructions than the software decode itself -- so the software decoder writes BF16
-# bits directly (BF16 software decoder), the value times 2^-120. Those numbers are tiny (down
-# to 2^-129), so the decode kernel multiplies the query by 2^64 and the probabilities by 2^120
-# (both exact) before their dots, which keeps every product and partial sum in the FP32 range
-# of the FP16 route, and folds the remaining 2^56 into the hoisted k scale: scores and outputs
-# are bit-identical to decoding to FP16 and converting. The hardware conversion has no BF16
-# form before sm_100; cvt to FP16 and a shift into BF16 bits (2^-112) measured slower on the
-# H200 than cvt.rn.bf16.f16 (docs/kernels.md, "Ninth change"), so native K/V keep that.
-BF16_SOFTWARE_LOG2 = 120
-BF16_Q_BOOST_LOG2 = 64
-_SOFTWARE_BF16_PTX = tl.constexpr(_packed_ptx("$2", "prmt.b32 $0, e, o, 0x5410; "
-                                                    "prmt.b32 $1, e, o, 0x7632;", bf16=True))
-
 
 @triton.jit
-def _e4m3_ptx(x, SOFTWARE: tl.constexpr, OPAQUE: tl.constexpr, BF16: tl.constexpr = False):
+def _e4m3_ptx(x, SOFTWARE: tl.constexpr, OPAQUE: tl.constexpr):
     """uint8 tensor -> float16, four bytes per 32-bit register, through inline PTX.
 
     Triton moves a pure conversion past the shared-memory load that feeds tl.dot, so the
@@ -239,12 +219,8 @@ def _e4m3_ptx(x, SOFTWARE: tl.constexpr, OPAQUE: tl.constexpr, BF16: tl.constexp
     and the 8-bit operand layout then costs one `ld.shared.b8` per byte. OPAQUE (marking the
     assembly impure) keeps the conversion where it is written: V is read from shared memory
     in 16-byte vectors, converted, and moved into the operand layout as FP16
-    (`ldmatrix.trans`). See docs/kernels.md, "Third change". BF16 (software only): BF16 bits
-    of the value times 2^-BF16_SOFTWARE_LOG2 instead (see above)."""
-    if BF16:
-        r = tl.inline_asm_elementwise(_SOFTWARE_BF16_PTX, "=r,=r,r", [x], dtype=tl.bfloat16,
-                                      is_pure=not OPAQUE, pack=4)
-    elif SOFTWARE:
+    (`ldmatrix.trans`). See docs/kernels.md, "Third change"."""
+    if SOFTWARE:
         r = tl.inline_asm_elementwise(_SOFTWARE_PTX, "=r,=r,r", [x], dtype=tl.float16,
                                       is_pure=not OPAQUE, pack=4)
     else:
@@ -262,29 +238,13 @@ def _e4m3_software_ops(x):
 
 
 @triton.jit
-def _e4m3_bf16_ops(x):
-    """The BF16 software decoder's result with Triton ops, as FP32 (the interpreter runs BF16
-    dots in FP32): the BF16 bits it builds (value * 2^-120) in the top half of an FP32."""
-    w = x.to(tl.int32)
-    h = ((w & 0x80) << 8) | ((w & 0x7F) << 4)
-    return (h << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def convert_tile(x, FP8: tl.constexpr, SOFTWARE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                 OPAQUE: tl.constexpr = False, BF16: tl.constexpr = False):
+                 OPAQUE: tl.constexpr = False):
     """Raw [N, D] tile -> OUT_DTYPE. E4M3 bytes: native -> the value, software -> the value
     times 2^-8 (both exact: every such number is an FP16 and a BF16 number). OPAQUE: see
-    _e4m3_ptx (pass it for tiles used as the PV operand). BF16 (with SOFTWARE; OUT_DTYPE bf16,
-    or fp32 in the interpreter): the BF16 software decoder, the value times 2^-120."""
+    _e4m3_ptx (pass it for tiles used as the PV operand)."""
     if FP8:
-        if BF16:
-            tl.static_assert(SOFTWARE, "the BF16 decoder is the software one")
-            if _CVT_ASM:
-                x = _e4m3_ptx(x, SOFTWARE, OPAQUE, True)
-            else:
-                x = _e4m3_bf16_ops(x)
-        elif _CVT_ASM:
+        if _CVT_ASM:
             x = _e4m3_ptx(x, SOFTWARE, OPAQUE)
         elif SOFTWARE:
             x = _e4m3_software_ops(x)
@@ -315,13 +275,6 @@ _SOFTWARE_PAIR_PTX = tl.constexpr(
     "{ .reg .b32 x, y; prmt.b32 x, $4, $5, 0x5410; prmt.b32 y, $4, $5, 0x7632; "
     + _packed_ptx("x", "mov.b32 $0, e; mov.b32 $1, o;")
     + _packed_ptx("y", "mov.b32 $2, e; mov.b32 $3, o;") + " }")
-# The BF16 software decoder in both word forms (see _SOFTWARE_BF16_PTX).
-_SOFTWARE_WORD_BF16_PTX = tl.constexpr(
-    _packed_ptx("$4", "mov.b32 {$0, $2}, e; mov.b32 {$1, $3}, o;", bf16=True))
-_SOFTWARE_PAIR_BF16_PTX = tl.constexpr(
-    "{ .reg .b32 x, y; prmt.b32 x, $4, $5, 0x5410; prmt.b32 y, $4, $5, 0x7632; "
-    + _packed_ptx("x", "mov.b32 $0, e; mov.b32 $1, o;", bf16=True)
-    + _packed_ptx("y", "mov.b32 $2, e; mov.b32 $3, o;", bf16=True) + " }")
 
 
 @triton.jit
@@ -333,14 +286,10 @@ def load_words(cache_ptr, row_off, mask, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def convert_words(w, SOFTWARE: tl.constexpr, OUT_DTYPE: tl.constexpr, PAIRS: tl.constexpr = False,
-                  BF16: tl.constexpr = False):
+def convert_words(w, SOFTWARE: tl.constexpr, OUT_DTYPE: tl.constexpr, PAIRS: tl.constexpr = False):
     """int32 words [N, C] -> four column groups (t0..t3), tj[:, c] = decode(byte j of word c)
-    (software: times 2^-8, as convert_tile; BF16: the BF16 software decoder, as convert_tile)."""
-    if BF16:
-        tl.static_assert(SOFTWARE, "the BF16 decoder is the software one")
-        t0, t1, t2, t3 = _convert_words_bf16(w, PAIRS)
-    elif _CVT_ASM and PAIRS:
+    (software: times 2^-8, as convert_tile)."""
+    if _CVT_ASM and PAIRS:
         t0, t1, t2, t3 = tl.inline_asm_elementwise(
             _SOFTWARE_PAIR_PTX if SOFTWARE else _NATIVE_PAIR_PTX, "=r,=r,=r,=r,r,r", [w],
             dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
@@ -359,25 +308,6 @@ def convert_words(w, SOFTWARE: tl.constexpr, OUT_DTYPE: tl.constexpr, PAIRS: tl.
         t2 = convert_tile(((w >> 16) & 0xFF).to(tl.uint8), True, SOFTWARE, tl.float16)
         t3 = convert_tile(((w >> 24) & 0xFF).to(tl.uint8), True, SOFTWARE, tl.float16)
     return t0.to(OUT_DTYPE), t1.to(OUT_DTYPE), t2.to(OUT_DTYPE), t3.to(OUT_DTYPE)
-
-
-@triton.jit
-def _convert_words_bf16(w, PAIRS: tl.constexpr):
-    """convert_words with the BF16 software decoder (BF16 compiled, FP32 interpreted)."""
-    if _CVT_ASM and PAIRS:
-        t0, t1, t2, t3 = tl.inline_asm_elementwise(
-            _SOFTWARE_PAIR_BF16_PTX, "=r,=r,=r,=r,r,r", [w],
-            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
-    elif _CVT_ASM:
-        t0, t1, t2, t3 = tl.inline_asm_elementwise(
-            _SOFTWARE_WORD_BF16_PTX, "=h,=h,=h,=h,r", [w],
-            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
-    else:
-        t0 = _e4m3_bf16_ops((w & 0xFF).to(tl.uint8))
-        t1 = _e4m3_bf16_ops(((w >> 8) & 0xFF).to(tl.uint8))
-        t2 = _e4m3_bf16_ops(((w >> 16) & 0xFF).to(tl.uint8))
-        t3 = _e4m3_bf16_ops(((w >> 24) & 0xFF).to(tl.uint8))
-    return t0, t1, t2, t3
 
 
 @triton.jit

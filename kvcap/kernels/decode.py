@@ -22,8 +22,6 @@ import triton
 import triton.language as tl
 
 from kvcap.kernels.common import (
-    BF16_Q_BOOST_LOG2,
-    BF16_SOFTWARE_LOG2,
     LOG2E,
     SOFTWARE_FP8_FACTOR,
     check_attention_args,
@@ -71,15 +69,12 @@ def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
                  BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, FP8: tl.constexpr, SOFTWARE: tl.constexpr,
                  SOFTWARE_V: tl.constexpr, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                 IEEE: tl.constexpr, CAUSAL: tl.constexpr, PREFETCH: tl.constexpr,
-                 BF16_K: tl.constexpr = False, BF16_V: tl.constexpr = False):
+                 IEEE: tl.constexpr, CAUSAL: tl.constexpr, PREFETCH: tl.constexpr):
     """Online-softmax attention of BLOCK_H query rows over cached tokens [lo, hi) of one KV
     head. Returns (m, l, acc): base-2 running max, sum, unnormalised FP32 output. With
     CAUSAL, row r sees positions <= qpos[r]. With PREFETCH the raw K/V bytes of the next tile
     are loaded into registers before the current tile is decoded and used, keeping loads in
-    flight. SOFTWARE / SOFTWARE_V: the decoder of K / of V (they may differ). BF16_K / BF16_V:
-    K / V through the BF16 software decoder (common.BF16_*; q then comes boosted, p is boosted
-    before the PV dot)."""
+    flight. SOFTWARE / SOFTWARE_V: the decoder of K / of V (they may differ)."""
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -104,15 +99,15 @@ def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
                                     stride_ct, head_off)
             kr = load_raw(kc_ptr, row, pmask, HEAD_DIM)
             vr = load_raw(vc_ptr, row, pmask, HEAD_DIM)
-        k = convert_tile(kr, FP8, SOFTWARE, DOT_DTYPE, False, BF16_K)
+        k = convert_tile(kr, FP8, SOFTWARE, DOT_DTYPE)
         s = mm(q, tl.trans(k), USE_DOT, IEEE) * qk_scale
         if CAUSAL:
             valid = pmask[None, :] & (pos[None, :] <= qpos[:, None])
         else:
             valid = pmask[None, :]
         m_new, alpha, p, l_i = online_softmax_step(tl.where(valid, s, float("-inf")), m_i, l_i)
-        v = convert_tile(vr, FP8, SOFTWARE_V, DOT_DTYPE, True, BF16_V)
-        acc = acc * alpha[:, None] + mm(_p_operand(p, DOT_DTYPE, BF16_V), v, USE_DOT, IEEE)
+        v = convert_tile(vr, FP8, SOFTWARE_V, DOT_DTYPE, True)
+        acc = acc * alpha[:, None] + mm(p.to(DOT_DTYPE), v, USE_DOT, IEEE)
         m_i = m_new
         if PREFETCH:
             kr = kn
@@ -121,31 +116,19 @@ def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
 
 
 @triton.jit
-def _p_operand(p, DOT_DTYPE: tl.constexpr, BF16: tl.constexpr):
-    """The probabilities as the PV dot's operand; for the BF16 software decoder times 2^120
-    (exact: p <= 1), which undoes the decoder's 2^-120, so the products are the FP16 route's."""
-    if BF16:
-        r = (p * P_BOOST).to(DOT_DTYPE)
-    else:
-        r = p.to(DOT_DTYPE)
-    return r
+def _absmax(x):
+    return tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0)
 
 
 @triton.jit
-def scale_q(q, q_up, DOT_DTYPE: tl.constexpr, SCALE_Q: tl.constexpr):
-    """Queries as the QK dot's operand; with SCALE_Q times `q_up` first (an exact power of two:
-    per row for FP16 dots on BF16 queries, 2^64 for the BF16 software decoder), see
-    fp16_row_scale and Q_BOOST."""
-    if SCALE_Q:
+def _to_dot(q, q_up, DOT_DTYPE: tl.constexpr, F16_DOTS: tl.constexpr):
+    """Queries as the QK dot's operand; with F16_DOTS (BF16 queries) times q_up first, the
+    power of two of fp16_scale."""
+    if F16_DOTS:
         q = (q.to(tl.float32) * q_up).to(DOT_DTYPE)
     else:
         q = q.to(DOT_DTYPE)
     return q
-
-
-@triton.jit
-def _absmax(x):
-    return tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0)
 
 
 @triton.jit
@@ -165,23 +148,17 @@ def fp16_scale(amax):
     return up, down
 
 
-Q_BOOST = tl.constexpr(2.0 ** BF16_Q_BOOST_LOG2)
-P_BOOST = tl.constexpr(2.0 ** BF16_SOFTWARE_LOG2)
-K_UNIT = tl.constexpr(2.0 ** (BF16_SOFTWARE_LOG2 - BF16_Q_BOOST_LOG2))  # on the softmax scale
-
-
 @triton.jit
 def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
                       qk_scale, head_off, stride_cb, stride_ct, stride_qh,
                       BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       BLOCK_N: tl.constexpr, SOFTWARE: tl.constexpr, SOFTWARE_V: tl.constexpr,
                       DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, PAIRS: tl.constexpr,
-                      BF16_K: tl.constexpr = False, BF16_V: tl.constexpr = False, q_up=1.0,
-                      SCALE_Q: tl.constexpr = False, F16_DOTS: tl.constexpr = False):
+                      F16_DOTS: tl.constexpr = False):
     """attend_tiles for E4M3 caches read as 32-bit words: the head dimension is split into the
     four column groups a word decodes to (column 4c + j -> group j), so QK^T is four dots of
     K = D/4 and the output is four [BLOCK_H, D/4] accumulators (returned in group order).
-    q_up / SCALE_Q: see scale_q; F16_DOTS: BF16 queries scaled per row (fp16_row_scale)."""
+    F16_DOTS: BF16 queries on FP16 dots (fp16_scale)."""
     qb = q_ptr + q_base + heads[:, None].to(tl.int64) * stride_qh
     c4 = tl.arange(0, HEAD_DIM // 4)[None, :] * 4
     q0 = tl.load(qb + c4, mask=hmask[:, None], other=0.0)
@@ -193,10 +170,12 @@ def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_st
                           tl.maximum(_absmax(q2), _absmax(q3)))
         q_up, down = fp16_scale(amax)
         qk_scale = qk_scale * down
-    q0 = scale_q(q0, q_up, DOT_DTYPE, SCALE_Q)
-    q1 = scale_q(q1, q_up, DOT_DTYPE, SCALE_Q)
-    q2 = scale_q(q2, q_up, DOT_DTYPE, SCALE_Q)
-    q3 = scale_q(q3, q_up, DOT_DTYPE, SCALE_Q)
+    else:
+        q_up = 1.0
+    q0 = _to_dot(q0, q_up, DOT_DTYPE, F16_DOTS)
+    q1 = _to_dot(q1, q_up, DOT_DTYPE, F16_DOTS)
+    q2 = _to_dot(q2, q_up, DOT_DTYPE, F16_DOTS)
+    q3 = _to_dot(q3, q_up, DOT_DTYPE, F16_DOTS)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     a0 = tl.zeros([BLOCK_H, HEAD_DIM // 4], tl.float32)
@@ -209,14 +188,14 @@ def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_st
         row = paged_row_offsets(bt_ptr, bt_stride, seq, pos, pmask, BLOCK_SIZE, stride_cb,
                                 stride_ct, head_off)
         k0, k1, k2, k3 = convert_words(load_words(kc_ptr, row, pmask, HEAD_DIM), SOFTWARE,
-                                       DOT_DTYPE, PAIRS, BF16_K)
+                                       DOT_DTYPE, PAIRS)
         s = mm(q0, tl.trans(k0), True, IEEE) + mm(q1, tl.trans(k1), True, IEEE)
         s += mm(q2, tl.trans(k2), True, IEEE) + mm(q3, tl.trans(k3), True, IEEE)
         s = tl.where(pmask[None, :], s * qk_scale, float("-inf"))
         m_new, alpha, p, l_i = online_softmax_step(s, m_i, l_i)
-        pd = _p_operand(p, DOT_DTYPE, BF16_V)
+        pd = p.to(DOT_DTYPE)
         v0, v1, v2, v3 = convert_words(load_words(vc_ptr, row, pmask, HEAD_DIM), SOFTWARE_V,
-                                       DOT_DTYPE, PAIRS, BF16_V)
+                                       DOT_DTYPE, PAIRS)
         a0 = a0 * alpha[:, None] + mm(pd, v0, True, IEEE)
         a1 = a1 * alpha[:, None] + mm(pd, v1, True, IEEE)
         a2 = a2 * alpha[:, None] + mm(pd, v2, True, IEEE)
@@ -248,8 +227,7 @@ def _decode_kernel(
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
     PREFETCH: tl.constexpr, WORDS: tl.constexpr, PAIRS: tl.constexpr = False,
     FOLD: tl.constexpr = False, BLOCK_S: tl.constexpr = 8,
-    BF16_K: tl.constexpr = False, BF16_V: tl.constexpr = False, F16_DOTS: tl.constexpr = False,
-    SCALE_Q: tl.constexpr = False,
+    F16_DOTS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     hp = tl.program_id(1)
@@ -272,33 +250,31 @@ def _decode_kernel(
     if FP8:
         qk_scale = qk_scale * tl.load(ks_ptr)
         out_scale = tl.load(vs_ptr)
-    q_up = 1.0
-    if BF16_K:
-        qk_scale = qk_scale * K_UNIT  # K's BF16 factor over the query boost
-        q_up = Q_BOOST
-    elif SOFTWARE:
+    if SOFTWARE:
         qk_scale = qk_scale * 256.0
     if SOFTWARE_V:
-        if not BF16_V:  # the BF16 decoder's V factor is undone on the probabilities
-            out_scale = out_scale * 256.0
+        out_scale = out_scale * 256.0
     if WORDS:
         m_i, l_i, a0, a1, a2, a3 = attend_word_tiles(
             q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, kc_ptr, vc_ptr, bt_ptr,
             bt_stride, seq, lo, hi, qk_scale, kvh.to(tl.int64) * stride_ch, stride_cb,
             stride_ct, stride_qh, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFTWARE, SOFTWARE_V,
-            DOT_DTYPE, IEEE, PAIRS, BF16_K, BF16_V, q_up, SCALE_Q, F16_DOTS)
+            DOT_DTYPE, IEEE, PAIRS, F16_DOTS)
     else:
-        q = _load_q(q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, HEAD_DIM, tl.float32,
-                    stride_qh)
         if F16_DOTS:  # BF16 queries, FP16 dots: one power of two for the program's queries
+            q = _load_q(q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, HEAD_DIM,
+                        tl.float32, stride_qh)
             q_up, down = fp16_scale(_absmax(q))
             qk_scale = qk_scale * down
-        q = scale_q(q, q_up, DOT_DTYPE, SCALE_Q)
+            q = (q * q_up).to(DOT_DTYPE)
+        else:
+            q = _load_q(q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, HEAD_DIM,
+                        DOT_DTYPE, stride_qh)
         m_i, l_i, acc = attend_tiles(
             q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi, qk_scale,
             kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, h,
             BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, SOFTWARE_V, USE_DOT,
-            DOT_DTYPE, IEEE, False, PREFETCH, BF16_K, BF16_V)
+            DOT_DTYPE, IEEE, False, PREFETCH)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     if not SPLIT:
         inv = (out_scale / l_safe)[:, None]
@@ -317,15 +293,14 @@ def _decode_kernel(
     if SPLIT and FOLD:
         _merge_if_last(out_ptr, po_ptr, plse_ptr, cnt_ptr + seq * tl.num_programs(1) + hp, vs_ptr,
                        q_row, seq, hp * HEADS, stride_ot, stride_oh, stride_pb, stride_ph,
-                       stride_ps, num_splits, HEADS, BLOCK_S, HEAD_DIM, FP8, SOFTWARE_V,
-                       BF16_V)
+                       stride_ps, num_splits, HEADS, BLOCK_S, HEAD_DIM, FP8, SOFTWARE_V)
 
 
 @triton.jit
 def _merge_if_last(out_ptr, po_ptr, plse_ptr, cnt, vs_ptr, q_row, seq, head0, stride_ot,
                    stride_oh, stride_pb, stride_ph, stride_ps, num_splits, HEADS: tl.constexpr,
                    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr,
-                   SOFTWARE_V: tl.constexpr, BF16_V: tl.constexpr):
+                   SOFTWARE_V: tl.constexpr):
     """The split-K merge folded into the decode kernel: each program of a (sequence, head
     program) counts itself in at `cnt` (acq_rel, after a barrier so its partial stores are
     issued first); the one that arrives last merges the HEADS heads, reading the others'
@@ -336,8 +311,6 @@ def _merge_if_last(out_ptr, po_ptr, plse_ptr, cnt, vs_ptr, q_row, seq, head0, st
     if prev == num_splits - 1:
         tl.store(cnt, 0)
         factor = 256.0 if SOFTWARE_V else 1.0  # SOFTWARE_FP8_FACTOR
-        if BF16_V:
-            factor = 1.0  # the BF16 decoder's V factor is undone on the probabilities
         for i in tl.static_range(HEADS):
             res = merge_splits(po_ptr, plse_ptr, vs_ptr, factor, seq.to(tl.int64) * stride_pb,
                                head0 + i, stride_ph, stride_ps, num_splits, BLOCK_S, HEAD_DIM,
@@ -533,8 +506,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  num_warps: int | None = None, num_stages: int | None = None,
                  prefetch: bool | None = None, words: bool | None = None,
                  maxnreg: int | None = None, pairs: bool | None = None,
-                 fold: bool = False, bf16_bits: bool | None = None,
-                 fp16_dots: bool | None = None) -> torch.Tensor:
+                 fold: bool = False, fp16_dots: bool | None = None) -> torch.Tensor:
     """Decode attention for every sequence whose query length is 1 (others are skipped).
 
     q [T, Hq, D], out [T, Hq, D] (the token row of sequence i is query_start_loc[i]);
@@ -552,11 +524,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     FOLD_MAX_SPLITS splits. Off by default: on the H200 it saved nothing (0.96-1.04x on the 8B
     cells, 0.77-0.92x at 4 x 4K; docs/benchmarks/fold-2026-12-01-h200.json) -- the arrival
     atomic and barriers cost every program what the second launch cost once.
-    `bf16_bits`: with BF16 queries and an E4M3 cache, the software decoder writes BF16 bits
-    (common.BF16_*; the default) instead of FP16 that is converted; outputs are bit-identical.
-    The hardware conversion always goes through FP16. `fp16_dots`: BF16 queries over an E4M3
-    cache run the FP16 route's dots (the query scaled into FP16 by a power of two per row,
-    fp16_row_scale; the default); `bf16_bits` then does not apply.
+    `fp16_dots`: BF16 queries over an E4M3 cache run the FP16 route's dots (the queries scaled
+    into FP16 by a power of two, fp16_scale; the default on GPUs with Triton MMA) instead of
+    BF16 dots, which need every decoded FP16 value converted to BF16 (1.11-1.14x the time
+    natively on the H200's 8B cells: docs/kernels.md, "Ninth change").
     """
     num_seqs = seq_lens.shape[0]
     hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
@@ -567,13 +538,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     bf16_e4m3 = fp8 and q.dtype == torch.bfloat16
     if fp16_dots is None:  # below sm_80 (FMA dots) the FP32 query tile spilled 352 bytes
         fp16_dots = bf16_e4m3 and has_mma(q.device)
-    if bf16_bits is None:
-        bf16_bits = bf16_e4m3 and not fp16_dots
-    for name, on in (("bf16_bits", bf16_bits), ("fp16_dots", fp16_dots)):
-        if on and not bf16_e4m3:
-            raise ValueError(f"{name}=True is for BF16 queries over an E4M3 cache: it needs both")
-    if bf16_bits and fp16_dots:
-        raise ValueError("bf16_bits=True and fp16_dots=True exclude each other (BF16 or FP16 dots)")
+    if fp16_dots and not bf16_e4m3:
+        raise ValueError("fp16_dots=True is for BF16 queries over an E4M3 cache: it needs both")
     if grouped is None:
         grouped = grouped_enabled()
     heads = group if grouped else 1
@@ -620,15 +586,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8, SOFTWARE=software, SOFTWARE_V=software_v,
         USE_DOT=grouped, PREFETCH=pf, WORDS=words, PAIRS=pairs,
         FOLD=fold, BLOCK_S=max(8, triton.next_power_of_2(num_splits)),
-        DOT_DTYPE=dt, IEEE=ieee, BF16_K=bf16_bits and software,
-        BF16_V=bf16_bits and software_v, F16_DOTS=fp16_dots,
-        SCALE_Q=fp16_dots or (bf16_bits and software),
-        num_warps=nw, num_stages=ns, **launch,
+        DOT_DTYPE=dt, IEEE=ieee, F16_DOTS=fp16_dots, num_warps=nw, num_stages=ns, **launch,
     )
     if num_splits > 1 and not fold:
         _merge_kernel[(num_seqs, hq)](
             out, po, plse, query_start_loc, v_scale if fp8 else dummy,
-            SOFTWARE_FP8_FACTOR if software_v and not bf16_bits else 1.0,
+            SOFTWARE_FP8_FACTOR if software_v else 1.0,
             out.stride(0), out.stride(1), *ps, num_splits,
             BLOCK_S=max(8, triton.next_power_of_2(num_splits)), HEAD_DIM=d,
             FP8=fp8, num_warps=4 if q.device.type == "cuda" else 1,
