@@ -68,7 +68,7 @@ def test_table_rows_values_ratios_and_sources(runs):
         "| 64 x 16K | does not fit (879K-token pool) | 140 (FP16 does not fit) | not run |",
     ]
     assert lines[6] == ""
-    assert lines[7].startswith(f"{SHAPE} decode tok/s")
+    assert lines[7].startswith(f"{SHAPE} (FP16 weights) decode tok/s")
     assert lines[7].endswith("source: `t-16k.json` (commit bbb2222), `t-1k.json` (commit aaa1111)")
     assert len(lines) == 8
 
@@ -143,3 +143,22 @@ def test_committed_h200_runs():
     assert "| 16 x 1K | 2,956 | 3,104 (1.05x) | 3,023 (1.02x) |" in table
     assert "| 16 x 16K | 1,271 |" in table
     assert "(commit b195e08)" in table
+
+
+def test_model_dtype_labels_and_no_mixing(tmp_path):
+    """A BF16-weight run is labelled BF16 (its unquantized arm's KV is BF16), and FP16- and
+    BF16-weight runs are never merged into one table."""
+    bf16 = _report([_cell("fp16", 16, 1024, 3000.0), _cell("fp8", 16, 1024, 3100.0),
+                    {"shape": SHAPE, "kv": "fp16", "concurrency": 64, "context": 16384,
+                     "skip": "needs 65536 KV blocks, pool has 54967"},
+                    _cell("fp8", 64, 16384, 2800.0, fits_only_in_e4m3=True)])
+    bf16["args"] = {"dtype": "bfloat16"}
+    path = _write(tmp_path, "bf16.json", bf16)
+    table = tr.markdown_table(tr.load_cells([path]))
+    assert table.splitlines()[0].startswith("| concurrency x context | BF16 KV | E4M3 (native)")
+    assert "| 16 x 1K | 3,000 | 3,100 (1.03x) |" in table
+    assert "2,800 (BF16 does not fit)" in table
+    assert "(BF16 weights) decode tok/s (E4M3/BF16 in parentheses)" in table
+    fp16 = _write(tmp_path, "fp16.json", _report([_cell("fp16", 16, 1024, 2900.0)]))
+    with pytest.raises(tr.ReportError, match="mix model dtypes"):
+        tr.markdown_table(tr.load_cells([path, fp16]))

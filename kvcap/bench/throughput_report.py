@@ -5,8 +5,10 @@
         --png docs/benchmarks/throughput-2026-11-29c-h200.png
 
 Several files may cover different contexts (or concurrencies); every cell keeps the file, GPU,
-date and commit it came from. Where two files hold the same cell, the later file's wins. The
-markdown table goes to stdout; errors are one line on stderr (exit 2).
+date, commit and model dtype it came from. Where two files hold the same cell, the later file's
+wins; files of different model dtypes (`--dtype` of the benchmark: the unquantized arm's KV is
+in that dtype) are never merged into one table. The markdown table goes to stdout; errors are
+one line on stderr (exit 2).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from pathlib import Path
 from kvcap.scales.fsutil import atomic_write_bytes
 
 DEFAULT_SHAPE = "llama-3.1-8b"
-# (kv mode in the JSON, column title, bar colour)
+# (kv mode in the JSON, column title, bar colour); the "fp16" arm's KV is in the model dtype
 KV_COLUMNS = (("fp16", "FP16 KV", "#4c72b0"), ("fp8", "E4M3 (native)", "#dd8452"),
               ("fp8-software", "E4M3 (software)", "#55a868"))
+DTYPE_NAMES = {"float16": "FP16", "bfloat16": "BF16"}
 _SKIP_BLOCKS = re.compile(r"needs (\d+) KV blocks, pool has (\d+)")
 
 
@@ -56,7 +59,9 @@ def cells_from_report(report: object, source: str) -> list[dict]:
         cell = dict(raw)
         cell.update(source=source, gpu=report.get("gpu", "unknown GPU"),
                     date=report.get("date", "unknown date"),
-                    commit=report.get("commit", "unknown"))
+                    commit=report.get("commit", "unknown"),
+                    # runs before the benchmark's --dtype all used FP16 weights
+                    dtype=(report.get("args") or {}).get("dtype", "float16"))
         if "skip" in cell and cell.get("pool_tokens") is None:
             cell["pool_tokens"] = (capacity.get((cell["shape"], cell["kv"]))
                                    or _pool_tokens_from_skip(cell))
@@ -103,7 +108,23 @@ def _select(cells: list[dict], shape: str) -> dict[tuple[str, int, int], dict]:
         shapes = sorted({c["shape"] for c in cells})
         raise ReportError(f"no cells for shape {shape!r} (the files hold: "
                           f"{', '.join(shapes) or 'no cells'})")
+    dtypes = sorted({c["dtype"] for c in out.values()})
+    if len(dtypes) > 1:
+        raise ReportError(f"the files mix model dtypes ({', '.join(dtypes)}) for {shape}: make "
+                          "one table per dtype")
     return out
+
+
+def _unquantized(sel: dict[tuple[str, int, int], dict]) -> str:
+    """FP16 or BF16: the dtype of the unquantized arm's KV cache (the model's)."""
+    dtype = next(iter(sel.values()))["dtype"]
+    return DTYPE_NAMES.get(dtype, dtype)
+
+
+def _columns(sel: dict[tuple[str, int, int], dict]) -> list[tuple[str, str, str]]:
+    kv16 = _unquantized(sel)
+    return [(kv, f"{kv16} KV" if kv == "fp16" else title, colour)
+            for kv, title, colour in KV_COLUMNS]
 
 
 def _rows(sel: dict[tuple[str, int, int], dict]) -> list[tuple[int, int]]:
@@ -134,7 +155,7 @@ def _skip_text(cell: dict) -> str:
     return f"skipped: {cell['skip']}"
 
 
-def _cell_text(cell: dict | None, fp16: dict | None, ratio: bool) -> str:
+def _cell_text(cell: dict | None, fp16: dict | None, ratio: bool, kv16: str = "FP16") -> str:
     if cell is None:
         return "not run"
     if not _measured(cell):
@@ -143,7 +164,7 @@ def _cell_text(cell: dict | None, fp16: dict | None, ratio: bool) -> str:
     if ratio and _measured(fp16):
         text += f" ({cell['decode_tok_s'] / fp16['decode_tok_s']:.2f}x)"
     elif ratio and (cell.get("fits_only_in_e4m3") or fp16 is not None):
-        text += " (FP16 does not fit)"
+        text += f" ({kv16} does not fit)"
     return text
 
 
@@ -156,24 +177,26 @@ def markdown_table(cells: list[dict], shape: str = DEFAULT_SHAPE) -> str:
     """Decode tok/s per (concurrency x context), one column per KV mode; E4M3 columns carry
     the ratio to FP16 in parentheses. The last line names the source files and commits."""
     sel = _select(cells, shape)
-    lines = ["| concurrency x context | " + " | ".join(t for _, t, _ in KV_COLUMNS) + " |",
-             "| --- |" + " --- |" * len(KV_COLUMNS)]
+    kv16, columns = _unquantized(sel), _columns(sel)
+    lines = ["| concurrency x context | " + " | ".join(t for _, t, _ in columns) + " |",
+             "| --- |" + " --- |" * len(columns)]
     for conc, ctx in _rows(sel):
         fp16 = sel.get(("fp16", conc, ctx))
-        texts = [_cell_text(sel.get((kv, conc, ctx)), fp16, ratio=kv != "fp16")
-                 for kv, _, _ in KV_COLUMNS]
+        texts = [_cell_text(sel.get((kv, conc, ctx)), fp16, ratio=kv != "fp16", kv16=kv16)
+                 for kv, _, _ in columns]
         lines.append(f"| {_row_label(conc, ctx)} | " + " | ".join(texts) + " |")
     cs = list(sel.values())
-    lines += ["", f"{shape} decode tok/s (E4M3/FP16 in parentheses), {_each(cs, '{gpu}')}, "
-              f"{_each(cs, '{date}')}; source: {_each(cs, '`{source}` (commit {commit})')}"]
+    lines += ["", f"{shape} ({kv16} weights) decode tok/s (E4M3/{kv16} in parentheses), "
+              f"{_each(cs, '{gpu}')}, {_each(cs, '{date}')}; source: "
+              f"{_each(cs, '`{source}` (commit {commit})')}"]
     return "\n".join(lines)
 
 
 def _title(sel: dict[tuple[str, int, int], dict], shape: str) -> str:
     cs = list(sel.values())
     commits = _each(cs, "{commit}")
-    return (f"kvcap decode throughput: {_each(cs, '{gpu}')}, {shape}, {_each(cs, '{date}')}, "
-            f"commit{'s' if ',' in commits else ''} {commits}")
+    return (f"kvcap decode throughput: {_each(cs, '{gpu}')}, {shape} ({_unquantized(sel)} "
+            f"weights), {_each(cs, '{date}')}, commit{'s' if ',' in commits else ''} {commits}")
 
 
 def plot(cells: list[dict], out_png: str | Path, shape: str = DEFAULT_SHAPE) -> Path:
@@ -189,13 +212,14 @@ def plot(cells: list[dict], out_png: str | Path, shape: str = DEFAULT_SHAPE) -> 
     fig = Figure(figsize=(max(6.0, 1.9 * len(rows) + 2), 4.8))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    width = 0.8 / len(KV_COLUMNS)
+    columns = _columns(sel)
+    width = 0.8 / len(columns)
     values = [c["decode_tok_s"] for c in sel.values() if _measured(c)]
     log = bool(values) and min(values) > 0 and max(values) / min(values) > 10
-    for i, (kv, label, colour) in enumerate(KV_COLUMNS):
+    for i, (kv, label, colour) in enumerate(columns):
         xs, hs, fracs = [], [], []
         for j, (conc, ctx) in enumerate(rows):
-            x = j + (i - (len(KV_COLUMNS) - 1) / 2) * width
+            x = j + (i - (len(columns) - 1) / 2) * width
             cell = sel.get((kv, conc, ctx))
             if _measured(cell):
                 xs.append(x)
