@@ -39,14 +39,34 @@ def test_capture_rows_and_chunked_injection(llms):
     with AttnOutCapture(ref.model) as cap, LayerInputCapture(ref.model) as rec:
         ref.prompt_logits([IDS])
     outs = cap.layer_outputs(len(IDS))
-    inputs = [x[:len(IDS)] for x in rec.inputs()]
+    inputs = rec.inputs(len(IDS))
     assert [o.shape for o in outs] == [torch.Size([40, 64])] * 3
+    assert inputs[0][1] is None and inputs[1][1].shape == (40, 64)  # layer 0: no residual yet
     assert len(rec.rows[0]) == 3  # 40 tokens in chunks of 16: the injection must follow them
     same = llms["same"]
     with AttnOutCapture(same.model) as cap2, LayerInputInjection(same.model, inputs):
         same.prompt_logits([IDS])
     for a, b in zip(outs, cap2.layer_outputs(len(IDS)), strict=True):
         assert torch.equal(a, b)
+
+
+def test_isolated_layer_sees_only_the_reference_stream(llms):
+    """Isolated means layer i's inputs are the reference's whole stream (x and the residual
+    the fused add sums into it): injecting at every layer or at the last layer alone gives
+    the last layer the same attention output, whatever the arm's other layers computed."""
+    ref, arm = llms["reference"], llms["e4m3"]
+    with LayerInputCapture(ref.model) as rec:
+        ref.prompt_logits([IDS])
+    inputs = rec.inputs(len(IDS))
+    outs = {}
+    for name, layers in (("all", None), ("last", [2])):
+        with AttnOutCapture(arm.model) as cap, LayerInputInjection(arm.model, inputs, layers):
+            arm.prompt_logits([IDS])
+        outs[name] = cap.layer_output(2, len(IDS))
+    assert torch.equal(outs["all"], outs["last"])
+    with AttnOutCapture(arm.model) as cap:  # and the injection did change what it saw
+        arm.prompt_logits([IDS])
+    assert not torch.equal(cap.layer_output(2, len(IDS)), outs["all"])
 
 
 def test_isolated_vs_end_to_end(llms):

@@ -65,7 +65,7 @@ def _logits(llm: Any, ids: list[int], capture: bool, record_inputs: bool = False
         if record_inputs:
             with LayerInputCapture(llm.model) as rec:
                 logits = llm.prompt_logits([ids])[0]
-            inputs = [x[:len(ids)] for x in rec.inputs()]
+            inputs = rec.inputs(len(ids))
         else:
             logits = llm.prompt_logits([ids])[0]
     return logits, cap.layer_outputs(len(ids)), inputs

@@ -6,8 +6,11 @@ prompt's. `LayerErrors` accumulates the agreement of an arm's rows with the refe
 
 Two views: *end to end* (both arms run the same token ids; layer i's error includes what the
 quantized layers before it propagated) and *isolated* (`LayerInputCapture` records every decoder
-layer's input hidden states in the reference run and `LayerInputInjection` feeds exactly those
-to the arm's layers, so layer i differs from the reference only by its own K/V quantization).
+layer's inputs in the reference run and `LayerInputInjection` feeds exactly those to the arm's
+layers, so layer i differs from the reference only by its own K/V quantization). A decoder
+layer's input is the pair (x, residual): the stream x + residual is summed inside the layer's
+first norm (kvcap's fused add), so both are recorded and injected; replacing x alone would mix
+the reference's last MLP output into the arm's own residual stream.
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ class AttnOutCapture:
 
 
 class LayerInputCapture:
-    """Context manager: records each decoder layer's input hidden states `x` ([T, hidden])."""
+    """Context manager: records each decoder layer's inputs (x, residual), each [T, hidden]
+    (residual None at the first layer, which receives the embeddings alone)."""
 
     def __init__(self, model: Any):
         self.layers = list(model.layers)
@@ -77,7 +81,9 @@ class LayerInputCapture:
 
     def _hook(self, idx: int):
         def fn(_mod: torch.nn.Module, args: tuple) -> None:
-            self.rows[idx].append(args[0].detach().clone())
+            x, residual = args[0], args[1] if len(args) > 1 else None
+            self.rows[idx].append((x.detach().clone(),
+                                   None if residual is None else residual.detach().clone()))
         return fn
 
     def __enter__(self) -> LayerInputCapture:
@@ -91,38 +97,53 @@ class LayerInputCapture:
             h.remove()
         self._handles = []
 
-    def inputs(self) -> list[torch.Tensor]:
-        return [torch.cat(chunks, dim=0) for chunks in self.rows]
+    def inputs(self, num_tokens: int | None = None) -> list[tuple]:
+        """Per layer (x, residual) over all chunks, the first `num_tokens` rows of each."""
+        out = []
+        for chunks in self.rows:
+            x = torch.cat([c[0] for c in chunks], dim=0)[:num_tokens]
+            has_residual = [c[1] is not None for c in chunks]
+            if any(has_residual) and not all(has_residual):
+                raise RuntimeError("a layer received a residual in some chunks only")
+            res = (torch.cat([c[1] for c in chunks], dim=0)[:num_tokens]
+                   if all(has_residual) and chunks else None)
+            out.append((x, res))
+        return out
 
 
 class LayerInputInjection:
-    """Context manager: replaces each decoder layer's input with the recorded reference rows,
-    chunk by chunk in order (chunked prefill gives the same row order in every arm)."""
+    """Context manager: replaces each decoder layer's inputs (x, residual) with the recorded
+    reference rows, chunk by chunk in order (chunked prefill gives the same row order in every
+    arm). `layers`: inject only at these layer indices (default: every layer)."""
 
-    def __init__(self, model: Any, inputs: list[torch.Tensor]):
+    def __init__(self, model: Any, inputs: list[tuple], layers: Any = None):
         self.layers = list(model.layers)
         if len(inputs) != len(self.layers):
             raise ValueError(f"{len(inputs)} recorded inputs for {len(self.layers)} layers")
         self.inputs = inputs
+        self.injected = list(range(len(self.layers)) if layers is None else layers)
         self.offset = [0] * len(self.layers)
         self._handles: list[Any] = []
 
     def _hook(self, idx: int):
         def fn(_mod: torch.nn.Module, args: tuple) -> tuple:
-            x = args[0]
+            x, residual = args[0], args[1]
+            ref_x, ref_res = self.inputs[idx]
             start = self.offset[idx]
-            ref = self.inputs[idx][start:start + x.shape[0]]
-            if ref.shape != x.shape:
-                raise RuntimeError(f"layer {idx}: recorded input rows {tuple(ref.shape)} do not "
+            rx = ref_x[start:start + x.shape[0]]
+            if rx.shape != x.shape or (ref_res is None) != (residual is None):
+                raise RuntimeError(f"layer {idx}: recorded input rows {tuple(rx.shape)} do not "
                                    f"match this forward's {tuple(x.shape)}")
             self.offset[idx] = start + x.shape[0]
-            return (ref.to(device=x.device, dtype=x.dtype), *args[1:])
+            if ref_res is not None:
+                residual = ref_res[start:start + x.shape[0]].to(device=x.device, dtype=x.dtype)
+            return (rx.to(device=x.device, dtype=x.dtype), residual, *args[2:])
         return fn
 
     def __enter__(self) -> LayerInputInjection:
         self.offset = [0] * len(self.layers)
-        self._handles = [m.register_forward_pre_hook(self._hook(i))
-                         for i, m in enumerate(self.layers)]
+        self._handles = [self.layers[i].register_forward_pre_hook(self._hook(i))
+                         for i in self.injected]
         return self
 
     def __exit__(self, *exc: object) -> None:
