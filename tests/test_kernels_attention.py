@@ -167,6 +167,20 @@ def test_bf16_queries_mixed_decoders():
         assert torch.equal(_decode(case, fp8_mode=mode, num_splits=2), native)
 
 
+def test_fp16_dots_switch(monkeypatch):
+    """KVCAP_DISABLE_FP16_DOTS=1 rolls BF16 queries back to BF16 dots (the same bits as
+    fp16_dots=False), through the backend too."""
+    case = make_case(DECODE, 8, 2, 128, kv_dtype="fp8_e4m3", dtype=torch.bfloat16, seed=9,
+                     device=DEV)
+    bf16_dots = _decode(case, fp16_dots=False, num_splits=2)
+    monkeypatch.setenv(common.ENV_DISABLE_FP16_DOTS, "1")
+    assert torch.equal(_decode(case, num_splits=2), bf16_dots)
+    out = case.out_buffer()
+    TritonBackend("auto").forward(case.q, case.k, case.v, case.cache, case.meta,
+                                  case.softmax_scale, out)
+    _check(case, out, "bf16", _reference(case))
+
+
 def test_fp16_dots_needs_bf16_queries_and_e4m3():
     case = make_case(DECODE, 4, 1, 32, kv_dtype="fp8_e4m3", dtype=torch.float16, seed=3,
                      device=DEV)

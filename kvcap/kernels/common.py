@@ -25,6 +25,7 @@ ENV_DISABLE_GROUPED = "KVCAP_DISABLE_GROUPED_DECODE"
 ENV_DISABLE_SPLIT_K = "KVCAP_DISABLE_SPLIT_K"
 ENV_DISABLE_WORDS = "KVCAP_DISABLE_WORD_DECODE"
 ENV_MIXED = "KVCAP_MIXED_DECODERS"
+ENV_DISABLE_FP16_DOTS = "KVCAP_DISABLE_FP16_DOTS"
 
 SOFTWARE_FP8_FACTOR = 256.0  # the packed decoder yields value * 2^-8
 LOG2E = 1.4426950408889634
@@ -99,6 +100,11 @@ def words_enabled() -> bool:
 
 def mixed_decoders_enabled() -> bool:
     return _flag(ENV_MIXED)
+
+
+def fp16_dots_enabled() -> bool:
+    """BF16 queries over an E4M3 cache take FP16 dots in decode (decode.fp16_scale)."""
+    return not _flag(ENV_DISABLE_FP16_DOTS)
 
 
 def sm_count(device: torch.device) -> int:

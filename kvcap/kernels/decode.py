@@ -29,6 +29,7 @@ from kvcap.kernels.common import (
     convert_words,
     device_properties,
     dot_dtype,
+    fp16_dots_enabled,
     grouped_enabled,
     has_mma,
     has_native_fp8,
@@ -525,7 +526,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cells, 0.77-0.92x at 4 x 4K; docs/benchmarks/fold-2026-12-01-h200.json) -- the arrival
     atomic and barriers cost every program what the second launch cost once.
     `fp16_dots`: BF16 queries over an E4M3 cache run the FP16 route's dots (the queries scaled
-    into FP16 by a power of two, fp16_scale; the default on GPUs with Triton MMA) instead of
+    into FP16 by a power of two, fp16_scale; the default on GPUs with Triton MMA unless
+    KVCAP_DISABLE_FP16_DOTS=1) instead of
     BF16 dots, which need every decoded FP16 value converted to BF16 (1.11-1.14x the time
     natively on the H200's 8B cells: docs/kernels.md, "Ninth change").
     """
@@ -537,7 +539,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     software, software_v = fp8_decoders(q.device, fp8_mode) if fp8 else (False, False)
     bf16_e4m3 = fp8 and q.dtype == torch.bfloat16
     if fp16_dots is None:  # below sm_80 (FMA dots) the FP32 query tile spilled 352 bytes
-        fp16_dots = bf16_e4m3 and has_mma(q.device)
+        fp16_dots = bf16_e4m3 and has_mma(q.device) and fp16_dots_enabled()
     if fp16_dots and not bf16_e4m3:
         raise ValueError("fp16_dots=True is for BF16 queries over an E4M3 cache: it needs both")
     if grouped is None:
