@@ -136,11 +136,10 @@ def test_decode_word_route(fp8_mode, hq, hkv, d, num_splits):
     assert _err(out[:nt], bytes_route[:nt]) < 1e-3
 
 
-@pytest.mark.parametrize("fp8_mode", ["native", "software"])
-@pytest.mark.parametrize("words,grouped,num_splits,hq,hkv,d,magnitude", [
-    (True, True, 3, 8, 2, 128, 1.0), (True, True, 3, 8, 2, 128, 3e5),
-    (True, True, 1, 8, 2, 128, 1e-6), (False, True, 1, 9, 3, 64, 1.0),
-    (False, False, 2, 4, 2, 32, 3e5)])
+@pytest.mark.parametrize("fp8_mode,words,grouped,num_splits,hq,hkv,d,magnitude", [
+    ("native", True, True, 3, 8, 2, 128, 1.0), ("software", True, True, 3, 8, 2, 128, 1.0),
+    ("native", True, True, 3, 8, 2, 128, 3e5), ("software", True, True, 1, 8, 2, 128, 1e-6),
+    ("native", False, True, 1, 9, 3, 64, 1.0), ("software", False, False, 2, 4, 2, 32, 3e5)])
 def test_bf16_queries_fp16_dots(fp8_mode, words, grouped, num_splits, hq, hkv, d, magnitude):
     """BF16 queries over an E4M3 cache on the FP16 route's dots (the default): the query goes
     into FP16 under one power-of-two scale per program, so queries past FP16's range (3e5,
