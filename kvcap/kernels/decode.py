@@ -9,7 +9,8 @@ column groups instead (attend_word_tiles, see use_words). Scores and outputs acc
 FP32. Scales are hoisted: k_scale (and the software decoder's 2^8) fold into the softmax
 scale, v_scale multiplies the normalised output once, after the split merge. Rows of sequences
 whose query length is not 1 are skipped (the prefill kernel serves them), so mixed batches
-need no host-side split.
+need no host-side split. BF16 queries over an E4M3 cache run FP16 dots (fp16_scale): the
+decoders give FP16 values, so only the query is converted, once per program.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
 
 @triton.jit
 def _absmax(x):
+    """max |x| over a 2-D tile, in FP32."""
     return tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0)
 
 
@@ -527,9 +529,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     atomic and barriers cost every program what the second launch cost once.
     `fp16_dots`: BF16 queries over an E4M3 cache run the FP16 route's dots (the queries scaled
     into FP16 by a power of two, fp16_scale; the default on GPUs with Triton MMA unless
-    KVCAP_DISABLE_FP16_DOTS=1) instead of
-    BF16 dots, which need every decoded FP16 value converted to BF16 (1.11-1.14x the time
-    natively on the H200's 8B cells: docs/kernels.md, "Ninth change").
+    KVCAP_DISABLE_FP16_DOTS=1) instead of BF16 dots, which need every decoded FP16 value
+    converted to BF16 (1.11-1.14x the time natively on the H200's 8B cells: docs/kernels.md,
+    "Ninth change").
     """
     num_seqs = seq_lens.shape[0]
     hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
