@@ -190,4 +190,3 @@ def test_conversion_exact_all_codes(software):
             assert torch.equal(got.isnan(), nan)
             assert torch.equal(got[~nan], want[~nan])
             assert torch.equal(torch.signbit(got[~nan]), torch.signbit(want[~nan]))
-

@@ -329,9 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
                     help="query / SDPA / unquantized-cache dtype (the \"_fp16\" arms)")
     ap.add_argument("--compare-bf16", action="store_true",
-                    help="BF16 queries over E4M3: time BF16 dots (the software decoder writing "
-                         "BF16 bits, native decoding to FP16 + conversion) against FP16 dots "
-                         "(paged_decode fp16_dots, the default) on the target cells, then stop")
+                    help="BF16 queries over E4M3: time BF16 dots (each decoded FP16 value "
+                         "converted) against FP16 dots (paged_decode fp16_dots, the default) on "
+                         "the target cells, then stop")
     ap.add_argument("--markdown", metavar="JSON",
                     help="print the per-shape tables of docs/kernels.md from a result file")
     args = ap.parse_args(argv)

@@ -81,7 +81,7 @@ class LayerInputCapture:
 
     def _hook(self, idx: int):
         def fn(_mod: torch.nn.Module, args: tuple) -> None:
-            x, residual = args[0], args[1] if len(args) > 1 else None
+            x, residual = args[0], args[1]  # a decoder layer's (x, residual, cos, sin, ctx)
             self.rows[idx].append((x.detach().clone(),
                                    None if residual is None else residual.detach().clone()))
         return fn
