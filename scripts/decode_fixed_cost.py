@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{f.get('merge_alone_us', float('nan')):.1f} |")
     if args.out:
         info = kb.run_info() | {"read_tbs": ceil, "dtype": args.dtype}
-        atomic_write_text(args.out, json.dumps({"info": info, "rows": rows, "fits": fits},
+        atomic_write_text(Path(args.out), json.dumps({"info": info, "rows": rows, "fits": fits},
                                                indent=1))
     return 0
 
