@@ -10,8 +10,9 @@
    device-to-device copy.
 3. Times decode over batch x context x model shape for FP16 paged, E4M3 native and E4M3
    software, and torch SDPA (FP16, contiguous KV, enable_gqa) on the same data. Each timing
-   replays a CUDA graph of R calls over R distinct KV sets (R x bytes > 4 x L2) and takes the
-   median over replays. Prints ms, KV-read TB/s, % of the read ceiling and speedup vs SDPA,
+   replays a CUDA graph of calls over R distinct KV sets (R x bytes > 4 x L2), at least 8 calls
+   (the sets repeated) so the replay's own ~10 us is amortized, and takes the median over
+   replays. Prints ms, KV-read TB/s, % of the read ceiling and speedup vs SDPA,
    then writes JSON.
 """
 
@@ -49,11 +50,21 @@ CONTIGUOUS_TABLES = False  # --contiguous-tables
 # 16-bit dtype; the JSON's info.dtype says which)
 DTYPE = torch.float16
 MAX_FP16_KV_BYTES = 20 * 2**30
+MIN_GRAPH_CALLS = 8  # _graph_time: calls per timed graph (amortizes the replay's own cost)
 
 
 def _graph_time(fns: list, target_ms: float = 40.0, reps: int | None = None,
-                warmup_ms: float = 50.0) -> float:
-    """Median ms per call of a CUDA graph that runs every fn once, after `warmup_ms` of replays.
+                warmup_ms: float = 50.0, min_calls: int | None = None) -> float:
+    """Median ms per call of a CUDA graph that runs the fns in order, the list repeated until
+    the graph holds at least `min_calls` calls, after `warmup_ms` of replays.
+
+    Why several calls: one replay costs about 10 us more than its kernels (H200, 2026-12-01,
+    scripts/decode_fixed_cost.py: a zero-token decode and a lone merge kernel both measured
+    10.8-11.2 us per replay), which a graph of one call -- every cell whose KV set alone
+    exceeds 4 x L2 -- charged to the kernel: 13% of an 80 us decode, unequally across arms of
+    different speed. Back to back in one graph, as in a model step, calls pay only the gap
+    between kernels. A cell's R KV sets together exceed 4 x L2 (Cell.r), so a set has left
+    L2 before it comes round again.
 
     The warm-up matters: on the H200 the first ~10 replays after a pause (building the next
     cell's data on the host) ran ~5% slower than the same graph later (2026-12-01 occupancy
@@ -62,6 +73,7 @@ def _graph_time(fns: list, target_ms: float = 40.0, reps: int | None = None,
     for f in fns:
         f()
     torch.cuda.synchronize()
+    fns = fns * math.ceil((min_calls or MIN_GRAPH_CALLS) / len(fns))
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for f in fns:
@@ -250,9 +262,10 @@ class Cell:
         for i in range(self.r):
             if arm == "sdpa_fp16":
                 q4 = self.q[i].unsqueeze(2)
-                f.append(lambda q4=q4, i=i: self.out[i].copy_(
-                    torch.nn.functional.scaled_dot_product_attention(
-                        q4, self.sk[i], self.sv[i], scale=sc, enable_gqa=True).squeeze(2)))
+                # SDPA returns its output (no copy into self.out: that would time a second
+                # kernel per call); every fn returns the call's output
+                f.append(lambda q4=q4, i=i: torch.nn.functional.scaled_dot_product_attention(
+                    q4, self.sk[i], self.sv[i], scale=sc, enable_gqa=True).squeeze(2))
             else:
                 fp8 = arm.startswith("e4m3")
                 kc, vc = (self.k8, self.v8) if fp8 else (self.k16, self.v16)
@@ -278,8 +291,7 @@ def time_cell(cell: Cell, arms: list[str], **kw) -> dict:
     for arm in arms:
         fns = cell.fns(arm, **kw)
         ms = _graph_time(fns)
-        fns[0]()
-        outs[arm] = cell.out[0].clone()
+        outs[arm] = fns[0]().clone()
         res[arm] = ms
     return res, outs
 
@@ -295,6 +307,7 @@ def run_info() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global CONTIGUOUS_TABLES, DTYPE, MIN_GRAPH_CALLS
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
@@ -326,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
                          "2..8 programs per SM (default: 0.5/1/2x the old heuristic)")
     ap.add_argument("--contiguous-tables", action="store_true",
                     help="every sequence's KV blocks in order (default: a random permutation)")
+    ap.add_argument("--min-graph-calls", type=int, default=MIN_GRAPH_CALLS,
+                    help="calls per timed CUDA graph (1: the protocol before 2026-12-01's "
+                    "second session, which charged a replay's ~10 us to one call)")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
                     help="query / SDPA / unquantized-cache dtype (the \"_fp16\" arms)")
     ap.add_argument("--compare-bf16", action="store_true",
@@ -343,14 +359,15 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    global CONTIGUOUS_TABLES, DTYPE
     CONTIGUOUS_TABLES = args.contiguous_tables
+    MIN_GRAPH_CALLS = max(1, args.min_graph_calls)
     DTYPE = torch.bfloat16 if args.dtype == "bfloat16" or args.compare_bf16 else torch.float16
     info = run_info()
     info["contiguous_tables"] = CONTIGUOUS_TABLES
     info["dtype"] = str(DTYPE).removeprefix("torch.")
     l2 = info["l2_bytes"]
     info["block_size"] = BLOCK_SIZE
+    info["min_graph_calls"] = MIN_GRAPH_CALLS
     checks = [] if args.skip_checks else run_checks()
     for line in checks:
         print(line, flush=True)
