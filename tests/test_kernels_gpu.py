@@ -190,3 +190,51 @@ def test_conversion_exact_all_codes(software):
             assert torch.equal(got.isnan(), nan)
             assert torch.equal(got[~nan], want[~nan])
             assert torch.equal(torch.signbit(got[~nan]), torch.signbit(want[~nan]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch needs sm_90+")
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("kv", ["fp16", "native", "software"])
+def test_pdl_bit_identical_in_graphs(hq, hkv, d, kv):
+    """Decode launched as a programmatic dependent (and its merge behind it) gives the plain
+    launch's output bit for bit, split and unsplit, eagerly and replayed in a CUDA graph whose
+    previous kernel writes the query: the decode must wait for it (gdc_wait)."""
+    fp8 = kv != "fp16"
+    dtype = torch.float16
+    if fp8:
+        case, m, c, exp, tol = _long_context_case(hq, hkv, d, dtype, seed=d + 5)
+    else:
+        case = make_case([(20000, 1), (333, 1), (8191, 1)], hq, hkv, d, kv_dtype="fp16",
+                         dtype=dtype, device="cuda", seed=d + 5)
+        m, c = case.meta, case.cache
+        store_kv(case.k, case.v, c.k_cache, c.v_cache, m.slot_mapping, None, None)
+        exp, tol = dense_expected(case), 5e-3
+    mode = "native" if kv == "fp16" else kv
+    q = case.q.clone()
+
+    def run(out, pdl, splits):
+        return paged_decode(q, c.k_cache, c.v_cache, out, m.block_tables, m.seq_lens,
+                            m.query_start_loc, case.softmax_scale, m.max_seq_len,
+                            c.k_scale if fp8 else None, c.v_scale if fp8 else None,
+                            fp8_mode=mode, num_splits=splits, pdl=pdl)
+    for splits in (1, None):
+        ref = run(case.out_buffer(), False, splits).clone()
+        assert _err(ref, exp) < tol
+        assert torch.equal(run(case.out_buffer(), True, splits), ref)
+        sources = [case.q * s for s in (0.5, 1.0, 2.0)]
+        expected = []
+        for src in sources:
+            q.copy_(src)
+            expected.append(run(case.out_buffer(), False, splits).clone())
+        out = case.out_buffer()
+        src_buf = torch.empty_like(q)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            q.copy_(src_buf)
+            run(out, True, splits)
+        for src, want in zip(sources, expected, strict=True):
+            src_buf.copy_(src)
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want), splits
