@@ -32,7 +32,7 @@ from kvcap.kernels.common import target_properties  # noqa: E402
 
 PATTERNS = ["ld.shared.b8", "ld.shared", "st.shared", "ldmatrix", "mma.sync", "wgmma",
             "cp.async", "bar.sync", "cvt.rn.f16x2.e4m3x2", "prmt", "cvt.f32.f16",
-            "cvt.rn.bf16.f16", "cvt.rn.bf16x2.f32", "griddepcontrol"]
+            "cvt.rn.bf16.f16", "cvt.rn.bf16x2.f32"]
 
 
 def compile_kernel(fn, consts: dict, fp8: bool, sm: int, num_warps: int, num_stages: int,
@@ -127,8 +127,6 @@ def main() -> int:
                     help="query dtype (bf16 over an E4M3 cache on sm_80+: FP16 dots)")
     ap.add_argument("--defaults", action="store_true",
                     help="tile, warps, stages, register cap and pairs from decode_config (CUDA)")
-    ap.add_argument("--pdl", action="store_true",
-                    help="launched as a programmatic dependent (griddepcontrol, sm_90+)")
     ap.add_argument("--maxnreg", type=int, help="register cap per thread (ptx .maxnreg)")
     ap.add_argument("--kernel", choices=["decode", "prefill", "qsa"], default="decode",
                     help="prefill: the chunked-prefill kernel, qsa: the sparse (QSA) attention "
@@ -156,8 +154,7 @@ def main() -> int:
                   SOFTWARE_V=args.cache == "software" or args.mixed,
                   USE_DOT=True, IEEE=False, PREFETCH=False,
                   DOT_DTYPE=tl.bfloat16 if args.dtype == "bf16" and not f16_dots else tl.float16,
-                  WORDS=args.words, PAIRS=args.pairs, FOLD=True, BLOCK_S=8, F16_DOTS=f16_dots,
-                  GDC=args.pdl)
+                  WORDS=args.words, PAIRS=args.pairs, FOLD=True, BLOCK_S=8, F16_DOTS=f16_dots)
     k = compile_kernel(decode._decode_kernel, consts, fp8, args.sm, args.num_warps,
                        args.num_stages, args.maxnreg, args.dtype)
     ptx = k.asm["ptx"]

@@ -187,26 +187,6 @@ def test_fp16_dots_needs_bf16_queries_and_e4m3():
         _decode(case, fp16_dots=True)
 
 
-def test_pdl_needs_a_compiled_sm90_launch(monkeypatch):
-    """Programmatic dependent launch is refused where it cannot run (the interpreter, a CPU
-    tensor, pre-Hopper GPUs) and its switch turns the default off."""
-    from kvcap.kernels import common
-    case = make_case(DECODE, 4, 1, 32, kv_dtype="fp8_e4m3", dtype=torch.float16, seed=3,
-                     device=DEV)
-    with pytest.raises(ValueError, match="pdl=True"):
-        _decode(case, pdl=True)
-    assert not common.pdl_enabled(torch.device(DEV))
-    monkeypatch.setattr(common, "interpreting", lambda: False)
-    monkeypatch.setattr(common, "capability", lambda device: (9, 0))
-    cuda = torch.device("cuda", 0)
-    assert common.pdl_enabled(cuda)
-    monkeypatch.setenv("KVCAP_DISABLE_PDL", "1")
-    assert not common.pdl_enabled(cuda)
-    monkeypatch.delenv("KVCAP_DISABLE_PDL")
-    monkeypatch.setattr(common, "capability", lambda device: (8, 9))
-    assert not common.pdl_enabled(cuda)
-
-
 def test_word_route_switch(monkeypatch):
     from kvcap.kernels.decode import use_words
     dev = torch.device(DEV)

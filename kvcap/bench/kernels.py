@@ -324,10 +324,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-fold", action="store_true",
                     help="time decode with the split-K merge in a second launch and folded into "
                          "the decode kernel, every cache dtype, on the split cells, then stop")
-    ap.add_argument("--compare-pdl", action="store_true",
-                    help="time decode launched with and without programmatic dependent launch "
-                         "(sm_90+), every cache dtype, on the 8B cells and one cell of the other "
-                         "shapes, then stop")
     ap.add_argument("--compare-decoders", action="store_true",
                     help="time every E4M3 decoder pairing (K/V native/software) on the sweep "
                          "cells, then stop")
@@ -407,11 +403,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_fold:
         info["compare_fold"] = compare_knob(l2, ceil["read_tbs"], "fold", FOLD_CELLS,
                                             ("paged_fp16", "e4m3_native", "e4m3_software"))
-        save()
-        return 0
-    if args.compare_pdl:
-        info["compare_pdl"] = compare_knob(l2, ceil["read_tbs"], "pdl", PDL_CELLS,
-                                           ("paged_fp16", "e4m3_native", "e4m3_software"))
         save()
         return 0
     if args.sweep_occupancy:
@@ -549,10 +540,6 @@ WORD_CELLS = SWEEP_CELLS + [("llama31-8b", 32, 8, 128, 16, 16384),
 FOLD_CELLS = [("llama31-8b", 32, 8, 128, 8, 16384), ("llama31-8b", 32, 8, 128, 8, 32768),
               ("llama31-8b", 32, 8, 128, 16, 16384), ("llama31-8b", 32, 8, 128, 4, 4096),
               ("gqa6-d256", 24, 4, 256, 8, 32768), ("smollm2-135m", 9, 3, 64, 16, 32768)]
-
-# the target cells (8B, B >= 8, ctx >= 16K), a short split cell and the other shapes
-PDL_CELLS = ([("llama31-8b", 32, 8, 128, b, c) for b in (8, 16, 64) for c in (16384, 32768)]
-             + FOLD_CELLS[3:])
 
 
 def compare_knob(l2: int, read_tbs: float, knob: str, cells: list,

@@ -26,7 +26,6 @@ ENV_DISABLE_SPLIT_K = "KVCAP_DISABLE_SPLIT_K"
 ENV_DISABLE_WORDS = "KVCAP_DISABLE_WORD_DECODE"
 ENV_MIXED = "KVCAP_MIXED_DECODERS"
 ENV_DISABLE_FP16_DOTS = "KVCAP_DISABLE_FP16_DOTS"
-ENV_DISABLE_PDL = "KVCAP_DISABLE_PDL"
 
 SOFTWARE_FP8_FACTOR = 256.0  # the packed decoder yields value * 2^-8
 LOG2E = 1.4426950408889634
@@ -106,16 +105,6 @@ def mixed_decoders_enabled() -> bool:
 def fp16_dots_enabled() -> bool:
     """BF16 queries over an E4M3 cache take FP16 dots in decode (decode.fp16_scale)."""
     return not _flag(ENV_DISABLE_FP16_DOTS)
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch (griddepcontrol): sm_90+ CUDA, compiled kernels only."""
-    return device.type == "cuda" and not interpreting() and capability(device) >= (9, 0)
-
-
-def pdl_enabled(device: torch.device) -> bool:
-    """Whether decode launches its kernels as programmatic dependents (decode.paged_decode)."""
-    return pdl_supported(device) and not _flag(ENV_DISABLE_PDL)
 
 
 def sm_count(device: torch.device) -> int:

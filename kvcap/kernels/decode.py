@@ -41,8 +41,6 @@ from kvcap.kernels.common import (
     mm,
     online_softmax_step,
     paged_row_offsets,
-    pdl_enabled,
-    pdl_supported,
     programs_per_sm,
     sm_count,
     split_k_enabled,
@@ -232,11 +230,8 @@ def _decode_kernel(
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
     PREFETCH: tl.constexpr, WORDS: tl.constexpr, PAIRS: tl.constexpr = False,
     FOLD: tl.constexpr = False, BLOCK_S: tl.constexpr = 8,
-    F16_DOTS: tl.constexpr = False, GDC: tl.constexpr = False,
+    F16_DOTS: tl.constexpr = False,
 ):
-    if GDC:  # launched as a programmatic dependent: wait for the kernels that wrote q and KV,
-        tl.extra.cuda.gdc_wait()  # then let the merge launch behind this grid
-        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     hp = tl.program_id(1)
     split = tl.program_id(2)
@@ -335,11 +330,7 @@ def _merge_kernel(
     out_ptr, po_ptr, plse_ptr, qsl_ptr, vs_ptr, out_factor,
     stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, num_splits,
     BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr,
-    GDC: tl.constexpr = False,
 ):
-    if GDC:  # a programmatic dependent of the decode kernel: wait for its partials
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(qsl_ptr + seq)
@@ -520,8 +511,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  num_warps: int | None = None, num_stages: int | None = None,
                  prefetch: bool | None = None, words: bool | None = None,
                  maxnreg: int | None = None, pairs: bool | None = None,
-                 fold: bool = False, fp16_dots: bool | None = None,
-                 pdl: bool | None = None) -> torch.Tensor:
+                 fold: bool = False, fp16_dots: bool | None = None) -> torch.Tensor:
     """Decode attention for every sequence whose query length is 1 (others are skipped).
 
     q [T, Hq, D], out [T, Hq, D] (the token row of sequence i is query_start_loc[i]);
@@ -592,11 +582,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ps = (hq * num_splits, num_splits, 1)
     dt, ieee = dot_dtype(torch.float16 if fp16_dots else q.dtype)
     launch = {"maxnreg": maxnreg} if maxnreg and q.device.type == "cuda" else {}  # 0: no cap
-    if pdl is None:
-        pdl = pdl_enabled(q.device)
-    if pdl and not pdl_supported(q.device):
-        raise ValueError("pdl=True needs a compiled launch on an sm_90+ GPU")
-    gdc = {"launch_pdl": True} if pdl else {}
     _decode_kernel[(num_seqs, head_programs, num_splits)](
         q, k_cache, v_cache, out, po, plse, counters, block_tables, seq_lens, query_start_loc,
         k_scale if fp8 else dummy, v_scale if fp8 else dummy, softmax_scale * LOG2E,
@@ -607,8 +592,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8, SOFTWARE=software, SOFTWARE_V=software_v,
         USE_DOT=grouped, PREFETCH=pf, WORDS=words, PAIRS=pairs,
         FOLD=fold, BLOCK_S=max(8, triton.next_power_of_2(num_splits)),
-        DOT_DTYPE=dt, IEEE=ieee, F16_DOTS=fp16_dots, GDC=pdl, num_warps=nw, num_stages=ns,
-        **launch, **gdc,
+        DOT_DTYPE=dt, IEEE=ieee, F16_DOTS=fp16_dots, num_warps=nw, num_stages=ns, **launch,
     )
     if num_splits > 1 and not fold:
         _merge_kernel[(num_seqs, hq)](
@@ -616,6 +600,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             SOFTWARE_FP8_FACTOR if software_v else 1.0,
             out.stride(0), out.stride(1), *ps, num_splits,
             BLOCK_S=max(8, triton.next_power_of_2(num_splits)), HEAD_DIM=d,
-            FP8=fp8, GDC=pdl, num_warps=4 if q.device.type == "cuda" else 1, **gdc,
+            FP8=fp8, num_warps=4 if q.device.type == "cuda" else 1,
         )
     return out
