@@ -28,7 +28,18 @@ from kvcap.scales.fsutil import atomic_write_text
 HQ, HKV, D = 32, 8, 128
 
 
-def merge_only(cell: kb.Cell, splits: int) -> list:
+def prefer_shared(kernel) -> None:
+    """cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT, 100) on a compiled Triton kernel,
+    so an SM keeps its shared-memory split when it alternates between this kernel and one
+    that needs the maximum (the decode kernel)."""
+    import ctypes
+    cuda = ctypes.CDLL("libcuda.so.1")
+    rc = cuda.cuFuncSetAttribute(ctypes.c_void_p(kernel.function), 9, 100)
+    if rc:
+        raise RuntimeError(f"cuFuncSetAttribute failed: CUresult {rc}")
+
+
+def merge_only(cell: kb.Cell, splits: int, carveout: bool = False) -> list:
     """The split merge of one call, launched as paged_decode launches it (E4M3 native)."""
     b, hq, d = cell.b, cell.hq, cell.d
     po = torch.zeros((b, hq, splits, d), dtype=torch.float32, device="cuda")
@@ -37,10 +48,12 @@ def merge_only(cell: kb.Cell, splits: int) -> list:
     ps = (hq * splits, splits, 1)
 
     def run():
-        dk._merge_kernel[(b, hq)](out, po, plse, cell.qsl, cell.vs, 1.0, out.stride(0),
-                                  out.stride(1), *ps, splits,
-                                  BLOCK_S=max(8, triton.next_power_of_2(splits)), HEAD_DIM=d,
-                                  FP8=True, num_warps=4)
+        return dk._merge_kernel[(b, hq)](out, po, plse, cell.qsl, cell.vs, 1.0, out.stride(0),
+                                         out.stride(1), *ps, splits,
+                                         BLOCK_S=max(8, triton.next_power_of_2(splits)),
+                                         HEAD_DIM=d, FP8=True, num_warps=4)
+    if carveout:
+        prefer_shared(run())
     return [run] * cell.r
 
 
@@ -62,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--splits", default="", help="comma list; default: the heuristic's at the "
                     "full context")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    ap.add_argument("--merge-carveout", action="store_true",
+                    help="first set the merge kernel's preferred carveout to 100%% shared")
     args = ap.parse_args(argv)
     kb.DTYPE = getattr(torch, args.dtype)
     l2 = kb.run_info()["l2_bytes"]
@@ -70,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     arms = [("e4m3_native", "native"), ("e4m3_software", "software"), ("paged_fp16", None)]
     for b in map(int, args.batches.split(",")):
         cell = kb.Cell(HQ, HKV, D, b, args.context, l2)
+        if args.merge_carveout:
+            for splits in range(2, 65):  # every BLOCK_S specialization the calls may compile
+                merge_only(cell, splits, carveout=True)
         for arm, mode in arms:
             fp8 = mode is not None
             cfg = dk.decode_config(D, True, fp8, torch.device("cuda"))
