@@ -96,10 +96,14 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   query_start_loc: torch.Tensor, softmax_scale: float, max_query_len: int,
                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                  fp8_mode: str = "auto", skip_decode: bool = True) -> torch.Tensor:
+                  fp8_mode: str = "auto", skip_decode: bool = True,
+                  block_m: int | None = None, block_n: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Causal varlen attention for sequences with more than one new token (with
     skip_decode=False, for every sequence). Shapes as in `paged_decode`; `max_query_len`
-    (host int) sizes the grid and must be >= every sequence's query length."""
+    (host int) sizes the grid and must be >= every sequence's query length. The launch knobs
+    (`block_m` dot rows, `block_n` tokens per KV tile, `num_warps`, `num_stages`) override
+    prefill_config's for benchmarks and tests."""
     num_seqs = seq_lens.shape[0]
     hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
     if num_seqs == 0 or max_query_len < 1:
@@ -107,7 +111,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group = hq // hkv
     software = fp8 and use_software_fp8(q.device, fp8_mode)
     block_g = triton.next_power_of_2(group)
-    block_m, bn, nw, ns = prefill_config(d, group, q.device)
+    cfg = prefill_config(d, group, q.device)
+    block_m, bn, nw, ns = (knob or default for knob, default in
+                           zip((block_m, block_n, num_warps, num_stages), cfg, strict=True))
     block_q = max(1, block_m // block_g)
     dummy = k_cache
     dt, ieee = dot_dtype(q.dtype)
