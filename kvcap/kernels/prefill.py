@@ -90,7 +90,7 @@ def prefill_config(head_dim: int, group: int, device: torch.device,
     if head_dim <= 128:
         # H200, 8B shape, one 2048-token chunk after 0-14K cached tokens (scripts/
         # prefill_sweep.py, docs/benchmarks/prefill-2026-12-01-h200*.json): 64 x 64 tiles on
-        # 4 warps took 0.64-0.73x the time of 128 x 32 on 8 warps (the default before) for the
+        # 4 warps took 0.64-0.75x the time of 128 x 32 on 8 warps (the default before) for the
         # 16-bit and both E4M3 caches, FP16 and BF16 queries. 128 x 64 on 4 warps was as fast at
         # 8K-16K (faster with BF16 queries over E4M3) but spills 120-632 bytes (ptxas sm_80-90),
         # and slower at 2K, where the grid is small; 64 x 64 spills none on sm_90, 16 bytes on
