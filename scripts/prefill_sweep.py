@@ -54,8 +54,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     ap.add_argument("--contexts", default="2048,8192,16384")
     ap.add_argument("--chunk", type=int, default=2048)
-    ap.add_argument("--fp16-dots", default="auto", choices=["auto", "on", "off"],
-                    help="E4M3 arms with BF16 queries: FP16 dots (paged_prefill's fp16_dots)")
     ap.add_argument("--configs", default="",
                     help="BM:BN:W:S list; default: the default and a few around it")
     args = ap.parse_args(argv)
@@ -77,12 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         for cfg in configs:
             knobs = dict(zip(("block_m", "block_n", "num_warps", "num_stages"), cfg,
                              strict=True))
-            f16 = {"auto": None, "on": True, "off": False}[args.fp16_dots]
             base = None
             for arm in ARMS:
                 fp8 = arm.startswith("e4m3")
-                kw = knobs | ({"fp16_dots": f16} if fp8 and args.dtype == "bfloat16" else {})
-                fns = prefill_fns(cell, q, outs, args.chunk, arm, kw)
+                fns = prefill_fns(cell, q, outs, args.chunk, arm, knobs)
                 try:
                     ms = kb._graph_time(fns, reps=20)
                 except Exception as e:  # e.g. out of shared memory at this configuration
@@ -104,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         del cell
         torch.cuda.empty_cache()
     if args.out:
-        info = kb.run_info() | {"dtype": args.dtype, "shape": [HQ, HKV, D],
-                                "fp16_dots": args.fp16_dots}
+        info = kb.run_info() | {"dtype": args.dtype, "shape": [HQ, HKV, D]}
         atomic_write_text(Path(args.out), json.dumps({"info": info, "rows": rows}, indent=1))
     return 0
 

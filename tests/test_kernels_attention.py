@@ -258,32 +258,6 @@ def test_prefill_serves_decode_rows_too(hq, hkv, d):
     _check(case, out, "fp8_e4m3")
 
 
-@pytest.mark.parametrize("fp8_mode,hq,hkv,d,magnitude", [
-    ("native", 8, 2, 64, 1.0), ("software", 12, 2, 32, 3e5), ("native", 8, 8, 16, 1e-6)])
-def test_prefill_bf16_queries_fp16_dots(fp8_mode, hq, hkv, d, magnitude):
-    """Chunked prefill with BF16 queries over an E4M3 cache on FP16 dots (the default) matches
-    BF16 dots, the torch twin and the dense reference, also for queries past FP16's range and
-    deep in its subnormals; fp16_dots=True without both is refused."""
-    case = make_case(MIXED, hq, hkv, d, kv_dtype="fp8_e4m3", dtype=torch.bfloat16, seed=d + 7,
-                     device=DEV)
-    case.q.mul_(magnitude)
-    m, c = case.meta, case.cache
-    store_kv(case.k, case.v, c.k_cache, c.v_cache, m.slot_mapping, c.k_scale, c.v_scale)
-    outs = {}
-    for f16 in (None, False):
-        outs[f16] = case.out_buffer()
-        paged_prefill(case.q, c.k_cache, c.v_cache, outs[f16], m.block_tables, m.seq_lens,
-                      m.query_start_loc, case.softmax_scale, m.max_query_len, c.k_scale,
-                      c.v_scale, fp8_mode=fp8_mode, skip_decode=False, fp16_dots=f16)
-    nt = m.num_tokens
-    assert _err(outs[None][:nt], outs[False][:nt]) < 1e-2
-    _check(case, outs[None], "bf16", _reference(case))
-    with pytest.raises(ValueError, match="fp16_dots=True"):
-        paged_prefill(case.q.float(), c.k_cache, c.v_cache, case.out_buffer().float(),
-                      m.block_tables, m.seq_lens, m.query_start_loc, case.softmax_scale,
-                      m.max_query_len, c.k_scale, c.v_scale, fp16_dots=True)
-
-
 @pytest.mark.parametrize("kv_dtype", ["fp16", "fp8_e4m3"])
 def test_large_block_index(kv_dtype):
     case = make_case([(40, 1), (7, 3)], 2, 1, 64, kv_dtype=kv_dtype, big_block_index=True,

@@ -18,11 +18,10 @@ from kvcap.kernels.common import (
     LOG2E,
     check_attention_args,
     dot_dtype,
-    fp16_dots_enabled,
     has_mma,
     use_software_fp8,
 )
-from kvcap.kernels.decode import _absmax, attend_tiles, fp16_scale, store_rows
+from kvcap.kernels.decode import attend_tiles, store_rows
 
 
 @triton.jit
@@ -33,7 +32,6 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, SOFTWARE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
     SKIP_DECODE: tl.constexpr, USE_DOT: tl.constexpr, PREFETCH: tl.constexpr,
-    F16_DOTS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -65,13 +63,7 @@ def _prefill_kernel(
     qbase = q_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_qt + \
         head.to(tl.int64)[:, None] * stride_qh
     d = tl.arange(0, HEAD_DIM)[None, :]
-    if F16_DOTS:  # BF16 queries, FP16 dots: one power of two for the program's queries
-        q = tl.load(qbase + d, mask=rmask[:, None], other=0.0).to(tl.float32)
-        q_up, down = fp16_scale(_absmax(q))
-        qk_scale = qk_scale * down
-        q = (q * q_up).to(DOT_DTYPE)
-    else:
-        q = tl.load(qbase + d, mask=rmask[:, None], other=0.0).to(DOT_DTYPE)
+    q = tl.load(qbase + d, mask=rmask[:, None], other=0.0).to(DOT_DTYPE)
     m_i, l_i, acc = attend_tiles(
         q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, 0, kv_end, qk_scale,
         kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, qpos,
@@ -113,16 +105,12 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                   fp8_mode: str = "auto", skip_decode: bool = True,
                   block_m: int | None = None, block_n: int | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None,
-                  fp16_dots: bool | None = None) -> torch.Tensor:
+                  num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Causal varlen attention for sequences with more than one new token (with
     skip_decode=False, for every sequence). Shapes as in `paged_decode`; `max_query_len`
     (host int) sizes the grid and must be >= every sequence's query length. The launch knobs
     (`block_m` dot rows, `block_n` tokens per KV tile, `num_warps`, `num_stages`) override
-    prefill_config's for benchmarks and tests. `fp16_dots`: BF16 queries over an E4M3 cache
-    run FP16 dots, as in paged_decode (the default on GPUs with Triton MMA unless
-    KVCAP_DISABLE_FP16_DOTS=1): every decoded value is then used as decoded, not converted to
-    BF16 (see docs/kernels.md, "Eleventh change")."""
+    prefill_config's for benchmarks and tests."""
     num_seqs = seq_lens.shape[0]
     hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
     if num_seqs == 0 or max_query_len < 1:
@@ -135,12 +123,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            zip((block_m, block_n, num_warps, num_stages), cfg, strict=True))
     block_q = max(1, block_m // block_g)
     dummy = k_cache
-    bf16_e4m3 = fp8 and q.dtype == torch.bfloat16
-    if fp16_dots is None:
-        fp16_dots = bf16_e4m3 and has_mma(q.device) and fp16_dots_enabled()
-    if fp16_dots and not bf16_e4m3:
-        raise ValueError("fp16_dots=True is for BF16 queries over an E4M3 cache: it needs both")
-    dt, ieee = dot_dtype(torch.float16 if fp16_dots else q.dtype)
+    dt, ieee = dot_dtype(q.dtype)
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), hkv)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
@@ -150,7 +133,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=d,
         BLOCK_SIZE=k_cache.shape[2], BLOCK_N=bn, FP8=fp8, SOFTWARE=software,
         DOT_DTYPE=dt, IEEE=ieee, SKIP_DECODE=skip_decode,
-        USE_DOT=True, PREFETCH=False, F16_DOTS=fp16_dots,
+        USE_DOT=True, PREFETCH=False,
         num_warps=nw, num_stages=ns,
     )
     return out
