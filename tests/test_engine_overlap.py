@@ -59,6 +59,12 @@ def _run(llm: LLM, overlap: bool, params: list[SamplingParams], late_abort: bool
     return outs, eng.num_steps_ahead
 
 
+@pytest.fixture(scope="module")
+def plain_serial(llm) -> dict:
+    """The serial loop on `_params(None)`: both tests' starting point, run once."""
+    return _run(llm, False, _params(None))[0]
+
+
 def _same(a, b) -> None:
     assert a.keys() == b.keys()
     for rid in a:
@@ -69,11 +75,10 @@ def _same(a, b) -> None:
             assert [sorted(d) for d in x.logprobs] == [sorted(d) for d in y.logprobs]
 
 
-def test_overlap_matches_serial_loop(llm):
-    serial, _ = _run(llm, False, _params(None))
+def test_overlap_matches_serial_loop(llm, plain_serial):
     # stop on a token the greedy request really produces (its 7th), to stop mid-stream
-    stop_tok = serial["r3"].token_ids[6]
-    assert serial["r4"].finish_reason == "stop" and len(serial["r4"].token_ids) < 100
+    stop_tok = plain_serial["r3"].token_ids[6]
+    assert plain_serial["r4"].finish_reason == "stop" and len(plain_serial["r4"].token_ids) < 100
     params = _params(stop_tok)
     serial, none_ahead = _run(llm, False, params, late_abort=True)
     overlapped, ahead = _run(llm, True, params, late_abort=True)
@@ -82,9 +87,8 @@ def test_overlap_matches_serial_loop(llm):
     assert serial["r3"].finish_reason == "stop" and serial["r2"].finish_reason == "abort"
 
 
-def test_step_fed_a_host_sampled_token_is_dropped(llm, monkeypatch):
+def test_step_fed_a_host_sampled_token_is_dropped(llm, plain_serial, monkeypatch):
     params = _params(None)
-    serial, _ = _run(llm, False, params)
     sampler = llm.runner.sampler
     real = sampler.sample
     calls = {"n": 0}
@@ -101,4 +105,4 @@ def test_step_fed_a_host_sampled_token_is_dropped(llm, monkeypatch):
     dropped0 = llm.engine.num_ahead_dropped
     overlapped, ahead = _run(llm, True, params)
     assert ahead > 0 and llm.engine.num_ahead_dropped > dropped0
-    _same(serial, overlapped)
+    _same(plain_serial, overlapped)

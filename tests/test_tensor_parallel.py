@@ -192,23 +192,48 @@ def _scales(n_layers: int, missing: str | None = None) -> dict[str, float]:
     return out
 
 
-def _run(tp: int, observer=None, sequences=None, overlap: bool = False, **kw
-         ) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
+def _generate(llm: LLM, observer=None, sequences=None, overlap: bool = False
+              ) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
     """Greedy tokens for PROMPTS, then teacher-forced logits over `sequences` (default: each
     prompt + its tokens). Returns (tokens, sequences, logits). `overlap` forces the engine's
     overlap on (off by default on CPU): decode steps launched ahead, ids broadcast by rank 0."""
-    with LLM(model="default", device="cpu", num_blocks=64, max_num_batched_tokens=256,
-             tensor_parallel_size=tp, **kw) as llm:
-        llm.engine.overlap = overlap
-        ids = [llm.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
-        tokens = [o.token_ids for o in llm.generate(ids, GREEDY, use_tqdm=False)]
-        assert (llm.engine.num_steps_ahead > 0) == overlap
-        if observer is not None:
-            llm.set_kv_observer(observer)
-        sequences = sequences or [i + t for i, t in zip(ids, tokens, strict=True)]
-        logits = llm.prompt_logits(sequences)
-    assert _worker_children() == []
+    llm.engine.overlap = overlap
+    ids = [llm.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    tokens = [o.token_ids for o in llm.generate(ids, GREEDY, use_tqdm=False)]
+    assert (llm.engine.num_steps_ahead > 0) == overlap
+    if observer is not None:
+        llm.set_kv_observer(observer)
+    sequences = sequences or [i + t for i, t in zip(ids, tokens, strict=True)]
+    logits = llm.prompt_logits(sequences)
+    if observer is not None:
+        llm.set_kv_observer(None)  # (statistics stay readable)
     return tokens, sequences, logits
+
+
+def _engine(tp: int, **kw) -> LLM:
+    return LLM(model="default", device="cpu", num_blocks=64, max_num_batched_tokens=256,
+               tensor_parallel_size=tp, **kw)
+
+
+def _run(tp: int, sequences=None, overlap: bool = False, **kw
+         ) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
+    """`_generate` on a new engine, shut down afterwards."""
+    with _engine(tp, **kw) as llm:
+        out = _generate(llm, sequences=sequences, overlap=overlap)
+    assert _worker_children() == []
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp1_fp32():
+    """The TP1 FP32 engine, the reference of the FP32 and the E4M3 comparisons, with its run
+    of `_generate` (calibrating on the test sequences as it goes: statistics over an FP32
+    cache): one engine and one run where each comparison built its own."""
+    from kvcap.scales.observer import KVStatsObserver
+
+    obs = KVStatsObserver(30)
+    with _engine(1, dtype="float32") as llm:
+        yield llm, _generate(llm, observer=obs), obs.stats()
 
 
 def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
@@ -218,8 +243,8 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_embedded_tp2_greedy_tokens_equal_tp1(dtype):
-    tokens1, seqs, logits1 = _run(1, dtype=dtype)
+def test_embedded_tp2_greedy_tokens_equal_tp1(dtype, tp1_fp32):
+    tokens1, seqs, logits1 = tp1_fp32[1] if dtype == "float32" else _run(1, dtype=dtype)
     tokens2, _, logits2 = _run(2, sequences=seqs, dtype=dtype, overlap=dtype == "float32")
     assert tokens2 == tokens1
     # Same numbers up to the reduction order of the row-parallel sums. In FP16 every partial
@@ -236,18 +261,16 @@ def test_embedded_tp2_greedy_tokens_equal_tp1(dtype):
             assert _kl(a.float(), b.float()).max().item() < 2e-3
 
 
-def test_embedded_tp2_e4m3_equals_tp1_e4m3():
-    from kvcap.scales.observer import KVStatsObserver
+def test_embedded_tp2_e4m3_equals_tp1_e4m3(tp1_fp32):
     from kvcap.scales.report import scale_for
 
-    obs = KVStatsObserver(30)  # calibrate on the test sequences themselves (FP32 cache)
-    _, seqs, fp32 = _run(1, observer=obs)
-    top = obs.stats().total().max_abs
+    fp32_llm, _, stats = tp1_fp32  # calibrated on the test sequences themselves
+    top = stats.total().max_abs
     scales = {f"model.layers.{layer}.self_attn.{t}_scale": scale_for(float(top[layer, i]))
               for layer in range(30) for i, t in enumerate("kv")}
     tokens1, seqs1, e4m3_1 = _run(1, kv_cache_dtype="fp8_e4m3", kv_scales=scales)
     tokens2, _, e4m3_2 = _run(2, sequences=seqs1, kv_cache_dtype="fp8_e4m3", kv_scales=scales)
-    _, _, fp32 = _run(1, sequences=seqs1)
+    fp32 = fp32_llm.prompt_logits(seqs1)
     # Logits are not bit-equal: TP sums the o_proj/down_proj partials in another order, which
     # can move a K/V value across an E4M3 rounding boundary (one code, ~6% of that element).
     # The bar, per sequence (teacher-forced on TP1's tokens): TP changes the next-token
