@@ -8,10 +8,13 @@ CPU interpreter (TRITON_INTERPRET=1 in CI) replaces at import."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import select
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,12 +31,62 @@ def _stages(sm: int) -> int:
     return word_route_launch(target_properties(sm))[0]
 
 
+# `python SCRIPT ARGS` for every case, less its ~4 s of importing torch (30 cases: 2 of CI's
+# minutes): one Python imports torch and Triton, with the interpreter off as the script has it,
+# and runs the script for each case in a fork of itself, a fresh process as before.
+_FORK_RUNNER = r"""
+import json, os, runpy, sys, traceback
+os.environ.pop("TRITON_INTERPRET", None)
+import torch, triton  # noqa: F401, E401
+for line in sys.stdin:
+    script, args, out, err = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        for fd, path in ((1, out), (2, err)):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.argv, code = [script, *args], 1
+        try:
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+_runner: subprocess.Popen | None = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_runner():
+    global _runner
+    yield
+    if _runner is not None:
+        _runner.stdin.close()
+        _runner.wait(timeout=60)
+        _runner = None
+
+
 def _counts(*args: str) -> dict[str, int]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                         env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return {m[1]: int(m[2]) for m in re.finditer(r"^\s+(\S+(?: \S+)*?)\s+(-?\d+)$", run.stdout,
+    global _runner
+    if _runner is None or _runner.poll() is not None:  # first call, or the runner died
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        _runner = subprocess.Popen([sys.executable, "-c", _FORK_RUNNER], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True, env=env)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        _runner.stdin.write(json.dumps([str(SCRIPT), args, str(out), str(err)]) + "\n")
+        _runner.stdin.flush()
+        if not select.select([_runner.stdout], [], [], 600)[0]:
+            _runner.kill()
+            pytest.fail(f"inspect_decode_ptx.py {' '.join(args)}: no result in 600 s")
+        code = int(_runner.stdout.readline() or "-1")  # (-1: the runner itself died)
+        stdout, stderr = (f.read_text() if f.exists() else "" for f in (out, err))
+    assert code == 0, stderr[-3000:]
+    return {m[1]: int(m[2]) for m in re.finditer(r"^\s+(\S+(?: \S+)*?)\s+(-?\d+)$", stdout,
                                                  re.MULTILINE)}
 
 
