@@ -65,22 +65,33 @@ def inspect_other(args, fp8: bool) -> int:
 
     cuda, mma, software = torch.device("cuda"), args.sm >= 80, args.cache == "software"
     if args.kernel == "prefill":
-        block_m, bn, nw, ns = prefill.prefill_config(args.head_dim, 4, cuda, mma=mma)
+        # what prefill_config reads from the GPU: the target's compute capability
+        prefill.capability = lambda device: (args.sm // 10, args.sm % 10)
+        block_m, bn, nw, ns, maxnreg = prefill.prefill_config(args.head_dim, 4, cuda, fp8,
+                                                              mma=mma)
+        if args.block_m:  # a tile to inspect instead of the launcher's
+            block_m, bn, nw, ns = args.block_m, args.block_n, args.num_warps, args.num_stages
+        if args.block_m or args.maxnreg is not None:  # as paged_prefill's knobs
+            maxnreg = args.maxnreg or None
         consts = dict(GROUP=4, BLOCK_G=4, BLOCK_Q=block_m // 4, HEAD_DIM=args.head_dim,
                       BLOCK_SIZE=16, BLOCK_N=bn, FP8=fp8, SOFTWARE=software,
-                      DOT_DTYPE=tl.float16, IEEE=False, SKIP_DECODE=True, USE_DOT=True,
-                      PREFETCH=False)
+                      DOT_DTYPE=tl.bfloat16 if args.dtype == "bf16" else tl.float16,
+                      IEEE=False, SKIP_DECODE=True, USE_DOT=True, PREFETCH=False)
         fn, tile = prefill._prefill_kernel, f"BLOCK_M={block_m}, BLOCK_N={bn}"
     else:
+        maxnreg = args.maxnreg
         bn, nw, ns, _ = qsa_attention.sparse_config(cuda, fp8, args.head_dim, mma=mma)
         consts = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=args.head_dim, BLOCK_SIZE=16, BLOCK_N=bn,
                       SPLIT=True, FP8=fp8, SOFTWARE=software, USE_DOT=True,
-                      DOT_DTYPE=tl.float16, IEEE=False, SHARED_SEL=True)
+                      DOT_DTYPE=tl.bfloat16 if args.dtype == "bf16" else tl.float16,
+                      IEEE=False, SHARED_SEL=True)
         fn, tile = qsa_attention._sparse_kernel, f"BLOCK_N={bn}"
-    k = compile_kernel(fn, consts, fp8, args.sm, nw, ns)
+    k = compile_kernel(fn, consts, fp8, args.sm, nw, ns, maxnreg, args.dtype)
     print(f"triton {triton.__version__}, sm_{args.sm}, {args.kernel}, cache {args.cache}, "
+          f"{args.dtype} queries, register cap {maxnreg}, "
           f"D={args.head_dim}, {tile}, {nw} warps, {ns} stages")
     print(f"  mma.sync               {k.asm['ptx'].count('mma.sync')}")
+    print(f"  shared memory bytes    {k.metadata.shared}")
     for key, value in ptxas_usage(k.asm["ptx"], args.sm).items():
         print(f"  {key:22s} {value}")
     if args.dump:
@@ -128,6 +139,11 @@ def main() -> int:
     ap.add_argument("--defaults", action="store_true",
                     help="tile, warps, stages, register cap and pairs from decode_config (CUDA)")
     ap.add_argument("--maxnreg", type=int, help="register cap per thread (ptx .maxnreg)")
+    ap.add_argument("--block-m", type=int,
+                    help="prefill: dot rows of this tile (with --block-n/--num-warps/"
+                         "--num-stages) instead of prefill_config's")
+    ap.add_argument("--context", type=int, default=0,
+                    help="prefill: the batch's longest sequence, as prefill_config sees it")
     ap.add_argument("--kernel", choices=["decode", "prefill", "qsa"], default="decode",
                     help="prefill: the chunked-prefill kernel, qsa: the sparse (QSA) attention "
                          "kernel, both group 4 at their launchers' tiles for --sm")

@@ -1,13 +1,15 @@
 """Chunked-prefill attention: FP16/BF16 cache vs E4M3 (both decoders) at launch configurations.
 
     python scripts/prefill_sweep.py [--out FILE.json] [--dtype float16|bfloat16]
-        [--configs BM:BN:W:S,...] [--contexts 2048,8192,16384] [--chunk 2048]
+        [--configs BM:BN:W:S[:R],...] [--contexts 2048,8192,16384] [--chunk 2048]
 
 Llama-3.1-8B shape (32 q / 8 kv heads, D = 128), one sequence whose last `chunk` tokens are new
 (the engine's default step budget is 2048 tokens) and attend to all the context before them,
 causally among themselves. Times paged_prefill with CUDA-graph replays (kvcap.bench.kernels'
 protocol) per cache arm x configuration x context; prints µs, attention TFLOP/s and each E4M3
-arm's time over the 16-bit cache's at the same configuration; writes JSON.
+arm's time over the 16-bit cache's at the same configuration; writes JSON. R is a register cap
+per thread (0: none); "default" is each arm's own prefill_config (the E4M3 arms' register cap
+included).
 """
 
 from __future__ import annotations
@@ -55,13 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default="2048,8192,16384")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--configs", default="",
-                    help="BM:BN:W:S list; default: the default and a few around it")
+                    help="BM:BN:W:S[:R] or 'default' list; default: the default and a few "
+                         "around it")
     args = ap.parse_args(argv)
     kb.DTYPE = getattr(torch, args.dtype)
-    default = prefill_config(D, HQ // HKV, torch.device("cuda"))
-    configs = ([tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
-               if args.configs else
-               [default, (128, 64, 8, 2), (128, 64, 4, 2), (128, 32, 4, 2), (128, 32, 8, 3),
+    configs = ([None if c == "default" else tuple(int(x) for x in c.split(":"))
+                for c in args.configs.split(",")] if args.configs else
+               [None, (128, 64, 8, 2), (128, 64, 4, 2), (128, 32, 4, 2), (128, 32, 8, 3),
                 (64, 64, 4, 2), (128, 64, 8, 3)])
     l2 = kb.run_info()["l2_bytes"]
     rows = []
@@ -72,12 +74,15 @@ def main(argv: list[str] | None = None) -> int:
         outs = [torch.empty_like(q) for _ in range(cell.r)]
         flops = causal_flops(ctx, args.chunk)
         ref = None
-        for cfg in configs:
-            knobs = dict(zip(("block_m", "block_n", "num_warps", "num_stages"), cfg,
-                             strict=True))
+        for given in configs:
             base = None
             for arm in ARMS:
                 fp8 = arm.startswith("e4m3")
+                default = tuple(prefill_config(D, HQ // HKV, torch.device("cuda"), fp8))
+                cfg = default if given is None else given + (0,) * (5 - len(given))
+                cfg = cfg[:4] + (cfg[4] or 0,)
+                knobs = dict(zip(("block_m", "block_n", "num_warps", "num_stages", "maxnreg"),
+                                 cfg, strict=True))
                 fns = prefill_fns(cell, q, outs, args.chunk, arm, knobs)
                 try:
                     ms = kb._graph_time(fns, reps=20)
@@ -90,11 +95,12 @@ def main(argv: list[str] | None = None) -> int:
                 err = float((out - ref).norm() / ref.norm()) if ref is not None else None
                 base = ms if not fp8 else base
                 row = {"context": ctx, "chunk": args.chunk, "config": list(cfg), "arm": arm,
-                       "default": cfg == default, "us": ms * 1e3,
+                       "default": cfg == default[:4] + (default[4] or 0,), "us": ms * 1e3,
                        "tflops": flops / (ms * 1e-3) / 1e12, "err_vs_16bit": err,
                        "x_16bit": ms / base if base else None}
                 rows.append(row)
-                print(f"ctx={ctx:<6d} BM{cfg[0]}:BN{cfg[1]}:W{cfg[2]}:S{cfg[3]} {arm:14s} "
+                tiles = ":".join(f"{k}{v}" for k, v in zip("BM BN W S R".split(), cfg, strict=True))
+                print(f"ctx={ctx:<6d} {tiles} {arm:14s} "
                       f"{row['us']:8.1f} us {row['tflops']:6.1f} TFLOP/s "
                       f"x16bit {row['x_16bit'] or 0:.3f} err {err or 0:.1e}", flush=True)
         del cell

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from kvcap.kernels.common import target_properties  # noqa: E402
+from kvcap.kernels.common import programs_per_sm, target_properties  # noqa: E402
 from kvcap.kernels.decode import WORD_ROUTE_SHARED_BYTES, word_route_launch  # noqa: E402
+from kvcap.kernels.prefill import PREFILL_E4M3_MAXNREG  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "inspect_decode_ptx.py"
 
@@ -141,6 +142,20 @@ def test_prefill_compiles_without_spills_on_mma_gpus(cache, sm):
     on sm_80-90 (FP16 caches on sm_80 spill 16 bytes at 64 x 64, left as is)."""
     c = _counts("--kernel", "prefill", "--cache", cache, "--sm", str(sm), "--head-dim", "128")
     assert c["spill store bytes"] == 0  # (sm_90 takes wgmma here, so no mma.sync to count)
+
+
+@pytest.mark.parametrize("cache,dtype", [("native", "bf16"), ("software", "bf16"),
+                                         ("software", "fp16")])
+def test_e4m3_prefill_holds_three_programs_per_sm_on_hopper(cache, dtype):
+    """E4M3 prefill at D = 128 on sm_90 runs under a register cap (PREFILL_E4M3_MAXNREG):
+    uncapped these variants take 175-187 registers (2 programs per SM), capped they must spill
+    nothing and fit three programs in an H200 SM's registers and shared memory."""
+    c = _counts("--kernel", "prefill", "--cache", cache, "--sm", "90", "--head-dim", "128",
+                "--dtype", dtype)
+    assert c["spill store bytes"] == 0
+    assert c["registers"] <= PREFILL_E4M3_MAXNREG
+    assert programs_per_sm(target_properties(90), c["shared memory bytes"], c["registers"],
+                           4) >= 3
 
 
 @pytest.mark.parametrize("cache,sm,head_dim", [("software", 80, 128), ("software", 86, 256),

@@ -190,3 +190,33 @@ def test_conversion_exact_all_codes(software):
             assert torch.equal(got.isnan(), nan)
             assert torch.equal(got[~nan], want[~nan])
             assert torch.equal(torch.signbit(got[~nan]), torch.signbit(want[~nan]))
+
+
+@pytest.mark.parametrize("mode", ["native", "software"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_register_cap_bit_identical(mode, dtype):
+    """The E4M3 prefill default (on Hopper a register cap, prefill.PREFILL_E4M3_MAXNREG) gives
+    the uncapped kernel's output bit for bit, and both match the torch twin and float64."""
+    from kvcap.kernels.prefill import paged_prefill
+
+    case = make_case([(3000, 700), (0, 300), (5000, 1), (1200, 65)], 32, 8, 128,
+                     kv_dtype="fp8_e4m3", dtype=dtype, pad_rows=5, device="cuda", seed=21)
+    c, m = case.cache, case.meta
+    twin_cache = LayerKVCache(0, c.k_cache.clone(), c.v_cache.clone(), "fp8_e4m3", c.k_scale,
+                              c.v_scale)
+    twin = case.out_buffer()
+    TorchReferenceBackend().forward(case.q, case.k, case.v, twin_cache, m, case.softmax_scale,
+                                    twin)
+    store_kv(case.k, case.v, c.k_cache, c.v_cache, m.slot_mapping, c.k_scale, c.v_scale)
+    outs = []
+    for knobs in ({}, {"maxnreg": 0}):  # the default launch, then the same tiles uncapped
+        out = case.out_buffer()
+        paged_prefill(case.q, c.k_cache, c.v_cache, out, m.block_tables, m.seq_lens,
+                      m.query_start_loc, case.softmax_scale, m.max_query_len, c.k_scale,
+                      c.v_scale, fp8_mode=mode, skip_decode=False, **knobs)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    n = m.num_tokens
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    assert _err(outs[0][:n], twin[:n]) < tol
+    assert _err(outs[0][:n], dense_expected(case)) < tol

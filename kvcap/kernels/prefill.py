@@ -10,12 +10,15 @@ decode kernel serves them (mixed batches: both kernels run, each over its own ro
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from kvcap.kernels.common import (
     LOG2E,
+    capability,
     check_attention_args,
     dot_dtype,
     has_mma,
@@ -75,18 +78,42 @@ def _prefill_kernel(
     store_rows(obase, rmask, acc * inv, HEAD_DIM)
 
 
-def prefill_config(head_dim: int, group: int, device: torch.device,
-                   mma: bool | None = None) -> tuple[int, int, int, int]:
-    """(BLOCK_M rows, BLOCK_N, num_warps, num_stages). `mma`: the GPU has Triton's tensor-core
-    dots (default: has_mma). Without them (V100, T4) the tiles below spill 0.6-35 KB per thread
-    (ptxas, triton 3.6), so those GPUs take 32 x 16 tiles (16 x 16 at D = 256), which compile
-    without spills for FP16 and E4M3 — chosen from the compiler's output, not measured."""
+class PrefillConfig(NamedTuple):
+    """Launch configuration of the chunked-prefill kernel: `block_m` dot rows (tokens x padded
+    query group), `block_n` tokens per KV tile, warps, pipeline stages and a register cap per
+    thread (None: the compiler's choice)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    maxnreg: int | None = None
+
+
+# E4M3 prefill at D = 128 on Hopper (64 x 64 tiles, 4 warps): ptxas (triton 3.6, sm_90a) gives
+# the tile loop 175-187 registers per thread with BF16 queries or the software decoder, so an
+# SM holds 2 programs (65,536 registers) although its shared memory holds 4 (48 KiB each); with
+# FP16 queries over the hardware conversion it takes 168 and an SM holds 3. Capped at 168 every
+# E4M3 variant compiles with no spill on sm_90 and holds 3; on sm_80-89 (mma.sync) the same cap
+# spills 212-232 bytes, and at D = 64 / 256 it spills too, so it applies to D = 128 from sm_90
+# on only. The 16-bit cache's tile needs 80 KiB of shared memory, so shared memory, not
+# registers, holds it at 2 programs per SM there.
+PREFILL_E4M3_MAXNREG = 168
+
+
+def prefill_config(head_dim: int, group: int, device: torch.device, fp8: bool = False,
+                   mma: bool | None = None) -> PrefillConfig:
+    """The launch configuration for this head size, cache (`fp8`: E4M3) and GPU (`mma`: the GPU
+    has Triton's tensor-core dots, default: has_mma). Without them (V100, T4) the MMA tiles
+    spill 0.6-35 KB per thread (ptxas, triton 3.6), so those GPUs take 32 x 16 tiles (16 x 16
+    at D = 256), which compile without spills for FP16 and E4M3 — chosen from the compiler's
+    output, not measured."""
     if device.type != "cuda":
-        return 16, 16, 1, 1
+        return PrefillConfig(16, 16, 1, 1)
     if not (has_mma(device) if mma is None else mma):
-        return (32 if head_dim <= 128 else 16), 16, 4, 2
+        return PrefillConfig(32 if head_dim <= 128 else 16, 16, 4, 2)
     if head_dim <= 64:
-        return 128, 64, 4, 2
+        return PrefillConfig(128, 64, 4, 2)
     if head_dim <= 128:
         # H200, 8B shape, one 2048-token chunk after 0-14K cached tokens (scripts/
         # prefill_sweep.py, docs/benchmarks/prefill-2026-12-01-h200*.json): 64 x 64 tiles on
@@ -94,9 +121,11 @@ def prefill_config(head_dim: int, group: int, device: torch.device,
         # 16-bit and both E4M3 caches, FP16 and BF16 queries. 128 x 64 on 4 warps was as fast at
         # 8K-16K (faster with BF16 queries over E4M3) but spills 120-632 bytes (ptxas sm_80-90),
         # and slower at 2K, where the grid is small; 64 x 64 spills none on sm_90, 16 bytes on
-        # sm_80.
-        return 64, 64, 4, 2
-    return 64, 32, 4, 2
+        # sm_80. E4M3 on Hopper: a register cap for a third program per SM (see
+        # PREFILL_E4M3_MAXNREG).
+        cap = PREFILL_E4M3_MAXNREG if fp8 and capability(device) >= (9, 0) else None
+        return PrefillConfig(64, 64, 4, 2, cap)
+    return PrefillConfig(64, 32, 4, 2)
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -105,12 +134,14 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                   fp8_mode: str = "auto", skip_decode: bool = True,
                   block_m: int | None = None, block_n: int | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                  num_warps: int | None = None, num_stages: int | None = None,
+                  maxnreg: int | None = None) -> torch.Tensor:
     """Causal varlen attention for sequences with more than one new token (with
     skip_decode=False, for every sequence). Shapes as in `paged_decode`; `max_query_len`
     (host int) sizes the grid and must be >= every sequence's query length. The launch knobs
-    (`block_m` dot rows, `block_n` tokens per KV tile, `num_warps`, `num_stages`) override
-    prefill_config's for benchmarks and tests."""
+    (`block_m` dot rows, `block_n` tokens per KV tile, `num_warps`, `num_stages`, `maxnreg`)
+    override prefill_config's for benchmarks and tests; the default register cap belongs to the
+    default tiles and is dropped when a knob is given without it (`maxnreg=0`: no cap)."""
     num_seqs = seq_lens.shape[0]
     hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
     if num_seqs == 0 or max_query_len < 1:
@@ -118,9 +149,12 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group = hq // hkv
     software = fp8 and use_software_fp8(q.device, fp8_mode)
     block_g = triton.next_power_of_2(group)
-    cfg = prefill_config(d, group, q.device)
+    cfg = prefill_config(d, group, q.device, fp8)
+    knobs = (block_m, block_n, num_warps, num_stages)
+    if maxnreg is None and all(k is None for k in knobs):
+        maxnreg = cfg.maxnreg  # the cap belongs to the default launch configuration
     block_m, bn, nw, ns = (knob or default for knob, default in
-                           zip((block_m, block_n, num_warps, num_stages), cfg, strict=True))
+                           zip(knobs, cfg[:4], strict=True))
     block_q = max(1, block_m // block_g)
     dummy = k_cache
     dt, ieee = dot_dtype(q.dtype)
@@ -135,5 +169,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         DOT_DTYPE=dt, IEEE=ieee, SKIP_DECODE=skip_decode,
         USE_DOT=True, PREFETCH=False,
         num_warps=nw, num_stages=ns,
+        **({"maxnreg": maxnreg} if maxnreg and q.device.type == "cuda" else {}),  # 0: no cap
     )
     return out
