@@ -334,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="BN:WARPS:STAGES:MAXNREG,... for --sweep-occupancy")
     ap.add_argument("--occupancy-arms", default="e4m3_native,e4m3_software",
                     help="arms --sweep-occupancy times (paged_fp16, e4m3_native, e4m3_software)")
+    ap.add_argument("--occupancy-words", action="store_true",
+                    help="--sweep-occupancy times the E4M3 word route with byte pairs (the "
+                         "D = 128 default) whatever the head size")
     ap.add_argument("--occupancy-waves", action="store_true",
                     help="--sweep-occupancy times the split counts that fill whole waves of "
                          "2..8 programs per SM (default: 0.5/1/2x the old heuristic)")
@@ -410,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         cells = [c for c in OCCUPANCY_CELLS if c[0] in args.shapes.split(",")]
         sweep_occupancy(l2, ceil["read_tbs"], info["sweep_occupancy"], save,
                         arms=tuple(args.occupancy_arms.split(",")), waves=args.occupancy_waves,
-                        configs=args.occupancy_configs, cells=cells)
+                        configs=args.occupancy_configs, cells=cells,
+                        route=dict(words=True, pairs=True) if args.occupancy_words else None)
         return 0
     if args.compare_decoders:
         info["compare_decoders"] = compare_decoders(l2, ceil["read_tbs"])
@@ -644,10 +648,13 @@ def split_candidates(b: int, hkv: int, ctx: int, bn: int, sms: int, waves: bool)
 
 def sweep_occupancy(l2: int, read_tbs: float, rows: list[dict], save,
                     arms=("e4m3_native", "e4m3_software"), waves: bool = False,
-                    configs=OCCUPANCY_CONFIGS, cells=OCCUPANCY_CELLS) -> list[dict]:
+                    configs=OCCUPANCY_CONFIGS, cells=OCCUPANCY_CELLS,
+                    route: dict | None = None) -> list[dict]:
     """Launch configurations x register caps x split counts (split_candidates) on the target
-    cells, default route; every output is compared with the default launch's. Rows are
-    appended to `rows` and `save()` runs after every cell."""
+    cells, on the default route or on `route` (paged_decode keywords, e.g. words=True); every
+    output is compared with the default launch's. Rows are appended to `rows` and `save()`
+    runs after every cell."""
+    route = route or {}
     for name, hq, hkv, d, b, ctx in cells:
         cell = Cell(hq, hkv, d, b, ctx, l2)
         for arm in arms:
@@ -659,7 +666,7 @@ def sweep_occupancy(l2: int, read_tbs: float, rows: list[dict], save,
                 for splits in split_candidates(b, hkv, ctx, bn, sm_count(cell.q[0].device),
                                                waves):
                     kw = dict(block_n=bn, num_warps=nw, num_stages=ns, maxnreg=nreg,
-                              num_splits=splits)
+                              num_splits=splits, **route)
                     try:
                         fns = cell.fns(arm, **kw)
                         fns[0]()
