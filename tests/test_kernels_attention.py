@@ -190,11 +190,11 @@ def test_fp16_dots_needs_bf16_queries_and_e4m3():
 def test_word_route_switch(monkeypatch):
     from kvcap.kernels.decode import use_words
     dev = torch.device(DEV)
-    assert use_words(128, True, True, dev)
-    assert not use_words(64, True, True, dev) and not use_words(256, True, True, dev)
+    assert use_words(128, True, True, dev) and use_words(256, True, True, dev)
+    assert not use_words(64, True, True, dev)
     assert not use_words(128, False, True, dev) and not use_words(128, True, False, dev)
     monkeypatch.setenv("KVCAP_DISABLE_WORD_DECODE", "1")
-    assert not use_words(128, True, True, dev)
+    assert not use_words(128, True, True, dev) and not use_words(256, True, True, dev)
 
 
 def test_decode_word_route_refuses_what_it_cannot_do():
@@ -309,13 +309,15 @@ def test_split_heuristic():
 
 @pytest.mark.parametrize("mma", [True, False])
 def test_decode_config_by_gpu(monkeypatch, mma):
-    """sm_80+ (tensor-core dots): the E4M3 word route (D = 128) runs capped at 128 registers
-    with the stages and residency word_route_launch gives; other shapes run uncapped.
-    Below sm_80 (FMA dots) every cache reads bytes in 32-token tiles (16 at D = 256), uncapped.
-    The CPU interpreter keeps its own small tiles."""
+    """sm_80+ (tensor-core dots): the E4M3 word route runs at D = 128 capped at 128 registers
+    with the stages and residency word_route_launch gives, at D = 256 in 64-token tiles with
+    word_route_d256_launch's cap and residency; other shapes run uncapped. Below sm_80 (FMA
+    dots) every cache reads bytes in 32-token tiles (16 at D = 256), uncapped. The CPU
+    interpreter keeps its own small tiles."""
     from kvcap.kernels import decode
 
     monkeypatch.setattr(decode, "word_route_launch", lambda props: (5, 3))
+    monkeypatch.setattr(decode, "word_route_d256_launch", lambda props: (96, 7))
     monkeypatch.setattr(decode, "device_properties", lambda device: None)
     monkeypatch.setattr(decode, "has_mma", lambda device: mma)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -326,12 +328,16 @@ def test_decode_config_by_gpu(monkeypatch, mma):
         assert cfg.programs_per_sm == 3 and cfg.whole_waves and cfg.pairs
         byte_route = decode_config(128, True, True, cuda, words=False)  # the rollback switch
         assert byte_route.maxnreg is None and not byte_route.whole_waves
+        d256 = decode_config(256, True, True, cuda)
+        assert (d256.block_n, d256.num_stages, d256.maxnreg, d256.programs_per_sm) == \
+            (64, 3, 96, 7) and d256.whole_waves and d256.pairs
+        assert decode_config(256, True, True, cuda, words=False).maxnreg is None
     else:
         assert (cfg.block_n, cfg.maxnreg, cfg.pairs) == (32, None, False)
         assert decode_config(256, True, True, cuda).block_n == 16
+        assert decode_config(256, True, True, cuda).maxnreg is None
         assert decode_config(128, True, False, cuda).block_n == 32  # FP16 cache
     assert decode_config(128, True, False, cuda).maxnreg is None  # FP16 cache
-    assert decode_config(256, True, True, cuda).maxnreg is None
     assert decode_config(64, True, True, cuda).maxnreg is None
     assert decode_config(128, True, True, cpu).maxnreg is None
 
@@ -343,7 +349,11 @@ def test_programs_per_sm():
     from types import SimpleNamespace
 
     from kvcap.kernels.common import programs_per_sm
-    from kvcap.kernels.decode import WORD_ROUTE_SHARED_BYTES, word_route_launch
+    from kvcap.kernels.decode import (
+        WORD_ROUTE_SHARED_BYTES,
+        word_route_d256_launch,
+        word_route_launch,
+    )
 
     smem = WORD_ROUTE_SHARED_BYTES[3]
 
@@ -364,6 +374,10 @@ def test_programs_per_sm():
     assert word_route_launch(props(9, 0, 233472)) == (5, 3)
     assert word_route_launch(props(8, 0, 167936)) == (3, 3)
     assert word_route_launch(props(8, 6, 102400)) == (3, 2)
+    # D = 256 (43,264 B): capped at 128 registers on Hopper (4 programs), uncapped (168) below
+    assert word_route_d256_launch(props(9, 0, 233472)) == (128, 4)
+    assert word_route_d256_launch(props(8, 0, 167936)) == (None, 3)  # A100
+    assert word_route_d256_launch(props(8, 6, 102400)) == (None, 2)  # RTX 30xx
 
 
 def test_bad_arguments():

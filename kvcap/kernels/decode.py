@@ -397,6 +397,27 @@ class DecodeConfig(NamedTuple):
 WORD_ROUTE_SHARED_BYTES = {3: 41472, 5: 74752}
 
 
+# The word route at D = 256 (BLOCK_N 64, 4 warps, 3 stages, byte pairs), ptxas triton 3.6:
+# 43,264 bytes of shared memory on sm_80 to sm_90; 168 registers per thread uncapped (no
+# spill), 128 under the cap, where sm_90 spills 4-20 bytes and sm_80 / sm_86 24-64
+# (tests/test_kernels_compile.py checks both). H200, BF16 queries, GQA-6
+# (docs/benchmarks/occupancy-2026-12-02b-h200-gqa6-words-bf16.json): capped, 4 programs per SM,
+# at the split counts whole waves give, native decode took 0.76x the byte route's time at
+# 8 x 32K and 0.83x at 64 x 16K (79% of the read ceiling, against 60-65%), the software decoder
+# 0.87x / 0.91x; 5 stages, 32-token tiles and 8 warps were slower, 128-token tiles uncapped
+# slower or no faster. So the cap where it was measured (sm_90), none below (3 programs per SM
+# where the shared memory allows: derived, not measured).
+WORD_ROUTE_D256_SHARED_BYTES = 43264
+WORD_ROUTE_D256_REGISTERS = 168
+
+
+def word_route_d256_launch(props) -> tuple[int | None, int]:
+    """(register cap, programs per SM) of the E4M3 word route at D = 256."""
+    cap = 128 if (props.major, props.minor) >= (9, 0) else None
+    return cap, programs_per_sm(props, WORD_ROUTE_D256_SHARED_BYTES,
+                                cap or WORD_ROUTE_D256_REGISTERS, 4)
+
+
 def word_route_launch(props) -> tuple[int, int]:
     """(pipeline stages, programs per SM) of the E4M3 word route on a GPU with these device
     properties: 5 stages (double-buffered K/V) where an SM still holds 3 such programs (Hopper:
@@ -444,6 +465,10 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
         stages, resident = word_route_launch(device_properties(device))
         return DecodeConfig(128, 4, stages, False, resident, maxnreg=128, whole_waves=True,
                             pairs=True)
+    if fp8 and words and head_dim == 256:
+        cap, resident = word_route_d256_launch(device_properties(device))
+        return DecodeConfig(64, 4, 3, False, resident, maxnreg=cap, whole_waves=True,
+                            pairs=True)
     if fp8:
         return DecodeConfig(128 if head_dim <= 128 else 64, 4, 2, False, 8)
     pps = 8 if head_dim >= 256 else 4
@@ -452,12 +477,15 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
 
 def use_words(head_dim: int, grouped: bool, fp8: bool, device: torch.device) -> bool:
     """Whether E4M3 decode reads the cache as words (attend_word_tiles) by default: at
-    D = 128 only. H200, same run (docs/benchmarks/words-2026-11-30-h200.json): the word route
-    takes 0.88-0.90x the byte route's time natively and 0.93-0.94x in software at D = 128,
-    0.96-1.03x at D = 256, and 1.8-2.4x at D = 64 (four K = 16 dots per tile). It exists to feed
-    tensor-core operand layouts, so GPUs without Triton MMA (below sm_80) read bytes; the CPU
-    interpreter follows the sm_80+ rule, so CPU tests run the defaults those GPUs run."""
-    return fp8 and grouped and head_dim == 128 and words_enabled() and has_mma(device)
+    D = 128 and 256. H200, same run (docs/benchmarks/words-2026-11-30-h200.json): the word route
+    took 0.88-0.90x the byte route's time natively and 0.93-0.94x in software at D = 128,
+    0.96-1.03x at D = 256 at the byte route's tiles, and 1.8-2.4x at D = 64 (four K = 16 dots
+    per tile); at D = 256 with its own launch (word_route_d256_launch, 2026-12-02) 0.76-0.83x
+    natively and 0.87-0.91x in software. It exists to feed tensor-core operand layouts, so GPUs
+    without Triton MMA (below sm_80) read bytes; the CPU interpreter follows the sm_80+ rule, so
+    CPU tests run the defaults those GPUs run."""
+    return (fp8 and grouped and head_dim in (128, 256) and words_enabled()
+            and has_mma(device))
 
 
 MIXED_FP8_MODES = ("native-k", "native-v")
