@@ -63,10 +63,14 @@ def test_eager_inputs_match_metadata_build():
         ref = AttentionMetadata.build(plan.query_lens, plan.seq_lens, plan.tables, BS,
                                       torch.device("cpu"))
         assert ids.tolist() == plan.ids and pos.tolist() == plan.positions
-        for f in ("query_start_loc", "seq_lens", "context_lens", "block_tables",
-                  "slot_mapping"):
+        for f in ("query_start_loc", "seq_lens", "context_lens", "slot_mapping"):
             a, b = getattr(meta, f), getattr(ref, f)
             assert a.dtype == b.dtype and torch.equal(a, b), f
+        # the same tables, padded with -1 to a multiple of 16 columns (one Triton variant)
+        a, b = meta.block_tables, ref.block_tables
+        w = b.shape[1]
+        assert a.dtype == b.dtype and a.shape[1] % 16 == 0 and w <= a.shape[1] < w + 16
+        assert torch.equal(a[:, :w], b) and bool((a[:, w:] == -1).all())
         for f in ("query_start_loc_cpu", "seq_lens_cpu", "max_query_len", "max_seq_len",
                   "block_size"):
             assert getattr(meta, f) == getattr(ref, f), f
