@@ -142,8 +142,6 @@ def main() -> int:
     ap.add_argument("--block-m", type=int,
                     help="prefill: dot rows of this tile (with --block-n/--num-warps/"
                          "--num-stages) instead of prefill_config's")
-    ap.add_argument("--context", type=int, default=0,
-                    help="prefill: the batch's longest sequence, as prefill_config sees it")
     ap.add_argument("--kernel", choices=["decode", "prefill", "qsa"], default="decode",
                     help="prefill: the chunked-prefill kernel, qsa: the sparse (QSA) attention "
                          "kernel, both group 4 at their launchers' tiles for --sm")

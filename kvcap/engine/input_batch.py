@@ -159,9 +159,10 @@ class EagerInputs:
         b, t, bs = len(qlens), len(plan.ids), self.block_size
         rows = self.rows.rows_for(tables)
         # A multiple of 16 columns (padded with -1): Triton compiles a kernel variant per
-        # divisibility of each integer argument, and the block table's row stride is one, so a
-        # width that flipped between steps compiled the attention kernels again mid-serving
-        # (a long prompt after short ones: up to 1.5 s inside one request's TTFT on the H200).
+        # divisibility of each integer argument by 16, and the block table's row stride is one,
+        # so a width that flipped between steps compiled the attention kernels again inside a
+        # request (the likely cause of up to 1.5 s of extra TTFT on the H200 when a long prompt
+        # followed short ones; docs/kernels.md, "Twelfth change").
         width = _align(max(max(map(len, tables), default=1), 1), 16)
         # int32: query_start_loc | seq_lens | context_lens | block_tables (16-byte aligned)
         qsl = [0, *accumulate(qlens)]
