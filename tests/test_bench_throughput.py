@@ -3,11 +3,14 @@ the prefix cache (so the decode rate is measured with every request decoding).""
 
 from __future__ import annotations
 
+import pytest
+
 from kvcap.bench import step_overhead
 from kvcap.bench.throughput import run_cell
 
 
-def test_run_cell_decodes_in_lockstep_after_a_prefix_hit():
+@pytest.mark.parametrize("long_warmup", [True, False])
+def test_run_cell_decodes_in_lockstep_after_a_prefix_hit(long_warmup):
     llm = step_overhead.build_llm(step_overhead.tiny_config_path(), "cpu", 4, 256, 16, "auto",
                                   False)
     steps, cached = [], {}
@@ -25,8 +28,12 @@ def test_run_cell_decodes_in_lockstep_after_a_prefix_hit():
 
     llm.engine.step = counting_step
     llm.block_manager.allocate_prompt = recording_alloc
-    cell = run_cell(llm, concurrency=4, context=80, out_tokens=6, repeats=1)
+    cell = run_cell(llm, concurrency=4, context=80, out_tokens=6, repeats=1,
+                    long_warmup=long_warmup)
     assert cell["decode_steps"] == 5
+    assert cell["repeats"]["ttft_s"] == [round(cell["ttft_s"], 4)]
+    # the warm-up's full-length request (74 prompt tokens), unless left out
+    assert ("wlong-0" in cached) == long_warmup
     assert cell["decode_tok_s"] > 0 and cell["prefill_tok_s"] > 0 and cell["ttft_s"] > 0
     # The decode phase reuses the cold phase's 4 full blocks (64 of 74 prompt tokens) ...
     assert {r: c for r, c in cached.items() if r.startswith("d")} == {

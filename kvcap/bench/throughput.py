@@ -93,7 +93,8 @@ def calibrated_scales(model: str, dtype: str) -> dict[str, float]:
     return out
 
 
-def run_cell(llm, concurrency: int, context: int, out_tokens: int, repeats: int) -> dict:
+def run_cell(llm, concurrency: int, context: int, out_tokens: int, repeats: int,
+             long_warmup: bool = True) -> dict:
     """One cell, as two phases per repeat (the first repeat is a warm-up):
 
     1. cold prefill: every prompt with max_tokens=1 -> TTFT (until every request has its
@@ -103,6 +104,9 @@ def run_cell(llm, concurrency: int, context: int, out_tokens: int, repeats: int)
        in lockstep and the decode rate is measured over steps where all `concurrency`
        requests decode. (Timing decode inside one cold run mixes it with the staggered
        prefill: early requests finish before late ones start, which overstates the rate.)
+
+    `long_warmup=False` leaves out the warm-up's full-length request (the protocol before
+    2026-12-02), to check that no kernel compiles inside the scored repeats without it.
     """
     from kvcap import SamplingParams
 
@@ -111,7 +115,7 @@ def run_cell(llm, concurrency: int, context: int, out_tokens: int, repeats: int)
     results = []
     for rep in range(repeats + 1):
         n = prompt_len
-        if not rep:
+        if not rep and long_warmup:
             # The first repeat is a warm-up (kernels, graphs) on prompts of at most 2K tokens
             # (at 64 x 16K a full-size warm-up would cost a minute of prefill for nothing),
             # after one full-length request: the long tables and chunks compile kernel
@@ -120,6 +124,7 @@ def run_cell(llm, concurrency: int, context: int, out_tokens: int, repeats: int)
             _run_requests(llm, "wlong", torch.randint(
                 100, llm.spec.vocab_size - 100, (1, prompt_len), generator=gen).tolist(),
                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        if not rep:
             n = min(prompt_len, 2048)
         ids = torch.randint(100, llm.spec.vocab_size - 100, (concurrency, n),
                             generator=gen).tolist()
@@ -221,6 +226,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kv-gib", type=float, default=None, help="fixed KV budget for every arm")
+    ap.add_argument("--short-warmup", action="store_true",
+                    help="warm up on 2K-token prompts only (no full-length request): the "
+                         "protocol before 2026-12-02, to see whether a scored repeat compiles")
     ap.add_argument("--hf-baseline", action="store_true")
     ap.add_argument("--hf-only", action="store_true", help="only the HF baseline (no kvcap arms)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -266,7 +274,8 @@ def main(argv=None) -> int:
                                             f"{llm.pool.num_blocks}")
                             cell["pool_tokens"] = llm.pool.num_tokens
                         else:
-                            cell.update(run_cell(llm, c, ctx, args.out_tokens, args.repeats))
+                            cell.update(run_cell(llm, c, ctx, args.out_tokens, args.repeats,
+                                                 long_warmup=not args.short_warmup))
                             step = c / cell["decode_tok_s"]
                             cell["roofline_fraction"] = roofline_step_s(llm, c, ctx,
                                                                         ceiling) / step
