@@ -2,8 +2,10 @@
 
     python scripts/prefill_sweep.py [--out FILE.json] [--dtype float16|bfloat16]
         [--configs BM:BN:W:S[:R],...] [--contexts 2048,8192,16384] [--chunk 2048]
+        [--shape HQ,HKV,D]
 
-Llama-3.1-8B shape (32 q / 8 kv heads, D = 128), one sequence whose last `chunk` tokens are new
+Llama-3.1-8B shape by default (32 q / 8 kv heads, D = 128; `--shape 24,4,256` the GQA-6 /
+D = 256 one), one sequence whose last `chunk` tokens are new
 (the engine's default step budget is 2048 tokens) and attend to all the context before them,
 causally among themselves. Times paged_prefill with CUDA-graph replays (kvcap.bench.kernels'
 protocol) per cache arm x configuration x context; prints µs, attention TFLOP/s and each E4M3
@@ -26,14 +28,14 @@ from kvcap.bench import kernels as kb
 from kvcap.kernels.prefill import paged_prefill, prefill_config
 from kvcap.scales.fsutil import atomic_write_text
 
-HQ, HKV, D = 32, 8, 128
+SHAPE_8B = (32, 8, 128)
 ARMS = ("paged_fp16", "e4m3_native", "e4m3_software")
 
 
-def causal_flops(ctx: int, chunk: int) -> float:
+def causal_flops(ctx: int, chunk: int, hq: int, d: int) -> float:
     """QK^T and PV multiply-adds (2 FLOPs each) of `chunk` new tokens after ctx - chunk cached."""
     visible = sum(ctx - chunk + j + 1 for j in range(chunk))
-    return 4.0 * HQ * D * visible
+    return 4.0 * hq * d * visible
 
 
 def prefill_fns(cell: kb.Cell, q: torch.Tensor, outs: list, chunk: int, arm: str,
@@ -43,7 +45,7 @@ def prefill_fns(cell: kb.Cell, q: torch.Tensor, outs: list, chunk: int, arm: str
     kc, vc = (cell.k8, cell.v8) if fp8 else (cell.k16, cell.v16)
     mode = "software" if arm == "e4m3_software" else "auto"
     qsl = torch.tensor([0, chunk], dtype=torch.int32, device="cuda")
-    sc = 1 / math.sqrt(D)
+    sc = 1 / math.sqrt(cell.d)
     return [lambda i=i: paged_prefill(
         q, kc, vc, outs[i], cell.tables[i], cell.seq_lens, qsl, sc, chunk,
         cell.ks if fp8 else None, cell.vs if fp8 else None, fp8_mode=mode, **knobs)
@@ -59,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default="",
                     help="BM:BN:W:S[:R] or 'default' list; default: the default and a few "
                          "around it")
+    ap.add_argument("--shape", default=",".join(map(str, SHAPE_8B)),
+                    help="query heads, KV heads, head_dim")
     args = ap.parse_args(argv)
+    hq, hkv, d = (int(x) for x in args.shape.split(","))
     kb.DTYPE = getattr(torch, args.dtype)
     configs = ([None if c == "default" else tuple(int(x) for x in c.split(":"))
                 for c in args.configs.split(",")] if args.configs else
@@ -68,17 +73,17 @@ def main(argv: list[str] | None = None) -> int:
     l2 = kb.run_info()["l2_bytes"]
     rows = []
     for ctx in map(int, args.contexts.split(",")):
-        cell = kb.Cell(HQ, HKV, D, 1, ctx, l2)
+        cell = kb.Cell(hq, hkv, d, 1, ctx, l2)
         g = torch.Generator(device="cuda").manual_seed(ctx)
-        q = torch.randn(args.chunk, HQ, D, generator=g, device="cuda", dtype=kb.DTYPE)
+        q = torch.randn(args.chunk, hq, d, generator=g, device="cuda", dtype=kb.DTYPE)
         outs = [torch.empty_like(q) for _ in range(cell.r)]
-        flops = causal_flops(ctx, args.chunk)
+        flops = causal_flops(ctx, args.chunk, hq, d)
         ref = None
         for given in configs:
             base = None
             for arm in ARMS:
                 fp8 = arm.startswith("e4m3")
-                default = tuple(prefill_config(D, HQ // HKV, torch.device("cuda"), fp8))
+                default = tuple(prefill_config(d, hq // hkv, torch.device("cuda"), fp8))
                 cfg = default if given is None else given + (0,) * (5 - len(given))
                 cfg = cfg[:4] + (cfg[4] or 0,)
                 knobs = dict(zip(("block_m", "block_n", "num_warps", "num_stages", "maxnreg"),
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         del cell
         torch.cuda.empty_cache()
     if args.out:
-        info = kb.run_info() | {"dtype": args.dtype, "shape": [HQ, HKV, D]}
+        info = kb.run_info() | {"dtype": args.dtype, "shape": [hq, hkv, d]}
         atomic_write_text(Path(args.out), json.dumps({"info": info, "rows": rows}, indent=1))
     return 0
 
