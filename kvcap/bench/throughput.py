@@ -114,7 +114,7 @@ def run_cell(llm, concurrency: int, context: int, out_tokens: int, repeats: int,
     prompt_len = context - out_tokens
     results = []
     for rep in range(repeats + 1):
-        n = prompt_len
+        n = prompt_len if rep else min(prompt_len, 2048)
         if not rep and long_warmup:
             # The first repeat is a warm-up (kernels, graphs) on prompts of at most 2K tokens
             # (at 64 x 16K a full-size warm-up would cost a minute of prefill for nothing),
@@ -124,8 +124,6 @@ def run_cell(llm, concurrency: int, context: int, out_tokens: int, repeats: int,
             _run_requests(llm, "wlong", torch.randint(
                 100, llm.spec.vocab_size - 100, (1, prompt_len), generator=gen).tolist(),
                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-        if not rep:
-            n = min(prompt_len, 2048)
         ids = torch.randint(100, llm.spec.vocab_size - 100, (concurrency, n),
                             generator=gen).tolist()
         llm.block_manager.reset_prefix_cache()
