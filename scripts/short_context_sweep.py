@@ -1,0 +1,126 @@
+"""Decode at short contexts and small batches: split counts and tile sizes per cache arm.
+
+    python scripts/short_context_sweep.py [--out FILE.json] [--dtype bfloat16]
+        [--batches 1,2,4,8] [--contexts 1024,2048,4096] [--shape HQ,HKV,D]
+        [--splits 1,2,4,8,16,32] [--tiles 64,128]
+
+Why: end to end at 1 x 1K (8B shape) the E4M3 cache decoded 1-2% slower than the BF16 one
+(docs/benchmarks/throughput-2026-12-02e-h200-low-bf16.json), where the attention call is a
+latency-bound launch of a few dozen programs: the E4M3 word route's 128-token tiles and its
+rule of >= 4 tiles per split give it fewer, longer programs than the 16-bit kernel. This
+times every arm's default launch, then each arm at explicit split counts (and, for E4M3, 64-
+and 128-token tiles), with kvcap.bench.kernels' protocol (CUDA graphs of >= 8 calls over KV
+sets beyond L2), checks every output against the arm's default, prints the best launch per
+arm and cell next to the 16-bit default, and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from kvcap.bench import kernels as kb
+from kvcap.kernels.common import sm_count
+from kvcap.kernels.decode import choose_num_splits, decode_config
+from kvcap.scales.fsutil import atomic_write_text
+
+ARMS = ("paged_fp16", "e4m3_native", "e4m3_software")
+
+
+def arm_launches(arm: str, tiles: list[int], splits: list[int], d: int) -> list[dict]:
+    """paged_decode keywords to time for one arm (the default launch first, as {})."""
+    out: list[dict] = [{}]
+    if arm == "paged_fp16":
+        return out + [{"num_splits": s} for s in splits]
+    dev = torch.device("cuda")
+    cfg = decode_config(d, True, True, dev)
+    for bn in tiles:
+        for s in splits:
+            out.append(dict(block_n=bn, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                            maxnreg=cfg.maxnreg or 0, num_splits=s))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
+    ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--contexts", default="1024,2048,4096")
+    ap.add_argument("--shape", default="32,8,128", help="HQ,HKV,D (default: Llama-3.1-8B)")
+    ap.add_argument("--splits", default="1,2,4,8,16,32")
+    ap.add_argument("--tiles", default="64,128", help="E4M3 tile sizes (BLOCK_N) to time")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    try:
+        hq, hkv, d = (int(x) for x in args.shape.split(","))
+        batches = [int(x) for x in args.batches.split(",")]
+        contexts = [int(x) for x in args.contexts.split(",")]
+        splits = [int(x) for x in args.splits.split(",")]
+        tiles = [int(x) for x in args.tiles.split(",")]
+    except ValueError:
+        raise SystemExit("--shape/--batches/--contexts/--splits/--tiles: comma-separated "
+                         "integers, e.g. --shape 32,8,128 --splits 1,2,4") from None
+    kb.DTYPE = getattr(torch, args.dtype)
+    info = kb.run_info()
+    info.update(dtype=args.dtype, shape=[hq, hkv, d], block_size=kb.BLOCK_SIZE)
+    ceil = kb.measure_ceilings()
+    rows: list[dict] = []
+    out = Path(args.out or Path(__import__("os").environ.get("OUT", ".")) / "short.json")
+
+    def save() -> None:
+        atomic_write_text(out, json.dumps({"info": info, "ceilings": ceil, "rows": rows},
+                                          indent=1))
+
+    dev = torch.device("cuda")
+    for b in batches:
+        for ctx in contexts:
+            cell = kb.Cell(hq, hkv, d, b, ctx, info["l2_bytes"])
+            best: dict[str, tuple[float, dict]] = {}
+            for arm in ARMS:
+                cfg = decode_config(d, True, arm != "paged_fp16", dev)
+                default_splits = choose_num_splits(b, hkv, ctx, cfg.block_n, sm_count(dev),
+                                                   cfg.programs_per_sm, cfg.whole_waves)
+                ref = None
+                for kw in arm_launches(arm, tiles, splits, d):
+                    fns = cell.fns(arm, **kw)
+                    fns[0]()
+                    if ref is None:
+                        ref = cell.out[0].clone()
+                    err = kb._rel(cell.out[0], ref)
+                    ms = kb._graph_time(fns, reps=20)
+                    row = {"batch": b, "context": ctx, "arm": arm, "default": not kw,
+                           "default_splits": default_splits, "block_n": cfg.block_n, **kw,
+                           "us": ms * 1e3, "rel_err_vs_default": err}
+                    rows.append(row)
+                    if arm not in best or ms < best[arm][0]:
+                        best[arm] = (ms, row)
+                    if err > 2e-3:
+                        print(f"MISMATCH {row}", flush=True)
+            base = next(r["us"] for r in rows if r["batch"] == b and r["context"] == ctx
+                        and r["arm"] == "paged_fp16" and r["default"])
+            for arm in ARMS:
+                dflt = next(r for r in rows if r["batch"] == b and r["context"] == ctx
+                            and r["arm"] == arm and r["default"])
+                ms, r = best[arm]
+                print(f"B={b} ctx={ctx} {arm:13s} default {dflt['us']:6.1f}us "
+                      f"(splits {dflt['default_splits']}, x{dflt['us'] / base:.2f} of 16-bit) "
+                      f"best {ms * 1e3:6.1f}us (BN={r.get('block_n')} "
+                      f"splits={r.get('num_splits', r['default_splits'])}, "
+                      f"x{ms * 1e3 / base:.2f})", flush=True)
+            save()
+            del cell
+            torch.cuda.empty_cache()
+    save()
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
