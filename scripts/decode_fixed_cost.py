@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             fp8 = mode is not None
             cfg = dk.decode_config(D, True, fp8, torch.device("cuda"))
             default = dk.choose_num_splits(b, HKV, args.context, cfg.block_n, dk.sm_count(
-                torch.device("cuda")), cfg.programs_per_sm, cfg.whole_waves)
+                torch.device("cuda")), cfg.programs_per_sm, cfg.whole_waves,
+                cfg.short_programs_per_sm)
             for splits in ([int(s) for s in args.splits.split(",")] if args.splits
                            else [default]):
                 pts = []

@@ -3,6 +3,7 @@
     python scripts/short_context_sweep.py [--out FILE.json] [--dtype bfloat16]
         [--batches 1,2,4,8] [--contexts 1024,2048,4096] [--shape HQ,HKV,D]
         [--splits 1,2,4,8,16,32] [--tiles 64,128]
+    python scripts/short_context_sweep.py --compare-rules [--classes 2048,16384] ...
 
 Why: end to end at 1 x 1K (8B shape) the E4M3 cache decoded 1-2% slower than the BF16 one
 (docs/benchmarks/throughput-2026-12-02e-h200-low-bf16.json), where the attention call is a
@@ -11,7 +12,11 @@ rule of >= 4 tiles per split give it fewer, longer programs than the 16-bit kern
 times every arm's default launch, then each arm at explicit split counts (and, for E4M3, 64-
 and 128-token tiles), with kvcap.bench.kernels' protocol (CUDA graphs of >= 8 calls over KV
 sets beyond L2), checks every output against the arm's default, prints the best launch per
-arm and cell next to the 16-bit default, and writes JSON.
+arm and cell next to the 16-bit default, and writes JSON. `--compare-rules` instead times
+each arm at the split count of choose_num_splits without and with its short-context rule
+(decode_config's short_programs_per_sm), computed as the engine computes it: from the context
+class a step's graph was captured for (`--classes`, the engine's 2048 / 16384 / max length)
+while the sequences hold `--contexts` tokens.
 """
 
 from __future__ import annotations
@@ -45,6 +50,37 @@ def arm_launches(arm: str, tiles: list[int], splits: list[int], d: int) -> list[
     return out
 
 
+def compare_rules(cell: kb.Cell, cls: int, rows: list[dict]) -> None:
+    """Times each arm at the split count without and with the short-context rule, chosen for
+    a `cls`-token context class; prints the ratio."""
+    dev = torch.device("cuda")
+    b, ctx = cell.b, cell.ctx
+    for arm in ARMS:
+        cfg = decode_config(cell.d, True, arm != "paged_fp16", dev)
+        args = (b, cell.hkv, cls, cfg.block_n, sm_count(dev), cfg.programs_per_sm,
+                cfg.whole_waves)
+        old, new = choose_num_splits(*args), choose_num_splits(*args, cfg.short_programs_per_sm)
+        times = {}
+        for rule, s in (("old", old), ("new", new)):
+            if rule == "new" and new == old:
+                times["new"] = times["old"]
+                continue
+            fns = cell.fns(arm, num_splits=s)
+            fns[0]()
+            if rule == "old":
+                ref = cell.out[0].clone()
+            err = kb._rel(cell.out[0], ref)
+            times[rule] = kb._graph_time(fns, reps=20) * 1e3
+            if err > 2e-3:
+                print(f"MISMATCH {arm} B={b} ctx={ctx} splits={s}: {err:.1e}", flush=True)
+        rows.append({"batch": b, "context": ctx, "context_class": cls, "arm": arm,
+                     "splits_old": old, "splits_new": new, "us_old": times["old"],
+                     "us_new": times["new"]})
+        print(f"rules B={b} ctx={ctx} (class {cls}) {arm:13s} old {old:2d} splits "
+              f"{times['old']:6.1f}us  new {new:2d} splits {times['new']:6.1f}us  "
+              f"x{times['new'] / times['old']:.3f}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
@@ -54,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="32,8,128", help="HQ,HKV,D (default: Llama-3.1-8B)")
     ap.add_argument("--splits", default="1,2,4,8,16,32")
     ap.add_argument("--tiles", default="64,128", help="E4M3 tile sizes (BLOCK_N) to time")
+    ap.add_argument("--compare-rules", action="store_true",
+                    help="time the split count without and with the short-context rule")
+    ap.add_argument("--classes", default="",
+                    help="--compare-rules: context classes the split count is chosen from "
+                         "(the smallest >= the context; default: the context itself)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -64,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         contexts = [int(x) for x in args.contexts.split(",")]
         splits = [int(x) for x in args.splits.split(",")]
         tiles = [int(x) for x in args.tiles.split(",")]
+        classes = sorted(int(x) for x in args.classes.split(",") if x)
     except ValueError:
         raise SystemExit("--shape/--batches/--contexts/--splits/--tiles: comma-separated "
                          "integers, e.g. --shape 32,8,128 --splits 1,2,4") from None
@@ -82,6 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     for b in batches:
         for ctx in contexts:
             cell = kb.Cell(hq, hkv, d, b, ctx, info["l2_bytes"])
+            if args.compare_rules:
+                cls = next((c for c in classes if c >= ctx), ctx)
+                compare_rules(cell, cls, rows)
+                save()
+                del cell
+                torch.cuda.empty_cache()
+                continue
             best: dict[str, tuple[float, dict]] = {}
             for arm in ARMS:
                 cfg = decode_config(d, True, arm != "paged_fp16", dev)

@@ -438,10 +438,12 @@ def main(argv: list[str] | None = None) -> int:
                 dev = cell.q[0].device
                 cfg = decode_config(d, True, True, dev)
                 splits = choose_num_splits(b, hkv, ctx, cfg.block_n, sm_count(dev),
-                                           cfg.programs_per_sm, cfg.whole_waves)
+                                           cfg.programs_per_sm, cfg.whole_waves,
+                                           cfg.short_programs_per_sm)
                 cfg16 = decode_config(d, True, False, dev)
                 splits16 = choose_num_splits(b, hkv, ctx, cfg16.block_n, sm_count(dev),
-                                             cfg16.programs_per_sm)
+                                             cfg16.programs_per_sm, cfg16.whole_waves,
+                                             cfg16.short_programs_per_sm)
                 row = {"shape": name, "hq": hq, "hkv": hkv, "head_dim": d, "batch": b,
                        "context": ctx, "rotations": cell.r, "splits": splits,
                        "splits_fp16": splits16,

@@ -350,13 +350,21 @@ WAVE_FILL = 0.85  # the least filled last wave choose_num_splits accepts when sp
 
 
 def choose_num_splits(num_seqs: int, head_programs: int, max_seq_len: int, block_n: int,
-                      num_sms: int, programs_per_sm: int = 4, whole_waves: bool = False) -> int:
+                      num_sms: int, programs_per_sm: int = 4, whole_waves: bool = False,
+                      short_programs_per_sm: int | None = None) -> int:
     """Split the context so the grid holds about `programs_per_sm` programs per SM (memory
     latency needs many loads in flight), keeping >= 4 tiles per split. With `whole_waves`
     (`programs_per_sm` is then how many programs an SM holds at once) the grid never exceeds
     one full wave by a partial one: 9 splits of 64 (sequence, head) programs on 132 SMs x 4 is
     576 programs, 48 of which run in a second wave on an almost idle GPU (H200, 8B shape,
-    8 x 32K: 184 us at 9 splits, 161 us at 8)."""
+    8 x 32K: 184 us at 9 splits, 161 us at 8).
+
+    `short_programs_per_sm`: where the 4-tile rule leaves a short context's grid smaller than
+    that many programs per SM, split further, down to one tile per split (never past the
+    grid the rule above allows). A call over a short context is latency-bound: its time is
+    the serial walk of one program's tiles, not the bytes (H200, 8B shape, BF16 queries,
+    docs/benchmarks/short-2026-12-02-h200-8b-bf16.json: 1 x 1K took 13.3 us at 2 E4M3 splits
+    and 8.4 at 8; the 16-bit kernel 12.9 at 4 and 8.1 at 16)."""
     if not split_k_enabled():
         return 1
     tiles = triton.cdiv(max(max_seq_len, 1), block_n)
@@ -364,17 +372,25 @@ def choose_num_splits(num_seqs: int, head_programs: int, max_seq_len: int, block
     base = max(num_seqs * head_programs, 1)
     slots = programs_per_sm * num_sms
     if not whole_waves:
-        return int(max(1, min(triton.cdiv(slots, base), limit)))
-    if base <= slots:
-        return int(max(1, min(slots // base, limit)))
-    # More (sequence, head) programs than one wave holds: split so the last wave is nearly full
-    # (8B shape, 64 x 16K on the H200 at 3 programs per SM: 512 programs fill 1.29 waves and
-    # take 566 us; 2 splits fill 2.59 and take 522 us).
-    for splits in range(1, limit + 1):
-        waves = splits * base / slots
-        if waves / math.ceil(waves) >= WAVE_FILL:
-            return splits
-    return 1
+        widest = triton.cdiv(slots, base)
+        splits = int(max(1, min(widest, limit)))
+    elif base <= slots:
+        widest = slots // base
+        splits = int(max(1, min(widest, limit)))
+    else:
+        # More (sequence, head) programs than one wave holds: split so the last wave is
+        # nearly full (8B shape, 64 x 16K on the H200 at 3 programs per SM: 512 programs fill
+        # 1.29 waves and take 566 us; 2 splits fill 2.59 and take 522 us).
+        widest, splits = 1, 1
+        for s in range(1, limit + 1):
+            waves = s * base / slots
+            if waves / math.ceil(waves) >= WAVE_FILL:
+                splits = s
+                break
+    if short_programs_per_sm:
+        short = min(tiles, MAX_SPLITS, widest, short_programs_per_sm * num_sms // base)
+        splits = max(splits, short)
+    return splits
 
 
 class DecodeConfig(NamedTuple):
@@ -386,6 +402,7 @@ class DecodeConfig(NamedTuple):
     maxnreg: int | None = None  # register cap per thread (None: the compiler's choice)
     whole_waves: bool = False  # programs_per_sm is the residency: split in whole waves
     pairs: bool = False  # word route: convert byte pairs (see paged_decode)
+    short_programs_per_sm: int | None = None  # choose_num_splits' short-context grid
 
 
 # Shared memory of the E4M3 word-route program (BLOCK_N 128, 4 warps, byte pairs, 128-register
@@ -409,6 +426,13 @@ WORD_ROUTE_SHARED_BYTES = {3: 41472, 5: 74752}
 # where the shared memory allows: derived, not measured).
 WORD_ROUTE_D256_SHARED_BYTES = 43264
 WORD_ROUTE_D256_REGISTERS = 168
+
+
+# Short contexts (choose_num_splits' short_programs_per_sm): the E4M3 word route's programs
+# walk 128-token tiles through a 5-stage pipeline, and its short calls were fastest at about
+# 2 programs per SM (H200, 8B shape: 1 x 1K / 4 x 1K / 8 x 1K best at 8 / 8 / 4 splits), the
+# 16-bit kernel's at its usual 4.
+SHORT_WORD_PROGRAMS_PER_SM = 2
 
 
 def word_route_d256_launch(props) -> tuple[int | None, int]:
@@ -464,15 +488,17 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
     if fp8 and words and head_dim == 128:
         stages, resident = word_route_launch(device_properties(device))
         return DecodeConfig(128, 4, stages, False, resident, maxnreg=128, whole_waves=True,
-                            pairs=True)
+                            pairs=True, short_programs_per_sm=SHORT_WORD_PROGRAMS_PER_SM)
     if fp8 and words and head_dim == 256:
         cap, resident = word_route_d256_launch(device_properties(device))
         return DecodeConfig(64, 4, 3, False, resident, maxnreg=cap, whole_waves=True,
-                            pairs=True)
+                            pairs=True, short_programs_per_sm=SHORT_WORD_PROGRAMS_PER_SM)
     if fp8:
-        return DecodeConfig(128 if head_dim <= 128 else 64, 4, 2, False, 8)
+        return DecodeConfig(128 if head_dim <= 128 else 64, 4, 2, False, 8,
+                            short_programs_per_sm=8)
     pps = 8 if head_dim >= 256 else 4
-    return DecodeConfig(128 if head_dim <= 64 else 64, 4, 2, False, pps)
+    return DecodeConfig(128 if head_dim <= 64 else 64, 4, 2, False, pps,
+                        short_programs_per_sm=pps)
 
 
 def use_words(head_dim: int, grouped: bool, fp8: bool, device: torch.device) -> bool:
@@ -593,7 +619,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         maxnreg = cfg.maxnreg  # the cap belongs to the default launch configuration
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, head_programs, max_seq_len, bn,
-                                       sm_count(q.device), cfg.programs_per_sm, cfg.whole_waves)
+                                       sm_count(q.device), cfg.programs_per_sm, cfg.whole_waves,
+                                       cfg.short_programs_per_sm)
     block_h = max(16, triton.next_power_of_2(heads)) if grouped else 1
     counters = dummy = k_cache
     fold = fold and num_splits > 1
