@@ -307,6 +307,24 @@ def test_split_heuristic():
     assert choose_num_splits(64, 8, 256, 128, 132, 3, whole_waves=True) == 1  # too few tiles
 
 
+def test_split_heuristic_short_contexts():
+    # the 4-tile rule gives 1 x 2K (8 KV heads, 128-token tiles) 4 splits; the short-context
+    # rule splits to one tile per split while the grid stays under 2 programs per SM
+    assert choose_num_splits(1, 8, 2048, 128, 132, 3, True) == 4
+    assert choose_num_splits(1, 8, 2048, 128, 132, 3, True, 2) == 16
+    assert choose_num_splits(4, 8, 2048, 128, 132, 3, True, 2) == 8  # 264 // 32 programs
+    assert choose_num_splits(1, 8, 1024, 64, 132, 4, False, 4) == 16  # 16-bit, 64-token tiles
+    # ... at most MAX_SHORT_SPLITS: a context class far above the sequences' lengths would
+    # otherwise merge mostly empty splits
+    assert choose_num_splits(1, 8, 8192, 64, 132, 4, False, 4) == 32  # the 4-tile rule's own
+    assert choose_num_splits(1, 3, 4096, 128, 132, 4, False, 4) == 16
+    # it never lowers the long-context choice nor splits past the grid's wave
+    assert choose_num_splits(8, 8, 4096, 128, 132, 3, True, 2) == 6
+    assert choose_num_splits(1, 8, 16384, 128, 132, 3, True, 2) == 32
+    assert choose_num_splits(64, 8, 1024, 128, 132, 3, True, 2) == 2
+    assert choose_num_splits(1, 8, 100, 128, 132, 3, True, 2) == 1  # one tile: no split
+
+
 @pytest.mark.parametrize("mma", [True, False])
 def test_decode_config_by_gpu(monkeypatch, mma):
     """sm_80+ (tensor-core dots): the E4M3 word route runs at D = 128 capped at 128 registers

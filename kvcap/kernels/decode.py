@@ -343,6 +343,7 @@ def _merge_kernel(
 
 
 MAX_SPLITS = 64
+MAX_SHORT_SPLITS = 16  # choose_num_splits' short-context rule splits at most this far
 # The folded merge reads the partials 8 splits at a time, all in flight; past 32 splits
 # (ptxas sm_90a, E4M3 word route: 40 bytes spilled at 64) the merge kernel does it.
 FOLD_MAX_SPLITS = 32
@@ -360,11 +361,14 @@ def choose_num_splits(num_seqs: int, head_programs: int, max_seq_len: int, block
     8 x 32K: 184 us at 9 splits, 161 us at 8).
 
     `short_programs_per_sm`: where the 4-tile rule leaves a short context's grid smaller than
-    that many programs per SM, split further, down to one tile per split (never past the
-    grid the rule above allows). A call over a short context is latency-bound: its time is
-    the serial walk of one program's tiles, not the bytes (H200, 8B shape, BF16 queries,
-    docs/benchmarks/short-2026-12-02-h200-8b-bf16.json: 1 x 1K took 13.3 us at 2 E4M3 splits
-    and 8.4 at 8; the 16-bit kernel 12.9 at 4 and 8.1 at 16)."""
+    that many programs per SM, split further, down to one tile per split and at most
+    MAX_SHORT_SPLITS (never past the grid the rule above allows). A call over a short context
+    is latency-bound: its time is the serial walk of one program's tiles, not the bytes (H200,
+    8B shape, BF16 queries, docs/benchmarks/short-2026-12-02-h200-8b-bf16.json: 1 x 1K took
+    13.3 us at 2 E4M3 splits and 8.4 at 8; the 16-bit kernel 12.9 at 4 and 8.1 at 16). The
+    engine chooses splits for a context class (2048 for every shorter context), so the
+    merge also pays for splits a shorter sequence leaves empty: 32 splits over 1K tokens
+    took 9.4 us, 16 took 8.1 (rules-2026-12-02-h200-*.json), hence the cap."""
     if not split_k_enabled():
         return 1
     tiles = triton.cdiv(max(max_seq_len, 1), block_n)
@@ -388,7 +392,7 @@ def choose_num_splits(num_seqs: int, head_programs: int, max_seq_len: int, block
                 splits = s
                 break
     if short_programs_per_sm:
-        short = min(tiles, MAX_SPLITS, widest, short_programs_per_sm * num_sms // base)
+        short = min(tiles, MAX_SHORT_SPLITS, widest, short_programs_per_sm * num_sms // base)
         splits = max(splits, short)
     return splits
 
@@ -492,13 +496,16 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
     if fp8 and words and head_dim == 256:
         cap, resident = word_route_d256_launch(device_properties(device))
         return DecodeConfig(64, 4, 3, False, resident, maxnreg=cap, whole_waves=True,
-                            pairs=True, short_programs_per_sm=SHORT_WORD_PROGRAMS_PER_SM)
+                            pairs=True)
+    # The short-context rule where it was measured to help (H200: D = 64 and 128); at
+    # D = 256 more splits than the 4-tile rule's were slower or no faster.
+    short = None if head_dim >= 256 else (8 if fp8 else 4)
     if fp8:
         return DecodeConfig(128 if head_dim <= 128 else 64, 4, 2, False, 8,
-                            short_programs_per_sm=8)
+                            short_programs_per_sm=short)
     pps = 8 if head_dim >= 256 else 4
     return DecodeConfig(128 if head_dim <= 64 else 64, 4, 2, False, pps,
-                        short_programs_per_sm=pps)
+                        short_programs_per_sm=short)
 
 
 def use_words(head_dim: int, grouped: bool, fp8: bool, device: torch.device) -> bool:
