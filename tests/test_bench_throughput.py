@@ -41,3 +41,19 @@ def test_run_cell_decodes_in_lockstep_after_a_prefix_hit(long_warmup):
     assert all(c == 0 for r, c in cached.items() if r.startswith("p"))
     # ... and then all four requests produce a token in each of its 6 steps.
     assert steps[-6:] == [4] * 6, steps
+
+
+def test_merge_passes_takes_medians_over_every_pass():
+    from kvcap.bench.throughput import merge_passes
+
+    def run(ttft, tok):
+        return {"ttft_s": ttft[0], "prefill_tok_s": 1.0, "decode_tok_s": tok[0],
+                "decode_steps": 7, "repeats": {"ttft_s": ttft, "decode_tok_s": tok,
+                                               "prefill_tok_s": [1.0] * len(tok)}}
+
+    one = run([0.5, 0.7], [100.0, 110.0])
+    assert merge_passes([one]) is one
+    merged = merge_passes([one, run([0.6, 0.9], [90.0, 130.0])])
+    assert merged["repeats"]["decode_tok_s"] == [100.0, 110.0, 90.0, 130.0]
+    assert merged["decode_tok_s"] == 105.0 and merged["ttft_s"] == 0.65
+    assert merged["passes"] == 2 and merged["decode_steps"] == 7
