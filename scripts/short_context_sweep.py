@@ -36,7 +36,8 @@ from kvcap.scales.fsutil import atomic_write_text
 ARMS = ("paged_fp16", "e4m3_native", "e4m3_software")
 
 
-def arm_launches(arm: str, tiles: list[int], splits: list[int], d: int) -> list[dict]:
+def arm_launches(arm: str, tiles: list[int], splits: list[int], d: int,
+                 stages: list[int] | None = None) -> list[dict]:
     """paged_decode keywords to time for one arm (the default launch first, as {})."""
     out: list[dict] = [{}]
     if arm == "paged_fp16":
@@ -44,9 +45,10 @@ def arm_launches(arm: str, tiles: list[int], splits: list[int], d: int) -> list[
     dev = torch.device("cuda")
     cfg = decode_config(d, True, True, dev)
     for bn in tiles:
-        for s in splits:
-            out.append(dict(block_n=bn, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                            maxnreg=cfg.maxnreg or 0, num_splits=s))
+        for ns in stages or [cfg.num_stages]:
+            for s in splits:
+                out.append(dict(block_n=bn, num_warps=cfg.num_warps, num_stages=ns,
+                                maxnreg=cfg.maxnreg or 0, num_splits=s))
     return out
 
 
@@ -90,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="32,8,128", help="HQ,HKV,D (default: Llama-3.1-8B)")
     ap.add_argument("--splits", default="1,2,4,8,16,32")
     ap.add_argument("--tiles", default="64,128", help="E4M3 tile sizes (BLOCK_N) to time")
+    ap.add_argument("--stages", default="",
+                    help="E4M3 pipeline depths to time (default: the arm's own)")
     ap.add_argument("--compare-rules", action="store_true",
                     help="time the split count without and with the short-context rule")
     ap.add_argument("--classes", default="",
@@ -105,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         contexts = [int(x) for x in args.contexts.split(",")]
         splits = [int(x) for x in args.splits.split(",")]
         tiles = [int(x) for x in args.tiles.split(",")]
+        stages = [int(x) for x in args.stages.split(",") if x]
         classes = sorted(int(x) for x in args.classes.split(",") if x)
     except ValueError:
         raise SystemExit("--shape/--batches/--contexts/--splits/--tiles: comma-separated "
@@ -137,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                 default_splits = choose_num_splits(b, hkv, ctx, cfg.block_n, sm_count(dev),
                                                    cfg.programs_per_sm, cfg.whole_waves)
                 ref = None
-                for kw in arm_launches(arm, tiles, splits, d):
+                for kw in arm_launches(arm, tiles, splits, d, stages):
                     fns = cell.fns(arm, **kw)
                     fns[0]()
                     if ref is None:
@@ -160,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 ms, r = best[arm]
                 print(f"B={b} ctx={ctx} {arm:13s} default {dflt['us']:6.1f}us "
                       f"(splits {dflt['default_splits']}, x{dflt['us'] / base:.2f} of 16-bit) "
-                      f"best {ms * 1e3:6.1f}us (BN={r.get('block_n')} "
+                      f"best {ms * 1e3:6.1f}us (BN={r.get('block_n')} S={r.get('num_stages')} "
                       f"splits={r.get('num_splits', r['default_splits'])}, "
                       f"x{ms * 1e3 / base:.2f})", flush=True)
             save()
