@@ -182,14 +182,15 @@ def test_bf16_queries_compile_to_fp16_dots(cache, sm, head_dim):
     is converted on its way to a dot (BF16 dots cost one cvt.rn.bf16.f16 per element on
     sm_90, and cvt.f32.f16 + cvt.rn.bf16.f32 per element below it: 256 / 512 per thread and
     128-token tile at D = 128), and the word route keeps the shared memory its residency
-    assumes. Spills: none, but one register at sm_90's native word route (stored before the
-    tile loop, reloaded once outside the steady-state loop)."""
+    assumes. Spills: none, but one register at sm_90's word route (stored before the tile loop;
+    triton 3.9 spills it for the software decoder too since its 2026-12-02 rewrite, and its
+    loop's local loads and stores are as many as before: 12 / 1 in both)."""
     words = head_dim in (128, 256)
     c = _counts("--cache", cache, "--sm", str(sm), "--head-dim", str(head_dim), "--defaults",
                 "--dtype", "bf16", *(["--words"] if words else []))
     assert c["cvt.f32.f16"] == 0 and c["cvt.rn.bf16.f16"] == 0
     assert (c["cvt.rn.f16x2.e4m3x2"] > 0) == (cache == "native")
-    assert c["spill store bytes"] <= (4 if cache == "native" else 0)
+    assert c["spill store bytes"] <= (4 if sm >= 90 and words else 0)
     if words:
         _assert_word_residency(c, sm, head_dim)
 

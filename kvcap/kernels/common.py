@@ -3,11 +3,11 @@ switches and launch heuristics. Imports nothing else of kvcap (kernels take tens
 
 E4M3 decode on read, two exact routes, both on the raw [N, D] byte tile:
   * native: `cvt.rn.f16x2.e4m3x2`, the hardware conversion (SM89+), two bytes per instruction;
-  * software ("packed"): four bytes per 32-bit register; two AND/shift/OR steps per *pair* of
-    bytes move each byte's `eeeemmm` into FP16 exponent/mantissa positions (the sign bit goes
-    to FP16's sign), which is the E4M3 value times 2^-8 exactly (subnormals included), and two
-    byte permutes put the halves back in element order. The 2^8 is folded into the hoisted
-    scales, so the decoder costs no float multiply at all.
+  * software ("packed"): per pair of bytes, one byte permute (which also replicates each
+    byte's sign into the byte above it), one shift and one AND put each byte's `eeeemmm` in
+    FP16 exponent/mantissa positions and its sign in FP16's sign bit: the E4M3 value times
+    2^-8 exactly (subnormals included). The 2^8 is folded into the hoisted scales, so the
+    decoder costs no float multiply at all.
 Both are inline PTX in compiled kernels; the CPU interpreter runs Triton-op twins of them.
 """
 
@@ -200,19 +200,33 @@ _NATIVE_PTX = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
                            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
 
 
-def _packed_ptx(src: str, out: str) -> str:
-    """The packed software decoder on the 32-bit register `src`: e = bytes 0 and 2 as FP16
-    halves, o = bytes 1 and 3 (each value * 2^-8); `out` moves e/o into the results."""
-    return ("{ .reg .b32 e, o, t; "
-            f"shl.b32 e, {src}, 8; and.b32 e, e, 0x80008000; shl.b32 t, {src}, 7; "
-            "and.b32 t, t, 0x3F803F80; or.b32 e, e, t; "
-            f"and.b32 o, {src}, 0x80008000; shr.b32 t, {src}, 1; and.b32 t, t, 0x3F803F80; "
-            f"or.b32 o, o, t; {out} }}")
+# The packed software decoder, one FP16 pair per 32-bit register in three instructions: a byte
+# permute `prmt` puts the two E4M3 bytes at bits 0-7 and 16-23 and, in the byte above each,
+# that byte's sign replicated (prmt's sign mode: selector nibble | 8); a shift left by 7 then
+# moves each `eeeemmm` to FP16 exponent/mantissa bits 7-13 (+16) and brings a sign copy to
+# bit 15 (+16); one AND keeps those bits (0xBF80 per half). The FP16 half is the E4M3 value
+# times 2^-8 exactly, subnormals included (before 2026-12-02: shifts, two masks and an OR per
+# pair, 16 integer instructions per two words where this takes 12; same bits).
+_SOFTWARE_MASK = "0xBF80BF80"
 
 
-# software, element order: bytes 0,1 -> $0, bytes 2,3 -> $1 (two byte permutes)
-_SOFTWARE_PTX = tl.constexpr(_packed_ptx("$2", "prmt.b32 $0, e, o, 0x5410; "
-                                               "prmt.b32 $1, e, o, 0x7632;"))
+def _packed_pair_ptx(dst: str, a: str, b: str, sel: int) -> str:
+    """dst (f16x2, value * 2^-8) <- E4M3 bytes picked from a (bytes 0-3) / b (4-7) by the
+    prmt selector `sel`: nibbles (low half's byte, its sign | 8, high half's byte, its sign | 8)."""
+    return (f"prmt.b32 t, {a}, {b}, {sel:#06x}; shl.b32 t, t, 7; "
+            f"and.b32 {dst}, t, {_SOFTWARE_MASK}; ")
+
+
+def _sign_selector(lo: int, hi: int) -> int:
+    """prmt selector for _packed_pair_ptx: byte `lo` to the low half, byte `hi` to the high."""
+    return lo | (lo | 8) << 4 | hi << 8 | (hi | 8) << 12
+
+
+# software, element order: bytes 0,1 -> $0, bytes 2,3 -> $1
+# (Results go to temporaries and are moved out last: an output may share the input's register.)
+_SOFTWARE_PTX = tl.constexpr(
+    "{ .reg .b32 t, u, v; " + _packed_pair_ptx("u", "$2", "$2", _sign_selector(0, 1))
+    + _packed_pair_ptx("v", "$2", "$2", _sign_selector(2, 3)) + "mov.b32 $0, u; mov.b32 $1, v; }")
 
 
 @triton.jit
@@ -267,7 +281,10 @@ _NATIVE_WORD_PTX = tl.constexpr(
     "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
     "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
     "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }")
-_SOFTWARE_WORD_PTX = tl.constexpr(_packed_ptx("$4", "mov.b32 {$0, $2}, e; mov.b32 {$1, $3}, o;"))
+_SOFTWARE_WORD_PTX = tl.constexpr(
+    "{ .reg .b32 t, u, v; " + _packed_pair_ptx("u", "$4", "$4", _sign_selector(0, 1))
+    + _packed_pair_ptx("v", "$4", "$4", _sign_selector(2, 3))
+    + "mov.b32 {$0, $1}, u; mov.b32 {$2, $3}, v; }")
 # Two words (two elements of the same thread, pack=2) -> each group's pair as one f16x2
 # register, which is how the MMA operand holds them: the bytes are permuted before the
 # conversion (two prmt per word pair) instead of the halves after it.
@@ -278,9 +295,9 @@ _NATIVE_PAIR_PTX = tl.constexpr(
     "cvt.rn.f16x2.e4m3x2 $0, xl; cvt.rn.f16x2.e4m3x2 $1, xh; "
     "cvt.rn.f16x2.e4m3x2 $2, yl; cvt.rn.f16x2.e4m3x2 $3, yh; }")
 _SOFTWARE_PAIR_PTX = tl.constexpr(
-    "{ .reg .b32 x, y; prmt.b32 x, $4, $5, 0x5410; prmt.b32 y, $4, $5, 0x7632; "
-    + _packed_ptx("x", "mov.b32 $0, e; mov.b32 $1, o;")
-    + _packed_ptx("y", "mov.b32 $2, e; mov.b32 $3, o;") + " }")
+    "{ .reg .b32 t, g0, g1, g2, g3; "
+    + "".join(_packed_pair_ptx(f"g{j}", "$4", "$5", _sign_selector(j, 4 + j)) for j in range(4))
+    + "mov.b32 $0, g0; mov.b32 $1, g1; mov.b32 $2, g2; mov.b32 $3, g3; }")
 
 
 @triton.jit
