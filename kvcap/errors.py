@@ -25,3 +25,7 @@ class OverlayError(KvcapError):
 
 class CalibrationError(KvcapError):
     """Calibration found non-finite activations or missing layers."""
+
+
+class DecoderCheckError(KvcapError):
+    """The E4M3 conversions this GPU would run did not decode every code exactly."""

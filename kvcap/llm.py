@@ -156,6 +156,13 @@ class LLM:
         elif kv_scales is not None:
             raise ConfigError(f"kv_scales were given but kv_cache_dtype is {self.kv_dtype}; "
                               "pass kv_cache_dtype='fp8_e4m3' to use them")
+        if self.kv_dtype == "fp8_e4m3" and backend.name == "triton" \
+                and self.device.type == "cuda":
+            # the E4M3 conversions this GPU will read the cache with, on all 256 codes
+            from kvcap.kernels.decode import fp8_decoders
+            from kvcap.kernels.decoder_check import check_e4m3_decoders
+
+            check_e4m3_decoders(self.device, set(fp8_decoders(self.device, backend.fp8_mode)))
 
         if self.tp is not None and self.tp.is_driver:
             from kvcap.distributed.runner import DriverRunner

@@ -1,0 +1,93 @@
+"""Startup self-check of the E4M3 conversions a CUDA engine is about to read its cache with.
+
+The decode, prefill and QSA kernels convert E4M3 bytes with inline PTX (common.py): the
+hardware `cvt` on SM89+, the packed software decoder elsewhere. The CPU tests cannot run PTX,
+so before an engine serves from an E4M3 cache it runs every form of each decoder it will use
+(the byte tile pure and opaque, the word route with and without byte pairs) over all 256 codes
+on its own GPU and compares the bits with the reference (`kvcap.numerics.e4m3`): a decoder that
+reads the cache wrong refuses to start, as a missing scale does, instead of serving garbage.
+One small kernel per decoder, once per process and device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcap.errors import DecoderCheckError
+from kvcap.kernels.common import convert_tile, convert_words, interpreting
+
+_ROWS, _WORDS = 16, 16  # 16 x 64 bytes: every code at every byte position of a word
+_PASSED: set[tuple[int, bool]] = set()
+
+
+@triton.jit
+def _decode_all_forms(words_ptr, out_ptr, SOFTWARE: tl.constexpr, ROWS: tl.constexpr,
+                      WORDS: tl.constexpr):
+    """out[form, r, 4c + j] = decode(byte j of word (r, c)), forms: byte tile pure, opaque,
+    words, word pairs (FP16; software: value * 2^-8)."""
+    r = tl.arange(0, ROWS)[:, None]
+    c = tl.arange(0, WORDS)[None, :]
+    w = tl.load(words_ptr + r * WORDS + c)
+    n = ROWS * WORDS * 4
+    b = tl.arange(0, 4 * WORDS)[None, :]
+    x = tl.load(words_ptr.to(tl.pointer_type(tl.uint8)) + r * 4 * WORDS + b)
+    tl.store(out_ptr + r * 4 * WORDS + b, convert_tile(x, True, SOFTWARE, tl.float16))
+    tl.store(out_ptr + n + r * 4 * WORDS + b, convert_tile(x, True, SOFTWARE, tl.float16, True))
+    for form in tl.static_range(2):
+        t0, t1, t2, t3 = convert_words(w, SOFTWARE, tl.float16, form == 1)
+        base = out_ptr + (2 + form) * n + r * 4 * WORDS + 4 * c
+        tl.store(base, t0)
+        tl.store(base + 1, t1)
+        tl.store(base + 2, t2)
+        tl.store(base + 3, t3)
+
+
+def expected_bits(codes: torch.Tensor, software: bool) -> torch.Tensor:
+    """FP16 bit patterns (int16) the decoder must produce for uint8 `codes`. Native: the exact
+    value (torch's float8_e4m3fn; NaN for 0x7F/0xFF, not compared); software: the value times
+    2^-8, the NaN codes as +-480 * 2^-8 (the encoder never writes them)."""
+    b = codes.to(torch.int32)
+    if software:
+        return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(torch.int16)
+    return codes.view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16)
+
+
+def check_e4m3_decoders(device: torch.device, software_decoders: set[bool]) -> None:
+    """Raise DecoderCheckError unless every form of each decoder in `software_decoders`
+    (True: the packed software decoder, False: the hardware conversion) decodes all 256 codes
+    exactly on `device` (CUDA; on the CPU under TRITON_INTERPRET=1 the interpreter's Triton-op
+    twins of the PTX run, which tests the check itself)."""
+    if device.type != "cuda" and not interpreting():
+        return
+    cuda = device.type == "cuda"
+    idx = (device.index if device.index is not None else torch.cuda.current_device()) if cuda \
+        else -1
+    forms = ("byte tile", "byte tile (opaque)", "words", "word pairs")
+    codes = (torch.arange(_ROWS * _WORDS * 4, device=device) % 256).to(torch.uint8)
+    want = expected_bits(codes, False).view(torch.float16)
+    for software in sorted(software_decoders):
+        if (idx, software) in _PASSED:
+            continue
+        out = torch.empty(len(forms), codes.numel(), dtype=torch.float16, device=device)
+        _decode_all_forms[(1,)](codes.view(torch.int32), out, software, _ROWS, _WORDS)
+        want_bits = expected_bits(codes, software)
+        for form, got in zip(forms, out, strict=True):
+            if software:
+                bad = got.view(torch.int16) != want_bits
+            else:  # the 254 finite codes (the encoder never writes the NaN codes; the
+                # interpreter's twin decodes them to +-480, the hardware to NaN)
+                bad = ~want.isnan() & (got.view(torch.int16) != want.view(torch.int16))
+            if bad.any():
+                i = int(bad.nonzero()[0])
+                name = "software" if software else "hardware (cvt.rn.f16x2.e4m3x2)"
+                raise DecoderCheckError(
+                    f"the {name} E4M3 decoder ({form}) decoded code {int(codes[i]):#04x} to FP16 "
+                    f"bits {int(got.view(torch.int16)[i]) & 0xFFFF:#06x}, expected "
+                    f"{int(want_bits[i] if software else want.view(torch.int16)[i]) & 0xFFFF:#06x}"
+                    f", on {torch.cuda.get_device_name(idx) if cuda else device} (triton "
+                    f"{triton.__version__}): it "
+                    "would read the E4M3 cache wrong. Serve with kv_cache_dtype='auto' (16-bit "
+                    "cache) and report this GPU and versions.")
+        _PASSED.add((idx, software))

@@ -1,0 +1,56 @@
+"""The E4M3 decoder self-check (kvcap.kernels.decoder_check): every form of each decoder the
+kernels use must pass it -- compiled on a GPU (the inline PTX), in the CPU interpreter (its
+Triton-op twins) -- and a decoder that mis-decodes one code must be refused with a message
+naming it."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvcap.errors import DecoderCheckError  # noqa: E402
+from kvcap.kernels import decoder_check  # noqa: E402
+from kvcap.numerics import e4m3  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available()
+                   and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
+pytestmark = pytest.mark.skipif(
+    DEV.type == "cpu" and type(decoder_check._decode_all_forms).__name__ != "InterpretedFunction",
+    reason="no CUDA: run with TRITON_INTERPRET=1 set before triton is imported")
+
+
+def test_expected_bits_match_the_reference_decoder():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    ref = e4m3.decode(codes)
+    finite = ~ref.isnan()
+    native = decoder_check.expected_bits(codes, False).view(torch.float16).float()
+    assert torch.equal(native[finite], ref[finite]) and native[~finite].isnan().all()
+    soft = decoder_check.expected_bits(codes, True).view(torch.float16).float()
+    assert torch.equal(soft[finite] * 256, ref[finite])
+    assert torch.equal(torch.signbit(soft), codes >= 128)
+
+
+@pytest.mark.parametrize("software", [False, True])
+def test_every_form_passes_in_the_interpreter(software):
+    decoder_check._PASSED.clear()
+    if DEV.type == "cuda" and not software and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the hardware conversion needs SM89+")
+    decoder_check.check_e4m3_decoders(DEV, {software})
+    assert len(decoder_check._PASSED) == 1
+
+
+def test_a_wrong_decoder_is_refused(monkeypatch):
+    decoder_check._PASSED.clear()
+    real = decoder_check.expected_bits
+
+    def off_by_one(codes, software):  # what a decoder wrong on code 0x41 would be judged by
+        bits = real(codes, software)
+        return torch.where(codes == 0x41, bits + 1, bits)
+
+    monkeypatch.setattr(decoder_check, "expected_bits", off_by_one)
+    with pytest.raises(DecoderCheckError, match="software E4M3 decoder .*code 0x41"):
+        decoder_check.check_e4m3_decoders(DEV, {True})
+    assert not decoder_check._PASSED
