@@ -53,15 +53,20 @@ def allreduce_mode() -> str:
     return mode
 
 
-def data_timeout() -> timedelta:
-    raw = os.environ.get(TIMEOUT_ENV, "300")
+def env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment variable `name` (else `default`)."""
+    raw = os.environ.get(name, str(default))
     try:
         seconds = float(raw)
     except ValueError:
-        raise ConfigError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds") from None
     if seconds <= 0:
-        raise ConfigError(f"{TIMEOUT_ENV} must be positive, got {raw}")
-    return timedelta(seconds=seconds)
+        raise ConfigError(f"{name} must be positive, got {raw}")
+    return seconds
+
+
+def data_timeout() -> timedelta:
+    return timedelta(seconds=env_seconds(TIMEOUT_ENV, 300))
 
 
 class Communicator:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from kvcap.config import ModelSpec
 from kvcap.distributed.comm import Communicator, data_timeout, set_nccl_env
+from kvcap.distributed.interrupt import InterruptWatch
 from kvcap.distributed.layers import ModelParallel
 from kvcap.distributed.partition import plan_shard
 from kvcap.distributed.protocol import SHUTDOWN, TensorParallelError, agree
@@ -150,6 +151,13 @@ class TPDriver(TPRuntime):
             self.shutdown(abort=True)
             raise
         threading.Thread(target=self._watch, name="kvcap-tp-watchdog", daemon=True).start()
+        self.interrupts = InterruptWatch(self._interrupted_in_step)
+
+    def _interrupted_in_step(self) -> None:
+        """InterruptWatch: Ctrl-C came while a step was running and it has not returned."""
+        if not self.closed:
+            self.failure = "interrupted while a step was blocked; all ranks stopped"
+            self._kill_workers(grace=0.0)
 
     # --- liveness ----------------------------------------------------------------------------
     def _dead_worker(self) -> str | None:
@@ -227,6 +235,12 @@ class TPDriver(TPRuntime):
             return
         self.closed = True
         self._stopping.set()
+        interrupts = getattr(self, "interrupts", None)  # absent if __init__ failed early
+        if interrupts is not None:
+            interrupts.close()
+            # a step was broadcast and never finished: the workers are inside its forward,
+            # where a shutdown message would wait for them forever
+            abort = abort or interrupts.active
         if not abort and self.failure is None and self.comm.ctrl_group is not None:
             try:
                 self.comm.broadcast_object((SHUTDOWN,))

@@ -28,6 +28,7 @@ class DriverRunner(ModelRunner):
     def broadcast_plan(self, plan: StepPlan) -> None:
         self.driver.check_alive()
         shard = self.observer.shard if self.observer is not None and self.kv_observer else None
+        self.driver.interrupts.begin_step()  # until run_plan returns: see InterruptWatch
         try:
             self.driver.send((STEP, plan, shard))
         except BaseException as e:
@@ -39,9 +40,11 @@ class DriverRunner(ModelRunner):
         try:
             if plan.fed:  # only rank 0 sampled the tokens this step runs on
                 fed_ids = self.driver.comm.broadcast_ids(fed_ids, len(plan.ids))
-            return super().run_plan(plan, on_prompt_logits, fed_ids)
+            out = super().run_plan(plan, on_prompt_logits, fed_ids)
         except BaseException as e:
             self._fatal(e)
+        self.driver.interrupts.end_step()
+        return out
 
     def _fatal(self, e: BaseException) -> NoReturn:
         err = self.driver.fail(e)
