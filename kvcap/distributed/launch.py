@@ -34,7 +34,6 @@ import torch.distributed as dist
 
 from kvcap.config import ModelSpec
 from kvcap.distributed.comm import Communicator, data_timeout, set_nccl_env
-from kvcap.distributed.interrupt import InterruptWatch
 from kvcap.distributed.layers import ModelParallel
 from kvcap.distributed.partition import plan_shard
 from kvcap.distributed.protocol import SHUTDOWN, TensorParallelError, agree
@@ -130,6 +129,7 @@ class TPDriver(TPRuntime):
             "threads": max(1, torch.get_num_threads() // world)}))
         self.failure: str | None = None
         self.closed = False
+        self.step_open = False  # DriverRunner: a step's plan is out, its forward not done
         self._stopping = threading.Event()
         self.procs: list[subprocess.Popen] = []
         atexit.register(self.shutdown)
@@ -151,13 +151,6 @@ class TPDriver(TPRuntime):
             self.shutdown(abort=True)
             raise
         threading.Thread(target=self._watch, name="kvcap-tp-watchdog", daemon=True).start()
-        self.interrupts = InterruptWatch(self._interrupted_in_step)
-
-    def _interrupted_in_step(self) -> None:
-        """InterruptWatch: Ctrl-C came while a step was running and it has not returned."""
-        if not self.closed:
-            self.failure = "interrupted while a step was blocked; all ranks stopped"
-            self._kill_workers(grace=0.0)
 
     # --- liveness ----------------------------------------------------------------------------
     def _dead_worker(self) -> str | None:
@@ -235,12 +228,9 @@ class TPDriver(TPRuntime):
             return
         self.closed = True
         self._stopping.set()
-        interrupts = getattr(self, "interrupts", None)  # absent if __init__ failed early
-        if interrupts is not None:
-            interrupts.close()
-            # a step was broadcast and never finished: the workers are inside its forward,
-            # where a shutdown message would wait for them forever
-            abort = abort or interrupts.active
+        # A step was broadcast and its forward never finished here (Ctrl-C between the two):
+        # the workers are inside that forward, where a shutdown message would wait forever.
+        abort = abort or self.step_open
         if not abort and self.failure is None and self.comm.ctrl_group is not None:
             try:
                 self.comm.broadcast_object((SHUTDOWN,))

@@ -28,7 +28,7 @@ class DriverRunner(ModelRunner):
     def broadcast_plan(self, plan: StepPlan) -> None:
         self.driver.check_alive()
         shard = self.observer.shard if self.observer is not None and self.kv_observer else None
-        self.driver.interrupts.begin_step()  # until run_plan returns: see InterruptWatch
+        self.driver.step_open = True  # until run_plan returns (TPDriver.shutdown)
         try:
             self.driver.send((STEP, plan, shard))
         except BaseException as e:
@@ -43,7 +43,7 @@ class DriverRunner(ModelRunner):
             out = super().run_plan(plan, on_prompt_logits, fed_ids)
         except BaseException as e:
             self._fatal(e)
-        self.driver.interrupts.end_step()
+        self.driver.step_open = False
         return out
 
     def _fatal(self, e: BaseException) -> NoReturn:
