@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             for arm in ARMS:
                 cfg = decode_config(d, True, arm != "paged_fp16", dev)
                 default_splits = choose_num_splits(b, hkv, ctx, cfg.block_n, sm_count(dev),
-                                                   cfg.programs_per_sm, cfg.whole_waves)
+                                                   cfg.programs_per_sm, cfg.whole_waves,
+                                                   cfg.short_programs_per_sm)
                 ref = None
                 for kw in arm_launches(arm, tiles, splits, d, stages):
                     fns = cell.fns(arm, **kw)
