@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvcap.kernels import common
+from kvcap.kernels.decoder_check import expected_bits
 
 
 def _prmt(a: np.ndarray, b: np.ndarray, sel: int) -> np.ndarray:
@@ -86,12 +87,10 @@ def _f16(bits: np.ndarray) -> torch.Tensor:
 
 
 def _expect(codes: np.ndarray, software: bool) -> torch.Tensor:
-    """Reference decode of uint8 codes (software: times 2^-8, NaN codes as +-480 * 2^-8)."""
+    """Reference decode of uint8 codes (software: times 2^-8, NaN codes as +-480 * 2^-8; the
+    startup check's reference, itself tested against kvcap.numerics.e4m3)."""
     c = torch.from_numpy(codes.astype(np.uint8))
-    if software:
-        b = c.to(torch.int32)
-        return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(torch.int16).view(torch.float16)
-    return c.view(torch.float8_e4m3fn).to(torch.float16)
+    return expected_bits(c, software).view(torch.float16)
 
 
 def _same(got_bits: np.ndarray, codes: np.ndarray, software: bool) -> bool:

@@ -222,11 +222,17 @@ def _sign_selector(lo: int, hi: int) -> int:
     return lo | (lo | 8) << 4 | hi << 8 | (hi | 8) << 12
 
 
+def _packed_word_ptx(src: str) -> str:
+    """The four bytes of `src` in element order: bytes 0,1 -> f16x2 u, bytes 2,3 -> v (declared
+    with t by the caller). Results go to temporaries, moved out last by the caller: an inline
+    asm output may share the input's register."""
+    return (_packed_pair_ptx("u", src, src, _sign_selector(0, 1))
+            + _packed_pair_ptx("v", src, src, _sign_selector(2, 3)))
+
+
 # software, element order: bytes 0,1 -> $0, bytes 2,3 -> $1
-# (Results go to temporaries and are moved out last: an output may share the input's register.)
-_SOFTWARE_PTX = tl.constexpr(
-    "{ .reg .b32 t, u, v; " + _packed_pair_ptx("u", "$2", "$2", _sign_selector(0, 1))
-    + _packed_pair_ptx("v", "$2", "$2", _sign_selector(2, 3)) + "mov.b32 $0, u; mov.b32 $1, v; }")
+_SOFTWARE_PTX = tl.constexpr("{ .reg .b32 t, u, v; " + _packed_word_ptx("$2")
+                             + "mov.b32 $0, u; mov.b32 $1, v; }")
 
 
 @triton.jit
@@ -281,10 +287,8 @@ _NATIVE_WORD_PTX = tl.constexpr(
     "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
     "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
     "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }")
-_SOFTWARE_WORD_PTX = tl.constexpr(
-    "{ .reg .b32 t, u, v; " + _packed_pair_ptx("u", "$4", "$4", _sign_selector(0, 1))
-    + _packed_pair_ptx("v", "$4", "$4", _sign_selector(2, 3))
-    + "mov.b32 {$0, $1}, u; mov.b32 {$2, $3}, v; }")
+_SOFTWARE_WORD_PTX = tl.constexpr("{ .reg .b32 t, u, v; " + _packed_word_ptx("$4")
+                                  + "mov.b32 {$0, $1}, u; mov.b32 {$2, $3}, v; }")
 # Two words (two elements of the same thread, pack=2) -> each group's pair as one f16x2
 # register, which is how the MMA operand holds them: the bytes are permuted before the
 # conversion (two prmt per word pair) instead of the halves after it.

@@ -375,11 +375,8 @@ def choose_num_splits(num_seqs: int, head_programs: int, max_seq_len: int, block
     limit = max(1, min(tiles // 4, MAX_SPLITS))
     base = max(num_seqs * head_programs, 1)
     slots = programs_per_sm * num_sms
-    if not whole_waves:
-        widest = triton.cdiv(slots, base)
-        splits = int(max(1, min(widest, limit)))
-    elif base <= slots:
-        widest = slots // base
+    if not whole_waves or base <= slots:
+        widest = slots // base if whole_waves else triton.cdiv(slots, base)
         splits = int(max(1, min(widest, limit)))
     else:
         # More (sequence, head) programs than one wave holds: split so the last wave is
