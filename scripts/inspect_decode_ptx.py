@@ -121,6 +121,41 @@ def ptxas_usage(ptx: str, sm: int) -> dict[str, int]:
             "spill store bytes": int(spills[1]) if spills else -1}
 
 
+SASS_OPS = ("LOP3", "SHF", "PRMT", "IMAD", "F2FP", "HMMA", "LDS", "LDL", "STL")
+
+
+def tile_loop_sass(cubin: bytes) -> dict[str, int]:
+    """SASS instruction counts of the kernel's tile loop -- the span of its longest backward
+    branch -- from the Triton wheel's cuobjdump: the per-tile work the docs compare (e.g. the
+    E4M3 software decoder's integer instructions against the hardware conversion's)."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    tool = Path(get_ptxas(90).path).with_name("cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        sass = subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True,
+                              check=True).stdout
+    ins = []  # (address, text)
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(\S.*?);", line)
+        if m:
+            ins.append((int(m[1], 16), m[2]))
+    loops = [(int(m[1], 16), a) for a, t in ins
+             if (m := re.search(r"BRA (0x[0-9a-f]+)", t)) and int(m[1], 16) < a]
+    if not loops:
+        return {"loop instructions": 0}
+    lo, hi = max(loops, key=lambda span: span[1] - span[0])
+    body = [t for a, t in ins if lo <= a <= hi]
+    counts = {"loop instructions": len(body)}
+    for op in SASS_OPS:
+        counts[op] = sum(1 for t in body if re.search(rf"(^|\s){op}(\.|\s|$)", t))
+    return counts
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", choices=["fp16", "native", "software"], default="native")
@@ -130,6 +165,10 @@ def main() -> int:
     ap.add_argument("--sm", type=int, default=90)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dump", type=Path, help="write the TTGIR and PTX here")
+    ap.add_argument("--sass", action="store_true",
+                    help="decode: also count the tile loop's SASS instructions (cuobjdump)")
+    ap.add_argument("--json", type=Path,
+                    help="decode: also write the counts, with triton version and commit, here")
     ap.add_argument("--block-n", type=int, default=128)
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--num-stages", type=int, default=2)
@@ -185,6 +224,21 @@ def main() -> int:
     print(f"  shared memory bytes    {k.metadata.shared}")
     for key, value in ptxas_usage(ptx, args.sm).items():
         print(f"  {key:22s} {value}")
+    sass = tile_loop_sass(k.asm["cubin"]) if args.sass else {}
+    for key, value in sass.items():
+        print(f"  sass {key:17s} {value}")
+    if args.json:
+        import json
+        import subprocess
+
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip() or "unknown"
+        args.json.write_text(json.dumps({
+            "triton": triton.__version__, "sm": args.sm, "cache": args.cache,
+            "words": args.words, "pairs": args.pairs, "head_dim": args.head_dim,
+            "dtype": args.dtype, "block_n": args.block_n, "num_warps": args.num_warps,
+            "num_stages": args.num_stages, "maxnreg": args.maxnreg, "commit": commit,
+            **ptxas_usage(ptx, args.sm), "sass_tile_loop": sass}, indent=1))
     return 0
 
 
