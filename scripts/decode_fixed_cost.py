@@ -47,11 +47,12 @@ def merge_only(cell: kb.Cell, splits: int, carveout: bool = False) -> list:
     out = cell.out[0]
     ps = (hq * splits, splits, 1)
 
+    # BLOCK_N 1: every split of the cell's contexts (>= splits tokens) counts as used.
     def run():
-        return dk._merge_kernel[(b, hq)](out, po, plse, cell.qsl, cell.vs, 1.0, out.stride(0),
-                                         out.stride(1), *ps, splits,
+        return dk._merge_kernel[(b, hq)](out, po, plse, cell.qsl, cell.seq_lens, cell.vs, 1.0,
+                                         out.stride(0), out.stride(1), *ps, splits,
                                          BLOCK_S=max(8, triton.next_power_of_2(splits)),
-                                         HEAD_DIM=d, FP8=True, num_warps=4)
+                                         HEAD_DIM=d, FP8=True, BLOCK_N=1, num_warps=4)
     if carveout:
         prefer_shared(run())
     return [run] * cell.r

@@ -112,6 +112,27 @@ def test_folded_merge_equals_merge_kernel(kv_dtype, fp8_mode, words, grouped):
     _check(case, one, kv_dtype)
 
 
+@pytest.mark.parametrize("kv_dtype,fp8_mode,words", [("fp16", "auto", False),
+                                                     ("fp8_e4m3", "native", True)])
+@pytest.mark.parametrize("fold", [False, True])
+def test_empty_splits_are_neither_written_nor_read(monkeypatch, kv_dtype, fp8_mode, words, fold):
+    """Sequences shorter than the split count's tiles leave the last splits empty (40 / 3 /
+    70 / 15 tokens in 16-token tiles over 8 splits use 3 / 1 / 5 / 1): their programs exit
+    and the merge stops at the last used split, so NaN-poisoned partial buffers do not reach
+    the output, which equals the unsplit decode's."""
+    real = decode_module.split_buffers
+
+    def poisoned(*args):
+        return tuple(t.fill_(float("nan")) for t in real(*args))
+    monkeypatch.setattr(decode_module, "split_buffers", poisoned)
+    case = make_case(DECODE, 8, 2, 64, kv_dtype=kv_dtype, dtype=_DT[kv_dtype], pad_rows=2,
+                     seed=5, device=DEV)
+    kw = dict(fp8_mode=fp8_mode, words=words or None, block_n=16)
+    whole = _decode(case, num_splits=1, **kw)
+    split = _decode(case, num_splits=8, fold=fold, **kw)
+    _check(case, split, kv_dtype, whole)
+
+
 @pytest.mark.parametrize("hq,hkv,d,bs", [(8, 8, 32, 16), (9, 3, 64, 32), (8, 1, 16, 16),
                                          (4, 2, 256, 16), (8, 2, 128, 64)])
 def test_decode_shapes_fp8(hq, hkv, d, bs):

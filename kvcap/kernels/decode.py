@@ -249,6 +249,10 @@ def _decode_kernel(
     per_split = tl.cdiv(n_tiles, num_splits) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
+    if SPLIT and split > 0 and lo >= seq_len:
+        # A split the sequence leaves empty (the engine sizes splits for a context class)
+        # writes nothing: the merge reads only used_splits' partials.
+        return
 
     qk_scale = sm_scale
     out_scale = 1.0
@@ -298,7 +302,18 @@ def _decode_kernel(
     if SPLIT and FOLD:
         _merge_if_last(out_ptr, po_ptr, plse_ptr, cnt_ptr + seq * tl.num_programs(1) + hp, vs_ptr,
                        q_row, seq, hp * HEADS, stride_ot, stride_oh, stride_pb, stride_ph,
-                       stride_ps, num_splits, HEADS, BLOCK_S, HEAD_DIM, FP8, SOFTWARE_V)
+                       stride_ps, used_splits(seq_len, num_splits, BLOCK_N), HEADS, BLOCK_S,
+                       HEAD_DIM, FP8, SOFTWARE_V)
+
+
+@triton.jit
+def used_splits(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """How many of a sequence's num_splits splits hold tokens (at least 1): _decode_kernel
+    gives each split cdiv(tiles, num_splits) tiles, so a sequence shorter than the length
+    the split count was chosen for leaves the last splits empty."""
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    per_split = tl.maximum(tl.cdiv(n_tiles, num_splits), 1)
+    return tl.maximum(tl.cdiv(n_tiles, per_split), 1)
 
 
 @triton.jit
@@ -327,17 +342,20 @@ def _merge_if_last(out_ptr, po_ptr, plse_ptr, cnt, vs_ptr, q_row, seq, head0, st
 
 @triton.jit
 def _merge_kernel(
-    out_ptr, po_ptr, plse_ptr, qsl_ptr, vs_ptr, out_factor,
+    out_ptr, po_ptr, plse_ptr, qsl_ptr, seq_lens_ptr, vs_ptr, out_factor,
     stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, num_splits,
-    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(qsl_ptr + seq)
-    if tl.load(qsl_ptr + seq + 1) - q_row != 1:
+    q_end = tl.load(qsl_ptr + seq + 1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if q_end - q_row != 1:
         return
     res = merge_splits(po_ptr, plse_ptr, vs_ptr, out_factor, seq.to(tl.int64) * stride_pb, head,
-                       stride_ph, stride_ps, num_splits, BLOCK_S, HEAD_DIM, FP8)
+                       stride_ph, stride_ps, used_splits(seq_len, num_splits, BLOCK_N), BLOCK_S,
+                       HEAD_DIM, FP8)
     dst = out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + tl.arange(0, HEAD_DIM)
     tl.store(dst, res.to(out_ptr.dtype.element_ty))
 
@@ -560,6 +578,15 @@ def merge_counters(device: torch.device, n: int) -> torch.Tensor:
     return cur
 
 
+def split_buffers(num_seqs: int, hq: int, num_splits: int, d: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised split-K partials (outputs, base-2 LSEs): a split writes its own before
+    the merge reads it, and splits a sequence leaves empty are neither written nor read."""
+    po = torch.empty((num_seqs, hq, num_splits, d), dtype=torch.float32, device=device)
+    plse = torch.empty((num_seqs, hq, num_splits), dtype=torch.float32, device=device)
+    return po, plse
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  query_start_loc: torch.Tensor, softmax_scale: float, max_seq_len: int,
@@ -634,8 +661,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if fold:
         counters = merge_counters(q.device, num_seqs * head_programs)
     if num_splits > 1:
-        po = torch.empty((num_seqs, hq, num_splits, d), dtype=torch.float32, device=q.device)
-        plse = torch.empty((num_seqs, hq, num_splits), dtype=torch.float32, device=q.device)
+        po, plse = split_buffers(num_seqs, hq, num_splits, d, q.device)
     else:
         po = plse = out  # unused
     ps = (hq * num_splits, num_splits, 1)
@@ -655,10 +681,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     )
     if num_splits > 1 and not fold:
         _merge_kernel[(num_seqs, hq)](
-            out, po, plse, query_start_loc, v_scale if fp8 else dummy,
+            out, po, plse, query_start_loc, seq_lens, v_scale if fp8 else dummy,
             SOFTWARE_FP8_FACTOR if software_v else 1.0,
             out.stride(0), out.stride(1), *ps, num_splits,
             BLOCK_S=max(8, triton.next_power_of_2(num_splits)), HEAD_DIM=d,
-            FP8=fp8, num_warps=4 if q.device.type == "cuda" else 1,
+            FP8=fp8, BLOCK_N=bn, num_warps=4 if q.device.type == "cuda" else 1,
         )
     return out
