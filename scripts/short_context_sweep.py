@@ -4,6 +4,7 @@
         [--batches 1,2,4,8] [--contexts 1024,2048,4096] [--shape HQ,HKV,D]
         [--splits 1,2,4,8,16,32] [--tiles 64,128]
     python scripts/short_context_sweep.py --compare-rules [--classes 2048,16384] ...
+    python scripts/short_context_sweep.py --compare-routes [--classes 2048,16384] ...
 
 Why: end to end at 1 x 1K (8B shape) the E4M3 cache decoded 1-2% slower than the BF16 one
 (docs/benchmarks/throughput-2026-12-02e-h200-low-bf16.json), where the attention call is a
@@ -16,7 +17,8 @@ arm and cell next to the 16-bit default, and writes JSON. `--compare-rules` inst
 each arm at the split count of choose_num_splits without and with its short-context rule
 (decode_config's short_programs_per_sm), computed as the engine computes it: from the context
 class a step's graph was captured for (`--classes`, the engine's 2048 / 16384 / max length)
-while the sequences hold `--contexts` tokens.
+while the sequences hold `--contexts` tokens. `--compare-routes` times the E4M3 word route
+against the short-context byte route (decode.short_byte_route) the same way.
 """
 
 from __future__ import annotations
@@ -30,25 +32,27 @@ import torch
 
 from kvcap.bench import kernels as kb
 from kvcap.kernels.common import sm_count
-from kvcap.kernels.decode import choose_num_splits, decode_config
+from kvcap.kernels.decode import choose_num_splits, decode_config, use_words
 from kvcap.scales.fsutil import atomic_write_text
 
 ARMS = ("paged_fp16", "e4m3_native", "e4m3_software")
 
 
-def arm_launches(arm: str, tiles: list[int], splits: list[int], d: int,
+def arm_launches(arm: str, tiles: list[int], splits: list[int], d: int, ctx: int,
                  stages: list[int] | None = None) -> list[dict]:
-    """paged_decode keywords to time for one arm (the default launch first, as {})."""
+    """paged_decode keywords to time for one arm (the default launch first, as {}); E4M3
+    launches keep the route (and its register cap) the default takes at `ctx`."""
     out: list[dict] = [{}]
     if arm == "paged_fp16":
         return out + [{"num_splits": s} for s in splits]
     dev = torch.device("cuda")
-    cfg = decode_config(d, True, True, dev)
+    words = use_words(d, True, True, dev, ctx)
+    cfg = decode_config(d, True, True, dev, words=words, max_seq_len=ctx)
     for bn in tiles:
         for ns in stages or [cfg.num_stages]:
             for s in splits:
                 out.append(dict(block_n=bn, num_warps=cfg.num_warps, num_stages=ns,
-                                maxnreg=cfg.maxnreg or 0, num_splits=s))
+                                maxnreg=cfg.maxnreg or 0, num_splits=s, words=words))
     return out
 
 
@@ -58,7 +62,7 @@ def compare_rules(cell: kb.Cell, cls: int, rows: list[dict]) -> None:
     dev = torch.device("cuda")
     b, ctx = cell.b, cell.ctx
     for arm in ARMS:
-        cfg = decode_config(cell.d, True, arm != "paged_fp16", dev)
+        cfg = decode_config(cell.d, True, arm != "paged_fp16", dev, max_seq_len=cls)
         args = (b, cell.hkv, cls, cfg.block_n, sm_count(dev), cfg.programs_per_sm,
                 cfg.whole_waves)
         old, new = choose_num_splits(*args), choose_num_splits(*args, cfg.short_programs_per_sm)
@@ -83,6 +87,50 @@ def compare_rules(cell: kb.Cell, cls: int, rows: list[dict]) -> None:
               f"x{times['new'] / times['old']:.3f}", flush=True)
 
 
+def launch_of(cfg, words: bool) -> dict:
+    """paged_decode keywords that pin a DecodeConfig's launch (route, tiles, cap)."""
+    kw = dict(words=words, block_n=cfg.block_n, num_warps=cfg.num_warps,
+              num_stages=cfg.num_stages, maxnreg=cfg.maxnreg or 0)
+    return {**kw, "pairs": cfg.pairs} if words else kw
+
+
+def compare_routes(cell: kb.Cell, cls: int, rows: list[dict]) -> None:
+    """Times each E4M3 decoder on the word route and on the short-context byte route
+    (decode_config(max_seq_len=cls)), each at the split count the engine computes for a
+    `cls`-token class, next to the 16-bit kernel's default for that class."""
+    dev = torch.device("cuda")
+    b, ctx = cell.b, cell.ctx
+    cfg16 = decode_config(cell.d, True, False, dev, max_seq_len=cls)
+    s16 = choose_num_splits(b, cell.hkv, cls, cfg16.block_n, sm_count(dev),
+                            cfg16.programs_per_sm, cfg16.whole_waves,
+                            cfg16.short_programs_per_sm)
+    fns = cell.fns("paged_fp16", num_splits=s16)
+    fns[0]()
+    ref = cell.out[0].clone()
+    base = kb._graph_time(fns, reps=20) * 1e3
+    for arm in ARMS[1:]:
+        times = {}
+        for route, words in (("word", True), ("byte", False)):
+            cfg = decode_config(cell.d, True, True, dev, words=words, max_seq_len=cls)
+            s = choose_num_splits(b, cell.hkv, cls, cfg.block_n, sm_count(dev),
+                                  cfg.programs_per_sm, cfg.whole_waves,
+                                  cfg.short_programs_per_sm)
+            fns = cell.fns(arm, num_splits=s, **launch_of(cfg, words))
+            fns[0]()
+            err = kb._rel(cell.out[0], ref)
+            if err > 0.1:
+                print(f"MISMATCH {arm} {route} B={b} ctx={ctx}: {err:.1e}", flush=True)
+            times[route] = (kb._graph_time(fns, reps=20) * 1e3, s, cfg.block_n)
+        rows.append({"batch": b, "context": ctx, "context_class": cls, "arm": arm,
+                     "us_16bit": base, "splits_16bit": s16,
+                     **{f"{k}_{r}": v[i] for r, v in times.items()
+                        for i, k in enumerate(("us", "splits", "block_n"))}})
+        (w, ws, _), (y, ys, _) = times["word"], times["byte"]
+        print(f"routes B={b:3d} ctx={ctx} (class {cls}) {arm:13s} 16-bit {base:6.1f}us  "
+              f"word {ws:2d} splits {w:6.1f}us  byte {ys:2d} splits {y:6.1f}us  "
+              f"byte/word x{y / w:.3f}  byte/16-bit x{y / base:.3f}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
@@ -96,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="E4M3 pipeline depths to time (default: the arm's own)")
     ap.add_argument("--compare-rules", action="store_true",
                     help="time the split count without and with the short-context rule")
+    ap.add_argument("--compare-routes", action="store_true",
+                    help="E4M3: the word route against the short-context byte route, at the "
+                         "engine's split counts for the context class")
     ap.add_argument("--classes", default="",
                     help="--compare-rules: context classes the split count is chosen from "
                          "(the smallest >= the context; default: the context itself)")
@@ -129,21 +180,21 @@ def main(argv: list[str] | None = None) -> int:
     for b in batches:
         for ctx in contexts:
             cell = kb.Cell(hq, hkv, d, b, ctx, info["l2_bytes"])
-            if args.compare_rules:
+            if args.compare_rules or args.compare_routes:
                 cls = next((c for c in classes if c >= ctx), ctx)
-                compare_rules(cell, cls, rows)
+                (compare_routes if args.compare_routes else compare_rules)(cell, cls, rows)
                 save()
                 del cell
                 torch.cuda.empty_cache()
                 continue
             best: dict[str, tuple[float, dict]] = {}
             for arm in ARMS:
-                cfg = decode_config(d, True, arm != "paged_fp16", dev)
+                cfg = decode_config(d, True, arm != "paged_fp16", dev, max_seq_len=ctx)
                 default_splits = choose_num_splits(b, hkv, ctx, cfg.block_n, sm_count(dev),
                                                    cfg.programs_per_sm, cfg.whole_waves,
                                                    cfg.short_programs_per_sm)
                 ref = None
-                for kw in arm_launches(arm, tiles, splits, d, stages):
+                for kw in arm_launches(arm, tiles, splits, d, ctx, stages):
                     fns = cell.fns(arm, **kw)
                     fns[0]()
                     if ref is None:

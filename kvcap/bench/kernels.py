@@ -436,11 +436,11 @@ def main(argv: list[str] | None = None) -> int:
                 cell = Cell(hq, hkv, d, b, ctx, l2)
                 ms, outs = time_cell(cell, ARMS)
                 dev = cell.q[0].device
-                cfg = decode_config(d, True, True, dev)
+                cfg = decode_config(d, True, True, dev, max_seq_len=ctx)
                 splits = choose_num_splits(b, hkv, ctx, cfg.block_n, sm_count(dev),
                                            cfg.programs_per_sm, cfg.whole_waves,
                                            cfg.short_programs_per_sm)
-                cfg16 = decode_config(d, True, False, dev)
+                cfg16 = decode_config(d, True, False, dev, max_seq_len=ctx)
                 splits16 = choose_num_splits(b, hkv, ctx, cfg16.block_n, sm_count(dev),
                                              cfg16.programs_per_sm, cfg16.whole_waves,
                                              cfg16.short_programs_per_sm)

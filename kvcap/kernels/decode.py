@@ -452,6 +452,11 @@ WORD_ROUTE_D256_REGISTERS = 168
 # 2 programs per SM (H200, 8B shape: 1 x 1K / 4 x 1K / 8 x 1K best at 8 / 8 / 4 splits), the
 # 16-bit kernel's at its usual 4.
 SHORT_WORD_PROGRAMS_PER_SM = 2
+# E4M3 at D = 128 over contexts up to this long (the engine's shortest context class) takes
+# the byte route in 64-token tiles, 2 stages, 8 programs per SM: a short call is one or two
+# tiles per program, and the word route's tile walk is the longer one (measurement in
+# docs/kernels.md, "Fifteenth change").
+SHORT_BYTE_ROUTE_TOKENS = 2048
 
 
 def word_route_d256_launch(props) -> tuple[int | None, int]:
@@ -473,9 +478,12 @@ def word_route_launch(props) -> tuple[int, int]:
 
 
 def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
-                  words: bool | None = None, mma: bool | None = None) -> DecodeConfig:
+                  words: bool | None = None, mma: bool | None = None,
+                  max_seq_len: int | None = None) -> DecodeConfig:
     """Launch configuration of the decode kernel (`words`: the E4M3 word route; default: the
-    route use_words picks; `mma`: the GPU has Triton's tensor-core dots, default: has_mma).
+    route use_words picks; `mma`: the GPU has Triton's tensor-core dots, default: has_mma;
+    `max_seq_len`: the context length (class) the launch is for, which picks the short-context
+    byte route at D = 128, short_byte_route).
 
     Below sm_80 (V100, T4: FMA dots) the MMA-tuned tiles spill kilobytes per thread (ptxas,
     triton 3.6: 3.9-11.6 KB at BLOCK_N 128 / 64), so those GPUs take 32-token tiles (16 at
@@ -503,7 +511,9 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
     if not (has_mma(device) if mma is None else mma):
         return DecodeConfig(32 if head_dim <= 128 else 16, 4, 2, False, 8)
     if words is None:
-        words = use_words(head_dim, grouped, fp8, device)
+        words = use_words(head_dim, grouped, fp8, device, max_seq_len)
+    if fp8 and not words and short_byte_route(head_dim, fp8, max_seq_len):
+        return DecodeConfig(64, 4, 2, False, 8, short_programs_per_sm=8)
     if fp8 and words and head_dim == 128:
         stages, resident = word_route_launch(device_properties(device))
         return DecodeConfig(128, 4, stages, False, resident, maxnreg=128, whole_waves=True,
@@ -523,7 +533,15 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
                         short_programs_per_sm=short)
 
 
-def use_words(head_dim: int, grouped: bool, fp8: bool, device: torch.device) -> bool:
+def short_byte_route(head_dim: int, fp8: bool, max_seq_len: int | None) -> bool:
+    """Whether an E4M3 decode at D = 128 over at most SHORT_BYTE_ROUTE_TOKENS (the engine's
+    shortest context class) reads bytes in 64-token tiles instead of the word route."""
+    return (fp8 and head_dim == 128 and max_seq_len is not None
+            and max_seq_len <= SHORT_BYTE_ROUTE_TOKENS)
+
+
+def use_words(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
+              max_seq_len: int | None = None) -> bool:
     """Whether E4M3 decode reads the cache as words (attend_word_tiles) by default: at
     D = 128 and 256. H200, same run (docs/benchmarks/words-2026-11-30-h200.json): the word route
     took 0.88-0.90x the byte route's time natively and 0.93-0.94x in software at D = 128,
@@ -531,9 +549,10 @@ def use_words(head_dim: int, grouped: bool, fp8: bool, device: torch.device) -> 
     per tile); at D = 256 with its own launch (word_route_d256_launch, 2026-12-02) 0.76-0.83x
     natively and 0.87-0.91x in software. It exists to feed tensor-core operand layouts, so GPUs
     without Triton MMA (below sm_80) read bytes; the CPU interpreter follows the sm_80+ rule, so
-    CPU tests run the defaults those GPUs run."""
+    CPU tests run the defaults those GPUs run. `max_seq_len`: short contexts at D = 128 take
+    the byte route (short_byte_route)."""
     return (fp8 and grouped and head_dim in (128, 256) and words_enabled()
-            and has_mma(device))
+            and has_mma(device) and not short_byte_route(head_dim, fp8, max_seq_len))
 
 
 MIXED_FP8_MODES = ("native-k", "native-v")
@@ -636,10 +655,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     heads = group if grouped else 1
     head_programs = hkv if grouped else hq
     if words is None:
-        words = use_words(d, grouped, fp8, q.device)
+        words = use_words(d, grouped, fp8, q.device, max_seq_len)
     if words and not (fp8 and grouped and d >= 64):
         raise ValueError("words=True needs an E4M3 cache, the grouped route and head_dim >= 64")
-    cfg = decode_config(d, grouped, fp8, q.device, words)
+    cfg = decode_config(d, grouped, fp8, q.device, words, max_seq_len=max_seq_len)
     if pairs is None:
         pairs = words and cfg.pairs
     if pairs and not words:
