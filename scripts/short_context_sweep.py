@@ -32,22 +32,21 @@ import torch
 
 from kvcap.bench import kernels as kb
 from kvcap.kernels.common import sm_count
-from kvcap.kernels.decode import choose_num_splits, decode_config, use_words
+from kvcap.kernels.decode import choose_num_splits, decode_config, default_launch
 from kvcap.scales.fsutil import atomic_write_text
 
 ARMS = ("paged_fp16", "e4m3_native", "e4m3_software")
 
 
-def arm_launches(arm: str, tiles: list[int], splits: list[int], d: int, ctx: int,
+def arm_launches(arm: str, tiles: list[int], splits: list[int], cell: kb.Cell,
                  stages: list[int] | None = None) -> list[dict]:
     """paged_decode keywords to time for one arm (the default launch first, as {}); E4M3
-    launches keep the route (and its register cap) the default takes at `ctx`."""
+    launches keep the route (and its register cap) the default takes for the cell."""
     out: list[dict] = [{}]
     if arm == "paged_fp16":
         return out + [{"num_splits": s} for s in splits]
-    dev = torch.device("cuda")
-    words = use_words(d, True, True, dev, ctx)
-    cfg = decode_config(d, True, True, dev, words=words, max_seq_len=ctx)
+    words, cfg, _ = default_launch(cell.b, cell.hkv, cell.ctx, cell.d, True,
+                                   torch.device("cuda"))
     for bn in tiles:
         for ns in stages or [cfg.num_stages]:
             for s in splits:
@@ -62,7 +61,7 @@ def compare_rules(cell: kb.Cell, cls: int, rows: list[dict]) -> None:
     dev = torch.device("cuda")
     b, ctx = cell.b, cell.ctx
     for arm in ARMS:
-        cfg = decode_config(cell.d, True, arm != "paged_fp16", dev, max_seq_len=cls)
+        words, cfg, _ = default_launch(b, cell.hkv, cls, cell.d, arm != "paged_fp16", dev)
         args = (b, cell.hkv, cls, cfg.block_n, sm_count(dev), cfg.programs_per_sm,
                 cfg.whole_waves)
         old, new = choose_num_splits(*args), choose_num_splits(*args, cfg.short_programs_per_sm)
@@ -71,7 +70,7 @@ def compare_rules(cell: kb.Cell, cls: int, rows: list[dict]) -> None:
             if rule == "new" and new == old:
                 times["new"] = times["old"]
                 continue
-            fns = cell.fns(arm, num_splits=s)
+            fns = cell.fns(arm, num_splits=s, words=words if arm != "paged_fp16" else None)
             fns[0]()
             if rule == "old":
                 ref = cell.out[0].clone()
@@ -97,13 +96,11 @@ def launch_of(cfg, words: bool) -> dict:
 def compare_routes(cell: kb.Cell, cls: int, rows: list[dict]) -> None:
     """Times each E4M3 decoder on the word route and on the short-context byte route
     (decode_config(max_seq_len=cls)), each at the split count the engine computes for a
-    `cls`-token class, next to the 16-bit kernel's default for that class."""
+    `cls`-token class, next to the 16-bit kernel's default for that class (the byte route
+    whatever short_byte_route says of the call)."""
     dev = torch.device("cuda")
     b, ctx = cell.b, cell.ctx
-    cfg16 = decode_config(cell.d, True, False, dev, max_seq_len=cls)
-    s16 = choose_num_splits(b, cell.hkv, cls, cfg16.block_n, sm_count(dev),
-                            cfg16.programs_per_sm, cfg16.whole_waves,
-                            cfg16.short_programs_per_sm)
+    s16 = default_launch(b, cell.hkv, cls, cell.d, False, dev)[2]
     fns = cell.fns("paged_fp16", num_splits=s16)
     fns[0]()
     ref = cell.out[0].clone()
@@ -111,7 +108,7 @@ def compare_routes(cell: kb.Cell, cls: int, rows: list[dict]) -> None:
     for arm in ARMS[1:]:
         times = {}
         for route, words in (("word", True), ("byte", False)):
-            cfg = decode_config(cell.d, True, True, dev, words=words, max_seq_len=cls)
+            cfg = decode_config(cell.d, True, True, dev, words=words, short_route=not words)
             s = choose_num_splits(b, cell.hkv, cls, cfg.block_n, sm_count(dev),
                                   cfg.programs_per_sm, cfg.whole_waves,
                                   cfg.short_programs_per_sm)
@@ -189,12 +186,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             best: dict[str, tuple[float, dict]] = {}
             for arm in ARMS:
-                cfg = decode_config(d, True, arm != "paged_fp16", dev, max_seq_len=ctx)
-                default_splits = choose_num_splits(b, hkv, ctx, cfg.block_n, sm_count(dev),
-                                                   cfg.programs_per_sm, cfg.whole_waves,
-                                                   cfg.short_programs_per_sm)
+                _, cfg, default_splits = default_launch(b, hkv, ctx, d, arm != "paged_fp16",
+                                                        dev)
                 ref = None
-                for kw in arm_launches(arm, tiles, splits, d, ctx, stages):
+                for kw in arm_launches(arm, tiles, splits, cell, stages):
                     fns = cell.fns(arm, **kw)
                     fns[0]()
                     if ref is None:

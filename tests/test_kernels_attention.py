@@ -381,6 +381,53 @@ def test_decode_config_by_gpu(monkeypatch, mma):
     assert decode_config(128, True, True, cpu).maxnreg is None
 
 
+def test_short_calls_take_the_byte_route(monkeypatch):
+    """E4M3 at D = 128 over a context class <= 2048 with at most one (sequence, KV head) per
+    4 SMs reads bytes in 64-token tiles (H200: 0.86-1.00x the word route's time at B <= 4,
+    1.02-1.40x at B >= 8); every other call keeps the word route."""
+    from kvcap.kernels import decode
+
+    monkeypatch.setattr(decode, "word_route_launch", lambda props: (5, 3))
+    monkeypatch.setattr(decode, "word_route_d256_launch", lambda props: (128, 4))
+    monkeypatch.setattr(decode, "device_properties", lambda device: None)
+    monkeypatch.setattr(decode, "has_mma", lambda device: True)
+    monkeypatch.setattr(decode, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    words, cfg, splits = decode.default_launch(4, 8, 2048, 128, True, cuda)
+    assert not words and (cfg.block_n, cfg.num_stages, cfg.maxnreg) == (64, 2, None)
+    assert splits == 16  # two 64-token tiles per split over 2K
+    for b, ctx, d, fp8 in ((8, 2048, 128, True), (4, 2049, 128, True), (1, 1024, 64, True),
+                           (1, 1024, 256, True)):
+        assert decode.default_launch(b, 8, ctx, d, fp8, cuda)[0] == (d != 64), (b, ctx, d)
+    assert not decode.default_launch(1, 8, 1024, 128, False, cuda)[0]  # 16-bit: no words
+    assert not decode.short_byte_route(128, True, 1024, 34, 132)
+    assert decode.short_byte_route(128, True, 1024, 33, 132)
+
+
+def test_short_route_default_is_the_byte_route(monkeypatch):
+    """On the CPU interpreter (4 "SMs") one sequence over one KV head is a short call:
+    paged_decode launches the byte route's configuration (recorded at decode_config) and
+    agrees with the references; two sequences are not short and keep the word route."""
+    if DEV == "cuda":
+        pytest.skip("the CPU interpreter's SM count makes this call short")
+    seen = []
+    real = decode_module.decode_config
+
+    def spy(*args, **kw):
+        seen.append((args[4], kw.get("short_route")))
+        return real(*args, **kw)
+    monkeypatch.setattr(decode_module, "decode_config", spy)
+    case = make_case([(30, 1)], 4, 1, 128, kv_dtype="fp8_e4m3", dtype=torch.float16,
+                     pad_rows=2, seed=3, device=DEV)
+    twin = _reference(case)
+    out = _decode(case, num_splits=2)
+    assert seen == [(False, True)]
+    _check(case, out, "fp8_e4m3", twin)
+    _decode(make_case([(30, 1), (20, 1)], 4, 1, 128, kv_dtype="fp8_e4m3",
+                      dtype=torch.float16, seed=3, device=DEV))
+    assert seen[-1] == (True, False)
+
+
 def test_programs_per_sm():
     """Residency of the word-route program (41,472 B shared at 3 stages, 128 registers,
     4 warps): registers bound on Hopper, shared memory on A100 and on 100 KiB parts; a torch

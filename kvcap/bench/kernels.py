@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kvcap.kernels.common import sm_count
-from kvcap.kernels.decode import choose_num_splits, decode_config, paged_decode
+from kvcap.kernels.decode import choose_num_splits, default_launch, paged_decode
 from kvcap.scales.fsutil import atomic_write_text
 
 logger = logging.getLogger(__name__)
@@ -436,14 +436,8 @@ def main(argv: list[str] | None = None) -> int:
                 cell = Cell(hq, hkv, d, b, ctx, l2)
                 ms, outs = time_cell(cell, ARMS)
                 dev = cell.q[0].device
-                cfg = decode_config(d, True, True, dev, max_seq_len=ctx)
-                splits = choose_num_splits(b, hkv, ctx, cfg.block_n, sm_count(dev),
-                                           cfg.programs_per_sm, cfg.whole_waves,
-                                           cfg.short_programs_per_sm)
-                cfg16 = decode_config(d, True, False, dev, max_seq_len=ctx)
-                splits16 = choose_num_splits(b, hkv, ctx, cfg16.block_n, sm_count(dev),
-                                             cfg16.programs_per_sm, cfg16.whole_waves,
-                                             cfg16.short_programs_per_sm)
+                splits = default_launch(b, hkv, ctx, d, True, dev)[2]
+                splits16 = default_launch(b, hkv, ctx, d, False, dev)[2]
                 row = {"shape": name, "hq": hq, "hkv": hkv, "head_dim": d, "batch": b,
                        "context": ctx, "rotations": cell.r, "splits": splits,
                        "splits_fp16": splits16,

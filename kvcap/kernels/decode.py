@@ -457,6 +457,9 @@ SHORT_WORD_PROGRAMS_PER_SM = 2
 # tiles per program, and the word route's tile walk is the longer one (measurement in
 # docs/kernels.md, "Fifteenth change").
 SHORT_BYTE_ROUTE_TOKENS = 2048
+# ... and at most one (sequence, head program) per 4 SMs: the byte route took 0.86-1.00x the
+# word route's time at B <= 4 (8 KV heads: <= 32 programs on 132 SMs) and 1.02-1.40x at B >= 8.
+SHORT_BYTE_ROUTE_SMS_PER_PROGRAM = 4
 
 
 def word_route_d256_launch(props) -> tuple[int | None, int]:
@@ -479,11 +482,11 @@ def word_route_launch(props) -> tuple[int, int]:
 
 def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
                   words: bool | None = None, mma: bool | None = None,
-                  max_seq_len: int | None = None) -> DecodeConfig:
+                  short_route: bool = False) -> DecodeConfig:
     """Launch configuration of the decode kernel (`words`: the E4M3 word route; default: the
     route use_words picks; `mma`: the GPU has Triton's tensor-core dots, default: has_mma;
-    `max_seq_len`: the context length (class) the launch is for, which picks the short-context
-    byte route at D = 128, short_byte_route).
+    `short_route`: the call is short_byte_route's, which at D = 128 reads E4M3 bytes in
+    64-token tiles).
 
     Below sm_80 (V100, T4: FMA dots) the MMA-tuned tiles spill kilobytes per thread (ptxas,
     triton 3.6: 3.9-11.6 KB at BLOCK_N 128 / 64), so those GPUs take 32-token tiles (16 at
@@ -511,8 +514,8 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
     if not (has_mma(device) if mma is None else mma):
         return DecodeConfig(32 if head_dim <= 128 else 16, 4, 2, False, 8)
     if words is None:
-        words = use_words(head_dim, grouped, fp8, device, max_seq_len)
-    if fp8 and not words and short_byte_route(head_dim, fp8, max_seq_len):
+        words = use_words(head_dim, grouped, fp8, device, short_route)
+    if fp8 and not words and short_route and head_dim == 128:
         return DecodeConfig(64, 4, 2, False, 8, short_programs_per_sm=8)
     if fp8 and words and head_dim == 128:
         stages, resident = word_route_launch(device_properties(device))
@@ -533,15 +536,17 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
                         short_programs_per_sm=short)
 
 
-def short_byte_route(head_dim: int, fp8: bool, max_seq_len: int | None) -> bool:
-    """Whether an E4M3 decode at D = 128 over at most SHORT_BYTE_ROUTE_TOKENS (the engine's
-    shortest context class) reads bytes in 64-token tiles instead of the word route."""
-    return (fp8 and head_dim == 128 and max_seq_len is not None
-            and max_seq_len <= SHORT_BYTE_ROUTE_TOKENS)
+def short_byte_route(head_dim: int, fp8: bool, max_seq_len: int, programs: int,
+                     num_sms: int) -> bool:
+    """Whether an E4M3 decode at D = 128 reads bytes in 64-token tiles instead of the word
+    route: over at most SHORT_BYTE_ROUTE_TOKENS (the engine's shortest context class) with at
+    most one (sequence, head program) per SHORT_BYTE_ROUTE_SMS_PER_PROGRAM SMs."""
+    return (fp8 and head_dim == 128 and max_seq_len <= SHORT_BYTE_ROUTE_TOKENS
+            and programs * SHORT_BYTE_ROUTE_SMS_PER_PROGRAM <= num_sms)
 
 
 def use_words(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
-              max_seq_len: int | None = None) -> bool:
+              short_route: bool = False) -> bool:
     """Whether E4M3 decode reads the cache as words (attend_word_tiles) by default: at
     D = 128 and 256. H200, same run (docs/benchmarks/words-2026-11-30-h200.json): the word route
     took 0.88-0.90x the byte route's time natively and 0.93-0.94x in software at D = 128,
@@ -549,10 +554,10 @@ def use_words(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
     per tile); at D = 256 with its own launch (word_route_d256_launch, 2026-12-02) 0.76-0.83x
     natively and 0.87-0.91x in software. It exists to feed tensor-core operand layouts, so GPUs
     without Triton MMA (below sm_80) read bytes; the CPU interpreter follows the sm_80+ rule, so
-    CPU tests run the defaults those GPUs run. `max_seq_len`: short contexts at D = 128 take
+    CPU tests run the defaults those GPUs run. `short_route`: a short call at D = 128 takes
     the byte route (short_byte_route)."""
     return (fp8 and grouped and head_dim in (128, 256) and words_enabled()
-            and has_mma(device) and not short_byte_route(head_dim, fp8, max_seq_len))
+            and has_mma(device) and not short_route)
 
 
 MIXED_FP8_MODES = ("native-k", "native-v")
@@ -597,6 +602,19 @@ def merge_counters(device: torch.device, n: int) -> torch.Tensor:
     return cur
 
 
+def default_launch(num_seqs: int, head_programs: int, max_seq_len: int, head_dim: int,
+                   fp8: bool, device: torch.device) -> tuple[bool, DecodeConfig, int]:
+    """(word route?, launch configuration, split count) that paged_decode's grouped route
+    takes by default for this call: what benchmarks print and sweeps pin."""
+    num_sms = sm_count(device)
+    short = short_byte_route(head_dim, fp8, max_seq_len, num_seqs * head_programs, num_sms)
+    words = use_words(head_dim, True, fp8, device, short)
+    cfg = decode_config(head_dim, True, fp8, device, words, short_route=short)
+    splits = choose_num_splits(num_seqs, head_programs, max_seq_len, cfg.block_n, num_sms,
+                               cfg.programs_per_sm, cfg.whole_waves, cfg.short_programs_per_sm)
+    return words, cfg, splits
+
+
 def split_buffers(num_seqs: int, hq: int, num_splits: int, d: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialised split-K partials (outputs, base-2 LSEs): a split writes its own before
@@ -621,7 +639,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q [T, Hq, D], out [T, Hq, D] (the token row of sequence i is query_start_loc[i]);
     caches [num_blocks, Hkv, block_size, D] (uint8 = E4M3 with 0-dim FP32 k/v scales);
     block_tables int32 [B, W]; seq_lens int32 [B]; query_start_loc int32 [B+1].
-    `max_seq_len` (host int) only drives the split heuristic: any value is correct.
+    `max_seq_len` (host int) only drives the launch heuristics (split count; at D = 128 the
+    short-context byte route, short_byte_route): any value is correct.
     `words`: read an E4M3 cache as 32-bit words in four column groups (attend_word_tiles;
     grouped route, head_dim >= 64 only). `fp8_mode`: auto | native | software | native-k |
     native-v (fp8_decoders). `maxnreg`: a register cap per thread (more programs per SM;
@@ -654,11 +673,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         grouped = grouped_enabled()
     heads = group if grouped else 1
     head_programs = hkv if grouped else hq
+    short = grouped and short_byte_route(d, fp8, max_seq_len, num_seqs * head_programs,
+                                         sm_count(q.device))
     if words is None:
-        words = use_words(d, grouped, fp8, q.device, max_seq_len)
+        words = use_words(d, grouped, fp8, q.device, short)
     if words and not (fp8 and grouped and d >= 64):
         raise ValueError("words=True needs an E4M3 cache, the grouped route and head_dim >= 64")
-    cfg = decode_config(d, grouped, fp8, q.device, words, max_seq_len=max_seq_len)
+    cfg = decode_config(d, grouped, fp8, q.device, words, short_route=short)
     if pairs is None:
         pairs = words and cfg.pairs
     if pairs and not words:
