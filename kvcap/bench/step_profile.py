@@ -59,14 +59,15 @@ def time_gemms(spec, rows: list[int], ceiling_tbs: float) -> list[dict]:
             for r in bench_shape(name, n, k, rows, ceiling_tbs, sweep=())]
 
 
-def profile_cell(config: Path, kv: str, concurrency: int, context: int, steps: int) -> dict:
+def profile_cell(config: Path, kv: str, concurrency: int, context: int, steps: int,
+                 dtype: str = "float16") -> dict:
     from kvcap import LLM
     from kvcap.bench.throughput import calibrated_scales
 
     model = f"dummy:{config}"
     with kv_arm(kv) as kv_dtype:  # the arm's switches hold through capture and every step
-        scales = calibrated_scales(model, "float16") if kv_dtype == "fp8_e4m3" else None
-        llm = LLM(model=model, dtype="float16", kv_cache_dtype=kv_dtype, kv_scales=scales,
+        scales = calibrated_scales(model, dtype) if kv_dtype == "fp8_e4m3" else None
+        llm = LLM(model=model, dtype=dtype, kv_cache_dtype=kv_dtype, kv_scales=scales,
                   max_num_seqs=concurrency, max_model_len=context + 256,
                   max_num_batched_tokens=8192)
         try:
@@ -135,6 +136,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
+                    help="model dtype of the step cells")
     args = ap.parse_args(argv)
     from kvcap.bench.throughput import KV_MODES, _commit
 
@@ -152,7 +155,7 @@ def main(argv=None) -> int:
     ceil = measure_ceilings()
     report = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
               "commit": _commit(), "torch": torch.__version__, "config": args.config.name,
-              "read_ceiling_tbs": ceil["read_tbs"],
+              "dtype": args.dtype, "read_ceiling_tbs": ceil["read_tbs"],
               "gemms": time_gemms(spec, args.rows, ceil["read_tbs"]), "cells": []}
     out = args.out or Path(f"step-profile-{report['date']}.json")
 
@@ -161,7 +164,7 @@ def main(argv=None) -> int:
 
     save()
     for kv, c, ctx in cells:
-        report["cells"].append(profile_cell(args.config, kv, c, ctx, args.steps))
+        report["cells"].append(profile_cell(args.config, kv, c, ctx, args.steps, args.dtype))
         save()
     print(f"read ceiling {ceil['read_tbs']:.2f} TB/s")
     print(f"{'linear':14} {'m':>4} {'us':>8} {'TB/s':>6} {'%ceil':>6}")
