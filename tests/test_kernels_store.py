@@ -32,16 +32,21 @@ def _fused_kv(t: int, hq: int, hkv: int, d: int, dtype, g) -> tuple[torch.Tensor
     (torch.float32, torch.float32), (torch.float16, torch.float32),
     (torch.uint8, torch.float16), (torch.uint8, torch.bfloat16), (torch.uint8, torch.float32)])
 @pytest.mark.parametrize("hkv,d,bs", [(3, 64, 16), (2, 128, 32)])
-def test_store_matches_reference(cache_dtype, dtype, hkv, d, bs):
-    g = torch.Generator().manual_seed(hkv * d + bs)
-    t, nb = 11, 9
+@pytest.mark.parametrize("t", [11, 3])
+def test_store_matches_reference(cache_dtype, dtype, hkv, d, bs, t):
+    """11 rows: one program per token, all heads; 3 (a decode step, fewer rows than the
+    interpreter's 4 \"SMs\"; on a GPU than its SMs): one program per head."""
+    g = torch.Generator().manual_seed(hkv * d + bs + t)
+    nb = 9
+    per_head = t < sk.sm_count(torch.device(DEV))
+    assert (sk.store_heads_per_program(t, hkv, torch.device(DEV)) == 1) == per_head
     k, v = _fused_kv(t, 5, hkv, d, dtype, g)
     assert not k.is_contiguous()
     kc = torch.full((nb, hkv, bs, d), 0x7F if cache_dtype == torch.uint8 else 3.0,
                     dtype=cache_dtype, device=DEV)
     vc = kc.clone()
     slots = torch.randperm(nb * bs, generator=g)[:t]
-    slots[[2, 7]] = -1  # padding / skipped rows
+    slots[[2, t - 1]] = -1  # padding / skipped rows
     slots = slots.to(DEV)
     ks = torch.tensor(0.0371, device=DEV)
     vs = torch.tensor(0.0129, device=DEV)

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcap.kernels.common import sm_count
+
 
 @triton.jit
 def encode_e4m3(x, scale):
@@ -46,7 +48,7 @@ def _store_kv_kernel(
         return
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
-    h = tl.arange(0, BLOCK_H)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, HEAD_DIM)
     hmask = (h < NUM_KV_HEADS)[:, None]
     t64 = t.to(tl.int64)
@@ -86,11 +88,25 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     fp8 = k_cache.dtype == torch.uint8
     if fp8 and (k_scale is None or v_scale is None):
         raise ValueError("an E4M3 cache needs k_scale and v_scale")
-    _store_kv_kernel[(t,)](
+    block_h = store_heads_per_program(t, hkv, k.device)
+    _store_kv_kernel[(t, triton.cdiv(hkv, block_h))](
         k, v, k_cache, v_cache, slot_mapping,
         k_scale if fp8 else k_cache, v_scale if fp8 else v_cache,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2],
-        BLOCK_H=triton.next_power_of_2(hkv), FP8=fp8,
+        BLOCK_H=block_h, FP8=fp8, num_warps=max(1, min(4, block_h * d // 32)),
     )
+
+
+def store_heads_per_program(num_tokens: int, num_kv_heads: int, device: torch.device) -> int:
+    """KV heads one program writes. A decode step writes a few tokens, and one program per
+    token is then a serial chain per thread (the E4M3 encoder's IEEE division is a dozens-of-
+    instructions sequence per element: 8 heads x 128 x 2 values over 128 threads took 2.6 us
+    per call against the 16-bit copy's 1.4 on the H200, 32 layers: 37 us of a 1 x 1K step,
+    docs/benchmarks/step-profile-2026-12-02-h200-1k-bf16.json), so with fewer tokens than
+    SMs each head gets its own program; a prefill's many tokens keep one program per token.
+    (The CPU interpreter counts 4 SMs, so tests take both layouts.)"""
+    if num_tokens < sm_count(device):
+        return 1
+    return triton.next_power_of_2(num_kv_heads)
