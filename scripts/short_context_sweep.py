@@ -95,9 +95,9 @@ def launch_of(cfg, words: bool) -> dict:
 
 def compare_routes(cell: kb.Cell, cls: int, rows: list[dict]) -> None:
     """Times each E4M3 decoder on the word route and on the short-context byte route
-    (decode_config(max_seq_len=cls)), each at the split count the engine computes for a
-    `cls`-token class, next to the 16-bit kernel's default for that class (the byte route
-    whatever short_byte_route says of the call)."""
+    (decode_config(short_route=True), whatever short_byte_route says of the call), each at the
+    split count the engine computes for a `cls`-token class, next to the 16-bit kernel's
+    default for that class."""
     dev = torch.device("cuda")
     b, ctx = cell.b, cell.ctx
     s16 = default_launch(b, cell.hkv, cls, cell.d, False, dev)[2]
