@@ -177,6 +177,9 @@ def main() -> int:
                     help="query dtype (bf16 over an E4M3 cache on sm_80+: FP16 dots)")
     ap.add_argument("--defaults", action="store_true",
                     help="tile, warps, stages, register cap and pairs from decode_config (CUDA)")
+    ap.add_argument("--short", action="store_true",
+                    help="with --defaults and without --words: the short-context byte route's "
+                         "launch (decode.short_byte_route)")
     ap.add_argument("--maxnreg", type=int, help="register cap per thread (ptx .maxnreg)")
     ap.add_argument("--block-m", type=int,
                     help="prefill: dot rows of this tile (with --block-n/--num-warps/"
@@ -195,7 +198,7 @@ def main() -> int:
         # memory per SM then comes from common._SHARED_PER_SM)
         decode.device_properties = lambda device: target_properties(args.sm)
         cfg = decode.decode_config(args.head_dim, True, fp8, torch.device("cuda"), args.words,
-                                   mma=args.sm >= 80)
+                                   mma=args.sm >= 80, short_route=args.short)
         args.block_n, args.num_warps, args.num_stages = cfg.block_n, cfg.num_warps, cfg.num_stages
         args.maxnreg, args.pairs = cfg.maxnreg, args.words and cfg.pairs
     if args.words and not fp8:

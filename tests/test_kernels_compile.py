@@ -195,6 +195,19 @@ def test_bf16_queries_compile_to_fp16_dots(cache, sm, head_dim):
         _assert_word_residency(c, sm, head_dim)
 
 
+@pytest.mark.parametrize("cache,sm", [("software", 80), ("software", 86), ("native", 90),
+                                      ("software", 90)])
+def test_short_byte_route_compiles_without_spills(cache, sm):
+    """The short-context byte route at D = 128 (64-token tiles, 2 stages, uncapped; BF16
+    queries on FP16 dots) on tensor-core GPUs: no spill, no decoded value converted, the FP8
+    instruction only where the hardware decoder runs."""
+    c = _counts("--cache", cache, "--sm", str(sm), "--head-dim", "128", "--defaults", "--short",
+                "--dtype", "bf16")
+    assert c["spill store bytes"] == 0
+    assert c["cvt.f32.f16"] == 0 and c["cvt.rn.bf16.f16"] == 0
+    assert (c["cvt.rn.f16x2.e4m3x2"] > 0) == (cache == "native")
+
+
 @pytest.mark.parametrize("cache,dtype", [("native", "fp16"), ("native", "bf16"),
                                          ("software", "bf16")])
 def test_d256_word_route_on_hopper(cache, dtype):
