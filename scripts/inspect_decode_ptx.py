@@ -225,23 +225,24 @@ def main() -> int:
         n = len(re.findall(re.escape(pat) + (r"\b" if pat == "ld.shared.b8" else ""), ptx))
         print(f"  {pat:22s} {n}")
     print(f"  shared memory bytes    {k.metadata.shared}")
-    for key, value in ptxas_usage(ptx, args.sm).items():
+    usage = ptxas_usage(ptx, args.sm)
+    for key, value in usage.items():
         print(f"  {key:22s} {value}")
     sass = tile_loop_sass(k.asm["cubin"]) if args.sass else {}
     for key, value in sass.items():
         print(f"  sass {key:17s} {value}")
     if args.json:
         import json
-        import subprocess
 
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip() or "unknown"
-        args.json.write_text(json.dumps({
+        from kvcap.bench.throughput import _commit
+        from kvcap.scales.fsutil import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps({
             "triton": triton.__version__, "sm": args.sm, "cache": args.cache,
             "words": args.words, "pairs": args.pairs, "head_dim": args.head_dim,
             "dtype": args.dtype, "block_n": args.block_n, "num_warps": args.num_warps,
-            "num_stages": args.num_stages, "maxnreg": args.maxnreg, "commit": commit,
-            **ptxas_usage(ptx, args.sm), "sass_tile_loop": sass}, indent=1))
+            "num_stages": args.num_stages, "maxnreg": args.maxnreg, "commit": _commit(),
+            **usage, "sass_tile_loop": sass}, indent=1))
     return 0
 
 
