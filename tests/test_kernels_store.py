@@ -32,14 +32,15 @@ def _fused_kv(t: int, hq: int, hkv: int, d: int, dtype, g) -> tuple[torch.Tensor
     (torch.float32, torch.float32), (torch.float16, torch.float32),
     (torch.uint8, torch.float16), (torch.uint8, torch.bfloat16), (torch.uint8, torch.float32)])
 @pytest.mark.parametrize("hkv,d,bs", [(3, 64, 16), (2, 128, 32)])
-@pytest.mark.parametrize("t", [11, 3])
-def test_store_matches_reference(cache_dtype, dtype, hkv, d, bs, t):
-    """11 rows: one program per token, all heads; 3 (a decode step, fewer rows than the
-    interpreter's 4 \"SMs\"; on a GPU than its SMs): one program per head."""
+@pytest.mark.parametrize("rows", ["many", "few"])
+def test_store_matches_reference(cache_dtype, dtype, hkv, d, bs, rows):
+    """Many rows (SMs + 7: 11 on the interpreter's 4 \"SMs\"): one program per token, all
+    heads; few (3, a decode step): one program per head. Both on a GPU too."""
+    dev = torch.device(DEV)
+    t = sk.sm_count(dev) + 7 if rows == "many" else 3
     g = torch.Generator().manual_seed(hkv * d + bs + t)
-    nb = 9
-    per_head = t < sk.sm_count(torch.device(DEV))
-    assert (sk.store_heads_per_program(t, hkv, torch.device(DEV)) == 1) == per_head
+    nb = max(9, t // bs + 2)
+    assert (sk.store_heads_per_program(t, hkv, dev) == 1) == (rows == "few")
     k, v = _fused_kv(t, 5, hkv, d, dtype, g)
     assert not k.is_contiguous()
     kc = torch.full((nb, hkv, bs, d), 0x7F if cache_dtype == torch.uint8 else 3.0,
