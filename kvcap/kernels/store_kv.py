@@ -95,7 +95,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2],
-        BLOCK_H=block_h, FP8=fp8, num_warps=max(1, min(4, block_h * d // 32)),
+        BLOCK_H=block_h, FP8=fp8,
     )
 
 
