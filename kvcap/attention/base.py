@@ -19,6 +19,9 @@ class AttentionBackend(ABC):
     """
 
     name: str = "base"
+    # True when `attend_stored` exists: the model may then write K/V into the cache itself
+    # (fused into its RoPE kernel, kvcap.kernels.fused_ops) and skip the backend's store.
+    accepts_stored_kv: bool = False
 
     @abstractmethod
     def forward(
@@ -32,3 +35,8 @@ class AttentionBackend(ABC):
         out: torch.Tensor,  # [T, Hq, D] model dtype; rows of padding tokens are left untouched
     ) -> torch.Tensor:
         """Store k/v at meta.slot_mapping (quantizing for E4M3), then attend. Returns `out`."""
+
+    def attend_stored(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
+                      softmax_scale: float, out: torch.Tensor) -> torch.Tensor:
+        """`forward` for a batch whose k/v the caller already wrote at meta.slot_mapping."""
+        raise NotImplementedError(f"the {self.name} backend stores K/V itself (forward)")

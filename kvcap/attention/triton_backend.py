@@ -9,6 +9,7 @@ import torch
 
 from kvcap.attention.base import AttentionBackend
 from kvcap.attention.metadata import AttentionMetadata
+from kvcap.kernels.common import ENV_DISABLE_ROPE_KV_WRITE, _flag
 from kvcap.kernels.decode import paged_decode
 from kvcap.kernels.prefill import paged_prefill
 from kvcap.kernels.store_kv import store_kv
@@ -26,6 +27,9 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, fp8_mode: str = "auto"):
         self.fp8_mode = fp8_mode
+        # The model's fused RoPE kernel writes K/V (one launch per layer less) unless
+        # KVCAP_DISABLE_ROPE_KV_WRITE=1, which brings back store_kv here.
+        self.accepts_stored_kv = not _flag(ENV_DISABLE_ROPE_KV_WRITE)
         self._plan_meta: AttentionMetadata | None = None
         self._has_decode = False
 
@@ -42,6 +46,10 @@ class TritonBackend(AttentionBackend):
                 ) -> torch.Tensor:
         store_kv(k, v, cache.k_cache, cache.v_cache, meta.slot_mapping, cache.k_scale,
                  cache.v_scale)
+        return self.attend_stored(q, cache, meta, softmax_scale, out)
+
+    def attend_stored(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
+                      softmax_scale: float, out: torch.Tensor) -> torch.Tensor:
         if self._plan(meta):
             paged_decode(q, cache.k_cache, cache.v_cache, out, meta.block_tables, meta.seq_lens,
                          meta.query_start_loc, softmax_scale, meta.max_seq_len,

@@ -7,16 +7,24 @@ of the step time. On the H200 they took the Llama-3.1-8B decode forward at concu
 Numerics repeat the torch twin's roundings (kvcap.models.llama, which follows HF transformers):
 the residual sum and each RoPE product are rounded to the activation dtype exactly where torch
 rounds them; RMSNorm accumulates in FP32 (its reduction order differs from torch's, so results
-agree to FP32 rounding, not bit for bit); SiLU uses FP32 like torch's. Imports nothing else of
-kvcap; the models call these only on CUDA (kvcap.models.llama.fused_ops_for; the environment
+agree to FP32 rounding, not bit for bit); SiLU uses FP32 like torch's. The RoPE kernel can also
+write K/V into the paged cache (the E4M3 encoder is kvcap.kernels.store_kv's). The models call
+these only on CUDA (kvcap.models.llama.fused_ops_for; the environment
 variable KVCAP_DISABLE_FUSED_OPS=1 switches back to torch ops).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
+
+from kvcap.kernels.store_kv import check_cache_layout, encode_e4m3
+
+if TYPE_CHECKING:
+    from kvcap.kv_cache.pool import LayerKVCache
 
 
 @triton.jit
@@ -59,7 +67,10 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 @triton.jit
 def _rope_split_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stride_t, stride_cos,
-                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
+                       kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
+                       stride_cb, stride_ch, stride_ct,
+                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                       STORE: tl.constexpr, FP8: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -77,14 +88,41 @@ def _rope_split_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stride_t,
             tl.store(q_ptr + (t * HQ + h) * D + d, y)
         else:
             tl.store(k_ptr + (t * HKV + h - HQ) * D + d, y)
+            if STORE:
+                _store_row(y, kc_ptr, ks_ptr, slot_ptr, t, h - HQ, d, stride_cb, stride_ch,
+                           stride_ct, FP8, BLOCK_SIZE)
     else:
         tl.store(v_ptr + (t * HKV + h - HQ - HKV) * D + d, x)
+        if STORE:
+            _store_row(x, vc_ptr, vs_ptr, slot_ptr, t, h - HQ - HKV, d, stride_cb, stride_ch,
+                       stride_ct, FP8, BLOCK_SIZE)
+
+
+@triton.jit
+def _store_row(x, cache_ptr, scale_ptr, slot_ptr, t, kv_head, d, stride_cb, stride_ch,
+               stride_ct, FP8: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """One KV head's row of token t into the paged cache at its slot (-1: padding, skipped):
+    the same bytes as kvcap.kernels.store_kv (E4M3: encode(x / scale))."""
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_cb + kv_head * stride_ch
+               + (slot % BLOCK_SIZE) * stride_ct + d)
+        if FP8:
+            tl.store(dst, encode_e4m3(x.to(tl.float32), tl.load(scale_ptr)))
+        else:
+            tl.store(dst, x.to(cache_ptr.dtype.element_ty))
 
 
 def rope_split_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                   num_kv_heads: int, head_dim: int):
+                   num_kv_heads: int, head_dim: int, cache: LayerKVCache | None = None,
+                   slot_mapping: torch.Tensor | None = None):
     """qkv [T, (Hq + 2 Hkv) * D] (rows contiguous), cos/sin [T, 1, D] ->
-    contiguous q [T, Hq, D], k [T, Hkv, D] rotated and v [T, Hkv, D]."""
+    contiguous q [T, Hq, D], k [T, Hkv, D] rotated and v [T, Hkv, D].
+
+    With `cache` and `slot_mapping` [T] (int64 block * block_size + offset, -1 = skip) the
+    same launch also writes k and v into the layer's paged cache (E4M3: quantized with its
+    scales), byte for byte what kvcap.kernels.store_kv writes: a decode step then spends one
+    launch per layer less, and the E4M3 encode runs spread over the K/V heads' programs."""
     t = qkv.shape[0]
     q = qkv.new_empty(t, num_heads, head_dim)
     k = qkv.new_empty(t, num_kv_heads, head_dim)
@@ -92,9 +130,25 @@ def rope_split_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
     if t:
         if qkv.stride(1) != 1 or cos.stride(2) != 1 or cos.stride() != sin.stride():
             raise ValueError("rope_split_qkv needs contiguous rows and matching cos/sin")
+        store = cache is not None
+        if store:
+            kc, vc = cache.k_cache, cache.v_cache
+            check_cache_layout(kc, vc, num_kv_heads, head_dim)
+            if slot_mapping is None or slot_mapping.shape != (t,):
+                raise ValueError("writing the cache needs a slot_mapping with one slot per row")
+            if cache.is_fp8 and (cache.k_scale is None or cache.v_scale is None):
+                raise ValueError("an E4M3 cache needs k_scale and v_scale")
+        else:
+            kc = vc = slot_mapping = qkv  # unused placeholders (STORE=False)
+        fp8 = store and cache.is_fp8
         _rope_split_kernel[(t, num_heads + 2 * num_kv_heads)](
-            qkv, cos, sin, q, k, v, qkv.stride(0), cos.stride(0), HQ=num_heads,
-            HKV=num_kv_heads, D=head_dim, num_warps=1 if head_dim <= 128 else 2,
+            qkv, cos, sin, q, k, v, qkv.stride(0), cos.stride(0),
+            kc, vc, slot_mapping, cache.k_scale if fp8 else kc, cache.v_scale if fp8 else vc,
+            kc.stride(0) if store else 0, kc.stride(1) if store else 0,
+            kc.stride(2) if store else 0,
+            HQ=num_heads, HKV=num_kv_heads, D=head_dim, STORE=store, FP8=fp8,
+            BLOCK_SIZE=kc.shape[2] if store else 1,
+            num_warps=1 if head_dim <= 128 else 2,
             enable_fp_fusion=False)  # no FMA: each product rounds as torch rounds it
     return q, k, v
 

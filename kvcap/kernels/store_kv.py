@@ -76,13 +76,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     t, hkv, d = k.shape
     if t == 0:
         return
-    if v.shape != k.shape or k_cache.shape[1] != hkv or k_cache.shape[3] != d:
-        raise ValueError(f"shape mismatch: k {tuple(k.shape)} v {tuple(v.shape)} "
-                         f"cache {tuple(k_cache.shape)}")
-    if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride(3) != 1:
+    if v.shape != k.shape:
+        raise ValueError(f"shape mismatch: k {tuple(k.shape)} v {tuple(v.shape)}")
+    if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("head_dim must be contiguous")
-    if k_cache.stride() != v_cache.stride() or k_cache.dtype != v_cache.dtype:
-        raise ValueError("K and V caches must share layout and dtype")
+    check_cache_layout(k_cache, v_cache, hkv, d)
     if slot_mapping.shape[0] != t:
         raise ValueError("slot_mapping must have one entry per row")
     fp8 = k_cache.dtype == torch.uint8
@@ -97,6 +95,19 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2],
         BLOCK_H=block_h, FP8=fp8,
     )
+
+
+def check_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int,
+                       head_dim: int) -> None:
+    """Raise ValueError unless the caches are [blocks, num_kv_heads, block_size, head_dim]
+    with head_dim contiguous and K and V sharing layout and dtype."""
+    if k_cache.dim() != 4 or k_cache.shape[1] != num_kv_heads or k_cache.shape[3] != head_dim:
+        raise ValueError(f"shape mismatch: {num_kv_heads} KV heads x head_dim {head_dim} "
+                         f"against cache {tuple(k_cache.shape)}")
+    if k_cache.stride(3) != 1:
+        raise ValueError("the cache's head_dim must be contiguous")
+    if k_cache.stride() != v_cache.stride() or k_cache.dtype != v_cache.dtype:
+        raise ValueError("K and V caches must share layout and dtype")
 
 
 def store_heads_per_program(num_tokens: int, num_kv_heads: int, device: torch.device) -> int:

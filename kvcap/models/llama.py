@@ -145,9 +145,13 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         fused = fused_ops_for(qkv) if self.q_norm is None else None
+        cache = ctx.pool.layer(self.layer_idx)
+        # The fused RoPE kernel also writes the cache when the backend can attend over it.
+        stored = fused is not None and ctx.backend.accepts_stored_kv
         if fused is not None:
-            q, k, v = fused.rope_split_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads,
-                                           self.head_dim)
+            q, k, v = fused.rope_split_qkv(
+                qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
+                cache=cache if stored else None, slot_mapping=ctx.meta.slot_mapping)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(t, self.num_heads, self.head_dim)
@@ -161,8 +165,11 @@ class Attention(nn.Module):
             n = ctx.meta.num_tokens
             ctx.kv_observer(self.layer_idx, k[:n], v[:n])
         out = torch.empty_like(q)
-        ctx.backend.forward(q, k.contiguous(), v.contiguous(), ctx.pool.layer(self.layer_idx),
-                            ctx.meta, self.softmax_scale, out)
+        if stored:
+            ctx.backend.attend_stored(q, cache, ctx.meta, self.softmax_scale, out)
+        else:
+            ctx.backend.forward(q, k.contiguous(), v.contiguous(), cache, ctx.meta,
+                                self.softmax_scale, out)
         return self.o_proj(self.attn_out(out.view(t, self.q_size)))
 
 
