@@ -165,3 +165,58 @@ def test_engine_writes_the_cache_in_the_rope_kernel(kv, tmp_path, monkeypatch):
     assert runs[True][2] == 0 and runs[False][2] > 0
     assert runs[True][0] == runs[False][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1], strict=True))
+
+
+def test_o_proj_prefetch_is_opt_in_decode_only_and_short(monkeypatch):
+    """The L2 prefetch side stream: only with KVCAP_L2_PREFETCH=1, on sm_90+ CUDA, for decode-
+    only steps over a context class of at most L2_PREFETCH_MAX_CONTEXT tokens."""
+    from kvcap.attention.metadata import AttentionMetadata
+    from kvcap.models.llama import L2_PREFETCH_ENV, L2_PREFETCH_MAX_CONTEXT, prefetch_stream_for
+
+    def meta(query_lens, seq_lens):
+        return AttentionMetadata.build(query_lens, seq_lens, [[0] * 4] * len(seq_lens), 16, "cpu")
+
+    decode, prefill = meta([1, 1], [30, 9]), meta([5, 1], [5, 9])
+    monkeypatch.delenv(L2_PREFETCH_ENV, raising=False)
+    assert prefetch_stream_for(torch.device(DEV), decode) is None
+    monkeypatch.setenv(L2_PREFETCH_ENV, "1")
+    assert prefetch_stream_for(torch.device("cpu"), decode) is None
+    assert prefetch_stream_for(torch.device(DEV), prefill) is None
+    decode.max_seq_len = L2_PREFETCH_MAX_CONTEXT + 1
+    assert prefetch_stream_for(torch.device(DEV), decode) is None
+    decode.max_seq_len = L2_PREFETCH_MAX_CONTEXT
+    hopper = DEV == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+    assert (prefetch_stream_for(torch.device(DEV), decode) is not None) == hopper
+
+
+@pytest.mark.skipif(DEV != "cuda" or torch.cuda.get_device_capability()[0] < 9,
+                    reason="the bulk L2 prefetch needs an sm_90+ GPU")
+def test_o_proj_prefetch_leaves_tokens_unchanged(tmp_path, monkeypatch):
+    """Prefetching o_proj weights on a side stream (eager steps and CUDA graphs) changes no
+    token and no weight."""
+    import json
+
+    from kvcap import LLM, SamplingParams
+    from kvcap.kernels.l2_prefetch import l2_prefetch
+    from kvcap.models.llama import L2_PREFETCH_ENV
+
+    w = torch.randn(64, 48, device=DEV)
+    before = w.clone()
+    l2_prefetch(w)
+    torch.cuda.synchronize()
+    assert torch.equal(w, before)
+    with pytest.raises(ValueError, match="contiguous"):
+        l2_prefetch(w.t())
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 301, "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "rope_theta": 10000.0}))
+    prompts = [[1, 5, 9, 33, 2], list(range(7, 40))]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    runs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv(L2_PREFETCH_ENV, flag)
+        with LLM(model=f"dummy:{tmp_path}", device=DEV, num_blocks=64, dtype="bfloat16") as llm:
+            runs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1]

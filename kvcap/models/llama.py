@@ -165,11 +165,20 @@ class Attention(nn.Module):
             n = ctx.meta.num_tokens
             ctx.kv_observer(self.layer_idx, k[:n], v[:n])
         out = torch.empty_like(q)
+        side = ctx.prefetch_stream
+        if side is not None:  # fork: the o_proj weight streams into L2 during attention
+            from kvcap.kernels.l2_prefetch import l2_prefetch
+
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                l2_prefetch(self.o_proj.weight)
         if stored:
             ctx.backend.attend_stored(q, cache, ctx.meta, self.softmax_scale, out)
         else:
             ctx.backend.forward(q, k.contiguous(), v.contiguous(), cache, ctx.meta,
                                 self.softmax_scale, out)
+        if side is not None:  # join before o_proj reads the weight
+            torch.cuda.current_stream().wait_stream(side)
         return self.o_proj(self.attn_out(out.view(t, self.q_size)))
 
 
@@ -212,11 +221,38 @@ class DecoderLayer(nn.Module):
 
 
 class ForwardContext:
-    """What every layer needs for one forward: backend, pool, metadata, optional observer."""
+    """What every layer needs for one forward: backend, pool, metadata, optional observer,
+    and the side stream of the o_proj weight prefetch (None: no prefetch)."""
 
     def __init__(self, backend: AttentionBackend, pool: KVCachePool, meta: AttentionMetadata,
                  kv_observer: KVObserverFn | None = None):
         self.backend, self.pool, self.meta, self.kv_observer = backend, pool, meta, kv_observer
+        self.prefetch_stream = prefetch_stream_for(pool.device, meta)
+
+
+L2_PREFETCH_ENV = "KVCAP_L2_PREFETCH"
+L2_PREFETCH_MAX_CONTEXT = 4096  # context classes above it keep attention bandwidth-bound
+_prefetch_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def prefetch_stream_for(device: torch.device, meta: AttentionMetadata):
+    """A decode-only step over a short context class on an sm_90+ GPU with KVCAP_L2_PREFETCH=1
+    gets a side stream: each layer prefetches its o_proj weight into L2 there while attention
+    (latency-bound at short contexts, DRAM mostly idle) runs, so o_proj reads L2. Else None."""
+    device = torch.device(device)
+    if (device.type != "cuda" or not meta.is_decode_only
+            or meta.max_seq_len > L2_PREFETCH_MAX_CONTEXT
+            or os.environ.get(L2_PREFETCH_ENV, "0").strip().lower() in ("", "0", "false", "no")):
+        return None
+    from kvcap.kernels.l2_prefetch import supported
+
+    if not supported(device):
+        return None
+    device = torch.device(device.type, device.index if device.index is not None
+                          else torch.cuda.current_device())
+    if device not in _prefetch_streams:
+        _prefetch_streams[device] = torch.cuda.Stream(device)
+    return _prefetch_streams[device]
 
 
 class LlamaModel(nn.Module):
