@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +84,7 @@ def main() -> int:
         print(f"| {r_['batch']} x {r_['context']} | {r_['arm']} | {r_['attention_us']:.1f} | "
               f"{r_['plain_us']:.1f} | {r_['prefetch_us']:.1f} | {r_['ratio']:.3f} |")
     if args.out:
-        atomic_write_text(args.out, json.dumps({**run_info(), "rows": rows}, indent=1))
+        atomic_write_text(Path(args.out), json.dumps({**run_info(), "rows": rows}, indent=1))
     return 0
 
 
