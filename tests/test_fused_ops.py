@@ -167,33 +167,35 @@ def test_engine_writes_the_cache_in_the_rope_kernel(kv, tmp_path, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1], strict=True))
 
 
-def test_o_proj_prefetch_is_opt_in_decode_only_and_short(monkeypatch):
-    """The L2 prefetch side stream: only with KVCAP_L2_PREFETCH=1, on sm_90+ CUDA, for decode-
-    only steps over a context class of at most L2_PREFETCH_MAX_CONTEXT tokens."""
+def test_l2_prefetch_switch(monkeypatch):
+    """Which weights a step prefetches: only decode-only steps on sm_90+ CUDA; the switch
+    takes a comma list of linears, 0 for none, and names what it does not know."""
     from kvcap.attention.metadata import AttentionMetadata
-    from kvcap.models.llama import L2_PREFETCH_ENV, L2_PREFETCH_MAX_CONTEXT, prefetch_stream_for
+    from kvcap.models.llama import DEFAULT_PREFETCH, L2_PREFETCH_ENV, prefetch_linears
 
     def meta(query_lens, seq_lens):
         return AttentionMetadata.build(query_lens, seq_lens, [[0] * 4] * len(seq_lens), 16, "cpu")
 
     decode, prefill = meta([1, 1], [30, 9]), meta([5, 1], [5, 9])
-    monkeypatch.delenv(L2_PREFETCH_ENV, raising=False)
-    assert prefetch_stream_for(torch.device(DEV), decode) is None
-    monkeypatch.setenv(L2_PREFETCH_ENV, "1")
-    assert prefetch_stream_for(torch.device("cpu"), decode) is None
-    assert prefetch_stream_for(torch.device(DEV), prefill) is None
-    decode.max_seq_len = L2_PREFETCH_MAX_CONTEXT + 1
-    assert prefetch_stream_for(torch.device(DEV), decode) is None
-    decode.max_seq_len = L2_PREFETCH_MAX_CONTEXT
     hopper = DEV == "cuda" and torch.cuda.get_device_capability()[0] >= 9
-    assert (prefetch_stream_for(torch.device(DEV), decode) is not None) == hopper
+    monkeypatch.delenv(L2_PREFETCH_ENV, raising=False)
+    assert prefetch_linears(DEV, decode) == (DEFAULT_PREFETCH if hopper else frozenset())
+    monkeypatch.setenv(L2_PREFETCH_ENV, "o, qkv")
+    assert prefetch_linears("cpu", decode) == frozenset()
+    assert prefetch_linears(DEV, prefill) == frozenset()
+    assert prefetch_linears(DEV, decode) == (frozenset({"o", "qkv"}) if hopper else frozenset())
+    monkeypatch.setenv(L2_PREFETCH_ENV, "0")
+    assert prefetch_linears(DEV, decode) == frozenset()
+    monkeypatch.setenv(L2_PREFETCH_ENV, "o,up")
+    with pytest.raises(ValueError, match=r"unknown linear\(s\) \['up'\]; choose from qkv, o"):
+        prefetch_linears(DEV, decode)
 
 
 @pytest.mark.skipif(DEV != "cuda" or torch.cuda.get_device_capability()[0] < 9,
                     reason="the bulk L2 prefetch needs an sm_90+ GPU")
-def test_o_proj_prefetch_leaves_tokens_unchanged(tmp_path, monkeypatch):
-    """Prefetching o_proj weights on a side stream (eager steps and CUDA graphs) changes no
-    token and no weight."""
+def test_l2_prefetch_leaves_tokens_unchanged(tmp_path, monkeypatch):
+    """Prefetching every linear's weight before its GEMM (eager steps and CUDA graphs)
+    changes no token and no weight."""
     import json
 
     from kvcap import LLM, SamplingParams
@@ -215,7 +217,7 @@ def test_o_proj_prefetch_leaves_tokens_unchanged(tmp_path, monkeypatch):
     prompts = [[1, 5, 9, 33, 2], list(range(7, 40))]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     runs = []
-    for flag in ("0", "1"):
+    for flag in ("0", "qkv,o,gate_up,down"):
         monkeypatch.setenv(L2_PREFETCH_ENV, flag)
         with LLM(model=f"dummy:{tmp_path}", device=DEV, num_blocks=64, dtype="bfloat16") as llm:
             runs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
