@@ -1,9 +1,12 @@
 """l2_prefetch: pull a tensor's bytes into the GPU's L2 cache without using registers or
-shared memory (Hopper's bulk-copy unit, `cp.async.bulk.prefetch.L2`).
+shared memory (Hopper's bulk-copy unit, `cp.async.bulk.prefetch.L2`). An experiment, not used
+by the engine.
 
-Why: at short contexts a decode step's attention is latency-bound and leaves most of the DRAM
-bandwidth idle, while the GEMM that follows it (o_proj) is bandwidth-bound. Prefetching that
-GEMM's weight on a side stream during attention lets the GEMM read it from L2.
+The idea: at decode batch sizes cuBLAS reads a weight at 55-85% of the DRAM ceiling, and at
+short contexts attention leaves DRAM mostly idle, so prefetching the next GEMM's weight (during
+attention on a side stream, or just before the GEMM) might let the GEMM read L2. Measured on
+the H200 (scripts/l2_prefetch_probe.py, docs/kernels.md "Sixteenth change"): it does not — the
+GEMM after a prefetch takes as long as without one, and the prefetch costs its own time.
 """
 
 from __future__ import annotations

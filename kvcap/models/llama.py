@@ -143,8 +143,6 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
-        if "qkv" in ctx.prefetch:
-            _prefetch(self.qkv_proj.weight)
         qkv = self.qkv_proj(x)
         fused = fused_ops_for(qkv) if self.q_norm is None else None
         cache = ctx.pool.layer(self.layer_idx)
@@ -172,8 +170,6 @@ class Attention(nn.Module):
         else:
             ctx.backend.forward(q, k.contiguous(), v.contiguous(), cache, ctx.meta,
                                 self.softmax_scale, out)
-        if "o" in ctx.prefetch:
-            _prefetch(self.o_proj.weight)
         return self.o_proj(self.attn_out(out.view(t, self.q_size)))
 
 
@@ -184,18 +180,13 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = _row_linear(self.inter, spec.hidden_size, tp)
 
-    def forward(self, x: torch.Tensor, prefetch: frozenset[str] = frozenset()) -> torch.Tensor:
-        if "gate_up" in prefetch:
-            _prefetch(self.gate_up_proj.weight)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         fused = fused_ops_for(gate_up)
-        h = fused.silu_mul(gate_up) if fused is not None else None
-        if h is None:
-            gate, up = gate_up.split(self.inter, dim=-1)
-            h = F.silu(gate) * up
-        if "down" in prefetch:
-            _prefetch(self.down_proj.weight)
-        return self.down_proj(h)
+        if fused is not None:
+            return self.down_proj(fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -217,51 +208,15 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos, sin, ctx)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h, ctx.prefetch), residual
+        return self.mlp(h), residual
 
 
 class ForwardContext:
-    """What every layer needs for one forward: backend, pool, metadata, optional observer,
-    and the linears whose weights are prefetched into L2 (`prefetch_linears`)."""
+    """What every layer needs for one forward: backend, pool, metadata, optional observer."""
 
     def __init__(self, backend: AttentionBackend, pool: KVCachePool, meta: AttentionMetadata,
                  kv_observer: KVObserverFn | None = None):
         self.backend, self.pool, self.meta, self.kv_observer = backend, pool, meta, kv_observer
-        self.prefetch = prefetch_linears(pool.device, meta)
-
-
-L2_PREFETCH_ENV = "KVCAP_L2_PREFETCH"
-PREFETCHABLE = ("qkv", "o", "gate_up", "down")
-DEFAULT_PREFETCH = frozenset()
-
-
-def prefetch_linears(device, meta: AttentionMetadata) -> frozenset[str]:
-    """The linears (of PREFETCHABLE) whose weight a decode step asks L2 for right before
-    its GEMM: at decode batch sizes cuBLAS keeps too few reads in flight to stream a weight at
-    DRAM speed, and the bulk prefetch (kvcap.kernels.l2_prefetch) does. sm_90+ CUDA, decode-
-    only steps; KVCAP_L2_PREFETCH: a comma list, "0" for none, unset for DEFAULT_PREFETCH."""
-    raw = os.environ.get(L2_PREFETCH_ENV)
-    if raw is None:
-        names = DEFAULT_PREFETCH
-    else:
-        names = frozenset(n.strip() for n in raw.split(",")
-                          if n.strip() and n.strip() not in ("0", "none"))
-        unknown = names - set(PREFETCHABLE)
-        if unknown:
-            raise ValueError(f"{L2_PREFETCH_ENV}: unknown linear(s) {sorted(unknown)}; "
-                             f"choose from {', '.join(PREFETCHABLE)} (or 0 for none)")
-    device = torch.device(device)
-    if not names or device.type != "cuda" or not meta.is_decode_only:
-        return frozenset()
-    from kvcap.kernels.l2_prefetch import supported
-
-    return names if supported(device) else frozenset()
-
-
-def _prefetch(weight: torch.Tensor) -> None:
-    from kvcap.kernels.l2_prefetch import l2_prefetch
-
-    l2_prefetch(weight)
 
 
 class LlamaModel(nn.Module):
