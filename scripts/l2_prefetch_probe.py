@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import kvcap.bench.kernels as kb
 from kvcap.bench.kernels import Cell, _graph_time, run_info
-from kvcap.kernels.l2_prefetch import l2_prefetch
+from kvcap.kernels.l2_prefetch import l2_prefetch, supported
 from kvcap.scales.fsutil import atomic_write_text
 
 HQ, HKV, D, HIDDEN = 32, 8, 128, 4096
@@ -35,6 +35,10 @@ def main() -> int:
     ap.add_argument("--cells", default="1:1024,16:1024,64:1024,16:4096,8:16384")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if not torch.cuda.is_available() or not supported(torch.device("cuda")):
+        print("l2_prefetch_probe: the bulk L2 prefetch needs an sm_90+ (Hopper) CUDA GPU",
+              file=sys.stderr)
+        return 2
     torch.manual_seed(0)
     kb.DTYPE = torch.bfloat16  # the cells' queries, outputs and 16-bit caches
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -69,7 +73,6 @@ def main() -> int:
             row = {"batch": b, "context": ctx, "arm": arm, "attention_us": t_att * 1e3,
                    "plain_us": t["plain"] * 1e3, "side_us": t["side"] * 1e3,
                    "inline_us": t["inline"] * 1e3}
-            print(json.dumps(row), flush=True)
             rows.append(row)
             print(json.dumps(row), flush=True)
         del cell

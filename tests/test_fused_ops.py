@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
-from kvcap.kernels import fused_ops  # noqa: E402
+from kvcap.kernels import fused_ops, l2_prefetch  # noqa: E402
 from kvcap.models.llama import RMSNorm, rotate_half  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -167,19 +167,17 @@ def test_engine_writes_the_cache_in_the_rope_kernel(kv, tmp_path, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1], strict=True))
 
 
-@pytest.mark.skipif(DEV != "cuda" or torch.cuda.get_device_capability()[0] < 9,
+@pytest.mark.skipif(not l2_prefetch.supported(torch.device(DEV)),
                     reason="the bulk L2 prefetch needs an sm_90+ GPU")
 def test_l2_prefetch_changes_nothing():
     """The experiment's prefetch kernel (scripts/l2_prefetch_probe.py) leaves its tensor as it
     was and refuses what it cannot address."""
-    from kvcap.kernels.l2_prefetch import l2_prefetch
-
     w = torch.randn(640, 48, device=DEV)
     before = w.clone()
-    l2_prefetch(w)
+    l2_prefetch.l2_prefetch(w)
     torch.cuda.synchronize()
     assert torch.equal(w, before)
     with pytest.raises(ValueError, match="contiguous"):
-        l2_prefetch(w.t())
+        l2_prefetch.l2_prefetch(w.t())
     with pytest.raises(ValueError, match="multiple of 16 bytes"):
-        l2_prefetch(torch.ones(3, dtype=torch.uint8, device=DEV))
+        l2_prefetch.l2_prefetch(torch.ones(3, dtype=torch.uint8, device=DEV))

@@ -131,24 +131,24 @@ def rope_split_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
         if qkv.stride(1) != 1 or cos.stride(2) != 1 or cos.stride() != sin.stride():
             raise ValueError("rope_split_qkv needs contiguous rows and matching cos/sin")
         store = cache is not None
+        fp8 = store and cache.is_fp8
         if store:
             kc, vc = cache.k_cache, cache.v_cache
             check_cache_layout(kc, vc, num_kv_heads, head_dim)
             if slot_mapping is None or slot_mapping.shape != (t,):
                 raise ValueError("writing the cache needs a slot_mapping with one slot per row")
-            if cache.is_fp8 and (cache.k_scale is None or cache.v_scale is None):
+            if fp8 and (cache.k_scale is None or cache.v_scale is None):
                 raise ValueError("an E4M3 cache needs k_scale and v_scale")
-        else:
-            kc = vc = slot_mapping = qkv  # unused placeholders (STORE=False)
-        fp8 = store and cache.is_fp8
+            ks, vs = (cache.k_scale, cache.v_scale) if fp8 else (kc, vc)
+            strides, block_size = kc.stride()[:3], kc.shape[2]
+        else:  # unused placeholders (STORE=False)
+            kc = vc = slot_mapping = ks = vs = qkv
+            strides, block_size = (0, 0, 0), 1
         _rope_split_kernel[(t, num_heads + 2 * num_kv_heads)](
             qkv, cos, sin, q, k, v, qkv.stride(0), cos.stride(0),
-            kc, vc, slot_mapping, cache.k_scale if fp8 else kc, cache.v_scale if fp8 else vc,
-            kc.stride(0) if store else 0, kc.stride(1) if store else 0,
-            kc.stride(2) if store else 0,
+            kc, vc, slot_mapping, ks, vs, *strides,
             HQ=num_heads, HKV=num_kv_heads, D=head_dim, STORE=store, FP8=fp8,
-            BLOCK_SIZE=kc.shape[2] if store else 1,
-            num_warps=1 if head_dim <= 128 else 2,
+            BLOCK_SIZE=block_size, num_warps=1 if head_dim <= 128 else 2,
             enable_fp_fusion=False)  # no FMA: each product rounds as torch rounds it
     return q, k, v
 
