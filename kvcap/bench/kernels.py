@@ -340,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--occupancy-waves", action="store_true",
                     help="--sweep-occupancy times the split counts that fill whole waves of "
                          "2..8 programs per SM (default: 0.5/1/2x the old heuristic)")
+    ap.add_argument("--occupancy-splits", default=None, metavar="S,S,...",
+                    help="--sweep-occupancy times exactly these split counts, on the cells of "
+                         "--shapes x --batches x --contexts instead of its own cells")
     ap.add_argument("--contiguous-tables", action="store_true",
                     help="every sequence's KV blocks in order (default: a random permutation)")
     ap.add_argument("--min-graph-calls", type=int, default=MIN_GRAPH_CALLS,
@@ -411,9 +414,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep_occupancy:
         info["sweep_occupancy"] = []
         cells = [c for c in OCCUPANCY_CELLS if c[0] in args.shapes.split(",")]
+        splits = None
+        if args.occupancy_splits:
+            splits = [int(x) for x in args.occupancy_splits.split(",")]
+            cells = [(name, hq, hkv, d, b, ctx) for name, hq, hkv, d in shapes
+                     for b in batches for ctx in contexts]
         sweep_occupancy(l2, ceil["read_tbs"], info["sweep_occupancy"], save,
                         arms=tuple(args.occupancy_arms.split(",")), waves=args.occupancy_waves,
-                        configs=args.occupancy_configs, cells=cells,
+                        configs=args.occupancy_configs, cells=cells, splits=splits,
                         route=dict(words=True, pairs=True) if args.occupancy_words else None)
         return 0
     if args.compare_decoders:
@@ -645,11 +653,11 @@ def split_candidates(b: int, hkv: int, ctx: int, bn: int, sms: int, waves: bool)
 def sweep_occupancy(l2: int, read_tbs: float, rows: list[dict], save,
                     arms=("e4m3_native", "e4m3_software"), waves: bool = False,
                     configs=OCCUPANCY_CONFIGS, cells=OCCUPANCY_CELLS,
-                    route: dict | None = None) -> list[dict]:
-    """Launch configurations x register caps x split counts (split_candidates) on the target
-    cells, on the default route or on `route` (paged_decode keywords, e.g. words=True); every
-    output is compared with the default launch's. Rows are appended to `rows` and `save()`
-    runs after every cell."""
+                    route: dict | None = None, splits: list[int] | None = None) -> list[dict]:
+    """Launch configurations x register caps x split counts (`splits`, default
+    split_candidates) on the target cells, on the default route or on `route` (paged_decode
+    keywords, e.g. words=True); every output is compared with the default launch's. Rows are
+    appended to `rows` and `save()` runs after every cell."""
     route = route or {}
     for name, hq, hkv, d, b, ctx in cells:
         cell = Cell(hq, hkv, d, b, ctx, l2)
@@ -659,10 +667,11 @@ def sweep_occupancy(l2: int, read_tbs: float, rows: list[dict], save,
             ref = cell.out[0].clone()
             base_ms = _graph_time(fns, reps=10)
             for bn, nw, ns, nreg in configs:
-                for splits in split_candidates(b, hkv, ctx, bn, sm_count(cell.q[0].device),
-                                               waves):
+                counts = splits or split_candidates(b, hkv, ctx, bn,
+                                                    sm_count(cell.q[0].device), waves)
+                for n in counts:
                     kw = dict(block_n=bn, num_warps=nw, num_stages=ns, maxnreg=nreg,
-                              num_splits=splits, **route)
+                              num_splits=n, **route)
                     try:
                         fns = cell.fns(arm, **kw)
                         fns[0]()
