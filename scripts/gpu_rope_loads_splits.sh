@@ -6,7 +6,7 @@
 #                                                  the package at the previous commit), twice
 #                                                  in alternating order
 #   bash scripts/gpu_rope_loads_splits.sh splits   E4M3 decode at every split count 1-16 on
-#                                                  the 8B target cells (B 8/16/64 x 16K/32K)
+#                                                  the 8B cells B 8/16/32/64 x 16K/32K
 # OLD defaults to .ab/old (make it with: mkdir -p .ab/old && git archive HEAD~1 kvcap | tar -x
 # -C .ab/old). Results under $OUT (default /tmp/out).
 set -uo pipefail
@@ -31,7 +31,7 @@ rope)
   done ;;
 splits)
   PYTHONPATH=$NEW timeout 560 python3 -m kvcap.bench.kernels --skip-checks --dtype bfloat16 \
-    --shapes llama31-8b --batches 8,16,64 --contexts 16384,32768 --sweep-occupancy \
+    --shapes llama31-8b --batches 8,16,32,64 --contexts 16384,32768 --sweep-occupancy \
     --occupancy-configs 128:4:5:128 --occupancy-splits 1,2,3,4,5,6,7,8,10,12,16 \
     --out "$OUT/splits.json" 2>&1 | grep -E "ceiling|occupancy" ;;
 *) echo "usage: $0 rope|splits"; exit 2 ;;
