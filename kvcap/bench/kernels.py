@@ -685,7 +685,8 @@ def sweep_occupancy(l2: int, read_tbs: float, rows: list[dict], save,
                                  "ms": ms, "default_ms": base_ms, "tbs": tbs,
                                  "pct_ceiling": 100 * tbs / read_tbs, "rel_err_vs_default": err})
             ranked = sorted((r for r in rows if r["arm"] == arm and r["batch"] == b
-                             and r["shape"] == name), key=lambda r: r["ms"])
+                             and r["shape"] == name and r["context"] == ctx),
+                            key=lambda r: r["ms"])
             for r in ranked[:4]:
                 print(f"occupancy {name} B={b} ctx={ctx} {arm}: BN={r['block_n']} "
                       f"W={r['num_warps']} S={r['num_stages']} R={r['maxnreg']} "

@@ -74,16 +74,6 @@ def _rope_split_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stride_t,
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, D)
-    # Every load that does not depend on another is issued here, before the first store: the
-    # compiler keeps a load after a store it may alias, so the slot and the scale loaded where
-    # they are used would each add a memory round trip to a call that is all latency at
-    # decode sizes (one token: 48 one-warp programs on the 8B shape).
-    if STORE:
-        slot = tl.load(slot_ptr + t)
-        if FP8:
-            scale = tl.where(h < HQ + HKV, tl.load(ks_ptr), tl.load(vs_ptr))
-        else:
-            scale = 1.0
     src = qkv_ptr + t * stride_t + h * D
     x = tl.load(src + d)
     if h < HQ + HKV:  # q or k head: x * cos + rotate_half(x) * sin, rounded like torch
@@ -99,25 +89,26 @@ def _rope_split_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stride_t,
         else:
             tl.store(k_ptr + (t * HKV + h - HQ) * D + d, y)
             if STORE:
-                _store_row(y, kc_ptr, scale, slot, h - HQ, d, stride_cb, stride_ch, stride_ct,
-                           FP8, BLOCK_SIZE)
+                _store_row(y, kc_ptr, ks_ptr, slot_ptr, t, h - HQ, d, stride_cb, stride_ch,
+                           stride_ct, FP8, BLOCK_SIZE)
     else:
         tl.store(v_ptr + (t * HKV + h - HQ - HKV) * D + d, x)
         if STORE:
-            _store_row(x, vc_ptr, scale, slot, h - HQ - HKV, d, stride_cb, stride_ch,
+            _store_row(x, vc_ptr, vs_ptr, slot_ptr, t, h - HQ - HKV, d, stride_cb, stride_ch,
                        stride_ct, FP8, BLOCK_SIZE)
 
 
 @triton.jit
-def _store_row(x, cache_ptr, scale, slot, kv_head, d, stride_cb, stride_ch, stride_ct,
-               FP8: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """One KV head's row into the paged cache at `slot` (-1: padding, skipped): the same
-    bytes as kvcap.kernels.store_kv (E4M3: encode(x / scale))."""
+def _store_row(x, cache_ptr, scale_ptr, slot_ptr, t, kv_head, d, stride_cb, stride_ch,
+               stride_ct, FP8: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """One KV head's row of token t into the paged cache at its slot (-1: padding, skipped):
+    the same bytes as kvcap.kernels.store_kv (E4M3: encode(x / scale))."""
+    slot = tl.load(slot_ptr + t)
     if slot >= 0:
         dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_cb + kv_head * stride_ch
                + (slot % BLOCK_SIZE) * stride_ct + d)
         if FP8:
-            tl.store(dst, encode_e4m3(x.to(tl.float32), scale))
+            tl.store(dst, encode_e4m3(x.to(tl.float32), tl.load(scale_ptr)))
         else:
             tl.store(dst, x.to(cache_ptr.dtype.element_ty))
 
