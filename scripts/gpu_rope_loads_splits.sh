@@ -7,6 +7,9 @@
 #                                                  in alternating order
 #   bash scripts/gpu_rope_loads_splits.sh splits   E4M3 decode at every split count 1-16 on
 #                                                  the 8B cells B 8/16/32/64 x 16K/32K
+#   bash scripts/gpu_rope_loads_splits.sh wave     the split rule past one partial wave: B 25/32/40
+#                                                  x 16K split counts, then 32 x 16K end to end
+#                                                  with the rule and without it (OLD)
 # OLD defaults to .ab/old (make it with: mkdir -p .ab/old && git archive HEAD~1 kvcap | tar -x
 # -C .ab/old). Results under $OUT (default /tmp/out).
 set -uo pipefail
@@ -34,5 +37,18 @@ splits)
     --shapes llama31-8b --batches 8,16,32,64 --contexts 16384,32768 --sweep-occupancy \
     --occupancy-configs 128:4:5:128 --occupancy-splits 1,2,3,4,5,6,7,8,10,12,16 \
     --out "$OUT/splits.json" 2>&1 | grep -E "ceiling|occupancy" ;;
-*) echo "usage: $0 rope|splits"; exit 2 ;;
+wave)
+  # the split rule's other choices (eager batch sizes 25 / 40: 7 / 6 splits), then end to end
+  # at 32 x 16K with the rule (NEW) and without it (OLD: one split at 32 sequences)
+  PYTHONPATH=$NEW timeout 120 python3 -m kvcap.bench.kernels --skip-checks --dtype bfloat16 \
+    --shapes llama31-8b --batches 25,32,40 --contexts 16384 --sweep-occupancy \
+    --occupancy-configs 128:4:5:128 --occupancy-splits 1,2,3,4,5,6,7,8 \
+    --out "$OUT/splits-eager.json" 2>&1 | grep -E "ceiling|occupancy" | grep -v software
+  for arm in new old; do
+    [ $arm = old ] && pp=$OLD || pp=$NEW
+    PYTHONPATH=$pp timeout 230 python3 -m kvcap.bench.throughput --dtype bfloat16 \
+      --concurrency 32 --context 16384 --kv fp8 fp8-software --out-tokens 128 --repeats 2 \
+      --out "$OUT/e2e-$arm" 2>&1 | grep -E "^\|" | sed "s/^/$arm /"
+  done ;;
+*) echo "usage: $0 rope|splits|wave"; exit 2 ;;
 esac
