@@ -326,10 +326,6 @@ def test_split_heuristic():
     assert choose_num_splits(8, 8, 32768, 128, 132, 3, whole_waves=True) == 6
     assert choose_num_splits(16, 8, 16384, 128, 132, 3, whole_waves=True) == 3
     assert choose_num_splits(64, 8, 256, 128, 132, 3, whole_waves=True) == 1  # too few tiles
-    # within one wave too: 32 x 8 programs leave a third of 396 slots empty; 3 splits fill
-    # 1.94 waves (1 split was the rule before 2026-12-02's fifth session)
-    assert choose_num_splits(32, 8, 16384, 128, 132, 3, whole_waves=True) == 3
-    assert choose_num_splits(48, 8, 16384, 128, 132, 3, whole_waves=True) == 1  # 0.97 of one
 
 
 def test_split_heuristic_short_contexts():

@@ -393,18 +393,15 @@ def choose_num_splits(num_seqs: int, head_programs: int, max_seq_len: int, block
     limit = max(1, min(tiles // 4, MAX_SPLITS))
     base = max(num_seqs * head_programs, 1)
     slots = programs_per_sm * num_sms
-    if not whole_waves:
-        widest = triton.cdiv(slots, base)
+    if not whole_waves or base <= slots:
+        widest = slots // base if whole_waves else triton.cdiv(slots, base)
         splits = int(max(1, min(widest, limit)))
     else:
-        # The most splits one wave holds, then more until the last wave is nearly full: past
-        # one wave (8B shape, 64 x 16K on the H200 at 3 programs per SM: 512 programs fill
-        # 1.29 waves and take 566 us; 2 splits fill 2.59 and take 522 us), and where one wave
-        # is left a third empty (32 x 16K: 256 programs, 297 us; 3 splits, 1.94 waves: 281 us;
-        # docs/benchmarks/splits-2026-12-02-h200-8b-bf16.json).
-        widest = slots // base if base <= slots else 1
-        splits = max(1, min(widest, limit))
-        for s in range(splits, limit + 1):
+        # More (sequence, head) programs than one wave holds: split so the last wave is
+        # nearly full (8B shape, 64 x 16K on the H200 at 3 programs per SM: 512 programs fill
+        # 1.29 waves and take 566 us; 2 splits fill 2.59 and take 522 us).
+        widest, splits = 1, 1
+        for s in range(1, limit + 1):
             waves = s * base / slots
             if waves / math.ceil(waves) >= WAVE_FILL:
                 splits = s
