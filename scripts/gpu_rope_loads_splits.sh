@@ -10,8 +10,10 @@
 #   bash scripts/gpu_rope_loads_splits.sh wave     the split rule past one partial wave: B 25/32/40
 #                                                  x 16K split counts, then 32 x 16K end to end
 #                                                  with the rule and without it (OLD)
-# OLD defaults to .ab/old (make it with: mkdir -p .ab/old && git archive HEAD~1 kvcap | tar -x
-# -C .ab/old). Results under $OUT (default /tmp/out).
+# OLD defaults to .ab/old, the package before the change (mkdir -p .ab/old && git archive fe724bd
+# kvcap | tar -x -C .ab/old). Results under $OUT (default /tmp/out). Both changes measured no
+# gain and were reverted (docs/kernels.md, "Seventeenth change"): at HEAD, "rope" and "wave"
+# compare the same code with itself, and "splits" / the first part of "wave" time split counts.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 export KVCAP_COMMIT=${KVCAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
