@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Two device calls (nvidia-h200, ~6 minutes each):
+# Three device calls (nvidia-h200, 1-6 minutes each):
 #   bash scripts/gpu_rope_loads_splits.sh rope     correctness, then the 8B decode step profiled
 #                                                  with the RoPE kernel's loads issued first
 #                                                  and with the kernel before (OLD, a copy of
-#                                                  the package at the previous commit), twice
+#                                                  the package before the change), twice
 #                                                  in alternating order
 #   bash scripts/gpu_rope_loads_splits.sh splits   E4M3 decode at every split count 1-16 on
 #                                                  the 8B cells B 8/16/32/64 x 16K/32K

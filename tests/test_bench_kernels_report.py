@@ -11,6 +11,7 @@ import torch
 if not torch.cuda.is_available():  # before kvcap.kernels is imported (its constexprs read it)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import kvcap.bench.kernels as kvcap_kernels_bench  # noqa: E402
 from kvcap.bench.kernels import main, markdown_tables  # noqa: E402
 
 
@@ -60,3 +61,26 @@ def test_occupancy_split_candidates():
     assert split_candidates(8, 8, 32768, 128, 132, False) == [8, 17, 34]
     # whole waves of 2..8 programs per SM: floor(r * 132 / 64)
     assert split_candidates(8, 8, 32768, 128, 132, True) == [4, 6, 8, 10, 12, 14, 16]
+
+
+def test_time_cell_alternates_arms_and_takes_the_median(monkeypatch):
+    timed = []
+    times = iter([1.0, 5.0, 2.0, 6.0, 3.0, 4.0])  # A B | B A | A B
+
+    class FakeCell:
+        def fns(self, arm):
+            def call():
+                return torch.full((2,), 1.0 if arm == "A" else 2.0)
+            call.arm = arm
+            return [call]
+
+    def fake_graph_time(fns):
+        timed.append(fns[0].arm)
+        return next(times)
+
+    monkeypatch.setattr(kvcap_kernels_bench, "_graph_time", fake_graph_time)
+    ms, outs, per_round = kvcap_kernels_bench.time_cell(FakeCell(), ["A", "B"], rounds=3)
+    assert timed == ["A", "B", "B", "A", "A", "B"]
+    assert per_round == {"A": [1.0, 6.0, 3.0], "B": [5.0, 2.0, 4.0]}
+    assert ms == {"A": 3.0, "B": 4.0}
+    assert outs["A"][0].item() == 1.0 and outs["B"][0].item() == 2.0

@@ -285,15 +285,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def time_cell(cell: Cell, arms: list[str], **kw) -> dict:
-    res = {}
+def time_cell(cell: Cell, arms: list[str], rounds: int = 1, **kw) -> tuple[dict, dict, dict]:
+    """(median ms per arm, each arm's output, each arm's ms per round). With rounds > 1 the
+    arms are timed again in reversed order, then forward, ...: the same launch timed twice
+    measured up to 6% apart on the H200 (docs/kernels.md, "Seventeenth change"), so a
+    difference between arms under the rounds' spread is noise."""
+    per_round: dict[str, list[float]] = {arm: [] for arm in arms}
     outs = {}
-    for arm in arms:
-        fns = cell.fns(arm, **kw)
-        ms = _graph_time(fns)
-        outs[arm] = fns[0]().clone()
-        res[arm] = ms
-    return res, outs
+    for i in range(rounds):
+        for arm in (arms if i % 2 == 0 else arms[::-1]):
+            fns = cell.fns(arm, **kw)
+            per_round[arm].append(_graph_time(fns))
+            if arm not in outs:
+                outs[arm] = fns[0]().clone()
+    return {arm: statistics.median(v) for arm, v in per_round.items()}, outs, per_round
 
 
 def run_info() -> dict:
@@ -345,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
                          "--shapes x --batches x --contexts instead of its own cells")
     ap.add_argument("--contiguous-tables", action="store_true",
                     help="every sequence's KV blocks in order (default: a random permutation)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="time every arm of a matrix cell this many times, alternating the "
+                         "arms' order; cells report the median and the spread (max/min - 1)")
     ap.add_argument("--min-graph-calls", type=int, default=MIN_GRAPH_CALLS,
                     help="calls per timed CUDA graph (1: the protocol before 2026-12-01's "
                     "second session, which charged a replay's ~10 us to one call)")
@@ -357,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", metavar="JSON",
                     help="print the per-shape tables of docs/kernels.md from a result file")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.markdown:
         with open(args.markdown) as fh:
             print(markdown_tables(json.load(fh)))
@@ -442,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "skipped": "FP16 KV over 20 GiB"})
                     continue
                 cell = Cell(hq, hkv, d, b, ctx, l2)
-                ms, outs = time_cell(cell, ARMS)
+                ms, outs, per_round = time_cell(cell, ARMS, args.rounds)
                 dev = cell.q[0].device
                 splits = default_launch(b, hkv, ctx, d, True, dev)[2]
                 splits16 = default_launch(b, hkv, ctx, d, False, dev)[2]
@@ -456,7 +466,9 @@ def main(argv: list[str] | None = None) -> int:
                     tbs = cell.kv_bytes(arm) / (ms[arm] * 1e-3) / 1e12
                     row[arm] = {"ms": ms[arm], "tbs": tbs,
                                 "pct_ceiling": 100 * tbs / ceil["read_tbs"],
-                                "speedup_vs_sdpa": ms["sdpa_fp16"] / ms[arm]}
+                                "speedup_vs_sdpa": ms["sdpa_fp16"] / ms[arm],
+                                "ms_rounds": per_round[arm],
+                                "spread": max(per_round[arm]) / min(per_round[arm]) - 1}
                 rows.append(row)
                 print(_fmt(row), flush=True)
                 save()
@@ -508,6 +520,8 @@ def _fmt(row: dict) -> str:
         parts.append(f"{arm} {c['ms']*1e3:8.1f}us {c['tbs']:.2f}TB/s x{c['speedup_vs_sdpa']:.2f}")
     parts.append(f"err16={row['err_fp16_vs_sdpa']:.1e} err8={row['err_e4m3_vs_sdpa']:.1e} "
                  f"sw={row['err_sw_vs_native']:.1e}")
+    spreads = [row[arm].get("spread", 0.0) for arm in ARMS]
+    parts.append(f"rounds' spread <= {100 * max(spreads):.1f}%")
     return " | ".join(parts)
 
 
