@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call (nvidia-h200, ~2 minutes after start): why the paged decode kernels' timings
+# spread 3-17% across rounds where SDPA's spread 0.3-5% (docs/kernels.md, "Seventeenth change").
+# The 8B target cells in 5 alternating rounds per arm with random block tables (the benchmark's
+# default), then with every sequence's blocks in order (--contiguous-tables: no page hopping),
+# then random again (the machine's drift between the first and the last run); GPU clocks and
+# throttle reasons before and after. Results under $OUT (default /tmp/out).
+#   bash scripts/gpu_decode_spread.sh
+set -uo pipefail
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export KVCAP_COMMIT=${KVCAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+q="clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active"
+nvidia-smi --query-gpu=$q --format=csv | tee "$OUT/clocks-before.csv"
+args="--skip-checks --dtype bfloat16 --shapes llama31-8b --batches 8,16,64 --contexts 16384,32768
+      --rounds 5"
+for run in random contiguous random-again; do
+  extra=""; [ $run = contiguous ] && extra="--contiguous-tables"
+  # shellcheck disable=SC2086
+  timeout 150 python3 -m kvcap.bench.kernels $args $extra --out "$OUT/spread-$run.json" 2>&1 \
+    | grep -A8 "sdpa_us" | sed "s/^/$run /"
+done
+nvidia-smi --query-gpu=$q --format=csv | tee "$OUT/clocks-after.csv"
+python3 - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+print("run           arm             spread per cell (%)")
+for run in ("random", "contiguous", "random-again"):
+    try:
+        cells = json.load(open(f"{out}/spread-{run}.json"))["cells"]
+    except (OSError, ValueError):
+        continue
+    for arm in ("sdpa_fp16", "paged_fp16", "e4m3_native", "e4m3_software"):
+        spreads = " ".join(f"{100 * c[arm]['spread']:5.1f}" for c in cells if arm in c)
+        print(f"{run:13s} {arm:15s} {spreads}")
+PY
