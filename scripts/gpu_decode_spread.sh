@@ -4,7 +4,8 @@
 # The 8B target cells in 5 alternating rounds per arm with random block tables (the benchmark's
 # default), then with every sequence's blocks in order (--contiguous-tables: no page hopping),
 # then random again (the machine's drift between the first and the last run); GPU clocks and
-# throttle reasons before and after. Results under $OUT (default /tmp/out).
+# throttle reasons before and after, and (since 2026-12-02's fifth session) each timing's SM
+# clock read through NVML mid-timing (sm_mhz_rounds in the JSON). Results under $OUT (default /tmp/out).
 #   bash scripts/gpu_decode_spread.sh
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -32,5 +33,7 @@ for run in ("random", "contiguous", "random-again"):
         continue
     for arm in ("sdpa_fp16", "paged_fp16", "e4m3_native", "e4m3_software"):
         spreads = " ".join(f"{100 * c[arm]['spread']:5.1f}" for c in cells if arm in c)
-        print(f"{run:13s} {arm:15s} {spreads}")
+        mhz = [m for c in cells if arm in c for m in c[arm].get("sm_mhz_rounds") or [] if m]
+        clock = f"  SM {min(mhz)}-{max(mhz)} MHz" if mhz else ""
+        print(f"{run:13s} {arm:15s} {spreads}{clock}")
 PY

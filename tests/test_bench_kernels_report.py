@@ -74,13 +74,26 @@ def test_time_cell_alternates_arms_and_takes_the_median(monkeypatch):
             call.arm = arm
             return [call]
 
-    def fake_graph_time(fns):
+    def fake_graph_time(fns, clocks=None):
         timed.append(fns[0].arm)
+        clocks.append(1000 + len(timed))  # the real one reads NVML mid-timing
         return next(times)
 
     monkeypatch.setattr(kvcap_kernels_bench, "_graph_time", fake_graph_time)
-    ms, outs, per_round = kvcap_kernels_bench.time_cell(FakeCell(), ["A", "B"], rounds=3)
+    clocks = {}
+    ms, outs, per_round = kvcap_kernels_bench.time_cell(FakeCell(), ["A", "B"], rounds=3,
+                                                        clocks=clocks)
     assert timed == ["A", "B", "B", "A", "A", "B"]
+    assert clocks == {"A": [1001, 1004, 1005], "B": [1002, 1003, 1006]}
     assert per_round == {"A": [1.0, 6.0, 3.0], "B": [5.0, 2.0, 4.0]}
     assert ms == {"A": 3.0, "B": 4.0}
     assert outs["A"][0].item() == 1.0 and outs["B"][0].item() == 2.0
+
+
+def test_sm_clock_is_none_without_nvml_or_gpu():
+    # CI has neither a GPU nor pynvml: the benchmark records None instead of failing
+    got = kvcap_kernels_bench.sm_clock_mhz()
+    if torch.cuda.is_available():
+        assert got is None or got > 0
+    else:
+        assert got is None

@@ -53,8 +53,17 @@ MAX_FP16_KV_BYTES = 20 * 2**30
 MIN_GRAPH_CALLS = 8  # _graph_time: calls per timed graph (amortizes the replay's own cost)
 
 
+def sm_clock_mhz() -> int | None:
+    """GPU 0's SM clock now, in MHz, from NVML (None where NVML or the GPU is missing)."""
+    try:
+        return int(torch.cuda.clock_rate(0))
+    except Exception:  # noqa: BLE001 - pynvml not installed, no GPU, no permission
+        return None
+
+
 def _graph_time(fns: list, target_ms: float = 40.0, reps: int | None = None,
-                warmup_ms: float = 50.0, min_calls: int | None = None) -> float:
+                warmup_ms: float = 50.0, min_calls: int | None = None,
+                clocks: list | None = None) -> float:
     """Median ms per call of a CUDA graph that runs the fns in order, the list repeated until
     the graph holds at least `min_calls` calls, after `warmup_ms` of replays.
 
@@ -69,7 +78,9 @@ def _graph_time(fns: list, target_ms: float = 40.0, reps: int | None = None,
     The warm-up matters: on the H200 the first ~10 replays after a pause (building the next
     cell's data on the host) ran ~5% slower than the same graph later (2026-12-01 occupancy
     sweep: the default launch timed first at 182 us, again later at 174 us), which biased
-    whichever arm a cell timed first."""
+    whichever arm a cell timed first.
+
+    `clocks`: the SM clock (sm_clock_mhz) read while the middle replay runs is appended."""
     for f in fns:
         f()
     torch.cuda.synchronize()
@@ -90,10 +101,12 @@ def _graph_time(fns: list, target_ms: float = 40.0, reps: int | None = None,
         g.replay()
     n = reps or max(5, min(200, int(target_ms / one)))
     times = []
-    for _ in range(n):
+    for i in range(n):
         s.record()
         g.replay()
         e.record()
+        if clocks is not None and i == n // 2:
+            clocks.append(sm_clock_mhz())
         e.synchronize()
         times.append(s.elapsed_time(e))
     del g
@@ -285,17 +298,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def time_cell(cell: Cell, arms: list[str], rounds: int = 1, **kw) -> tuple[dict, dict, dict]:
-    """(median ms per arm, each arm's output, each arm's ms per round). With rounds > 1 the
-    arms are timed again in reversed order, then forward, ...: the same launch timed twice
-    measured up to 6% apart on the H200 (docs/kernels.md, "Seventeenth change"), so a
+def time_cell(cell: Cell, arms: list[str], rounds: int = 1, clocks: dict | None = None,
+              **kw) -> tuple[dict, dict, dict]:
+    """(median ms per arm, each arm's output, each arm's ms per round); `clocks` (a dict)
+    gets each arm's SM clock per round (sm_clock_mhz, during the timing). With rounds > 1 the
+    arms are timed again in reversed order, then forward, ...: on the H200 one E4M3 decode
+    launch's five rounds spread 3-26% (docs/kernels.md, "Seventeenth change"), so a
     difference between arms under the rounds' spread is noise."""
     per_round: dict[str, list[float]] = {arm: [] for arm in arms}
     outs = {}
     for i in range(rounds):
         for arm in (arms if i % 2 == 0 else arms[::-1]):
             fns = cell.fns(arm, **kw)
-            per_round[arm].append(_graph_time(fns))
+            arm_clocks = None if clocks is None else clocks.setdefault(arm, [])
+            per_round[arm].append(_graph_time(fns, clocks=arm_clocks))
             if arm not in outs:
                 outs[arm] = fns[0]().clone()
     return {arm: statistics.median(v) for arm, v in per_round.items()}, outs, per_round
@@ -452,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "skipped": "FP16 KV over 20 GiB"})
                     continue
                 cell = Cell(hq, hkv, d, b, ctx, l2)
-                ms, outs, per_round = time_cell(cell, ARMS, args.rounds)
+                clocks: dict[str, list] = {}
+                ms, outs, per_round = time_cell(cell, ARMS, args.rounds, clocks)
                 dev = cell.q[0].device
                 splits = default_launch(b, hkv, ctx, d, True, dev)[2]
                 splits16 = default_launch(b, hkv, ctx, d, False, dev)[2]
@@ -468,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "pct_ceiling": 100 * tbs / ceil["read_tbs"],
                                 "speedup_vs_sdpa": ms["sdpa_fp16"] / ms[arm],
                                 "ms_rounds": per_round[arm],
+                                "sm_mhz_rounds": clocks[arm],
                                 "spread": max(per_round[arm]) / min(per_round[arm]) - 1}
                 rows.append(row)
                 print(_fmt(row), flush=True)
