@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -97,3 +98,10 @@ def test_sm_clock_is_none_without_nvml_or_gpu():
         assert got is None or got > 0
     else:
         assert got is None
+
+
+def test_occupancy_splits_parse():
+    assert kvcap_kernels_bench.parse_splits("1,2,16") == [1, 2, 16]
+    for bad in ("", "a,b", "0,2", "3,-1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="split counts >= 1"):
+            kvcap_kernels_bench.parse_splits(bad)

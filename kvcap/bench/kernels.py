@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--occupancy-waves", action="store_true",
                     help="--sweep-occupancy times the split counts that fill whole waves of "
                          "2..8 programs per SM (default: 0.5/1/2x the old heuristic)")
-    ap.add_argument("--occupancy-splits", default=None, metavar="S,S,...",
+    ap.add_argument("--occupancy-splits", type=parse_splits, default=None, metavar="S,S,...",
                     help="--sweep-occupancy times exactly these split counts, on the cells of "
                          "--shapes x --batches x --contexts instead of its own cells")
     ap.add_argument("--contiguous-tables", action="store_true",
@@ -440,9 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep_occupancy:
         info["sweep_occupancy"] = []
         cells = [c for c in OCCUPANCY_CELLS if c[0] in args.shapes.split(",")]
-        splits = None
-        if args.occupancy_splits:
-            splits = [int(x) for x in args.occupancy_splits.split(",")]
+        splits = args.occupancy_splits
+        if splits:
             cells = [(name, hq, hkv, d, b, ctx) for name, hq, hkv, d in shapes
                      for b in batches for ctx in contexts]
         sweep_occupancy(l2, ceil["read_tbs"], info["sweep_occupancy"], save,
@@ -670,6 +669,17 @@ def parse_configs(text: str) -> list[tuple]:
     except ValueError:
         raise SystemExit(f"--occupancy-configs {text!r}: expected BN:WARPS:STAGES:MAXNREG,... "
                          "(MAXNREG 0 = no cap), e.g. 128:4:3:128,64:4:4:0") from None
+
+
+def parse_splits(text: str) -> list[int]:
+    """'1,2,3' -> [1, 2, 3] (split counts >= 1) for --occupancy-splits."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected split counts >= 1, e.g. 1,2,3,4")
+    return counts
 
 
 def split_candidates(b: int, hkv: int, ctx: int, bn: int, sms: int, waves: bool) -> list[int]:
