@@ -163,6 +163,10 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.block_size:
             raise ConfigError("max_num_batched_tokens must be >= block_size")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            # (0 used to mean "the model's own limit" through an `or`: a silent fallback)
+            raise ConfigError(f"max_model_len must be >= 1 (or unset for the model's limit), "
+                              f"got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.attention_backend not in ("auto", "torch", "triton"):

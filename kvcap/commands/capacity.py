@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvcap.commands.common import positive_float, positive_int
 from kvcap.config import ModelSpec
 from kvcap.kv_cache.spec import KVCacheSpec
 
@@ -13,9 +14,11 @@ HELP = "print KV-cache capacity (tokens, max concurrency) for FP16 vs E4M3 at a 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="'default', an HF directory, or dummy:/path/config.json")
-    p.add_argument("--memory-gib", type=float, required=True, help="KV-cache memory budget")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 16384, 32768, 131072])
+    p.add_argument("--memory-gib", type=positive_float, required=True,
+                   help="KV-cache memory budget")
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--context", type=positive_int, nargs="+",
+                   default=[1024, 4096, 16384, 32768, 131072])
 
 
 def capacity_rows(spec: ModelSpec, memory_gib: float, block_size: int,

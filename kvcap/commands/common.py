@@ -1,8 +1,31 @@
-"""Arguments shared by commands that build an engine."""
+"""Arguments shared by commands: the engine's, and argparse types for positive numbers."""
 
 from __future__ import annotations
 
 import argparse
+import math
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0 (a budget, a size), else a one-line usage error."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number > 0")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a length, a count), else a one-line usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
+    return value
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

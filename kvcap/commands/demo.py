@@ -14,6 +14,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kvcap.commands.common import positive_float, positive_int
+
 HELP = ("run the whole calibrated-E4M3 chain on the embedded model (calibrate, overlay, "
         "materialize, gate, generate, compare --quick, capacity) and summarize it")
 CPU_CALIB_TOKENS = 16_384
@@ -25,10 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default' or an HF-format directory")
     p.add_argument("--out", type=Path, default=Path("kvcap-demo"),
                    help="parent directory; each run writes a new timestamped folder in it")
-    p.add_argument("--calib-tokens", type=int, default=None,
+    p.add_argument("--calib-tokens", type=positive_int, default=None,
                    help=f"calibration tokens (default {CPU_CALIB_TOKENS} on CPU, "
                         f"{GPU_CALIB_TOKENS} on GPU)")
-    p.add_argument("--memory-gib", type=float, default=8.0,
+    p.add_argument("--memory-gib", type=positive_float, default=8.0,
                    help="KV memory budget for the capacity table")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")

@@ -1,0 +1,56 @@
+"""Numeric CLI arguments: a budget, size or length that is not positive is a one-line usage
+error naming the argument (it was a ZeroDivisionError traceback or a table of zeros)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from kvcap.commands.common import positive_float, positive_int
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "x", ""])
+def test_positive_float_refuses(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="finite number > 0"):
+        positive_float(text)
+
+
+@pytest.mark.parametrize("text", ["0", "-3", "1.5", "x"])
+def test_positive_int_refuses(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="integer >= 1"):
+        positive_int(text)
+
+
+def test_positive_numbers_pass_through():
+    assert positive_float("0.25") == 0.25 and positive_int("16") == 16
+
+
+@pytest.mark.parametrize("args, name", [
+    (["--memory-gib", "-1"], "--memory-gib"),
+    (["--memory-gib", "8", "--block-size", "0"], "--block-size"),
+    (["--memory-gib", "8", "--context", "1024", "0"], "--context"),
+])
+def test_capacity_refuses_non_positive_numbers(args, name):
+    res = subprocess.run([sys.executable, "-m", "kvcap.cli", "capacity", "--model", "default",
+                          *args], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert f"argument {name}:" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_demo_refuses_zero_calibration_tokens():
+    # 0 was read as "the default" through an `or`: a silent fallback
+    res = subprocess.run([sys.executable, "-m", "kvcap.cli", "demo", "--calib-tokens", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "argument --calib-tokens:" in res.stderr
+
+
+def test_zero_max_model_len_is_a_config_error():
+    from kvcap.config import EngineConfig
+    from kvcap.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max_model_len must be >= 1"):
+        EngineConfig(max_model_len=0).validate()
+    EngineConfig(max_model_len=None).validate()  # unset: the model's own limit
