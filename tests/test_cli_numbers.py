@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvcap.commands.common import positive_float, positive_int
+from kvcap.commands.common import non_negative_float, port_number, positive_float, positive_int
 
 
 @pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "x", ""])
@@ -54,3 +54,23 @@ def test_zero_max_model_len_is_a_config_error():
     with pytest.raises(ConfigError, match="max_model_len must be >= 1"):
         EngineConfig(max_model_len=0).validate()
     EngineConfig(max_model_len=None).validate()  # unset: the model's own limit
+
+
+@pytest.mark.parametrize("text", ["-1", "65536", "70000", "http"])
+def test_port_number_refuses(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="port number 0-65535"):
+        port_number(text)
+
+
+@pytest.mark.parametrize("text", ["-1", "nan", "inf", "soon"])
+def test_non_negative_float_refuses(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="finite number >= 0"):
+        non_negative_float(text)
+
+
+def test_serve_refuses_a_bad_port_before_loading_the_model():
+    # it was an OverflowError traceback from socket.bind, after the model had loaded
+    res = subprocess.run([sys.executable, "-m", "kvcap.cli", "serve", "--model", "default",
+                          "--port", "70000"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "argument --port:" in res.stderr
+    assert "Traceback" not in res.stderr

@@ -13,7 +13,12 @@ import logging
 import os
 import signal
 
-from kvcap.commands.common import add_engine_arguments, engine_kwargs
+from kvcap.commands.common import (
+    add_engine_arguments,
+    engine_kwargs,
+    non_negative_float,
+    port_number,
+)
 
 HELP = "serve the OpenAI-compatible HTTP API (completions, chat, models, health, metrics)"
 
@@ -23,7 +28,7 @@ logger = logging.getLogger(__name__)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument(
         "--api-key",
         default=os.environ.get("KVCAP_API_KEY"),
@@ -43,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=non_negative_float,
         default=30.0,
         help="seconds in-flight requests get to finish after SIGTERM",
     )
