@@ -11,21 +11,22 @@ import pytest
 
 from kvcap.commands.common import non_negative_float, port_number, positive_float, positive_int
 
-
-@pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "x", ""])
-def test_positive_float_refuses(text):
-    with pytest.raises(argparse.ArgumentTypeError, match="finite number > 0"):
-        positive_float(text)
-
-
-@pytest.mark.parametrize("text", ["0", "-3", "1.5", "x"])
-def test_positive_int_refuses(text):
-    with pytest.raises(argparse.ArgumentTypeError, match="integer >= 1"):
-        positive_int(text)
+REFUSED = [(positive_float, t, "finite number > 0") for t in ("0", "-1", "nan", "inf", "x", "")]
+REFUSED += [(positive_int, t, "integer >= 1") for t in ("0", "-3", "1.5", "x")]
+REFUSED += [(port_number, t, "port number 0-65535") for t in ("-1", "65536", "70000", "http")]
+REFUSED += [(non_negative_float, t, "finite number >= 0") for t in ("-1", "nan", "inf", "soon")]
 
 
-def test_positive_numbers_pass_through():
+@pytest.mark.parametrize("parse, text, message", REFUSED)
+def test_number_types_refuse(parse, text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        parse(text)
+
+
+def test_numbers_in_range_pass_through():
     assert positive_float("0.25") == 0.25 and positive_int("16") == 16
+    assert port_number("0") == 0 and port_number("65535") == 65535
+    assert non_negative_float("0") == 0.0
 
 
 @pytest.mark.parametrize("args, name", [
@@ -54,18 +55,6 @@ def test_zero_max_model_len_is_a_config_error():
     with pytest.raises(ConfigError, match="max_model_len must be >= 1"):
         EngineConfig(max_model_len=0).validate()
     EngineConfig(max_model_len=None).validate()  # unset: the model's own limit
-
-
-@pytest.mark.parametrize("text", ["-1", "65536", "70000", "http"])
-def test_port_number_refuses(text):
-    with pytest.raises(argparse.ArgumentTypeError, match="port number 0-65535"):
-        port_number(text)
-
-
-@pytest.mark.parametrize("text", ["-1", "nan", "inf", "soon"])
-def test_non_negative_float_refuses(text):
-    with pytest.raises(argparse.ArgumentTypeError, match="finite number >= 0"):
-        non_negative_float(text)
 
 
 def test_serve_refuses_a_bad_port_before_loading_the_model():
