@@ -5,7 +5,8 @@
 # default), then with every sequence's blocks in order (--contiguous-tables: no page hopping),
 # then random again (the machine's drift between the first and the last run); GPU clocks and
 # throttle reasons before and after, and (since 2026-12-02's fifth session) each timing's SM
-# clock read through NVML mid-timing (sm_mhz_rounds in the JSON). Results under $OUT (default /tmp/out).
+# clock read through NVML mid-timing (sm_mhz_rounds in the JSON).
+# Results under $OUT (default /tmp/out).
 #   bash scripts/gpu_decode_spread.sh
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

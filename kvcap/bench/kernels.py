@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcap.commands.common import positive_int
 from kvcap.kernels.common import sm_count
 from kvcap.kernels.decode import choose_num_splits, default_launch, paged_decode
 from kvcap.scales.fsutil import atomic_write_text
@@ -366,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
                          "--shapes x --batches x --contexts instead of its own cells")
     ap.add_argument("--contiguous-tables", action="store_true",
                     help="every sequence's KV blocks in order (default: a random permutation)")
-    ap.add_argument("--rounds", type=int, default=2,
+    ap.add_argument("--rounds", type=positive_int, default=2,
                     help="time every arm of a matrix cell this many times, alternating the "
                          "arms' order; cells report the median and the spread (max/min - 1)")
     ap.add_argument("--min-graph-calls", type=int, default=MIN_GRAPH_CALLS,
@@ -381,8 +382,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", metavar="JSON",
                     help="print the per-shape tables of docs/kernels.md from a result file")
     args = ap.parse_args(argv)
-    if args.rounds < 1:
-        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.markdown:
         with open(args.markdown) as fh:
             print(markdown_tables(json.load(fh)))

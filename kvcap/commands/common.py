@@ -6,48 +6,29 @@ import argparse
 import math
 
 
-def positive_float(text: str) -> float:
-    """argparse type: a number > 0 (a budget, a size), else a one-line usage error."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number > 0")
-    return value
+def _number_type(convert, accept, expected: str, name: str):
+    """An argparse type: `convert` the text, keep it if `accept` holds, else a one-line usage
+    error saying what was expected."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not accept(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {expected}")
+        return value
+    parse.__name__ = name
+    return parse
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (a length, a count), else a one-line usage error."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
-    return value
-
-
-def port_number(text: str) -> int:
-    """argparse type: a TCP port, 0-65535 (0: any free port)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a port number 0-65535")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """argparse type: a finite number >= 0 (a timeout), else a one-line usage error."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number >= 0")
-    return value
+# a budget or a size; a length or a count; a TCP port (0: any free one); a timeout
+positive_float = _number_type(float, lambda v: v > 0 and math.isfinite(v),
+                              "a finite number > 0", "positive_float")
+positive_int = _number_type(int, lambda v: v >= 1, "an integer >= 1", "positive_int")
+port_number = _number_type(int, lambda v: 0 <= v <= 65535, "a port number 0-65535",
+                           "port_number")
+non_negative_float = _number_type(float, lambda v: v >= 0 and math.isfinite(v),
+                                  "a finite number >= 0", "non_negative_float")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
