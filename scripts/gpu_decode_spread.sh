@@ -14,6 +14,10 @@ export KVCAP_COMMIT=${KVCAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || 
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 q="clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active"
 nvidia-smi --query-gpu=$q --format=csv | tee "$OUT/clocks-before.csv"
+# Clocks, power and throttle reasons every 100 ms for the whole run (the hypothesis: the SM
+# clock drops under sustained load, which would hurt the instruction-heavy E4M3 kernels).
+nvidia-smi --query-gpu=timestamp,$q --format=csv,noheader -lms 100 > "$OUT/clocks-log.csv" &
+logger=$!
 args="--skip-checks --dtype bfloat16 --shapes llama31-8b --batches 8,16,64 --contexts 16384,32768
       --rounds 5"
 for run in random contiguous random-again; do
@@ -22,6 +26,7 @@ for run in random contiguous random-again; do
   timeout 150 python3 -m kvcap.bench.kernels $args $extra --out "$OUT/spread-$run.json" 2>&1 \
     | grep -A8 "sdpa_us" | sed "s/^/$run /"
 done
+kill $logger 2>/dev/null
 nvidia-smi --query-gpu=$q --format=csv | tee "$OUT/clocks-after.csv"
 python3 - "$OUT" <<'PY'
 import json, sys
@@ -37,4 +42,11 @@ for run in ("random", "contiguous", "random-again"):
         mhz = [m for c in cells if arm in c for m in c[arm].get("sm_mhz_rounds") or [] if m]
         clock = f"  SM {min(mhz)}-{max(mhz)} MHz" if mhz else ""
         print(f"{run:13s} {arm:15s} {spreads}{clock}")
+rows = [line.split(", ") for line in open(f"{out}/clocks-log.csv") if line.count(",") >= 5]
+sm = sorted(int(r[1].split()[0]) for r in rows if r[1].split()[0].isdigit())
+power = [float(r[4].split()[0]) for r in rows if r[4].split()[0].replace(".", "").isdigit()]
+reasons = sorted({r[5].strip() for r in rows})
+if sm:
+    print(f"log: {len(rows)} samples, SM clock min {sm[0]} median {sm[len(sm) // 2]} max {sm[-1]}"
+          f" MHz, power max {max(power, default=0):.0f} W, throttle reasons {reasons}")
 PY
