@@ -343,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-pairs", action="store_true",
                     help="time the E4M3 word route with and without byte-pair conversion on "
                          "the 8B cells, then stop")
+    ap.add_argument("--compare-fp8-qk", action="store_true",
+                    help="time native E4M3 decode with QK^T on E4M3 tensor-core dots over the "
+                         "raw K bytes (paged_decode fp8_qk) against the default, BF16 queries, "
+                         "on the 8B target cells (--rounds alternating rounds), then stop")
     ap.add_argument("--compare-fold", action="store_true",
                     help="time decode with the split-K merge in a second launch and folded into "
                          "the decode kernel, every cache dtype, on the split cells, then stop")
@@ -429,6 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_bf16:
         info["compare_bf16"] = compare_knob(l2, ceil["read_tbs"], "fp16_dots",
                                             FOLD_CELLS[:3] + [WORD_CELLS[1]] + WORD_CELLS[2:4])
+        save()
+        return 0
+    if args.compare_fp8_qk:
+        info["compare_fp8_qk"] = compare_knob(l2, ceil["read_tbs"], "fp8_qk", FP8_QK_CELLS,
+                                              ("e4m3_native",), rounds=args.rounds)
         save()
         return 0
     if args.compare_fold:
@@ -581,29 +590,32 @@ FOLD_CELLS = [("llama31-8b", 32, 8, 128, 8, 16384), ("llama31-8b", 32, 8, 128, 8
 
 
 def compare_knob(l2: int, read_tbs: float, knob: str, cells: list,
-                 arms=("e4m3_native", "e4m3_software")) -> list[dict]:
+                 arms=("e4m3_native", "e4m3_software"), rounds: int = 1) -> list[dict]:
     """paged_decode(knob=False) vs (knob=True) for both E4M3 decoders at the default launch
     configuration, e.g. the byte vs the word route (`words`); each row records the relative
-    difference of the knob's output from the default's."""
+    difference of the knob's output from the default's. With rounds > 1 the two settings are
+    timed in alternating order that many times (ms: the median; ms_rounds, sm_mhz_rounds)."""
     rows = []
     for name, hq, hkv, d, b, ctx in cells:
         cell = Cell(hq, hkv, d, b, ctx, l2)
         for arm in arms:
-            got = {}
+            got, times, clocks = {}, {False: [], True: []}, {False: [], True: []}
+            try:
+                for on in (False, True):
+                    got[on] = cell.fns(arm, **{knob: on})[0]().clone()
+            except ValueError as e:  # e.g. fold=True past FOLD_MAX_SPLITS splits
+                print(f"{knob} {name} B={b} ctx={ctx} {arm}: skipped ({e})", flush=True)
+                continue
+            for i in range(rounds):
+                for on in ((False, True) if i % 2 == 0 else (True, False)):
+                    times[on].append(_graph_time(cell.fns(arm, **{knob: on}), reps=20,
+                                                 clocks=clocks[on]))
             for on in (False, True):
-                fns = cell.fns(arm, **{knob: on})
-                try:
-                    fns[0]()
-                except ValueError as e:  # e.g. fold=True past FOLD_MAX_SPLITS splits
-                    print(f"{knob} {name} B={b} ctx={ctx} {arm}: skipped ({e})", flush=True)
-                    break
-                got[on] = cell.out[0].clone()
-                ms = _graph_time(fns, reps=20)
+                ms = statistics.median(times[on])
                 tbs = cell.kv_bytes(arm) / (ms * 1e-3) / 1e12
                 rows.append({"shape": name, "batch": b, "context": ctx, "arm": arm,
-                             knob: on, "ms": ms, "tbs": tbs, "pct_ceiling": 100 * tbs / read_tbs})
-            if len(got) < 2:
-                continue
+                             knob: on, "ms": ms, "tbs": tbs, "pct_ceiling": 100 * tbs / read_tbs,
+                             "ms_rounds": times[on], "sm_mhz_rounds": clocks[on]})
             err = _rel(got[True], got[False])
             rows[-1]["err_vs_off"] = err
             print(f"{knob} {name:13s} B={b:<3d} ctx={ctx:<6d} {arm:14s} off "
@@ -614,6 +626,9 @@ def compare_knob(l2: int, read_tbs: float, knob: str, cells: list,
         torch.cuda.empty_cache()
     return rows
 
+
+# the issue's target cells (Llama-3.1-8B shape, B >= 8, context >= 16K)
+FP8_QK_CELLS = [("llama31-8b", 32, 8, 128, b, ctx) for b in (8, 16, 64) for ctx in (16384, 32768)]
 
 DECODER_MODES = ("native", "software", "native-k", "native-v")
 
