@@ -91,6 +91,41 @@ def test_time_cell_alternates_arms_and_takes_the_median(monkeypatch):
     assert outs["A"][0].item() == 1.0 and outs["B"][0].item() == 2.0
 
 
+def test_compare_knob_alternates_settings_and_takes_the_median(monkeypatch):
+    timed = []
+    times = iter([1.0, 5.0, 2.0, 6.0, 3.0, 4.0])  # off on | on off | off on
+
+    class FakeCell:
+        def __init__(self, *args):
+            self.out = None
+
+        def fns(self, arm, knob):
+            def call():
+                return torch.full((2,), 1.0 if knob else 1.001)
+            call.knob = knob
+            return [call]
+
+        def kv_bytes(self, arm):
+            return 10**9
+
+    def fake_graph_time(fns, reps=None, clocks=None):
+        timed.append(fns[0].knob)
+        clocks.append(1000 + len(timed))
+        return next(times)
+
+    monkeypatch.setattr(kvcap_kernels_bench, "Cell", FakeCell)
+    monkeypatch.setattr(kvcap_kernels_bench, "_graph_time", fake_graph_time)
+    monkeypatch.setattr(kvcap_kernels_bench.torch.cuda, "empty_cache", lambda: None)
+    rows = kvcap_kernels_bench.compare_knob(0, 4.0, "knob", [("s", 4, 2, 64, 1, 128)],
+                                            ("e4m3_native",), rounds=3)
+    assert timed == [False, True, True, False, False, True]
+    off, on = rows
+    assert off["ms_rounds"] == [1.0, 6.0, 3.0] and off["ms"] == 3.0 and not off["knob"]
+    assert on["ms_rounds"] == [5.0, 2.0, 4.0] and on["ms"] == 4.0 and on["knob"]
+    assert off["sm_mhz_rounds"] == [1001, 1004, 1005] and on["sm_mhz_rounds"] == [1002, 1003, 1006]
+    assert on["err_vs_off"] > 0
+
+
 def test_sm_clock_is_none_without_nvml_or_gpu():
     # CI has neither a GPU nor pynvml: the benchmark records None instead of failing
     got = kvcap_kernels_bench.sm_clock_mhz()

@@ -476,31 +476,3 @@ def test_bad_arguments():
         paged_decode(case.q[:, :3], case.cache.k_cache, case.cache.v_cache,
                      case.out_buffer()[:, :3], m.block_tables, m.seq_lens, m.query_start_loc,
                      0.1, 6, case.cache.k_scale, case.cache.v_scale)
-
-
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("magnitude", [1.0, 3e5, 1e-6])
-def test_fp8_qk_dots(num_splits, magnitude):
-    """The fp8_qk experiment (QK^T on E4M3 dots over the raw K bytes, the BF16 queries split
-    into E4M3 high and low parts under a power of two) gives the default route's output to
-    within BF16 rounding, and the dense reference's, also for queries past FP16's range
-    and deep in its subnormals."""
-    case = make_case(DECODE, 8, 2, 128, kv_dtype="fp8_e4m3", dtype=torch.bfloat16, pad_rows=2,
-                     seed=11 + num_splits, device=DEV)
-    case.q.mul_(magnitude)
-    kw = dict(fp8_mode="native", words=True, num_splits=num_splits)
-    default = _decode(case, **kw)
-    split_q = _decode(case, fp8_qk=True, **kw)
-    nt = case.meta.num_tokens
-    assert _err(split_q[:nt], default[:nt]) < 1e-2
-    _check(case, split_q, "bf16", _reference(case))
-
-
-def test_fp8_qk_refuses_other_routes():
-    """fp8_qk needs the word route, BF16 queries on FP16 dots and the hardware decoder."""
-    case = make_case(DECODE, 8, 2, 128, kv_dtype="fp8_e4m3", dtype=torch.bfloat16, seed=3,
-                     device=DEV)
-    for kw in (dict(words=False), dict(fp8_mode="software", words=True),
-               dict(fp16_dots=False, words=True)):
-        with pytest.raises(ValueError, match="fp8_qk"):
-            _decode(case, fp8_qk=True, **kw)

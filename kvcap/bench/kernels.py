@@ -343,10 +343,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-pairs", action="store_true",
                     help="time the E4M3 word route with and without byte-pair conversion on "
                          "the 8B cells, then stop")
-    ap.add_argument("--compare-fp8-qk", action="store_true",
-                    help="time native E4M3 decode with QK^T on E4M3 tensor-core dots over the "
-                         "raw K bytes (paged_decode fp8_qk) against the default, BF16 queries, "
-                         "on the 8B target cells (--rounds alternating rounds), then stop")
     ap.add_argument("--compare-fold", action="store_true",
                     help="time decode with the split-K merge in a second launch and folded into "
                          "the decode kernel, every cache dtype, on the split cells, then stop")
@@ -422,27 +418,25 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_text(Path(out), json.dumps(result, indent=1))
 
     if args.compare_words:
-        info["compare_words"] = compare_knob(l2, ceil["read_tbs"], "words", WORD_CELLS)
+        info["compare_words"] = compare_knob(l2, ceil["read_tbs"], "words", WORD_CELLS,
+                                             rounds=args.rounds)
         save()
         return 0
     if args.compare_pairs:
         info["compare_pairs"] = compare_knob(l2, ceil["read_tbs"], "pairs", WORD_CELLS[:2]
-                                             + [WORD_CELLS[4]])
+                                             + [WORD_CELLS[4]], rounds=args.rounds)
         save()
         return 0
     if args.compare_bf16:
         info["compare_bf16"] = compare_knob(l2, ceil["read_tbs"], "fp16_dots",
-                                            FOLD_CELLS[:3] + [WORD_CELLS[1]] + WORD_CELLS[2:4])
-        save()
-        return 0
-    if args.compare_fp8_qk:
-        info["compare_fp8_qk"] = compare_knob(l2, ceil["read_tbs"], "fp8_qk", FP8_QK_CELLS,
-                                              ("e4m3_native",), rounds=args.rounds)
+                                            FOLD_CELLS[:3] + [WORD_CELLS[1]] + WORD_CELLS[2:4],
+                                            rounds=args.rounds)
         save()
         return 0
     if args.compare_fold:
         info["compare_fold"] = compare_knob(l2, ceil["read_tbs"], "fold", FOLD_CELLS,
-                                            ("paged_fp16", "e4m3_native", "e4m3_software"))
+                                            ("paged_fp16", "e4m3_native", "e4m3_software"),
+                                            rounds=args.rounds)
         save()
         return 0
     if args.sweep_occupancy:
@@ -626,9 +620,6 @@ def compare_knob(l2: int, read_tbs: float, knob: str, cells: list,
         torch.cuda.empty_cache()
     return rows
 
-
-# the target cells (Llama-3.1-8B shape, B >= 8, context >= 16K)
-FP8_QK_CELLS = [("llama31-8b", 32, 8, 128, b, ctx) for b in (8, 16, 64) for ctx in (16384, 32768)]
 
 DECODER_MODES = ("native", "software", "native-k", "native-v")
 

@@ -152,46 +152,17 @@ def fp16_scale(amax):
 
 
 @triton.jit
-def e4m3_query_split(qf):
-    """FP32 queries [BLOCK_H, D] -> (hi, lo, 2^-s): E4M3 tiles with hi + lo = q * 2^s, where the
-    power of two 2^s puts the largest |q| in [2^7, 2^8). A BF16 value has 8 significant bits;
-    hi rounds it to E4M3's 4 and the remainder is a multiple of the value's last bit at most
-    8 of them in size, so it fits lo's 4 bits exactly: the split is exact for every element
-    >= 2^-10 of the largest (E4M3 normals reach 2^-6, lo's grid stops at 2^-9) and off by at
-    most 2^-10 (scaled) below that, 2^-17 of the largest."""
-    amax = _absmax(qf)
-    bits = amax.to(tl.int32, bitcast=True)
-    shift = tl.where(amax > 0, 134 - ((bits >> 23) & 0xFF), 0)  # 7 - unbiased exponent
-    shift = tl.minimum(tl.maximum(shift, -126), 126)
-    up = ((shift + 127) << 23).to(tl.float32, bitcast=True)
-    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
-    qs = qf * up
-    hi = qs.to(tl.float8e4nv)
-    lo = (qs - hi.to(tl.float32)).to(tl.float8e4nv)
-    return hi, lo, down
-
-
-@triton.jit
 def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
                       qk_scale, head_off, stride_cb, stride_ct, stride_qh,
                       BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       BLOCK_N: tl.constexpr, SOFTWARE: tl.constexpr, SOFTWARE_V: tl.constexpr,
                       DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, PAIRS: tl.constexpr,
-                      F16_DOTS: tl.constexpr = False, FP8_QK: tl.constexpr = False):
+                      F16_DOTS: tl.constexpr = False):
     """attend_tiles for E4M3 caches read as 32-bit words: the head dimension is split into the
     four column groups a word decodes to (column 4c + j -> group j), so QK^T is four dots of
     K = D/4 and the output is four [BLOCK_H, D/4] accumulators (returned in group order).
-    F16_DOTS: BF16 queries on FP16 dots (fp16_scale). FP8_QK (experiment, native E4M3 and BF16
-    queries only): QK^T as two E4M3 tensor-core dots over the raw K bytes, the queries split
-    into E4M3 high and low parts (e4m3_query_split), so K is never converted."""
+    F16_DOTS: BF16 queries on FP16 dots (fp16_scale)."""
     qb = q_ptr + q_base + heads[:, None].to(tl.int64) * stride_qh
-    if FP8_QK:
-        qf = tl.load(qb + tl.arange(0, HEAD_DIM)[None, :], mask=hmask[:, None],
-                     other=0.0).to(tl.float32)
-        q_hi, q_lo, q_down = e4m3_query_split(qf)
-        q_hi_t = tl.trans(q_hi)
-        q_lo_t = tl.trans(q_lo)
-        qk_scale = qk_scale * q_down
     c4 = tl.arange(0, HEAD_DIM // 4)[None, :] * 4
     q0 = tl.load(qb + c4, mask=hmask[:, None], other=0.0)
     q1 = tl.load(qb + c4 + 1, mask=hmask[:, None], other=0.0)
@@ -201,8 +172,7 @@ def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_st
         amax = tl.maximum(tl.maximum(_absmax(q0), _absmax(q1)),
                           tl.maximum(_absmax(q2), _absmax(q3)))
         q_up, down = fp16_scale(amax)
-        if not FP8_QK:
-            qk_scale = qk_scale * down
+        qk_scale = qk_scale * down
     else:
         q_up = 1.0
     q0 = _to_dot(q0, q_up, DOT_DTYPE, F16_DOTS)
@@ -220,17 +190,10 @@ def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_st
         pmask = pos < hi
         row = paged_row_offsets(bt_ptr, bt_stride, seq, pos, pmask, BLOCK_SIZE, stride_cb,
                                 stride_ct, head_off)
-        if FP8_QK:
-            # S^T = K Q^T: the token dimension is the dot's M, so Hopper runs it as one
-            # warpgroup MMA with K straight from shared memory (E4M3 MMAs there need M >= 64).
-            k8 = tl.load(kc_ptr.to(tl.pointer_type(tl.float8e4nv)) + row[:, None]
-                         + tl.arange(0, HEAD_DIM)[None, :], mask=pmask[:, None], other=0.0)
-            s = tl.trans(tl.dot(k8, q_lo_t, tl.dot(k8, q_hi_t)))
-        else:
-            k0, k1, k2, k3 = convert_words(load_words(kc_ptr, row, pmask, HEAD_DIM), SOFTWARE,
-                                           DOT_DTYPE, PAIRS)
-            s = mm(q0, tl.trans(k0), True, IEEE) + mm(q1, tl.trans(k1), True, IEEE)
-            s += mm(q2, tl.trans(k2), True, IEEE) + mm(q3, tl.trans(k3), True, IEEE)
+        k0, k1, k2, k3 = convert_words(load_words(kc_ptr, row, pmask, HEAD_DIM), SOFTWARE,
+                                       DOT_DTYPE, PAIRS)
+        s = mm(q0, tl.trans(k0), True, IEEE) + mm(q1, tl.trans(k1), True, IEEE)
+        s += mm(q2, tl.trans(k2), True, IEEE) + mm(q3, tl.trans(k3), True, IEEE)
         s = tl.where(pmask[None, :], s * qk_scale, float("-inf"))
         m_new, alpha, p, l_i = online_softmax_step(s, m_i, l_i)
         pd = p.to(DOT_DTYPE)
@@ -267,7 +230,7 @@ def _decode_kernel(
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
     PREFETCH: tl.constexpr, WORDS: tl.constexpr, PAIRS: tl.constexpr = False,
     FOLD: tl.constexpr = False, BLOCK_S: tl.constexpr = 8,
-    F16_DOTS: tl.constexpr = False, FP8_QK: tl.constexpr = False,
+    F16_DOTS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     hp = tl.program_id(1)
@@ -305,7 +268,7 @@ def _decode_kernel(
             q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, kc_ptr, vc_ptr, bt_ptr,
             bt_stride, seq, lo, hi, qk_scale, kvh.to(tl.int64) * stride_ch, stride_cb,
             stride_ct, stride_qh, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFTWARE, SOFTWARE_V,
-            DOT_DTYPE, IEEE, PAIRS, F16_DOTS, FP8_QK)
+            DOT_DTYPE, IEEE, PAIRS, F16_DOTS)
     else:
         if F16_DOTS:  # BF16 queries, FP16 dots: one power of two for the program's queries
             q = _load_q(q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, HEAD_DIM,
@@ -670,8 +633,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  num_warps: int | None = None, num_stages: int | None = None,
                  prefetch: bool | None = None, words: bool | None = None,
                  maxnreg: int | None = None, pairs: bool | None = None,
-                 fold: bool = False, fp16_dots: bool | None = None,
-                 fp8_qk: bool = False) -> torch.Tensor:
+                 fold: bool = False, fp16_dots: bool | None = None) -> torch.Tensor:
     """Decode attention for every sequence whose query length is 1 (others are skipped).
 
     q [T, Hq, D], out [T, Hq, D] (the token row of sequence i is query_start_loc[i]);
@@ -695,9 +657,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     KVCAP_DISABLE_FP16_DOTS=1) instead of BF16 dots, which need every decoded FP16 value
     converted to BF16 (1.11-1.14x the time natively on the H200's 8B cells: docs/kernels.md,
     "Ninth change").
-    `fp8_qk` (experiment, off by default): on the word route with the hardware decoder and
-    BF16 queries, QK^T runs as two E4M3 tensor-core dots over the raw K bytes with the queries
-    split into E4M3 high and low parts (e4m3_query_split) -- K is not converted at all.
     """
     num_seqs = seq_lens.shape[0]
     hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
@@ -725,9 +684,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         pairs = words and cfg.pairs
     if pairs and not words:
         raise ValueError("pairs=True converts the word route's byte pairs: it needs words=True")
-    if fp8_qk and not (words and fp16_dots and not software and has_native_fp8(q.device)):
-        raise ValueError("fp8_qk=True needs the word route, BF16 queries on FP16 dots and the "
-                         "hardware E4M3 decoder for K on a GPU with FP8 (sm_89+)")
     bn, nw, ns = block_n or cfg.block_n, num_warps or cfg.num_warps, num_stages or cfg.num_stages
     pf = cfg.prefetch if prefetch is None else prefetch
     if maxnreg is None and block_n is None and num_warps is None and num_stages is None:
@@ -761,8 +717,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8, SOFTWARE=software, SOFTWARE_V=software_v,
         USE_DOT=grouped, PREFETCH=pf, WORDS=words, PAIRS=pairs,
         FOLD=fold, BLOCK_S=max(8, triton.next_power_of_2(num_splits)),
-        DOT_DTYPE=dt, IEEE=ieee, F16_DOTS=fp16_dots, FP8_QK=fp8_qk, num_warps=nw, num_stages=ns,
-        **launch,
+        DOT_DTYPE=dt, IEEE=ieee, F16_DOTS=fp16_dots, num_warps=nw, num_stages=ns, **launch,
     )
     if num_splits > 1 and not fold:
         _merge_kernel[(num_seqs, hq)](
