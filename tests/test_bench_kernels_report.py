@@ -128,7 +128,7 @@ def test_compare_knob_alternates_settings_and_takes_the_median(monkeypatch):
 
 def test_sm_clock_is_none_without_nvml_or_gpu():
     # CI has neither a GPU nor pynvml: the benchmark records None instead of failing
-    got = kvcap_kernels_bench.sm_clock_mhz()
+    got = kvcap_kernels_bench.sm_clock_mhz()  # kvcap.bench.telemetry
     if torch.cuda.is_available():
         assert got is None or got > 0
     else:

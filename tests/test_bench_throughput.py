@@ -35,6 +35,9 @@ def test_run_cell_decodes_in_lockstep_after_a_prefix_hit(long_warmup):
     # the warm-up's full-length request (74 prompt tokens), unless left out
     assert ("wlong-0" in cached) == long_warmup
     assert cell["decode_tok_s"] > 0 and cell["prefill_tok_s"] > 0 and cell["ttft_s"] > 0
+    # no GPU: no clock or power readings, recorded as None rather than failing
+    assert cell["sm_mhz"] is None and cell["power_w_max"] is None
+    assert cell["repeats"]["sm_mhz"] == [None]
     # The decode phase reuses the cold phase's 4 full blocks (64 of 74 prompt tokens) ...
     assert {r: c for r, c in cached.items() if r.startswith("d")} == {
         f"d{rep}-{i}": 64 for rep in range(2) for i in range(4)}
@@ -57,3 +60,17 @@ def test_merge_passes_takes_medians_over_every_pass():
     assert merged["repeats"]["decode_tok_s"] == [100.0, 110.0, 90.0, 130.0]
     assert merged["decode_tok_s"] == 105.0 and abs(merged["ttft_s"] - 0.65) < 1e-12
     assert merged["passes"] == 2 and merged["decode_steps"] == 7
+
+
+def test_gpu_sampler_reads_every_nth_step_and_summarises():
+    from kvcap.bench.telemetry import Sampler
+
+    clocks = iter([1980, 1500, 1700])
+    sampler = Sampler(every=2, clock=lambda: next(clocks), power=lambda: 650.0)
+    for _ in range(5):  # reads at calls 0, 2, 4
+        sampler.sample()
+    assert sampler.summary() == {"sm_mhz": 1700, "sm_mhz_min": 1500, "power_w": 650.0,
+                                 "power_w_max": 650.0}
+    blind = Sampler(clock=lambda: None, power=lambda: None)
+    blind.sample()
+    assert set(blind.summary().values()) == {None}

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcap.bench.telemetry import sm_clock_mhz
 from kvcap.commands.common import positive_int
 from kvcap.kernels.common import sm_count
 from kvcap.kernels.decode import choose_num_splits, default_launch, paged_decode
@@ -52,14 +53,6 @@ CONTIGUOUS_TABLES = False  # --contiguous-tables
 DTYPE = torch.float16
 MAX_FP16_KV_BYTES = 20 * 2**30
 MIN_GRAPH_CALLS = 8  # _graph_time: calls per timed graph (amortizes the replay's own cost)
-
-
-def sm_clock_mhz() -> int | None:
-    """GPU 0's SM clock now, in MHz, from NVML (None where NVML or the GPU is missing)."""
-    try:
-        return int(torch.cuda.clock_rate(0))
-    except Exception:  # noqa: BLE001 - pynvml not installed, no GPU, no permission
-        return None
 
 
 def _graph_time(fns: list, target_ms: float = 40.0, reps: int | None = None,

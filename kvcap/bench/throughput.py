@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from kvcap.bench.telemetry import Sampler
+
 CONFIGS = Path(__file__).parent / "configs"
 SHAPES = {"llama-3.1-8b": f"dummy:{CONFIGS / 'llama-3.1-8b.json'}",
           "gqa6-d256": f"dummy:{CONFIGS / 'gqa6-d256.json'}", "embedded": "default"}
@@ -129,19 +131,27 @@ def run_cell(llm, concurrency: int, context: int, out_tokens: int, repeats: int,
         llm.block_manager.reset_prefix_cache()
         t_first = _run_requests(llm, f"p{rep}", ids, SamplingParams(
             temperature=0, max_tokens=1, ignore_eos=True))[0]
+        gpu = Sampler()
         t_start, t_end = _run_requests(llm, f"d{rep}", ids, SamplingParams(
-            temperature=0, max_tokens=out_tokens, ignore_eos=True))
+            temperature=0, max_tokens=out_tokens, ignore_eos=True), gpu)
         results.append({"ttft_s": t_first, "prefill_tok_s": concurrency * n / t_first,
                         "decode_tok_s": concurrency * (out_tokens - 1) / max(t_end - t_start,
                                                                             1e-9),
-                        "decode_steps": out_tokens - 1})
+                        "decode_steps": out_tokens - 1, **gpu.summary()})
     scored = results[1:]
-    cell = {k: statistics.median(r[k] for r in scored) for k in scored[0]}
+    cell = {k: _median(r[k] for r in scored) for k in scored[0]}
     # every scored repeat too: the spread, and a first repeat that paid for something the
-    # warm-up did not (a kernel compiled for a new specialization) shows there
-    cell["repeats"] = {k: [round(r[k], 4) for r in scored]
-                       for k in ("ttft_s", "decode_tok_s", "prefill_tok_s")}
+    # warm-up did not (a kernel compiled for a new specialization) shows there; the decode
+    # phase's SM clock and power (None without NVML) tell a power-capped repeat apart
+    cell["repeats"] = {k: [None if r[k] is None else round(r[k], 4) for r in scored]
+                       for k in ("ttft_s", "decode_tok_s", "prefill_tok_s", "sm_mhz",
+                                 "power_w")}
     return cell
+
+
+def _median(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
 
 
 def merge_passes(runs: list[dict]) -> dict:
@@ -150,9 +160,9 @@ def merge_passes(runs: list[dict]) -> dict:
     if len(runs) == 1:
         return runs[0]
     merged = dict(runs[0])
-    rep = {k: [x for r in runs for x in r["repeats"][k]] for k in runs[0]["repeats"]}
+    rep = {k: [x for r in runs for x in r["repeats"].get(k, [])] for k in runs[0]["repeats"]}
     for k, xs in rep.items():
-        merged[k] = statistics.median(xs)
+        merged[k] = _median(xs)
     merged["repeats"] = rep
     merged["passes"] = len(runs)
     return merged
@@ -163,9 +173,11 @@ def _sync(llm) -> None:
         torch.cuda.synchronize(llm.device)
 
 
-def _run_requests(llm, tag: str, ids: list[list[int]], params) -> tuple[float, float]:
+def _run_requests(llm, tag: str, ids: list[list[int]], params,
+                  gpu: Sampler | None = None) -> tuple[float, float]:
     """Run requests to completion: (seconds until every request had its first token,
-    seconds until all finished), both from submission."""
+    seconds until all finished), both from submission; `gpu` samples clock and power
+    between engine steps."""
     _sync(llm)
     t0 = time.perf_counter()
     for i, p in enumerate(ids):
@@ -176,6 +188,8 @@ def _run_requests(llm, tag: str, ids: list[list[int]], params) -> tuple[float, f
         for o in llm.engine.step():
             if o.token_ids:
                 seen.add(o.request_id)
+        if gpu is not None and llm.device.type == "cuda":
+            gpu.sample()
         if t_first is None and len(seen) == len(ids):
             _sync(llm)
             t_first = time.perf_counter() - t0
@@ -370,14 +384,15 @@ def _mark_fp8_only(report: dict) -> None:
 def _print_table(report: dict) -> None:
     print(f"\n{report['gpu']}  read ceiling {report['read_ceiling_tbs']:.2f} TB/s")
     print(f"{'shape':14} {'kv':13} {'conc':>4} {'ctx':>7} {'decode tok/s':>12} {'TTFT s':>7} "
-          f"{'roofline':>8}")
+          f"{'roofline':>8} {'SM MHz':>7}")
     for c in report["cells"]:
         if "skip" in c:
             print(f"{c['shape']:14} {c['kv']:13} {c['concurrency']:>4} {c['context']:>7}  skip: "
                   f"{c['skip']}")
         else:
             print(f"{c['shape']:14} {c['kv']:13} {c['concurrency']:>4} {c['context']:>7} "
-                  f"{c['decode_tok_s']:12.1f} {c['ttft_s']:7.2f} {c['roofline_fraction']:8.2f}")
+                  f"{c['decode_tok_s']:12.1f} {c['ttft_s']:7.2f} {c['roofline_fraction']:8.2f} "
+                  f"{c.get('sm_mhz') or '-':>7}")
     for cap in report["capacity"]:
         print(f"capacity {cap['shape']} {cap['kv']}: {cap['tokens']:,} tokens")
     for h in report["hf_baseline"]:
