@@ -322,7 +322,7 @@ def run_info() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global CONTIGUOUS_TABLES, DTYPE, MIN_GRAPH_CALLS
+    global BLOCK_SIZE, CONTIGUOUS_TABLES, DTYPE, MIN_GRAPH_CALLS
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
@@ -358,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--occupancy-splits", type=parse_splits, default=None, metavar="S,S,...",
                     help="--sweep-occupancy times exactly these split counts, on the cells of "
                          "--shapes x --batches x --contexts instead of its own cells")
+    ap.add_argument("--block-size", type=positive_int, default=BLOCK_SIZE,
+                    help="tokens per KV cache block (default 16, the engine's)")
     ap.add_argument("--contiguous-tables", action="store_true",
                     help="every sequence's KV blocks in order (default: a random permutation)")
     ap.add_argument("--rounds", type=positive_int, default=2,
@@ -383,6 +385,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.block_size < 16:
+        ap.error(f"--block-size must be >= 16 (the kernels' smallest block), got "
+                 f"{args.block_size}")
+    BLOCK_SIZE = args.block_size
     CONTIGUOUS_TABLES = args.contiguous_tables
     MIN_GRAPH_CALLS = max(1, args.min_graph_calls)
     DTYPE = torch.bfloat16 if args.dtype == "bfloat16" or args.compare_bf16 else torch.float16
