@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from kvcap.bench.telemetry import Sampler
+from kvcap.commands.common import positive_int
 
 CONFIGS = Path(__file__).parent / "configs"
 SHAPES = {"llama-3.1-8b": f"dummy:{CONFIGS / 'llama-3.1-8b.json'}",
@@ -268,10 +269,14 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
                     help="model (and unquantized KV) dtype of every arm; kvcap's own default on "
                          "a BF16-capable GPU is bfloat16")
+    ap.add_argument("--block-size", type=positive_int, default=16,
+                    help="tokens per KV cache block of every arm (a power of two)")
     ap.add_argument("--out", default="docs/benchmarks")
     args = ap.parse_args(argv)
     if args.passes < 1:
         ap.error(f"--passes must be >= 1, got {args.passes}")
+    if args.block_size & (args.block_size - 1):
+        ap.error(f"--block-size must be a power of two, got {args.block_size}")
     logging.basicConfig(level=logging.WARNING)
     from kvcap import LLM
 
@@ -299,7 +304,7 @@ def main(argv=None) -> int:
                 llm = LLM(model=model, dtype=args.dtype, kv_cache_dtype=kv_dtype,
                           kv_scales=scales if kv_dtype == "fp8_e4m3" else None,
                           max_num_seqs=max(args.concurrency), max_model_len=max_ctx,
-                          max_num_batched_tokens=8192,
+                          max_num_batched_tokens=8192, block_size=args.block_size,
                           tensor_parallel_size=args.tensor_parallel_size, qsa=args.qsa, **kw)
                 if pass_i == 0:
                     report["capacity"].append({"shape": shape, "kv": mode,
