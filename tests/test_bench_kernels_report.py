@@ -140,3 +140,9 @@ def test_occupancy_splits_parse():
     for bad in ("", "a,b", "0,2", "3,-1"):
         with pytest.raises(argparse.ArgumentTypeError, match="split counts >= 1"):
             kvcap_kernels_bench.parse_splits(bad)
+
+
+def test_clock_range_column():
+    assert kvcap_kernels_bench._clock_range([1980, 1410, None, 1755]) == "1410-1980"
+    assert kvcap_kernels_bench._clock_range(None) == "-"
+    assert kvcap_kernels_bench._clock_range([None, None]) == "-"

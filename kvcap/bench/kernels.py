@@ -553,7 +553,7 @@ def print_summary(rows: list[dict]) -> None:
     print(f"E4M3 slower than kvcap FP16 paged at ctx>=4K: {len(slower)} cells"
           + (": " + "; ".join(slower[:12]) if slower else ""))
     print(f"{'B':>3} {'ctx':>6} {'sdpa_us':>8} {'p16_us':>8} {'nat_us':>8} {'sw_us':>8} "
-          f"{'nat_x':>6} {'nat%':>5} {'sw/nat':>6} {'p16/sd':>6}")
+          f"{'nat_x':>6} {'nat%':>5} {'sw/nat':>6} {'p16/sd':>6} {'natMHz':>9}")
     for r in rows:
         if "skipped" in r or r["shape"] != "llama31-8b" or r["batch"] < 8 or r["context"] < 16384:
             continue
@@ -561,7 +561,15 @@ def print_summary(rows: list[dict]) -> None:
         nat, sw = r["e4m3_native"], r["e4m3_software"]
         print(f"{r['batch']:>3} {r['context']:>6} {sd['ms']*1e3:8.1f} {p16['ms']*1e3:8.1f} "
               f"{nat['ms']*1e3:8.1f} {sw['ms']*1e3:8.1f} {nat['speedup_vs_sdpa']:6.2f} "
-              f"{nat['pct_ceiling']:5.1f} {sw['ms']/nat['ms']:6.3f} {p16['ms']/sd['ms']:6.3f}")
+              f"{nat['pct_ceiling']:5.1f} {sw['ms']/nat['ms']:6.3f} {p16['ms']/sd['ms']:6.3f} "
+              f"{_clock_range(nat.get('sm_mhz_rounds')):>9}")
+
+
+def _clock_range(mhz: list | None) -> str:
+    """'min-max' of the SM clocks read during an arm's rounds ('-' without NVML): rounds
+    under ~1,700 MHz ran at the H200's power cap (docs/kernels.md, "Eighteenth change")."""
+    mhz = [m for m in mhz or [] if m]
+    return f"{min(mhz)}-{max(mhz)}" if mhz else "-"
 
 
 # (block_n, num_warps, num_stages, prefetch). A transposed ("swap AB") loop that put the cache
