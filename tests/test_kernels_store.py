@@ -113,3 +113,40 @@ def test_store_rejects_bad_args():
     with pytest.raises(ValueError):
         sk.store_kv(k, k, kc, kc.clone(), torch.zeros(2, dtype=torch.long, device=DEV),
                     torch.tensor(1.0), torch.tensor(1.0))
+
+
+def _encode_through_store(x: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel bytes, torch codec bytes) of 65,536 FP32 values x at one scale."""
+    s = torch.tensor(scale, dtype=torch.float32, device=DEV)
+    x = x.view(512, 1, 128).to(DEV)
+    kc = torch.zeros((32, 1, 16, 128), dtype=torch.uint8, device=DEV)
+    sk.store_kv(x, x, kc, kc.clone(), torch.arange(512, device=DEV), s, s)
+    return kc.view(512, 128).cpu(), e4m3.encode(x.view(512, 128), s).cpu()
+
+
+@pytest.mark.parametrize("scale", [0.0371, 1e-39, 2.0**-70, 1e20])
+def test_encode_equals_torch_on_every_bf16_value(scale):
+    """The kernel's quotient is x * (1 / scale) corrected by one FMA (encode_e4m3): its bytes
+    equal the torch codec's (IEEE x / scale) for every BF16 bit pattern, NaN and infinities
+    included, at an ordinary scale, at a subnormal one, under the 2^-64 rescaling threshold
+    and at a huge one."""
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    got, want = _encode_through_store(every.float(), scale)
+    assert torch.equal(got, want), int((got != want).sum())
+
+
+@pytest.mark.parametrize("scale", [0.0371, 3.0, 1 / 448, 0.7, 1e-39, 7.5e-20])
+def test_encode_rounds_quotients_next_to_ties_like_ieee_division(scale):
+    """Values whose quotient lies within a few FP32 ulps of a midpoint between two E4M3
+    codes, where a quotient one ulp off flips the code (x * (1 / scale) without the FMA
+    correction fails at five of these six scales): the kernel's bytes equal IEEE
+    division's."""
+    codes = torch.arange(1, 0x7E, dtype=torch.int32).to(torch.uint8)
+    vals = e4m3.decode(codes, torch.tensor(1.0)).double()
+    mids = torch.cat([(vals[:-1] + vals[1:]) / 2, vals])  # ties, and exact codes too
+    x = (mids * scale).float()
+    steps = torch.arange(-128, 128, dtype=torch.int32)  # ulps around each tie, as FP32 bits
+    near = (x.view(torch.int32)[:, None] + steps[None, :]).view(torch.float32).flatten()
+    near = torch.cat([near, -near])[:65536]  # 63,744 positive, the rest negative
+    got, want = _encode_through_store(near, scale)
+    assert torch.equal(got, want), int((got != want).sum())
