@@ -126,10 +126,9 @@ def _encode_through_store(x: torch.Tensor, scale: float) -> tuple[torch.Tensor, 
 
 @pytest.mark.parametrize("scale", [0.0371, 1e-39, 2.0**-70, 1e20])
 def test_encode_equals_torch_on_every_bf16_value(scale):
-    """The kernel's quotient is x * (1 / scale) corrected by one FMA (encode_e4m3): its bytes
-    equal the torch codec's (IEEE x / scale) for every BF16 bit pattern, NaN and infinities
-    included, at an ordinary scale, at a subnormal one, under the 2^-64 rescaling threshold
-    and at a huge one."""
+    """The kernel's bytes equal the torch codec's (IEEE x / scale) for every BF16 bit pattern,
+    NaN and infinities included, at an ordinary scale, a subnormal one, a tiny one and a huge
+    one."""
     every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     got, want = _encode_through_store(every.float(), scale)
     assert torch.equal(got, want), int((got != want).sum())
@@ -138,9 +137,9 @@ def test_encode_equals_torch_on_every_bf16_value(scale):
 @pytest.mark.parametrize("scale", [0.0371, 3.0, 1 / 448, 0.7, 1e-39, 7.5e-20])
 def test_encode_rounds_quotients_next_to_ties_like_ieee_division(scale):
     """Values whose quotient lies within a few FP32 ulps of a midpoint between two E4M3
-    codes, where a quotient one ulp off flips the code (x * (1 / scale) without the FMA
-    correction fails at five of these six scales): the kernel's bytes equal IEEE
-    division's."""
+    codes, where a quotient one ulp off flips the code (a kernel that multiplied by the
+    reciprocal instead of dividing failed at five of these six scales, 2026-12-02): the
+    kernel's bytes equal IEEE division's."""
     codes = torch.arange(1, 0x7E, dtype=torch.int32).to(torch.uint8)
     vals = e4m3.decode(codes, torch.tensor(1.0)).double()
     mids = torch.cat([(vals[:-1] + vals[1:]) / 2, vals])  # ties, and exact codes too

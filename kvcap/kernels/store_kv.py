@@ -16,26 +16,8 @@ from kvcap.kernels.common import sm_count
 
 @triton.jit
 def encode_e4m3(x, scale):
-    """FP32 tensor -> E4M3FN bytes (uint8) of x / scale.
-
-    The quotient: x * (1 / scale) corrected by one FMA step (Markstein: with r the correctly
-    rounded reciprocal, q0 = x r and the exact remainder x - q0 scale, q0 + remainder * r is
-    the correctly rounded x / scale). It equals IEEE division wherever the code depends on
-    it, quotients in [2^-12, 2^20]; outside, every value encodes to 0 or saturates, and q0 is
-    kept so that an overflowing product cannot turn into NaN. A scale under 2^-64 and x are
-    first multiplied by 2^64 (exact) so that the reciprocal and the remainder stay normal
-    (tests/test_kernels_store.py::test_encode_equals_torch_on_every_bf16_value). One division per
-    program instead of one per element: an IEEE division is a reciprocal, FMAs, a range check
-    and a branch to a slow path, which serialised the elements of the one-warp RoPE programs
-    that write the cache (docs/kernels.md, "Eighteenth change")."""
-    up = tl.where(scale < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)  # 2^-64, 2^64
-    scale = scale * up
-    x = x * up
-    r = tl.math.div_rn(1.0, scale)
-    q0 = x * r
-    q = tl.fma(tl.fma(-q0, scale, x), r, q0)
-    a = tl.abs(q0)
-    y = tl.where((a > 7.888609052210118e-31) & (a < 1.2676506002282294e30), q, q0)  # 2^+-100
+    """FP32 tensor -> E4M3FN bytes (uint8) of x / scale."""
+    y = tl.math.div_rn(x, scale)
     bits = y.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     abits = bits & 0x7FFFFFFF
