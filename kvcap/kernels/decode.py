@@ -302,8 +302,8 @@ def _decode_kernel(
     if SPLIT and FOLD:
         _merge_if_last(out_ptr, po_ptr, plse_ptr, cnt_ptr + seq * tl.num_programs(1) + hp, vs_ptr,
                        q_row, seq, hp * HEADS, stride_ot, stride_oh, stride_pb, stride_ph,
-                       stride_ps, used_splits(seq_len, num_splits, BLOCK_N), HEADS, BLOCK_H,
-                       BLOCK_S, HEAD_DIM, FP8, SOFTWARE_V)
+                       stride_ps, used_splits(seq_len, num_splits, BLOCK_N), HEADS, BLOCK_S,
+                       HEAD_DIM, FP8, SOFTWARE_V)
 
 
 @triton.jit
@@ -319,31 +319,25 @@ def used_splits(seq_len, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit
 def _merge_if_last(out_ptr, po_ptr, plse_ptr, cnt, vs_ptr, q_row, seq, head0, stride_ot,
                    stride_oh, stride_pb, stride_ph, stride_ps, num_splits, HEADS: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   FP8: tl.constexpr, SOFTWARE_V: tl.constexpr):
+                   BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr,
+                   SOFTWARE_V: tl.constexpr):
     """The split-K merge folded into the decode kernel: each program of a (sequence, head
     program) counts itself in at `cnt` (acq_rel, after a barrier so its partial stores are
     issued first); the one that arrives last merges the HEADS heads, reading the others'
-    partials around L1, and puts the counter back to 0 for the next call or graph replay.
-    The heads' results are gathered into one [BLOCK_H, D] tile and stored together, so no
-    store sits between one head's loads and the next's (a store before them would keep the
-    next head's partial loads behind it: a round trip per head on the call's tail)."""
+    partials around L1, and puts the counter back to 0 for the next call or graph replay."""
     tl.debug_barrier()
     prev = tl.atomic_add(cnt, 1, sem="acq_rel")
     tl.debug_barrier()
     if prev == num_splits - 1:
         tl.store(cnt, 0)
         factor = 256.0 if SOFTWARE_V else 1.0  # SOFTWARE_FP8_FACTOR
-        h = tl.arange(0, BLOCK_H)
-        merged = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
         for i in tl.static_range(HEADS):
             res = merge_splits(po_ptr, plse_ptr, vs_ptr, factor, seq.to(tl.int64) * stride_pb,
                                head0 + i, stride_ph, stride_ps, num_splits, BLOCK_S, HEAD_DIM,
                                FP8, True)
-            merged = tl.where(h[:, None] == i, res[None, :], merged)
-        dst = (out_ptr + q_row.to(tl.int64) * stride_ot + (head0 + h)[:, None] * stride_oh
-               + tl.arange(0, HEAD_DIM)[None, :])
-        tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=(h < HEADS)[:, None])
+            dst = (out_ptr + q_row.to(tl.int64) * stride_ot + (head0 + i) * stride_oh
+                   + tl.arange(0, HEAD_DIM))
+            tl.store(dst, res.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
