@@ -63,3 +63,43 @@ def test_serve_refuses_a_bad_port_before_loading_the_model():
                           "--port", "70000"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "argument --port:" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("suite, args, name", [
+    ("throughput", ["--repeats", "0"], "--repeats"),
+    ("throughput", ["--out-tokens", "1"], "--out-tokens"),
+    ("throughput", ["--context", "1024", "-5"], "--context"),
+    ("throughput", ["--kv-gib", "-1"], "--kv-gib"),
+    ("step_profile", ["--rows", "0"], "--rows"),
+    ("serving", ["--concurrency", "0"], "--concurrency"),
+    ("serving", ["--rate", "0"], "--rate"),
+])
+def test_bench_suites_refuse_bad_numbers(suite, args, name):
+    # --repeats 0 was an IndexError after the model loaded, --out-tokens 1 a rate of 0
+    res = subprocess.run([sys.executable, "-m", "kvcap.cli", "bench", suite, *args],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert f"argument {name}:" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible")
+@pytest.mark.parametrize("suite", ["throughput", "step_profile", "gemm"])
+def test_gpu_bench_suites_say_they_need_a_gpu(suite):
+    # they were deep tracebacks from torch.cuda without one
+    res = subprocess.run([sys.executable, "-m", "kvcap.cli", "bench", suite],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert "measures on a CUDA GPU" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_serving_bench_without_a_server_is_one_line():
+    import socket
+
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = subprocess.run([sys.executable, "-m", "kvcap.cli", "bench", "serving", "--url",
+                          f"http://127.0.0.1:{port}", "--num-requests", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert "no server answers at" in res.stderr and "Traceback" not in res.stderr

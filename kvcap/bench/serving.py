@@ -33,6 +33,7 @@ from urllib.parse import urlparse
 import httpx
 from tqdm.auto import tqdm
 
+from kvcap.commands.common import positive_float, positive_int
 from kvcap.scales.fsutil import atomic_write_text
 
 logger = logging.getLogger("kvcap.bench.serving")
@@ -258,13 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", default=d.url)
     ap.add_argument("--model", default=None)
     ap.add_argument("--endpoint", choices=["completions", "chat"], default=d.endpoint)
-    ap.add_argument("--num-requests", type=int, default=d.num_requests)
-    ap.add_argument("--concurrency", type=int, default=d.concurrency)
-    ap.add_argument("--rate", type=float, default=d.rate, help="req/s (default: unbounded)")
+    ap.add_argument("--num-requests", type=positive_int, default=d.num_requests)
+    ap.add_argument("--concurrency", type=positive_int, default=d.concurrency)
+    ap.add_argument("--rate", type=positive_float, default=d.rate,
+                    help="req/s (default: unbounded)")
     ap.add_argument("--arrival", choices=["poisson", "fixed"], default=d.arrival)
-    ap.add_argument("--duration", type=float, default=None, dest="duration_s")
-    ap.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    ap.add_argument("--prompt-words", type=int, default=d.prompt_words)
+    ap.add_argument("--duration", type=positive_float, default=None, dest="duration_s")
+    ap.add_argument("--max-tokens", type=positive_int, default=d.max_tokens)
+    ap.add_argument("--prompt-words", type=positive_int, default=d.prompt_words)
     ap.add_argument("--disconnect-fraction", type=float, default=0.0)
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -276,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         report = asyncio.run(run_load(cfg))
     except ValueError as e:
         logger.error("%s", e)
+        return 2
+    except httpx.ConnectError as e:
+        logger.error("no server answers at %s (%s): start one with `kvcap serve` or pass --url",
+                     cfg.url, e)
         return 2
     text = json.dumps(report, indent=2)
     if args.output:

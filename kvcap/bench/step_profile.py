@@ -31,6 +31,7 @@ import torch
 from kvcap.bench.gemm import bench_shape, linear_shapes
 from kvcap.bench.kernels import measure_ceilings
 from kvcap.bench.throughput import CONFIGS, kv_arm
+from kvcap.commands.common import positive_int
 from kvcap.scales.fsutil import atomic_write_text
 
 # First match wins; names are matched lower-case.
@@ -133,12 +134,15 @@ def main(argv=None) -> int:
                                                    "fp8:16:16384"],
                     help="KV:CONCURRENCY:CONTEXT, KV one of kvcap.bench.throughput's modes "
                          "(fp16, fp8, fp8-software, fp8-mixed)")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--steps", type=positive_int, default=20)
+    ap.add_argument("--rows", type=positive_int, nargs="+", default=[16, 64])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
                     help="model dtype of the step cells")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("measures on a CUDA GPU and none is visible (torch.cuda.is_available() is "
+                 "False)")
     from kvcap.bench.throughput import KV_MODES, _commit
 
     cells = []

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from kvcap.bench.telemetry import Sampler
-from kvcap.commands.common import positive_int
+from kvcap.commands.common import positive_float, positive_int
 
 CONFIGS = Path(__file__).parent / "configs"
 SHAPES = {"llama-3.1-8b": f"dummy:{CONFIGS / 'llama-3.1-8b.json'}",
@@ -244,17 +244,28 @@ def hf_baseline(config_path: str, batch: int, context: int, out_tokens: int) -> 
             "decode_tok_s": batch * (out_tokens - 1) / max(dt - first, 1e-9)}
 
 
+def at_least_two(text: str) -> int:
+    """--out-tokens: decode is timed over the tokens after the first, so at least 2."""
+    n = positive_int(text)
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 (decode is timed after the first "
+                                         f"token), got {n}")
+    return n
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["llama-3.1-8b"], choices=list(SHAPES))
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 64])
-    ap.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 16384, 32768, 131072])
+    ap.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 4, 8, 16, 64])
+    ap.add_argument("--context", type=positive_int, nargs="+",
+                    default=[1024, 4096, 16384, 32768, 131072])
     ap.add_argument("--kv", nargs="+", default=["fp16", "fp8", "fp8-software"],
                     choices=list(KV_MODES))
-    ap.add_argument("--out-tokens", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--kv-gib", type=float, default=None, help="fixed KV budget for every arm")
-    ap.add_argument("--passes", type=int, default=1,
+    ap.add_argument("--out-tokens", type=at_least_two, default=256)
+    ap.add_argument("--repeats", type=positive_int, default=3)
+    ap.add_argument("--kv-gib", type=positive_float, default=None,
+                    help="fixed KV budget for every arm")
+    ap.add_argument("--passes", type=positive_int, default=1,
                     help="measure every arm this many times, in order then reversed (each "
                          "pass builds the engine anew and runs its warm-up and repeats); cells "
                          "take the median over all passes' repeats")
@@ -263,7 +274,7 @@ def main(argv=None) -> int:
                          "protocol before 2026-12-02, to see whether a scored repeat compiles")
     ap.add_argument("--hf-baseline", action="store_true")
     ap.add_argument("--hf-only", action="store_true", help="only the HF baseline (no kvcap arms)")
-    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--tensor-parallel-size", type=positive_int, default=1)
     ap.add_argument("--qsa", default=None, metavar="PRESET",
                     help="QSA on every arm, e.g. every4 (kvcap.qsa.enable.PRESET_HELP)")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
@@ -273,10 +284,11 @@ def main(argv=None) -> int:
                     help="tokens per KV cache block of every arm (a power of two)")
     ap.add_argument("--out", default="docs/benchmarks")
     args = ap.parse_args(argv)
-    if args.passes < 1:
-        ap.error(f"--passes must be >= 1, got {args.passes}")
     if args.block_size & (args.block_size - 1):
         ap.error(f"--block-size must be a power of two, got {args.block_size}")
+    if not torch.cuda.is_available():
+        ap.error("measures on a CUDA GPU and none is visible (torch.cuda.is_available() is "
+                 "False); the CPU path of the pipeline is `kvcap demo`")
     logging.basicConfig(level=logging.WARNING)
     from kvcap import LLM
 
