@@ -103,3 +103,10 @@ def test_serving_bench_without_a_server_is_one_line():
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
     assert "no server answers at" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_serving_bench_refuses_a_fraction_outside_0_1():
+    res = subprocess.run([sys.executable, "-m", "kvcap.cli", "bench", "serving",
+                          "--disconnect-fraction", "2"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and "--disconnect-fraction must be between 0 and 1" in res.stderr

@@ -272,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output", type=Path, default=None, help="write the JSON report here")
     args = ap.parse_args(argv)
+    if not 0.0 <= args.disconnect_fraction <= 1.0:
+        ap.error(f"--disconnect-fraction must be between 0 and 1, got {args.disconnect_fraction}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     cfg = LoadConfig(**{k: v for k, v in vars(args).items() if k != "output"})
     try:
