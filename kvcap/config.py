@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,6 +170,10 @@ class EngineConfig:
                               f"got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        if self.kv_cache_memory_gib is not None and not (
+                math.isfinite(self.kv_cache_memory_gib) and self.kv_cache_memory_gib > 0):
+            raise ConfigError(f"kv_cache_memory_gib must be a finite number > 0 (or unset to "
+                              f"size the pool from free memory), got {self.kv_cache_memory_gib}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(
                 f"attention_backend {self.attention_backend!r} is not one of auto, torch, triton"

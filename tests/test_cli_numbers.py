@@ -110,3 +110,30 @@ def test_serving_bench_refuses_a_fraction_outside_0_1():
                           "--disconnect-fraction", "2"], capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 2 and "--disconnect-fraction must be between 0 and 1" in res.stderr
+
+
+@pytest.mark.parametrize("command, args, name", [
+    ("compare", ["--contexts", "0"], "--contexts"),
+    ("compare", ["--prompts", "-1"], "--prompts"),
+    ("calibrate", ["--record-tokens", "0"], "--record-tokens"),
+    ("generate", ["--max-tokens", "0", "hi"], "--max-tokens"),
+    ("generate", ["--temperature", "-1", "hi"], "--temperature"),
+    ("generate", ["--kv-cache-memory-gib", "-1", "hi"], "--kv-cache-memory-gib"),
+    ("generate", ["--max-num-seqs", "0", "hi"], "--max-num-seqs"),
+    ("serve", ["--max-queue", "-1"], "--max-queue"),
+])
+def test_commands_refuse_bad_numbers_before_loading(command, args, name):
+    res = subprocess.run([sys.executable, "-m", "kvcap.cli", command, *args],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert f"argument {name}:" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_negative_kv_budget_is_a_config_error():
+    from kvcap.config import EngineConfig
+    from kvcap.errors import ConfigError
+
+    for bad in (-1.0, 0.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="kv_cache_memory_gib must be a finite number > 0"):
+            EngineConfig(kv_cache_memory_gib=bad).validate()
+    EngineConfig(kv_cache_memory_gib=0.5).validate()

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvcap.commands.common import positive_int
 from kvcap.errors import CalibrationError, ConfigError
 
 HELP = "calibrate per-layer K/V scales on built-in or file corpora and write a report"
@@ -48,11 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-tokens",
-        type=int,
+        type=positive_int,
         default=200_000,
         help="total prompt tokens over all shards (default 200000)",
     )
-    p.add_argument("--record-tokens", type=int, default=1024, help="tokens per record")
+    p.add_argument("--record-tokens", type=positive_int, default=1024, help="tokens per record")
     p.add_argument(
         "--policy",
         default="max",
@@ -65,11 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="model dtype: auto | float32 | float16 | bfloat16 (auto: FP32 on CPU)",
     )
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="GPUs; every rank records its own KV heads, merged afterwards")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is faster on a "
                         "busy machine)")
 

@@ -21,7 +21,8 @@ def _number_type(convert, accept, expected: str, name: str):
     return parse
 
 
-# a budget or a size; a length or a count; a TCP port (0: any free one); a timeout
+# a budget or a size; a length or a count; a TCP port (0: any free one); a timeout; a bound
+# that may be 0 (e.g. no queue)
 positive_float = _number_type(float, lambda v: v > 0 and math.isfinite(v),
                               "a finite number > 0", "positive_float")
 positive_int = _number_type(int, lambda v: v >= 1, "an integer >= 1", "positive_int")
@@ -29,6 +30,7 @@ port_number = _number_type(int, lambda v: 0 <= v <= 65535, "a port number 0-6553
                            "port_number")
 non_negative_float = _number_type(float, lambda v: v >= 0 and math.isfinite(v),
                                   "a finite number >= 0", "non_negative_float")
+non_negative_int = _number_type(int, lambda v: v >= 0, "an integer >= 0", "non_negative_int")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,12 +42,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-scales", default=None,
                    help="scale overlay pack directory (for fp8_e4m3 on a base checkpoint)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if present)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-memory-gib", type=float, default=None)
+    p.add_argument("--max-model-len", type=positive_int, default=None)
+    p.add_argument("--max-num-seqs", type=positive_int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    p.add_argument("--kv-cache-memory-gib", type=positive_float, default=None)
     p.add_argument("--attention-backend", default="auto", help="auto | torch | triton")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="ranks (GPUs, or CPU processes) to split the model over; rank 0 is "
                         "this process (KVCAP_ALLREDUCE=nccl|symm picks the all-reduce)")
 

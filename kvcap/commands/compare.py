@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvcap.commands.common import non_negative_int, positive_int
+
 HELP = ("A/B quality of the calibrated E4M3 KV cache against the unquantized reference (and a "
         "unit-scale negative control): held-out KL/top-1/perplexity, greedy generation, "
         "retrieval, per-layer attention error, and with --qsa the QSA selection/output quality; "
@@ -29,24 +31,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline-kv", default="auto",
                    help="KV dtype of the reference arm: auto (the model dtype: FP32 on CPU, "
                         "BF16/FP16 on GPU; default) | fp16 | bf16 | fp32")
-    p.add_argument("--contexts", type=int, nargs="+", default=None,
+    p.add_argument("--contexts", type=positive_int, nargs="+", default=None,
                    help="retrieval context lengths (tokens, <= the model's window)")
     p.add_argument("--retrieval-tasks", default=None, help="comma-separated: passkey,kv")
-    p.add_argument("--heldout-tokens", type=int, default=None)
-    p.add_argument("--record-tokens", type=int, default=None)
-    p.add_argument("--prompts", type=int, default=None,
+    p.add_argument("--heldout-tokens", type=positive_int, default=None)
+    p.add_argument("--record-tokens", type=positive_int, default=None)
+    p.add_argument("--prompts", type=non_negative_int, default=None,
                    help="generation prompts per kind (plain and chat)")
-    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=positive_int, default=None)
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--qsa", default=None, metavar="PRESET",
                    help="run every arm with QSA (e.g. all-but-3, every4:1024) and add the QSA "
                         "section: selection overlap and attention-output agreement vs the "
                         "reference arm, dense attention-mass recall (docs/qsa.md)")
-    p.add_argument("--qsa-context", type=int, default=None,
+    p.add_argument("--qsa-context", type=positive_int, default=None,
                    help="tokens per QSA record (default: twice the QSA budget, <= the window)")
-    p.add_argument("--qsa-records", type=int, default=None,
+    p.add_argument("--qsa-records", type=positive_int, default=None,
                    help="teacher-forced QSA records (default 1 with --quick, else 4)")
 
 

@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-gib", type=positive_float, default=8.0,
                    help="KV memory budget for the capacity table")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch")
     p.add_argument("--skip-compare", action="store_true", help="skip the A/B comparison")
 
 

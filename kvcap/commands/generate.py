@@ -6,7 +6,12 @@ import argparse
 import sys
 import uuid
 
-from kvcap.commands.common import add_engine_arguments, engine_kwargs
+from kvcap.commands.common import (
+    add_engine_arguments,
+    engine_kwargs,
+    non_negative_float,
+    positive_int,
+)
 
 HELP = "generate text for one prompt, streaming it to stdout"
 
@@ -15,8 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=positive_int, default=128)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)

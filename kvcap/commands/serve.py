@@ -17,6 +17,7 @@ from kvcap.commands.common import (
     add_engine_arguments,
     engine_kwargs,
     non_negative_float,
+    non_negative_int,
     port_number,
 )
 
@@ -37,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-queue",
-        type=int,
+        type=non_negative_int,
         default=256,
         help="requests that may wait beyond --max-num-seqs running ones; more -> 429",
     )
