@@ -58,7 +58,7 @@ def test_bad_cells_are_refused_before_any_gpu_work(capsys):
 
     from kvcap.bench.step_profile import main
 
-    for bad in ("fp9:16:1024", "fp8:16", "fp8:x:1024"):
+    for bad in ("fp9:16:1024", "fp8:16", "fp8:x:1024", "fp8:0:1024", "fp16:4:0"):
         with pytest.raises(SystemExit) as exc:
             main(["--cells", bad])
         assert exc.value.code == 2

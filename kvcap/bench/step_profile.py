@@ -140,19 +140,19 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
                     help="model dtype of the step cells")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        ap.error("measures on a CUDA GPU and none is visible (torch.cuda.is_available() is "
-                 "False)")
     from kvcap.bench.throughput import KV_MODES, _commit
 
     cells = []
     for cell in args.cells:  # all checked before any GPU time is spent
         kv, _, rest = cell.partition(":")
         c, _, ctx = rest.partition(":")
-        if kv not in KV_MODES or not (c.isdigit() and ctx.isdigit()):
+        if kv not in KV_MODES or not (c.isdigit() and ctx.isdigit() and int(c) and int(ctx)):
             ap.error(f"--cells {cell!r}: want KV:CONCURRENCY:CONTEXT with KV one of "
-                     f"{', '.join(KV_MODES)}")
+                     f"{', '.join(KV_MODES)} and both numbers >= 1")
         cells.append((kv, int(c), int(ctx)))
+    if not torch.cuda.is_available():
+        ap.error("measures on a CUDA GPU and none is visible (torch.cuda.is_available() is "
+                 "False)")
     from kvcap.config import ModelSpec
 
     spec = ModelSpec.from_hf_config(json.loads(args.config.read_text()))
