@@ -8,9 +8,8 @@ set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export KVCAP_COMMIT=${KVCAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-q="timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active"
-nvidia-smi --query-gpu=$q --format=csv,noheader -lms 100 > "$OUT/clocks-log.csv" &
-logger=$!
+. "$(dirname "$0")/gpu_clock_log.sh"
+start_clock_log "$OUT/clocks-log.csv"
 i=0
 for bs in 16 128 64 16; do
   i=$((i + 1))
@@ -18,4 +17,4 @@ for bs in 16 128 64 16; do
     --batches 8,16,64 --contexts 16384,32768 --rounds 3 --block-size $bs \
     --out "$OUT/blocks-$i-$bs.json" 2>&1 | grep -A8 "sdpa_us" | sed "s/^/bs=$bs /"
 done
-kill $logger 2>/dev/null
+stop_clock_log

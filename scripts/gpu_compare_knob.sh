@@ -10,9 +10,8 @@ rounds=${2:-4}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export KVCAP_COMMIT=${KVCAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-q="timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active"
-nvidia-smi --query-gpu=$q --format=csv,noheader -lms 100 > "$OUT/clocks-log-$knob.csv" &
-logger=$!
+. "$(dirname "$0")/gpu_clock_log.sh"
+start_clock_log "$OUT/clocks-log-$knob.csv"
 timeout 500 python3 -m kvcap.bench.kernels --skip-checks --dtype "${DTYPE:-bfloat16}" \
   "--compare-$knob" --rounds "$rounds" --out "$OUT/compare-$knob.json" 2>&1 | grep -v Warning
-kill $logger 2>/dev/null
+stop_clock_log

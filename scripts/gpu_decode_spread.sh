@@ -12,12 +12,11 @@ set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export KVCAP_COMMIT=${KVCAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-q="clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active"
-nvidia-smi --query-gpu=$q --format=csv | tee "$OUT/clocks-before.csv"
+. "$(dirname "$0")/gpu_clock_log.sh"
+nvidia-smi --query-gpu=$CLOCK_QUERY --format=csv | tee "$OUT/clocks-before.csv"
 # Clocks, power and throttle reasons every 100 ms for the whole run (the hypothesis: the SM
 # clock drops under sustained load, which would hurt the instruction-heavy E4M3 kernels).
-nvidia-smi --query-gpu=timestamp,$q --format=csv,noheader -lms 100 > "$OUT/clocks-log.csv" &
-logger=$!
+start_clock_log "$OUT/clocks-log.csv"
 args="--skip-checks --dtype bfloat16 --shapes llama31-8b --batches 8,16,64 --contexts 16384,32768
       --rounds 5"
 for run in random contiguous random-again; do
@@ -26,8 +25,8 @@ for run in random contiguous random-again; do
   timeout 150 python3 -m kvcap.bench.kernels $args $extra --out "$OUT/spread-$run.json" 2>&1 \
     | grep -A8 "sdpa_us" | sed "s/^/$run /"
 done
-kill $logger 2>/dev/null
-nvidia-smi --query-gpu=$q --format=csv | tee "$OUT/clocks-after.csv"
+stop_clock_log
+nvidia-smi --query-gpu=$CLOCK_QUERY --format=csv | tee "$OUT/clocks-after.csv"
 python3 - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]

@@ -116,6 +116,8 @@ def test_serving_bench_refuses_a_fraction_outside_0_1():
     ("compare", ["--contexts", "0"], "--contexts"),
     ("compare", ["--prompts", "-1"], "--prompts"),
     ("calibrate", ["--record-tokens", "0"], "--record-tokens"),
+    ("calibrate", ["--max-tokens", "0"], "--max-tokens"),
+    ("calibrate", ["--threads", "0"], "--threads"),
     ("generate", ["--max-tokens", "0", "hi"], "--max-tokens"),
     ("generate", ["--temperature", "-1", "hi"], "--temperature"),
     ("generate", ["--kv-cache-memory-gib", "-1", "hi"], "--kv-cache-memory-gib"),

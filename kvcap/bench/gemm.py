@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from kvcap.bench.kernels import _graph_time, measure_ceilings
 from kvcap.bench.throughput import CONFIGS
-from kvcap.commands.common import positive_int
+from kvcap.commands.common import positive_int, require_cuda
 from kvcap.kernels.skinny_gemm import skinny_linear
 from kvcap.scales.fsutil import atomic_write_text
 
@@ -90,9 +90,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=positive_int, nargs="+", default=[16, 64])
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        ap.error("measures on a CUDA GPU and none is visible (torch.cuda.is_available() is "
-                 "False)")
+    require_cuda(ap)
     from kvcap.bench.throughput import _commit
     from kvcap.config import ModelSpec
 

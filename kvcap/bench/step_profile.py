@@ -31,7 +31,7 @@ import torch
 from kvcap.bench.gemm import bench_shape, linear_shapes
 from kvcap.bench.kernels import measure_ceilings
 from kvcap.bench.throughput import CONFIGS, kv_arm
-from kvcap.commands.common import positive_int
+from kvcap.commands.common import positive_int, require_cuda
 from kvcap.scales.fsutil import atomic_write_text
 
 # First match wins; names are matched lower-case.
@@ -150,9 +150,7 @@ def main(argv=None) -> int:
             ap.error(f"--cells {cell!r}: want KV:CONCURRENCY:CONTEXT with KV one of "
                      f"{', '.join(KV_MODES)} and both numbers >= 1")
         cells.append((kv, int(c), int(ctx)))
-    if not torch.cuda.is_available():
-        ap.error("measures on a CUDA GPU and none is visible (torch.cuda.is_available() is "
-                 "False)")
+    require_cuda(ap)
     from kvcap.config import ModelSpec
 
     spec = ModelSpec.from_hf_config(json.loads(args.config.read_text()))

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from kvcap.bench.telemetry import Sampler
-from kvcap.commands.common import positive_float, positive_int
+from kvcap.commands.common import positive_float, positive_int, require_cuda
 
 CONFIGS = Path(__file__).parent / "configs"
 SHAPES = {"llama-3.1-8b": f"dummy:{CONFIGS / 'llama-3.1-8b.json'}",
@@ -161,7 +161,7 @@ def merge_passes(runs: list[dict]) -> dict:
     if len(runs) == 1:
         return runs[0]
     merged = dict(runs[0])
-    rep = {k: [x for r in runs for x in r["repeats"].get(k, [])] for k in runs[0]["repeats"]}
+    rep = {k: [x for r in runs for x in r["repeats"][k]] for k in runs[0]["repeats"]}
     for k, xs in rep.items():
         merged[k] = _median(xs)
     merged["repeats"] = rep
@@ -286,9 +286,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.block_size & (args.block_size - 1):
         ap.error(f"--block-size must be a power of two, got {args.block_size}")
-    if not torch.cuda.is_available():
-        ap.error("measures on a CUDA GPU and none is visible (torch.cuda.is_available() is "
-                 "False); the CPU path of the pipeline is `kvcap demo`")
+    require_cuda(ap, "; the CPU path of the pipeline is `kvcap demo`")
     logging.basicConfig(level=logging.WARNING)
     from kvcap import LLM
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvcap.commands.common import positive_int
+from kvcap.commands.common import positive_int, set_threads
 from kvcap.errors import CalibrationError, ConfigError
 
 HELP = "calibrate per-layer K/V scales on built-in or file corpora and write a report"
@@ -132,15 +132,8 @@ def run(args: argparse.Namespace) -> int:
 
     if str(args.model).startswith("dummy:"):
         raise ConfigError("calibration needs a real checkpoint, not dummy weights")
-    if args.max_tokens <= 0:
-        raise ConfigError("--max-tokens must be positive")
     parse_policy(args.policy)  # fail before any work
-    if args.threads is not None:
-        import torch
-
-        if args.threads < 1:
-            raise ConfigError("--threads must be >= 1")
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     names = corpora.resolve_names(args.corpus)
     if args.out.exists():
         raise CalibrationError(f"output {args.out} already exists; refusing to overwrite it")

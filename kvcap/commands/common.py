@@ -33,6 +33,24 @@ non_negative_float = _number_type(float, lambda v: v >= 0 and math.isfinite(v),
 non_negative_int = _number_type(int, lambda v: v >= 0, "an integer >= 0", "non_negative_int")
 
 
+def require_cuda(parser: argparse.ArgumentParser, hint: str = "") -> None:
+    """A usage error (exit 2) for a command that measures on a CUDA GPU when none is visible,
+    instead of a traceback from deep inside torch.cuda; `hint` is appended."""
+    import torch
+
+    if not torch.cuda.is_available():
+        parser.error("measures on a CUDA GPU and none is visible (torch.cuda.is_available() "
+                     "is False)" + hint)
+
+
+def set_threads(threads: int | None) -> None:
+    """--threads (an argparse positive_int): torch's CPU threads, or torch's own choice."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="'default' (embedded SmolLM2-135M-Instruct), an HF-format directory, "

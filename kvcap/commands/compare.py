@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvcap.commands.common import non_negative_int, positive_int
+from kvcap.commands.common import non_negative_int, positive_int, set_threads
 
 HELP = ("A/B quality of the calibrated E4M3 KV cache against the unquantized reference (and a "
         "unit-scale negative control): held-out KL/top-1/perplexity, greedy generation, "
@@ -53,8 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def overrides(args: argparse.Namespace) -> dict:
-    from kvcap.errors import ConfigError
-
+    """The budget fields the user set (their argparse types refuse values under 1, --prompts
+    under 0)."""
     out: dict = {}
     if args.contexts:
         out["contexts"] = tuple(args.contexts)
@@ -64,12 +64,8 @@ def overrides(args: argparse.Namespace) -> dict:
                  "qsa_records"):
         value = getattr(args, name)
         if value is not None:
-            if value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be positive")
             out[name] = value
     if args.prompts is not None:
-        if args.prompts < 0:
-            raise ConfigError("--prompts must be >= 0")
         out["plain_prompts"] = out["chat_prompts"] = args.prompts
     return out
 
@@ -110,15 +106,9 @@ def qsa_table(section: dict, table_cls):
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvcap.errors import ConfigError
     from kvcap.eval.runner import CompareConfig, parse_tasks, run_compare
 
-    if args.threads is not None:
-        import torch
-
-        if args.threads < 1:
-            raise ConfigError("--threads must be >= 1")
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     cfg = CompareConfig(model=args.model, overlay=args.overlay, out=args.out,
                         tasks=parse_tasks(args.tasks), quick=args.quick, control=args.control,
                         no_control=args.no_control, calibration_manifest=args.calibration_manifest,

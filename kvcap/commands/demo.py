@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from kvcap.commands.common import positive_float, positive_int
+from kvcap.commands.common import positive_float, positive_int, set_threads
 
 HELP = ("run the whole calibrated-E4M3 chain on the embedded model (calibrate, overlay, "
         "materialize, gate, generate, compare --quick, capacity) and summarize it")
@@ -92,15 +92,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from kvcap.commands import calibrate, compare, materialize, overlay, verify
-    from kvcap.errors import ConfigError
 
     console = Console()
-    if args.threads is not None:
-        import torch
-
-        if args.threads < 1:
-            raise ConfigError("--threads must be >= 1")
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     device = _device_default(args.device)
     tokens = args.calib_tokens or (GPU_CALIB_TOKENS if device.startswith("cuda")
                                    else CPU_CALIB_TOKENS)
