@@ -158,11 +158,15 @@ class LLM:
                               "pass kv_cache_dtype='fp8_e4m3' to use them")
         if self.kv_dtype == "fp8_e4m3" and backend.name == "triton" \
                 and self.device.type == "cuda":
-            # the E4M3 conversions this GPU will read the cache with, on all 256 codes
+            from kvcap.kernels.common import hardware_e4m3_encode
             from kvcap.kernels.decode import fp8_decoders
-            from kvcap.kernels.decoder_check import check_e4m3_decoders
+            from kvcap.kernels.decoder_check import check_e4m3_decoders, check_e4m3_encoder
 
+            # the E4M3 conversions this GPU will read the cache with, on all 256 codes, and
+            # the hardware encoder its cache write uses on SM89+
             check_e4m3_decoders(self.device, set(fp8_decoders(self.device, backend.fp8_mode)))
+            if hardware_e4m3_encode(self.device, backend.fp8_mode):
+                check_e4m3_encoder(self.device)
 
         if self.tp is not None and self.tp.is_driver:
             from kvcap.distributed.runner import DriverRunner

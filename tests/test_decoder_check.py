@@ -54,3 +54,39 @@ def test_a_wrong_decoder_is_refused(monkeypatch):
     with pytest.raises(DecoderCheckError, match="software E4M3 decoder .*code 0x41"):
         decoder_check.check_e4m3_decoders(DEV, {True})
     assert not decoder_check._PASSED
+
+
+def test_the_integer_encoder_passes_the_encoder_check():
+    """The check's machinery (probe values, both scales, the CPU codec) on the integer encoder;
+    on a GPU with the conversion the hardware encoder is checked too."""
+    decoder_check._ENCODER_PASSED.clear()
+    decoder_check.check_e4m3_encoder(DEV, hardware=False)
+    forms = [False]
+    if DEV.type == "cuda" and torch.cuda.get_device_capability() >= (8, 9):
+        decoder_check.check_e4m3_encoder(DEV, hardware=True)
+        forms.append(True)
+    assert {h for _, h in decoder_check._ENCODER_PASSED} == set(forms)
+
+
+def test_the_probe_holds_every_tie():
+    """Each midpoint between two adjacent E4M3 values is an FP16 value of the probe, so an
+    encoder that rounds ties the wrong way fails the check."""
+    codes = torch.arange(0, 0x7E, dtype=torch.int32).to(torch.uint8)
+    vals = e4m3.decode(codes).double()
+    mids = ((vals[:-1] + vals[1:]) / 2).float()
+    probe = set(decoder_check.encoder_probe_values().tolist())
+    assert all(m in probe and -m in probe for m in mids.tolist())
+
+
+def test_a_wrong_encoder_is_refused(monkeypatch):
+    decoder_check._ENCODER_PASSED.clear()
+    real = e4m3.encode
+
+    def flips_one_tie(x, scale=1.0):  # the reference an encoder wrong at 0.5625 would fail
+        out = real(x, scale)
+        return torch.where((x / scale) == 0.5625, out ^ 1, out)
+
+    monkeypatch.setattr(decoder_check.e4m3, "encode", flips_one_tie)
+    with pytest.raises(DecoderCheckError, match=r"integer E4M3 encoder wrote 0x3\w for 0\.5625"):
+        decoder_check.check_e4m3_encoder(DEV, hardware=False)
+    assert not decoder_check._ENCODER_PASSED

@@ -6,6 +6,8 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -149,3 +151,51 @@ def test_encode_rounds_quotients_next_to_ties_like_ieee_division(scale):
     near = torch.cat([near, -near])[:65536]  # 63,744 positive, the rest negative
     got, want = _encode_through_store(near, scale)
     assert torch.equal(got, want), int((got != want).sum())
+
+
+def test_hardware_encoder_choice(monkeypatch):
+    """The cache write converts in hardware only on an SM89+ CUDA GPU whose cache is read
+    natively; the software decoder (fp8_mode or KVCAP_FORCE_SOFTWARE_FP8) and
+    KVCAP_SOFTWARE_E4M3_ENCODE keep the integer encoder, as does every CPU run."""
+    from kvcap.kernels import common
+
+    for name in ("KVCAP_FORCE_SOFTWARE_FP8", "KVCAP_SOFTWARE_E4M3_ENCODE"):
+        monkeypatch.delenv(name, raising=False)
+    assert not common.hardware_e4m3_encode(torch.device("cpu"))
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setattr(common, "capability", lambda device: (9, 0))
+    assert common.hardware_e4m3_encode(cuda)
+    assert common.hardware_e4m3_encode(cuda, "native-k")
+    assert not common.hardware_e4m3_encode(cuda, "software")
+    for name in ("KVCAP_FORCE_SOFTWARE_FP8", "KVCAP_SOFTWARE_E4M3_ENCODE"):
+        monkeypatch.setenv(name, "1")
+        assert not common.hardware_e4m3_encode(cuda)
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(common, "capability", lambda device: (8, 0))
+    assert not common.hardware_e4m3_encode(cuda)
+
+
+@triton.jit
+def _encode_bit_patterns(out_ptr, scale_ptr, start, BLOCK: tl.constexpr):
+    """out[i] = hardware encode of the FP32 value whose bits are start + i (mod 2^32)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = (start + i).to(tl.int32).to(tl.float32, bitcast=True)
+    tl.store(out_ptr + i, sk.encode_e4m3(x, tl.load(scale_ptr), True))
+
+
+@pytest.mark.skipif(DEV != "cuda" or not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability() < (8, 9),
+                    reason="the hardware conversion needs an SM89+ GPU")
+@pytest.mark.gpu
+def test_hardware_encoder_equals_the_codec_on_every_fp32_value():
+    """Every one of the 2^32 FP32 bit patterns (scale 1: each possible quotient) gets the same
+    byte from the hardware encoder as from the torch codec (kvcap.numerics.e4m3.encode)."""
+    chunk, one = 1 << 27, torch.tensor(1.0, device=DEV)
+    out = torch.empty(chunk, dtype=torch.uint8, device=DEV)
+    for start in range(0, 1 << 32, chunk):
+        _encode_bit_patterns[(chunk // 1024,)](out, one, start, BLOCK=1024)
+        bits = torch.arange(start, start + chunk, dtype=torch.int64, device=DEV)
+        bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
+        want = e4m3.encode(bits.view(torch.float32), one)
+        assert torch.equal(out, want), (hex(start), int((out != want).sum()))

@@ -45,7 +45,7 @@ class TritonBackend(AttentionBackend):
                 meta: AttentionMetadata, softmax_scale: float, out: torch.Tensor
                 ) -> torch.Tensor:
         store_kv(k, v, cache.k_cache, cache.v_cache, meta.slot_mapping, cache.k_scale,
-                 cache.v_scale)
+                 cache.v_scale, fp8_mode=self.fp8_mode)
         return self.attend_stored(q, cache, meta, softmax_scale, out)
 
     def attend_stored(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,

@@ -27,6 +27,7 @@ ENV_DISABLE_WORDS = "KVCAP_DISABLE_WORD_DECODE"
 ENV_MIXED = "KVCAP_MIXED_DECODERS"
 ENV_DISABLE_FP16_DOTS = "KVCAP_DISABLE_FP16_DOTS"
 ENV_DISABLE_ROPE_KV_WRITE = "KVCAP_DISABLE_ROPE_KV_WRITE"
+ENV_SOFTWARE_ENCODE = "KVCAP_SOFTWARE_E4M3_ENCODE"
 
 SOFTWARE_FP8_FACTOR = 256.0  # the packed decoder yields value * 2^-8
 LOG2E = 1.4426950408889634
@@ -85,6 +86,19 @@ def use_software_fp8(device: torch.device, fp8_mode: str = "auto") -> bool:
     if fp8_mode != "auto":
         raise ValueError(f"fp8_mode must be auto|native|software, got {fp8_mode!r}")
     return _flag(ENV_FORCE_SOFTWARE_FP8) or not has_native_fp8(device)
+
+
+def hardware_e4m3_encode(device: torch.device, fp8_mode: str = "auto") -> bool:
+    """Whether the cache write quantizes with the hardware conversion (cvt.rn.satfinite, SM89+)
+    instead of the integer encoder: on a CUDA GPU that converts E4M3, unless the cache is read
+    by the software decoder (fp8_mode "software" or KVCAP_FORCE_SOFTWARE_FP8=1: the pre-FP8
+    path, written and read as an SM80 GPU would) or KVCAP_SOFTWARE_E4M3_ENCODE=1. Both give
+    the same bytes (store_kv.encode_e4m3); the CPU interpreter runs the integer encoder."""
+    if device.type != "cuda" or interpreting() or not has_native_fp8(device):
+        return False
+    if fp8_mode == "software" or _flag(ENV_FORCE_SOFTWARE_FP8):
+        return False
+    return not _flag(ENV_SOFTWARE_ENCODE)
 
 
 def grouped_enabled() -> bool:

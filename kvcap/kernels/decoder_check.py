@@ -7,6 +7,10 @@ so before an engine serves from an E4M3 cache it runs every form of each decoder
 on its own GPU and compares the bits with the reference (`kvcap.numerics.e4m3`): a decoder that
 reads the cache wrong refuses to start, as a missing scale does, instead of serving garbage.
 One small kernel per decoder, once per process and device.
+
+The cache write's hardware encoder (SM89+, `cvt.rn.satfinite`; store_kv.encode_e4m3) is checked
+the same way: every BF16 and every FP16 value, divided by two scales, must give the codec's
+bytes, or the engine refuses to start.
 """
 
 from __future__ import annotations
@@ -17,9 +21,14 @@ import triton.language as tl
 
 from kvcap.errors import DecoderCheckError
 from kvcap.kernels.common import convert_tile, convert_words, interpreting
+from kvcap.kernels.store_kv import encode_e4m3
+from kvcap.numerics import e4m3
 
 _ROWS, _WORDS = 16, 16  # 16 x 64 bytes: every code at every byte position of a word
 _PASSED: set[tuple[int, bool]] = set()
+_ENCODER_PASSED: set[tuple[int, bool]] = set()
+_ENCODER_SCALES = (1.0, 0.0371)  # the quotient itself, and a typical calibrated scale
+_ENCODE_BLOCK = 1024
 
 
 @triton.jit
@@ -90,3 +99,53 @@ def check_e4m3_decoders(device: torch.device, software_decoders: set[bool]) -> N
                     "would read the E4M3 cache wrong. Serve with kv_cache_dtype='auto' (16-bit "
                     "cache) and report this GPU and versions.")
         _PASSED.add((idx, software))
+
+
+@triton.jit
+def _encode_probe(x_ptr, out_ptr, scale_ptr, n, HARDWARE: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    x = tl.load(x_ptr + i, mask=m)
+    tl.store(out_ptr + i, encode_e4m3(x, tl.load(scale_ptr), HARDWARE), mask=m)
+
+
+def encoder_probe_values() -> torch.Tensor:
+    """FP32 inputs that exercise an E4M3 encoder: every BF16 bit pattern (every exponent, both
+    zeros, subnormals, infinities, NaN) and every FP16 one (whose 10 mantissa bits hold each
+    E4M3 rounding tie and its neighbours)."""
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    return torch.cat([every.view(torch.bfloat16).float(), every.view(torch.float16).float()])
+
+
+def check_e4m3_encoder(device: torch.device, hardware: bool = True) -> None:
+    """Raise DecoderCheckError unless encode_e4m3 (`hardware`: the SM89+ conversion) writes
+    the bytes of the reference codec (kvcap.numerics.e4m3.encode, on the CPU) for
+    encoder_probe_values() at each of _ENCODER_SCALES on `device` (CUDA, or the CPU under
+    TRITON_INTERPRET=1, where only the integer encoder runs: that tests the check itself)."""
+    if device.type != "cuda" and not interpreting():
+        return
+    cuda = device.type == "cuda"
+    idx = (device.index if device.index is not None else torch.cuda.current_device()) if cuda \
+        else -1
+    if (idx, hardware) in _ENCODER_PASSED:
+        return
+    x = encoder_probe_values()
+    xd = x.to(device)
+    out = torch.empty(x.shape, dtype=torch.uint8, device=device)
+    for scale in _ENCODER_SCALES:
+        s = torch.tensor(scale, dtype=torch.float32)
+        _encode_probe[(triton.cdiv(x.numel(), _ENCODE_BLOCK),)](
+            xd, out, s.to(device), x.numel(), hardware, _ENCODE_BLOCK)
+        got, want = out.cpu(), e4m3.encode(x, s)
+        bad = got != want
+        if bad.any():
+            i = int(bad.nonzero()[0])
+            name = ("hardware (cvt.rn.satfinite.e4m3x2.f32)" if hardware else "integer")
+            raise DecoderCheckError(
+                f"the {name} E4M3 encoder wrote {int(got[i]):#04x} for {float(x[i])!r} / "
+                f"{scale} (expected {int(want[i]):#04x}) on "
+                f"{torch.cuda.get_device_name(idx) if cuda else device} (triton "
+                f"{triton.__version__}): it would write the E4M3 cache wrong. Set "
+                "KVCAP_SOFTWARE_E4M3_ENCODE=1 (the integer encoder) and report this GPU and "
+                "versions.")
+    _ENCODER_PASSED.add((idx, hardware))

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcap.kernels.common import hardware_e4m3_encode
 from kvcap.kernels.store_kv import check_cache_layout, encode_e4m3
 
 if TYPE_CHECKING:
@@ -70,7 +71,8 @@ def _rope_split_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stride_t,
                        kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
                        stride_cb, stride_ch, stride_ct,
                        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                       STORE: tl.constexpr, FP8: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                       STORE: tl.constexpr, FP8: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                       HW_ENCODE: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -90,17 +92,18 @@ def _rope_split_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stride_t,
             tl.store(k_ptr + (t * HKV + h - HQ) * D + d, y)
             if STORE:
                 _store_row(y, kc_ptr, ks_ptr, slot_ptr, t, h - HQ, d, stride_cb, stride_ch,
-                           stride_ct, FP8, BLOCK_SIZE)
+                           stride_ct, FP8, BLOCK_SIZE, HW_ENCODE)
     else:
         tl.store(v_ptr + (t * HKV + h - HQ - HKV) * D + d, x)
         if STORE:
             _store_row(x, vc_ptr, vs_ptr, slot_ptr, t, h - HQ - HKV, d, stride_cb, stride_ch,
-                       stride_ct, FP8, BLOCK_SIZE)
+                       stride_ct, FP8, BLOCK_SIZE, HW_ENCODE)
 
 
 @triton.jit
 def _store_row(x, cache_ptr, scale_ptr, slot_ptr, t, kv_head, d, stride_cb, stride_ch,
-               stride_ct, FP8: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+               stride_ct, FP8: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               HW_ENCODE: tl.constexpr):
     """One KV head's row of token t into the paged cache at its slot (-1: padding, skipped):
     the same bytes as kvcap.kernels.store_kv (E4M3: encode(x / scale))."""
     slot = tl.load(slot_ptr + t)
@@ -108,21 +111,22 @@ def _store_row(x, cache_ptr, scale_ptr, slot_ptr, t, kv_head, d, stride_cb, stri
         dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_cb + kv_head * stride_ch
                + (slot % BLOCK_SIZE) * stride_ct + d)
         if FP8:
-            tl.store(dst, encode_e4m3(x.to(tl.float32), tl.load(scale_ptr)))
+            tl.store(dst, encode_e4m3(x.to(tl.float32), tl.load(scale_ptr), HW_ENCODE))
         else:
             tl.store(dst, x.to(cache_ptr.dtype.element_ty))
 
 
 def rope_split_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                    num_kv_heads: int, head_dim: int, cache: LayerKVCache | None = None,
-                   slot_mapping: torch.Tensor | None = None):
+                   slot_mapping: torch.Tensor | None = None, fp8_mode: str = "auto"):
     """qkv [T, (Hq + 2 Hkv) * D] (rows contiguous), cos/sin [T, 1, D] ->
     contiguous q [T, Hq, D], k [T, Hkv, D] rotated and v [T, Hkv, D].
 
     With `cache` and `slot_mapping` [T] (int64 block * block_size + offset, -1 = skip) the
     same launch also writes k and v into the layer's paged cache (E4M3: quantized with its
     scales), byte for byte what kvcap.kernels.store_kv writes: a decode step then spends one
-    launch per layer less, and the E4M3 encode runs spread over the K/V heads' programs."""
+    launch per layer less, and the E4M3 encode runs spread over the K/V heads' programs.
+    `fp8_mode` is the cache reader's (store_kv.store_kv)."""
     t = qkv.shape[0]
     q = qkv.new_empty(t, num_heads, head_dim)
     k = qkv.new_empty(t, num_kv_heads, head_dim)
@@ -148,7 +152,8 @@ def rope_split_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
             qkv, cos, sin, q, k, v, qkv.stride(0), cos.stride(0),
             kc, vc, slot_mapping, ks, vs, *strides,
             HQ=num_heads, HKV=num_kv_heads, D=head_dim, STORE=store, FP8=fp8,
-            BLOCK_SIZE=block_size, num_warps=1 if head_dim <= 128 else 2,
+            BLOCK_SIZE=block_size, HW_ENCODE=fp8 and hardware_e4m3_encode(qkv.device, fp8_mode),
+            num_warps=1 if head_dim <= 128 else 2,
             enable_fp_fusion=False)  # no FMA: each product rounds as torch rounds it
     return q, k, v
 

@@ -1,8 +1,11 @@
 """store_kv: write new K/V rows into the paged cache by slot, quantizing to E4M3 on write.
 
-The E4M3 encoder is integer arithmetic on the FP32 bits of x / scale (IEEE division), the same
-algorithm as the torch codec: round to nearest even, saturate to +-448, NaN -> 0x7F. It is
-exact on every GPU (no FP8 hardware needed) and byte-identical to `kvcap.numerics.e4m3.encode`.
+The E4M3 encoder divides x by the scale (IEEE division), then rounds to nearest even and
+saturates to +-448 (NaN -> 0x7F with its sign): byte-identical to `kvcap.numerics.e4m3.encode`.
+Two forms give those bytes: integer arithmetic on the FP32 bits, the same algorithm as the
+torch codec, exact on every GPU; and, on SM89+, the hardware conversion (`cvt.rn.satfinite`),
+a few instructions instead of a serial integer chain (common.hardware_e4m3_encode chooses;
+the engine's startup check compares the hardware bytes with the codec's, decoder_check).
 """
 
 from __future__ import annotations
@@ -11,15 +14,26 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcap.kernels.common import sm_count
+from kvcap.kernels.common import hardware_e4m3_encode, sm_count
+
+# The hardware conversion of one FP32 value (converted twice into the pair's two bytes; the
+# low byte is kept): round to nearest even, finite values and infinities beyond 448 -> +-448,
+# NaN -> 0x7F. encode_e4m3 ORs the input's sign back, as the integer encoder writes NaN.
+_HARDWARE_ENCODE_PTX = tl.constexpr("{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $1, $1; "
+                                    "cvt.u32.u16 $0, t; }")
 
 
 @triton.jit
-def encode_e4m3(x, scale):
-    """FP32 tensor -> E4M3FN bytes (uint8) of x / scale."""
+def encode_e4m3(x, scale, HARDWARE: tl.constexpr = False):
+    """FP32 tensor -> E4M3FN bytes (uint8) of x / scale; HARDWARE: the SM89+ conversion
+    (same bytes)."""
     y = tl.math.div_rn(x, scale)
     bits = y.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
+    if HARDWARE:
+        code = tl.inline_asm_elementwise(_HARDWARE_ENCODE_PTX, "=r,r", [bits], dtype=tl.int32,
+                                         is_pure=True, pack=1) & 0x7F
+        return (code | sign).to(tl.uint8)
     abits = bits & 0x7FFFFFFF
     a = abits.to(tl.float32, bitcast=True)
     # normal range: round the 23-bit mantissa to 3 bits (RNE) and rebias 127 -> 7
@@ -40,7 +54,7 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_ch, stride_ct,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_H: tl.constexpr, FP8: tl.constexpr, HW_ENCODE: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
@@ -58,8 +72,8 @@ def _store_kv_kernel(
     k = tl.load(src_k, mask=hmask)
     v = tl.load(src_v, mask=hmask)
     if FP8:
-        kq = encode_e4m3(k.to(tl.float32), tl.load(ks_ptr))
-        vq = encode_e4m3(v.to(tl.float32), tl.load(vs_ptr))
+        kq = encode_e4m3(k.to(tl.float32), tl.load(ks_ptr), HW_ENCODE)
+        vq = encode_e4m3(v.to(tl.float32), tl.load(vs_ptr), HW_ENCODE)
         tl.store(kc_ptr + dst, kq, mask=hmask)
         tl.store(vc_ptr + dst, vq, mask=hmask)
     else:
@@ -69,10 +83,11 @@ def _store_kv_kernel(
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None) -> None:
+             v_scale: torch.Tensor | None = None, fp8_mode: str = "auto") -> None:
     """Write k/v [T, Hkv, D] to caches [num_blocks, Hkv, block_size, D] at slot_mapping [T]
     (int64 block * block_size + offset; -1 = skip). uint8 caches are E4M3: bytes =
-    encode(x / scale) with k_scale/v_scale 0-dim FP32 tensors on the cache's device."""
+    encode(x / scale) with k_scale/v_scale 0-dim FP32 tensors on the cache's device;
+    `fp8_mode` is the reader's (common.hardware_e4m3_encode picks the encoder form)."""
     t, hkv, d = k.shape
     if t == 0:
         return
@@ -93,7 +108,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2],
-        BLOCK_H=block_h, FP8=fp8,
+        BLOCK_H=block_h, FP8=fp8, HW_ENCODE=fp8 and hardware_e4m3_encode(k.device, fp8_mode),
     )
 
 

@@ -151,7 +151,8 @@ class Attention(nn.Module):
         if fused is not None:
             q, k, v = fused.rope_split_qkv(
                 qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
-                cache=cache if stored else None, slot_mapping=ctx.meta.slot_mapping)
+                cache=cache if stored else None, slot_mapping=ctx.meta.slot_mapping,
+                fp8_mode=getattr(ctx.backend, "fp8_mode", "auto"))
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(t, self.num_heads, self.head_dim)

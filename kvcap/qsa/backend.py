@@ -160,7 +160,7 @@ class QSABackend(AttentionBackend):
             from kvcap.kernels.store_kv import store_kv
 
             store_kv(k, v, cache.k_cache, cache.v_cache, meta.slot_mapping, cache.k_scale,
-                     cache.v_scale)
+                     cache.v_scale, fp8_mode=self.fp8_mode)
         tokens = self.select(q, k, cache, meta, index)
         self.attend(q, cache, meta, tokens, softmax_scale, out)
         if self.record is not None:
