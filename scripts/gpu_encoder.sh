@@ -23,7 +23,7 @@ profile)
       [ $arm = integer ] && flag=1 || flag=0
       KVCAP_SOFTWARE_E4M3_ENCODE=$flag timeout 100 python3 -m kvcap.bench.step_profile \
         --dtype bfloat16 --cells $cells --steps 100 --rows 12 \
-        --out "$OUT/step-profile-encoder-$arm-$run.json" 2>&1 | grep -E "^\||rope|RoPE" \
+        --out "$OUT/step-profile-encoder-$arm-$run.json" 2>&1 | grep -E "wall" \
         | sed "s/^/$arm$run /"
     done
   done ;;
