@@ -90,3 +90,8 @@ def test_a_wrong_encoder_is_refused(monkeypatch):
     with pytest.raises(DecoderCheckError, match=r"integer E4M3 encoder wrote 0x3\w for 0\.5625"):
         decoder_check.check_e4m3_encoder(DEV, hardware=False)
     assert not decoder_check._ENCODER_PASSED
+
+
+def test_the_encoder_check_ignores_only_a_nan_sign():
+    codes = torch.tensor([0x7F, 0xFF, 0x7E, 0xFE, 0x00, 0x80], dtype=torch.uint8)
+    assert decoder_check._nan_unsigned(codes).tolist() == [0x7F, 0x7F, 0x7E, 0xFE, 0x00, 0x80]
