@@ -172,6 +172,9 @@ def test_hardware_encoder_choice(monkeypatch):
         monkeypatch.setenv(name, "1")
         assert not common.hardware_e4m3_encode(cuda)
         monkeypatch.delenv(name)
+    monkeypatch.setenv("KVCAP_FORCE_SOFTWARE_FP8", "1")  # an explicit "native" reader wins,
+    assert common.hardware_e4m3_encode(cuda, "native")   # as in use_software_fp8
+    monkeypatch.delenv("KVCAP_FORCE_SOFTWARE_FP8")
     monkeypatch.setattr(common, "capability", lambda device: (8, 0))
     assert not common.hardware_e4m3_encode(cuda)
 

@@ -88,17 +88,22 @@ def use_software_fp8(device: torch.device, fp8_mode: str = "auto") -> bool:
     return _flag(ENV_FORCE_SOFTWARE_FP8) or not has_native_fp8(device)
 
 
+# decode.fp8_decoders' modes that decode one of K / V in hardware and the other in software
+MIXED_FP8_MODES = ("native-k", "native-v")
+
+
 def hardware_e4m3_encode(device: torch.device, fp8_mode: str = "auto") -> bool:
     """Whether the cache write quantizes with the hardware conversion (cvt.rn.satfinite, SM89+)
-    instead of the integer encoder: on a CUDA GPU that converts E4M3, unless the cache is read
-    by the software decoder (fp8_mode "software" or KVCAP_FORCE_SOFTWARE_FP8=1: the pre-FP8
-    path, written and read as an SM80 GPU would) or KVCAP_SOFTWARE_E4M3_ENCODE=1. Both give
+    instead of the integer encoder: wherever the cache's reader decodes in hardware
+    (use_software_fp8's rule for fp8_mode; the mixed modes need the conversion), so the
+    software decoder's path (fp8_mode "software", KVCAP_FORCE_SOFTWARE_FP8=1 under "auto")
+    writes and reads as an SM80 GPU would; never with KVCAP_SOFTWARE_E4M3_ENCODE=1. Both give
     the same bytes (store_kv.encode_e4m3); the CPU interpreter runs the integer encoder."""
-    if device.type != "cuda" or interpreting() or not has_native_fp8(device):
+    if device.type != "cuda" or interpreting() or _flag(ENV_SOFTWARE_ENCODE):
         return False
-    if fp8_mode == "software" or _flag(ENV_FORCE_SOFTWARE_FP8):
-        return False
-    return not _flag(ENV_SOFTWARE_ENCODE)
+    if fp8_mode in MIXED_FP8_MODES:
+        return has_native_fp8(device)
+    return not use_software_fp8(device, fp8_mode)
 
 
 def grouped_enabled() -> bool:

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kvcap.kernels.common import (
     LOG2E,
+    MIXED_FP8_MODES,
     SOFTWARE_FP8_FACTOR,
     check_attention_args,
     convert_tile,
@@ -558,9 +559,6 @@ def use_words(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
     the byte route (short_byte_route)."""
     return (fp8 and grouped and head_dim in (128, 256) and words_enabled()
             and has_mma(device) and not short_route)
-
-
-MIXED_FP8_MODES = ("native-k", "native-v")
 
 
 def fp8_decoders(device: torch.device, fp8_mode: str) -> tuple[bool, bool]:

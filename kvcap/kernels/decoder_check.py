@@ -31,6 +31,15 @@ _ENCODER_SCALES = (1.0, 0.0371)  # the quotient itself, and a typical calibrated
 _ENCODE_BLOCK = 1024
 
 
+def _device_key(device: torch.device) -> tuple[int, str]:
+    """(index a check is remembered under, the device's name for an error): a CUDA device's
+    index and name; -1 and the device itself for the CPU interpreter."""
+    if device.type != "cuda":
+        return -1, str(device)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return idx, torch.cuda.get_device_name(idx)
+
+
 @triton.jit
 def _decode_all_forms(words_ptr, out_ptr, SOFTWARE: tl.constexpr, ROWS: tl.constexpr,
                       WORDS: tl.constexpr):
@@ -70,9 +79,7 @@ def check_e4m3_decoders(device: torch.device, software_decoders: set[bool]) -> N
     twins of the PTX run, which tests the check itself)."""
     if device.type != "cuda" and not interpreting():
         return
-    cuda = device.type == "cuda"
-    idx = (device.index if device.index is not None else torch.cuda.current_device()) if cuda \
-        else -1
+    idx, where = _device_key(device)
     forms = ("byte tile", "byte tile (opaque)", "words", "word pairs")
     codes = (torch.arange(_ROWS * _WORDS * 4, device=device) % 256).to(torch.uint8)
     for software in sorted(software_decoders):
@@ -94,7 +101,7 @@ def check_e4m3_decoders(device: torch.device, software_decoders: set[bool]) -> N
                     f"the {name} E4M3 decoder ({form}) decoded code {int(codes[i]):#04x} to FP16 "
                     f"bits {int(got.view(torch.int16)[i]) & 0xFFFF:#06x}, expected "
                     f"{int(want_bits[i]) & 0xFFFF:#06x}"
-                    f", on {torch.cuda.get_device_name(idx) if cuda else device} (triton "
+                    f", on {where} (triton "
                     f"{triton.__version__}): it "
                     "would read the E4M3 cache wrong. Serve with kv_cache_dtype='auto' (16-bit "
                     "cache) and report this GPU and versions.")
@@ -131,9 +138,7 @@ def check_e4m3_encoder(device: torch.device, hardware: bool = True) -> None:
     TRITON_INTERPRET=1, where only the integer encoder runs: that tests the check itself)."""
     if device.type != "cuda" and not interpreting():
         return
-    cuda = device.type == "cuda"
-    idx = (device.index if device.index is not None else torch.cuda.current_device()) if cuda \
-        else -1
+    idx, where = _device_key(device)
     if (idx, hardware) in _ENCODER_PASSED:
         return
     x = encoder_probe_values()
@@ -150,8 +155,7 @@ def check_e4m3_encoder(device: torch.device, hardware: bool = True) -> None:
             name = ("hardware (cvt.rn.satfinite.e4m3x2.f32)" if hardware else "integer")
             raise DecoderCheckError(
                 f"the {name} E4M3 encoder wrote {int(got[i]):#04x} for {float(x[i])!r} / "
-                f"{scale} (expected {int(want[i]):#04x}) on "
-                f"{torch.cuda.get_device_name(idx) if cuda else device} (triton "
+                f"{scale} (expected {int(want[i]):#04x}) on {where} (triton "
                 f"{triton.__version__}): it would write the E4M3 cache wrong. Set "
                 "KVCAP_SOFTWARE_E4M3_ENCODE=1 (the integer encoder) and report this GPU and "
                 "versions.")
