@@ -43,7 +43,9 @@ def compile_kernel(fn, consts: dict, fp8: bool, sm: int, num_warps: int, num_sta
     params = list(inspect.signature(fn.fn).parameters)
     consts = {k: v for k, v in consts.items() if k in params}  # older kernels: fewer switches
     cache = "*u8" if fp8 else f"*{qtype}"
-    ptrs = dict(q_ptr=f"*{qtype}", kc_ptr=cache, vc_ptr=cache, out_ptr=f"*{qtype}", po_ptr="*fp32",
+    ptrs = dict(q_ptr=f"*{qtype}", qkv_ptr=f"*{qtype}", cos_ptr=f"*{qtype}", sin_ptr=f"*{qtype}",
+                k_ptr=f"*{qtype}", v_ptr=f"*{qtype}", slot_ptr="*i64", kc_ptr=cache,
+                vc_ptr=cache, out_ptr=f"*{qtype}", po_ptr="*fp32",
                 plse_ptr="*fp32", bt_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
                 ks_ptr="*fp32", vs_ptr="*fp32", tok_ptr="*i32", seq_ptr="*i32", cnt_ptr="*i32")
     sig, attrs = {}, {}
@@ -55,6 +57,27 @@ def compile_kernel(fn, consts: dict, fp8: bool, sm: int, num_warps: int, num_sta
     return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", sm, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages,
                                        maxnreg=maxnreg))
+
+
+def inspect_rope(args, fp8: bool) -> int:
+    """The fused RoPE kernel writing one K/V head row into the paged cache (fused_ops, 8B shape:
+    32 / 8 heads, one warp at D <= 128): whole-kernel SASS counts, the E4M3 encoder's form by
+    --encoder (docs/kernels.md, nineteenth change)."""
+    from kvcap.kernels import fused_ops
+
+    hw = fp8 and args.encoder == "hardware"
+    consts = dict(HQ=32, HKV=8, D=args.head_dim, STORE=True, FP8=fp8, BLOCK_SIZE=16,
+                  HW_ENCODE=hw)
+    nw = 1 if args.head_dim <= 128 else 2
+    k = compile_kernel(fused_ops._rope_split_kernel, consts, fp8, args.sm, nw, 1, None, args.dtype)
+    print(f"triton {triton.__version__}, sm_{args.sm}, rope write, cache {args.cache}, "
+          f"{args.dtype} rows, D={args.head_dim}, encoder "
+          f"{('hardware' if hw else 'integer') if fp8 else 'none (16-bit copy)'}")
+    lines = sass_instructions(k.asm["cubin"])
+    print(f"  sass instructions      {len(lines)}")
+    for op in ("F2FP", "FCHK", "LDG", "STG"):
+        print(f"  sass {op:17s} {count_op([t for _, t in lines], op)}")
+    return 0
 
 
 def inspect_other(args, fp8: bool) -> int:
@@ -124,10 +147,9 @@ def ptxas_usage(ptx: str, sm: int) -> dict[str, int]:
 SASS_OPS = ("LOP3", "SHF", "PRMT", "IMAD", "F2FP", "HMMA", "LDS", "LDL", "STL")
 
 
-def tile_loop_sass(cubin: bytes) -> dict[str, int]:
-    """SASS instruction counts of the kernel's tile loop -- the span of its longest backward
-    branch -- from the Triton wheel's cuobjdump: the per-tile work the docs compare (e.g. the
-    E4M3 software decoder's integer instructions against the hardware conversion's)."""
+def sass_instructions(cubin: bytes) -> list[tuple[int, str]]:
+    """(address, instruction text) of every SASS instruction in `cubin`, from the Triton
+    wheel's cuobjdump."""
     import subprocess
     import tempfile
 
@@ -139,11 +161,24 @@ def tile_loop_sass(cubin: bytes) -> dict[str, int]:
         path.write_bytes(cubin)
         sass = subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True,
                               check=True).stdout
-    ins = []  # (address, text)
+    ins = []
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(\S.*?);", line)
         if m:
             ins.append((int(m[1], 16), m[2]))
+    return ins
+
+
+def count_op(instructions: list[str], op: str) -> int:
+    """How many SASS instructions have opcode `op` (any modifiers)."""
+    return sum(1 for t in instructions if re.search(rf"(^|\s){op}(\.|\s|$)", t))
+
+
+def tile_loop_sass(cubin: bytes) -> dict[str, int]:
+    """SASS instruction counts of the kernel's tile loop -- the span of its longest backward
+    branch: the per-tile work the docs compare (e.g. the E4M3 software decoder's integer
+    instructions against the hardware conversion's)."""
+    ins = sass_instructions(cubin)
     loops = [(int(m[1], 16), a) for a, t in ins
              if (m := re.search(r"BRA (0x[0-9a-f]+)", t)) and int(m[1], 16) < a]
     if not loops:
@@ -152,7 +187,7 @@ def tile_loop_sass(cubin: bytes) -> dict[str, int]:
     body = [t for a, t in ins if lo <= a <= hi]
     counts = {"loop instructions": len(body)}
     for op in SASS_OPS:
-        counts[op] = sum(1 for t in body if re.search(rf"(^|\s){op}(\.|\s|$)", t))
+        counts[op] = count_op(body, op)
     return counts
 
 
@@ -184,11 +219,16 @@ def main() -> int:
     ap.add_argument("--block-m", type=int,
                     help="prefill: dot rows of this tile (with --block-n/--num-warps/"
                          "--num-stages) instead of prefill_config's")
-    ap.add_argument("--kernel", choices=["decode", "prefill", "qsa"], default="decode",
+    ap.add_argument("--kernel", choices=["decode", "prefill", "qsa", "rope"], default="decode",
                     help="prefill: the chunked-prefill kernel, qsa: the sparse (QSA) attention "
-                         "kernel, both group 4 at their launchers' tiles for --sm")
+                         "kernel, both group 4 at their launchers' tiles for --sm; rope: the "
+                         "fused RoPE kernel writing the cache")
+    ap.add_argument("--encoder", choices=["hardware", "integer"], default="hardware",
+                    help="rope with an E4M3 cache: the encoder form (store_kv.encode_e4m3)")
     args = ap.parse_args()
     fp8 = args.cache != "fp16"
+    if args.kernel == "rope":
+        return inspect_rope(args, fp8)
     if args.kernel != "decode":
         return inspect_other(args, fp8)
     if args.defaults:
