@@ -1,5 +1,7 @@
 """Decode-size GEMMs: cuBLAS (`F.linear`) vs kvcap's weight-streaming Triton kernel
-(kvcap.kernels.skinny_gemm) on every distinct linear of a model, at M = 16 and 64 rows.
+(kvcap.kernels.skinny_gemm) on every distinct linear of a model, at M = 16 and 64 rows; and the
+MLP's gate/up GEMM + SiLU-and-multiply as cuBLAS + `fused_ops.silu_mul` (two kernels, the
+model's path without the skinny kernels) vs `skinny_swiglu` (one kernel), as "swiglu".
 
     python -m kvcap.bench.gemm [--config kvcap/bench/configs/llama-3.1-8b.json] [--out FILE]
 
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 from kvcap.bench.kernels import _graph_time, measure_ceilings
 from kvcap.bench.throughput import CONFIGS
 from kvcap.commands.common import positive_int, require_cuda
-from kvcap.kernels.skinny_gemm import skinny_linear
+from kvcap.kernels.skinny_gemm import skinny_linear, skinny_swiglu
 from kvcap.scales.fsutil import atomic_write_text
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages)
@@ -47,33 +49,48 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).norm() / want.norm())
 
 
+def _unfused_swiglu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    from kvcap.kernels.fused_ops import silu_mul
+
+    return silu_mul(F.linear(x, w))
+
+
+def _swiglu_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    gate, up = (x.float() @ w.float().t()).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def bench_shape(name: str, n: int, k: int, rows: list[int], ceiling: float,
                 sweep=SWEEP) -> list[dict]:
-    """cuBLAS and every Triton configuration in `sweep` (none: cuBLAS only) on one linear."""
+    """cuBLAS and every Triton configuration in `sweep` (none: cuBLAS only) on one linear;
+    name "swiglu": the fused gate/up weight [n, k] into SiLU(gate) * up."""
+    fused = name == "swiglu"
+    plain, triton_fn = ((_unfused_swiglu, skinny_swiglu) if fused
+                        else (F.linear, skinny_linear))
     w_bytes = n * k * 2
     copies = max(2, -(-(400 << 20) // w_bytes))  # > 8x the H200's 50 MB L2
     ws = [torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02 for _ in range(copies)]
     out = []
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        want = x.float() @ ws[0].float().t()
-        moved = w_bytes + 2 * m * (n + k)
+        want = _swiglu_reference(x, ws[0]) if fused else x.float() @ ws[0].float().t()
+        moved = w_bytes + 2 * m * ((n // 2 if fused else n) + k)
 
         def row(impl: str, ms: float, m=m, moved=moved, **extra) -> dict:
             tbs = moved / ms / 1e9
             return {"linear": name, "n": n, "k": k, "m": m, "impl": impl, "us": 1e3 * ms,
                     "tbs": tbs, "pct_ceiling": 100 * tbs / ceiling, **extra}
 
-        cublas_err = _rel_err(F.linear(x, ws[0]), want)
-        out.append(row("cublas", _graph_time([functools.partial(F.linear, x, w) for w in ws]),
+        cublas_err = _rel_err(plain(x, ws[0]), want)
+        out.append(row("cublas", _graph_time([functools.partial(plain, x, w) for w in ws]),
                        rel_err=cublas_err))
         for bn, bk, nw, ns in sweep:
             kw = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
             try:
-                err = _rel_err(skinny_linear(x, ws[0], **kw), want)
+                err = _rel_err(triton_fn(x, ws[0], **kw), want)
                 if err > 4 * cublas_err + 1e-4:
                     raise AssertionError(f"relative error {err:.2e} vs cuBLAS {cublas_err:.2e}")
-                ms = _graph_time([functools.partial(skinny_linear, x, w, **kw) for w in ws])
+                ms = _graph_time([functools.partial(triton_fn, x, w, **kw) for w in ws])
             except Exception as e:  # noqa: BLE001 - a config that cannot run is reported
                 print(f"{name} m={m} {bn},{bk},{nw},{ns}: {e!s:.100}", flush=True)
                 continue
@@ -88,6 +105,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", type=Path, default=CONFIGS / "llama-3.1-8b.json")
     ap.add_argument("--rows", type=positive_int, nargs="+", default=[16, 64])
+    ap.add_argument("--linears", nargs="+", default=None,
+                    help="which of the model's linears (default: all, and swiglu)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     require_cuda(ap)
@@ -100,13 +119,15 @@ def main(argv=None) -> int:
               "commit": _commit(), "torch": torch.__version__, "config": args.config.name,
               "read_ceiling_tbs": ceil, "rows": []}
     out = args.out or Path(f"gemm-{report['date']}.json")
-    for name, (n, k) in linear_shapes(spec).items():
+    shapes = {**linear_shapes(spec), "swiglu": linear_shapes(spec)["gate_up_proj"]}
+    shapes = {name: nk for name, nk in shapes.items() if not args.linears or name in args.linears}
+    for name, (n, k) in shapes.items():
         report["rows"] += bench_shape(name, n, k, args.rows, ceil)
         atomic_write_text(out, json.dumps(report, indent=1))
     print(f"read ceiling {ceil:.2f} TB/s")
     print(f"{'linear':14} {'m':>3} {'cuBLAS us':>10} {'%ceil':>6} {'triton us':>10} {'%ceil':>6} "
           f"{'ratio':>6}  best config (BN, BK, warps, stages)")
-    for name in linear_shapes(spec):
+    for name in shapes:
         for m in args.rows:
             rows = [r for r in report["rows"] if r["linear"] == name and r["m"] == m]
             cb = next(r for r in rows if r["impl"] == "cublas")

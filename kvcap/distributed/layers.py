@@ -21,6 +21,7 @@ from torch import nn
 
 from kvcap.distributed.comm import Communicator
 from kvcap.distributed.partition import TPShard, split_range
+from kvcap.models.decode_gemm import linear
 
 
 @dataclass(frozen=True)
@@ -34,12 +35,15 @@ class ModelParallel:
 class RowParallelLinear(nn.Linear):
     """y[T, out] = all_reduce(x_local[T, in_local] @ W_local[out, in_local]^T); no bias."""
 
-    def __init__(self, in_local: int, out_features: int, comm: Communicator):
+    def __init__(self, in_local: int, out_features: int, comm: Communicator,
+                 kind: str | None = None):
         super().__init__(in_local, out_features, bias=False)
         self.comm = comm
+        self.kind = kind  # kvcap.models.decode_gemm's rule for decode rows (None: cuBLAS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(F.linear(x, self.weight))
+        y = F.linear(x, self.weight) if self.kind is None else linear(x, self.weight, self.kind)
+        return self.comm.all_reduce(y)
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -71,4 +75,5 @@ class ParallelLMHead(nn.Module):
         self.comm = comm
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.comm.gather_columns(F.linear(hidden, self.weight).float(), self.widths)
+        logits = linear(hidden, self.weight, "lm_head")
+        return self.comm.gather_columns(logits.float(), self.widths)

@@ -7,12 +7,19 @@ activation tile (M padded to the 16-row MMA minimum) with tl.dot and writes its 
 output once: no split-K workspace, no reduction kernel. X is tiny and stays in L2. FP32
 accumulation, FP16/BF16 in and out.
 
-Experimental, not wired into the model: on the H200 (docs/benchmarks/gemm-2026-12-01-h200.json,
-`python -m kvcap.bench.gemm`) its best configuration per shape takes 0.94-1.09x cuBLAS's time on
-the Llama-3.1-8B linears (faster on the LM head, 94% of the read ceiling, and on o_proj / gate_up
-at 16 rows; slower on down_proj), i.e. ~1.5% of a 16 x 1K decode step at best. The small
-projections (QKV 68%, o_proj 56-61% of the ceiling for both) are bound by one wave's ramp-up and
-tail, not by the kernel's loop.
+`skinny_swiglu` is the same loop over the fused gate/up weight ([gate; up], 2I rows) with
+SiLU(gate) * up in the epilogue: each program reads the gate rows and the up rows of its BLOCK_N
+output columns, so the [M, 2I] intermediate and the separate activation kernel disappear.
+Rounding follows the unfused path exactly past the dots: gate and up are rounded to the model
+dtype, SiLU is computed in FP32 and rounded, the product in FP32 and rounded (as
+`fused_ops.silu_mul` and `F.silu(gate) * up` do).
+
+On the H200 (docs/benchmarks/gemm-2026-12-01-h200.json, `python -m kvcap.bench.gemm`) the plain
+kernel's best configuration per shape takes 0.94-1.09x cuBLAS's time on the Llama-3.1-8B linears
+(faster on the LM head, 94% of the read ceiling, and on o_proj / gate_up at 16 rows; slower on
+down_proj). The small projections (QKV 68%, o_proj 56-61% of the ceiling for both) are bound by
+one wave's ramp-up and tail, not by the kernel's loop. Which linears the model routes here is
+kvcap.models.decode_gemm's rule.
 """
 
 from __future__ import annotations
@@ -52,6 +59,46 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
+@triton.jit
+def _skinny_gemm_swiglu_kernel(x_ptr, w_ptr, y_ptr, M, INTER, K, stride_xm, stride_wn,
+                               stride_ym,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mmask = rm < M
+    nmask = rn < INTER
+    xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    gp = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    up = w_ptr + (rn[:, None].to(tl.int64) + INTER) * stride_wn + rk[None, :]  # after gate rows
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(xp, mask=mmask[:, None], other=0.0)
+            g = tl.load(gp, mask=nmask[:, None], other=0.0)
+            u = tl.load(up, mask=nmask[:, None], other=0.0)
+        else:
+            kmask = (k + rk) < K
+            x = tl.load(xp, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            g = tl.load(gp, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            u = tl.load(up, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        acc_g += tl.dot(x, tl.trans(g))
+        acc_u += tl.dot(x, tl.trans(u))
+        xp += BLOCK_K
+        gp += BLOCK_K
+        up += BLOCK_K
+    dtype = y_ptr.dtype.element_ty
+    # The unfused path's roundings: gate_up in the model dtype, F.silu rounded, product rounded.
+    gate = acc_g.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+    y = (silu.to(tl.float32) * acc_u.to(dtype).to(tl.float32)).to(dtype)
+    yp = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    tl.store(yp, y, mask=mmask[:, None] & nmask[None, :])
+
+
 def default_config(n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages): the H200 sweep's most frequent winner
     (32, 128, 4, 5; 64-row tiles with 3 stages won on the widest matrices)."""
@@ -62,21 +109,55 @@ def default_config(n: int, k: int, device: torch.device) -> tuple[int, int, int,
     return 32, 128, 4, 5
 
 
+def swiglu_config(inter: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for skinny_swiglu: two weight tiles per step,
+    so half default_config's BLOCK_N keeps a stage's bytes (H200 sweep, kvcap.bench.gemm)."""
+    if device.type != "cuda":
+        return 16, 32, 1, 1
+    return 32, 256, 4, 3
+
+
+def _check_operands(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"{what} needs x [M, K] and w [N, K]; got {tuple(x.shape)} and "
+                         f"{tuple(w.shape)}")
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"{what} handles 1..{MAX_ROWS} rows, got {x.shape[0]}")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"{what} needs x and w contiguous along K")
+    if x.dtype != w.dtype:
+        raise ValueError(f"x is {x.dtype} but w is {w.dtype}")
+
+
+def skinny_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | None = None,
+                  block_n: int | None = None, block_k: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 64), w_gate_up [2I, K] (gate rows, then up rows) ->
+    silu(x @ gate.T) * (x @ up.T) [M, I], one kernel."""
+    _check_operands(x, w_gate_up, "skinny_swiglu")
+    if w_gate_up.shape[0] % 2:
+        raise ValueError(f"skinny_swiglu needs [gate; up] weights with an even row count, got "
+                         f"{w_gate_up.shape[0]}")
+    m, k = x.shape
+    inter = w_gate_up.shape[0] // 2
+    bn, bk, nw, ns = swiglu_config(inter, k, x.device)
+    bn, bk, nw, ns = block_n or bn, block_k or bk, num_warps or nw, num_stages or ns
+    if out is None:
+        out = torch.empty((m, inter), dtype=x.dtype, device=x.device)
+    _skinny_gemm_swiglu_kernel[(triton.cdiv(inter, bn),)](
+        x, w_gate_up, out, m, inter, k, x.stride(0), w_gate_up.stride(0), out.stride(0),
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk,
+        EVEN_K=k % bk == 0, num_warps=nw, num_stages=ns, enable_fp_fusion=False)
+    return out
+
+
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
                   block_n: int | None = None, block_k: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """x [M, K] (M <= 64), w [N, K] (row-major, K contiguous) -> x @ w.T [M, N]."""
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"skinny_linear needs x [M, K] and w [N, K]; got {tuple(x.shape)} and "
-                         f"{tuple(w.shape)}")
+    _check_operands(x, w, "skinny_linear")
     m, k = x.shape
     n = w.shape[0]
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"skinny_linear handles 1..{MAX_ROWS} rows, got {m}")
-    if x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError("skinny_linear needs x and w contiguous along K")
-    if x.dtype != w.dtype:
-        raise ValueError(f"x is {x.dtype} but w is {w.dtype}")
     bn, bk, nw, ns = default_config(n, k, x.device)
     bn, bk, nw, ns = block_n or bn, block_k or bk, num_warps or nw, num_stages or ns
     if out is None:

@@ -27,6 +27,7 @@ from kvcap.config import ModelSpec
 from kvcap.distributed.partition import TPShard, full_shard
 from kvcap.errors import ModelLoadError
 from kvcap.kv_cache.pool import KVCachePool
+from kvcap.models import decode_gemm
 
 if TYPE_CHECKING:
     from kvcap.distributed.layers import ModelParallel
@@ -113,12 +114,16 @@ class Rotary(nn.Module):
         return cos[:, None, :], sin[:, None, :]  # [T, 1, D]
 
 
-def _row_linear(in_features: int, out_features: int, tp: ModelParallel | None) -> nn.Linear:
+def _row_linear(in_features: int, out_features: int, tp: ModelParallel | None,
+                kind: str | None = None) -> nn.Linear:
+    """Bias-free row-parallel linear; `kind` names its decode_gemm rule (None: cuBLAS)."""
     if tp is None:
-        return nn.Linear(in_features, out_features, bias=False)
+        if kind is None:
+            return nn.Linear(in_features, out_features, bias=False)
+        return decode_gemm.DecodeLinear(in_features, out_features, kind)
     from kvcap.distributed.layers import RowParallelLinear
 
-    return RowParallelLinear(in_features, out_features, tp.comm)
+    return RowParallelLinear(in_features, out_features, tp.comm, kind)
 
 
 class Attention(nn.Module):
@@ -132,7 +137,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=spec.qkv_bias)
-        self.o_proj = _row_linear(self.q_size, spec.hidden_size, tp)
+        self.o_proj = _row_linear(self.q_size, spec.hidden_size, tp, "o_proj")
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
@@ -182,6 +187,9 @@ class MLP(nn.Module):
         self.down_proj = _row_linear(self.inter, spec.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = decode_gemm.swiglu(x, self.gate_up_proj.weight)  # decode rows: one kernel
+        if act is not None:
+            return self.down_proj(act)
         gate_up = self.gate_up_proj(x)
         fused = fused_ops_for(gate_up)
         if fused is not None:
@@ -240,7 +248,7 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(spec)
         self.lm_head: nn.Module
         if tp is None:
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = decode_gemm.DecodeLinear(spec.hidden_size, spec.vocab_size, "lm_head")
         else:
             self.lm_head = ParallelLMHead(self.shard, spec.vocab_size, spec.hidden_size, tp.comm)
         if spec.tie_word_embeddings:

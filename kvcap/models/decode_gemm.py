@@ -1,0 +1,94 @@
+"""Which linears of a decode step run kvcap's weight-streaming GEMMs instead of cuBLAS.
+
+A decode step's linears read their whole weight for a few rows. For the row-parallel output
+projection cuBLAS picks split-K plus a separate reduce kernel at these sizes, and the MLP's
+gate/up GEMM is followed by a separate SiLU-and-multiply kernel; kvcap.kernels.skinny_gemm does
+each in one kernel (`skinny_linear`, `skinny_swiglu`). The rule here routes a linear to them
+when its input has at most ROW_LIMITS[kind] rows (decode batches; prefill stays on cuBLAS), the
+tensors are FP16/BF16 on a GPU of the architecture they were measured on (Hopper, SM 9.x:
+docs/kernels.md "Twentieth change"), and KVCAP_DISABLE_SKINNY_GEMM is unset.
+KVCAP_SKINNY_GEMM_MAX_ROWS=N replaces every row limit with N (0: never), for measurements.
+
+The choice depends only on the row count, so an eager step and a CUDA-graph replay of the same
+rows (padded to a graph bucket within the same limit) take the same kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+DISABLE_ENV = "KVCAP_DISABLE_SKINNY_GEMM"
+MAX_ROWS_ENV = "KVCAP_SKINNY_GEMM_MAX_ROWS"
+
+# kvcap.kernels.skinny_gemm.MAX_ROWS, not imported: a CPU install need not have triton.
+SKINNY_MAX_ROWS = 64
+# Rows up to which each kind beats cuBLAS end to end on the H200 (docs/kernels.md).
+ROW_LIMITS = {"o_proj": 64, "swiglu": 64, "lm_head": 64}
+
+
+@functools.cache
+def _measured_arch(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def _row_limit(kind: str) -> int:
+    raw = os.environ.get(MAX_ROWS_ENV, "").strip()
+    if not raw:
+        return ROW_LIMITS[kind]
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        raise ValueError(f"{MAX_ROWS_ENV}={raw!r} is not an integer row count") from None
+
+
+def wants_skinny(kind: str, rows: int) -> bool:
+    """The rule's switch and row part: `rows` rows of `kind` go to the skinny kernel (on a
+    measured GPU, with FP16/BF16 operands)."""
+    if os.environ.get(DISABLE_ENV, "0").strip().lower() not in ("", "0", "false", "no"):
+        return False
+    return 1 <= rows <= min(_row_limit(kind), SKINNY_MAX_ROWS)
+
+
+def skinny_for(x: torch.Tensor, weight: torch.Tensor, kind: str):
+    """kvcap.kernels.skinny_gemm when `kind`'s GEMM of x [M, K] with weight should run there,
+    else None (cuBLAS / torch ops)."""
+    if (not x.is_cuda or x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16)
+            or weight.dtype != x.dtype or x.stride(1) != 1 or weight.stride(1) != 1
+            or not wants_skinny(kind, x.shape[0])):
+        return None
+    if not _measured_arch(x.device.index if x.device.index is not None
+                          else torch.cuda.current_device()):
+        return None
+    from kvcap.kernels import skinny_gemm
+
+    return skinny_gemm
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """x @ weight.T (no bias) through the skinny kernel where the rule says so, else F.linear."""
+    skinny = skinny_for(x, weight, kind)
+    if skinny is None:
+        return F.linear(x, weight)
+    return skinny.skinny_linear(x, weight)
+
+
+def swiglu(x: torch.Tensor, gate_up_weight: torch.Tensor):
+    """silu(x @ gate.T) * (x @ up.T) in one kernel where the rule says so, else None (the caller
+    runs its GEMM and activation)."""
+    skinny = skinny_for(x, gate_up_weight, "swiglu")
+    return None if skinny is None else skinny.skinny_swiglu(x, gate_up_weight)
+
+
+class DecodeLinear(torch.nn.Linear):
+    """A bias-free nn.Linear whose decode-size calls follow the rule above for `kind`."""
+
+    def __init__(self, in_features: int, out_features: int, kind: str):
+        super().__init__(in_features, out_features, bias=False)
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.kind)
