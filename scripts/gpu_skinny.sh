@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Device calls (nvidia-h200): the decode-size GEMM rule (kvcap.models.decode_gemm: o_proj, the
 # fused gate/up + SiLU, the LM head on kvcap.kernels.skinny_gemm) against cuBLAS.
-#   bash scripts/gpu_skinny.sh profile   the GEMM tests compiled on the GPU, the kernel sweep
-#                                        (kvcap.bench.gemm) at 1-64 rows, then the 8B decode
-#                                        step profiled with the rule on and off (~8 min)
+#   bash scripts/gpu_skinny.sh gemm      the GEMM tests compiled on the GPU, then the kernel sweep
+#                                        (kvcap.bench.gemm) at 1, 16 and 64 rows (~7 min)
+#   bash scripts/gpu_skinny.sh profile   the 8B decode step profiled with the rule off and on
+#                                        (~4 min)
 #   bash scripts/gpu_skinny.sh e2e       1K decode end to end, rule off / on / off / on (~8 min)
 # Results under $OUT (default /tmp/out).
 set -uo pipefail
@@ -11,13 +12,15 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export KVCAP_COMMIT=${KVCAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 case "${1:-}" in
-profile)
+gemm)
   timeout 200 python3 -m pytest -q -m "gpu or not gpu" tests/test_decode_gemm.py \
     tests/test_skinny_gemm.py tests/test_fused_ops.py 2>&1 | tail -4 | tee "$OUT/tests.txt"
   grep -q " passed" "$OUT/tests.txt" && ! grep -qE "failed|error" "$OUT/tests.txt" || {
     echo "tests did not pass: no timings"; exit 1; }
-  timeout 200 python3 -m kvcap.bench.gemm --linears swiglu o_proj lm_head --rows 1 4 16 64 \
-    --out "$OUT/gemm-skinny.json" 2>&1 | grep -vE "^(swiglu|o_proj|lm_head) m=" | tail -16
+  timeout 420 python3 -m kvcap.bench.gemm --linears swiglu o_proj down_proj lm_head \
+    --rows 1 16 64 --stages 3 5 8 --out "$OUT/gemm-skinny.json" 2>&1 \
+    | grep -vE "^[a-z_]+ m=" | tail -16 ;;
+profile)
   cells="fp8:1:1024 fp16:16:1024 fp8:16:1024 fp8:64:1024"
   for arm in off on; do
     [ $arm = off ] && flag=1 || flag=0

@@ -31,8 +31,14 @@ from kvcap.kernels.skinny_gemm import skinny_linear, skinny_swiglu
 from kvcap.scales.fsutil import atomic_write_text
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages)
-SWEEP = [(bn, bk, nw, ns) for bn, bk, nw, ns in
-         itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 5))]
+SWEEP_STAGES = (3, 5)
+
+
+def sweep_configs(stages=SWEEP_STAGES) -> list[tuple[int, int, int, int]]:
+    return list(itertools.product((16, 32, 64), (128, 256), (4, 8), stages))
+
+
+SWEEP = sweep_configs()
 
 
 def linear_shapes(spec) -> dict[str, tuple[int, int]]:
@@ -107,6 +113,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=positive_int, nargs="+", default=[16, 64])
     ap.add_argument("--linears", nargs="+", default=None,
                     help="which of the model's linears (default: all, and swiglu)")
+    ap.add_argument("--stages", type=positive_int, nargs="+", default=list(SWEEP_STAGES),
+                    help="pipeline depths the Triton sweep tries")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     require_cuda(ap)
@@ -122,7 +130,8 @@ def main(argv=None) -> int:
     shapes = {**linear_shapes(spec), "swiglu": linear_shapes(spec)["gate_up_proj"]}
     shapes = {name: nk for name, nk in shapes.items() if not args.linears or name in args.linears}
     for name, (n, k) in shapes.items():
-        report["rows"] += bench_shape(name, n, k, args.rows, ceil)
+        report["rows"] += bench_shape(name, n, k, args.rows, ceil,
+                                      sweep_configs(tuple(args.stages)))
         atomic_write_text(out, json.dumps(report, indent=1))
     print(f"read ceiling {ceil:.2f} TB/s")
     print(f"{'linear':14} {'m':>3} {'cuBLAS us':>10} {'%ceil':>6} {'triton us':>10} {'%ceil':>6} "
