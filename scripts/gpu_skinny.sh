@@ -2,7 +2,7 @@
 # Device calls (nvidia-h200): the decode-size GEMM rule (kvcap.models.decode_gemm: o_proj, the
 # fused gate/up + SiLU, the LM head on kvcap.kernels.skinny_gemm) against cuBLAS.
 #   bash scripts/gpu_skinny.sh gemm      the GEMM tests compiled on the GPU, then the kernel sweep
-#                                        (kvcap.bench.gemm) at 1, 16 and 64 rows (~7 min)
+#                                        (kvcap.bench.gemm) at 16 and 64 rows (~7 min)
 #   bash scripts/gpu_skinny.sh profile   the 8B decode step profiled with the rule off and on
 #                                        (~4 min)
 #   bash scripts/gpu_skinny.sh e2e       1K decode end to end, rule off / on / off / on (~8 min)
@@ -18,7 +18,7 @@ gemm)
   grep -q " passed" "$OUT/tests.txt" && ! grep -qE "failed|error" "$OUT/tests.txt" || {
     echo "tests did not pass: no timings"; exit 1; }
   timeout 420 python3 -m kvcap.bench.gemm --linears swiglu o_proj down_proj lm_head \
-    --rows 1 16 64 --stages 3 5 8 --out "$OUT/gemm-skinny.json" 2>&1 \
+    --rows 16 64 --stages 3 5 8 --warps 4 --splits 1 2 4 --out "$OUT/gemm-skinny.json" 2>&1 \
     | grep -vE "^[a-z_]+ m=" | tail -16 ;;
 profile)
   cells="fp8:1:1024 fp16:16:1024 fp8:16:1024 fp8:64:1024"

@@ -46,3 +46,21 @@ def test_refuses_what_it_cannot_do():
         skinny_linear(torch.randn(4, 16, dtype=torch.float16, device=DEV), w)
     with pytest.raises(ValueError, match="contiguous along K"):
         skinny_linear(torch.randn(32, 4, dtype=torch.float16, device=DEV).t(), w)
+
+
+@pytest.mark.parametrize("m,n,k,bk,split", [(3, 40, 96, 32, 2), (16, 48, 160, 32, 3),
+                                            (1, 16, 64, 32, 4), (7, 33, 100, 32, 2)])
+def test_split_k_is_exact_deterministic_and_reusable(m, n, k, bk, split):
+    """The in-kernel split-K reduction: matches torch, repeats bit for bit (the partials are
+    added in split order whatever order the programs finish in), and leaves its arrival
+    counters at 0 so the next call (or graph replay) reduces again."""
+    g = torch.Generator().manual_seed(m + n + k + split)
+    x = torch.randn(m, k, generator=g).to(DEV, torch.float16)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(DEV, torch.float16)
+    first = skinny_linear(x, w, block_n=16, block_k=bk, split_k=split)
+    torch.testing.assert_close(first.float(), x.float() @ w.float().t(), rtol=2e-3, atol=2e-3)
+    for _ in range(2):
+        assert torch.equal(skinny_linear(x, w, block_n=16, block_k=bk, split_k=split), first)
+    from kvcap.kernels.skinny_gemm import _SPLIT_STATE
+
+    assert _SPLIT_STATE and all(int(cnt.abs().sum()) == 0 for _, cnt in _SPLIT_STATE.values())

@@ -30,12 +30,18 @@ from kvcap.commands.common import positive_int, require_cuda
 from kvcap.kernels.skinny_gemm import skinny_linear, skinny_swiglu
 from kvcap.scales.fsutil import atomic_write_text
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages)
 SWEEP_STAGES = (3, 5)
 
 
-def sweep_configs(stages=SWEEP_STAGES) -> list[tuple[int, int, int, int]]:
-    return list(itertools.product((16, 32, 64), (128, 256), (4, 8), stages))
+def sweep_configs(stages=SWEEP_STAGES, splits=(1,), warps=(4, 8)) -> list[dict]:
+    """Launch keywords the Triton sweep tries: every (BLOCK_N, BLOCK_K, warps, stages) without
+    split-K, and for each split count > 1 the 32- and 64-column tiles of 128-wide K steps on
+    4 warps (the plain kernel's usual winners)."""
+    out = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns) for bn, bk, nw, ns in
+           itertools.product((16, 32, 64), (128, 256), warps, stages)]
+    out += [dict(block_n=bn, block_k=128, num_warps=4, num_stages=ns, split_k=sk)
+            for sk, bn, ns in itertools.product([s for s in splits if s > 1], (32, 64), stages)]
+    return out
 
 
 SWEEP = sweep_configs()
@@ -90,17 +96,18 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], ceiling: float,
         cublas_err = _rel_err(plain(x, ws[0]), want)
         out.append(row("cublas", _graph_time([functools.partial(plain, x, w) for w in ws]),
                        rel_err=cublas_err))
-        for bn, bk, nw, ns in sweep:
-            kw = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+        for kw in sweep:
+            if fused and kw.get("split_k", 1) > 1:
+                continue  # skinny_swiglu has no split-K
             try:
                 err = _rel_err(triton_fn(x, ws[0], **kw), want)
                 if err > 4 * cublas_err + 1e-4:
                     raise AssertionError(f"relative error {err:.2e} vs cuBLAS {cublas_err:.2e}")
                 ms = _graph_time([functools.partial(triton_fn, x, w, **kw) for w in ws])
             except Exception as e:  # noqa: BLE001 - a config that cannot run is reported
-                print(f"{name} m={m} {bn},{bk},{nw},{ns}: {e!s:.100}", flush=True)
+                print(f"{name} m={m} {kw}: {e!s:.100}", flush=True)
                 continue
-            out.append(row("triton", ms, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns,
+            out.append(row("triton", ms, **{"split_k": 1, **kw},
                            rel_err=err))
     del ws
     torch.cuda.empty_cache()
@@ -115,6 +122,9 @@ def main(argv=None) -> int:
                     help="which of the model's linears (default: all, and swiglu)")
     ap.add_argument("--stages", type=positive_int, nargs="+", default=list(SWEEP_STAGES),
                     help="pipeline depths the Triton sweep tries")
+    ap.add_argument("--warps", type=positive_int, nargs="+", default=[4, 8])
+    ap.add_argument("--splits", type=positive_int, nargs="+", default=[1],
+                    help="split-K counts the sweep tries (1: none)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     require_cuda(ap)
@@ -131,11 +141,12 @@ def main(argv=None) -> int:
     shapes = {name: nk for name, nk in shapes.items() if not args.linears or name in args.linears}
     for name, (n, k) in shapes.items():
         report["rows"] += bench_shape(name, n, k, args.rows, ceil,
-                                      sweep_configs(tuple(args.stages)))
+                                      sweep_configs(tuple(args.stages),
+                                                    tuple(args.splits), tuple(args.warps)))
         atomic_write_text(out, json.dumps(report, indent=1))
     print(f"read ceiling {ceil:.2f} TB/s")
     print(f"{'linear':14} {'m':>3} {'cuBLAS us':>10} {'%ceil':>6} {'triton us':>10} {'%ceil':>6} "
-          f"{'ratio':>6}  best config (BN, BK, warps, stages)")
+          f"{'ratio':>6}  best config (BN, BK, warps, stages, split)")
     for name in shapes:
         for m in args.rows:
             rows = [r for r in report["rows"] if r["linear"] == name and r["m"] == m]
@@ -147,7 +158,8 @@ def main(argv=None) -> int:
                 continue
             print(f"{name:14} {m:3d} {cb['us']:10.1f} {cb['pct_ceiling']:6.1f} {tr['us']:10.1f} "
                   f"{tr['pct_ceiling']:6.1f} {cb['us'] / tr['us']:6.2f}  "
-                  f"{tr['block_n']}, {tr['block_k']}, {tr['num_warps']}, {tr['num_stages']}")
+                  f"{tr['block_n']}, {tr['block_k']}, {tr['num_warps']}, {tr['num_stages']}, "
+                  f"{tr['split_k']}")
     print(f"wrote {out}")
     return 0
 

@@ -32,31 +32,52 @@ MAX_ROWS = 64
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_K: tl.constexpr):
+def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, stride_xm,
+                        stride_wn, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr):
     pid = tl.program_id(0)
+    k0 = tl.program_id(1) * k_split  # this program's K range: [k0, k0 + k_split) within K
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     mmask = rm < M
     nmask = rn < N
-    xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    wp = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :]
+    wp = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :]
+    k_end = tl.minimum(k0 + k_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k in range(0, K, BLOCK_K):
+    for k in range(k0, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(xp, mask=mmask[:, None], other=0.0)
             w = tl.load(wp, mask=nmask[:, None], other=0.0)
         else:
-            kmask = (k + rk) < K
+            kmask = (k + rk) < k_end
             x = tl.load(xp, mask=mmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(wp, mask=nmask[:, None] & kmask[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w))
         xp += BLOCK_K
         wp += BLOCK_K
     yp = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
-    tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    ymask = mmask[:, None] & nmask[None, :]
+    if SPLIT_K == 1:
+        tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=ymask)
+    else:
+        # Deterministic split-K: each split stores its FP32 partial, counts itself in (after a
+        # barrier, acq_rel), and the last to arrive adds the partials in split order -- the
+        # same sum whatever the arrival order -- writes Y and resets the counter for the next
+        # call or graph replay. No workspace zeroing, no second kernel.
+        tile = rm[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        ws = ws_ptr + pid.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
+        tl.store(ws + tl.program_id(1) * (BLOCK_M * BLOCK_N) + tile, acc)
+        tl.debug_barrier()
+        prev = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        tl.debug_barrier()
+        if prev == SPLIT_K - 1:
+            tl.store(cnt_ptr + pid, 0)
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(ws + s * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
+            tl.store(yp, total.to(y_ptr.dtype.element_ty), mask=ymask)
 
 
 @triton.jit
@@ -99,14 +120,14 @@ def _skinny_gemm_swiglu_kernel(x_ptr, w_ptr, y_ptr, M, INTER, K, stride_xm, stri
     tl.store(yp, y, mask=mmask[:, None] & nmask[None, :])
 
 
-def default_config(n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages): the H200 sweep's most frequent winner
-    (32, 128, 4, 5; 64-row tiles with 3 stages won on the widest matrices)."""
+def default_config(n: int, k: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, split_k): the H200 sweep's most frequent
+    winner (32, 128, 4, 5; 64-row tiles with 3 stages won on the widest matrices)."""
     if device.type != "cuda":
-        return 16, 32, 1, 1
+        return 16, 32, 1, 1, 1
     if n >= 16384:
-        return 64, 128, 4, 3
-    return 32, 128, 4, 5
+        return 64, 128, 4, 3, 1
+    return 32, 128, 4, 5, 1
 
 
 def swiglu_config(inter: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
@@ -151,20 +172,46 @@ def skinny_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | 
     return out
 
 
+_SPLIT_STATE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_state(device: torch.device, tiles: int, split_k: int, block_m: int,
+                 block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP32 partials and the zeroed arrival counters of one split-K launch shape, kept per
+    device and shape: allocated by the first (eager) call, so CUDA graphs capture a fixed
+    address, and the counters are back at 0 after every call."""
+    key = (device, tiles, split_k, block_m, block_n)
+    state = _SPLIT_STATE.get(key)
+    if state is None:
+        state = (torch.empty(tiles * split_k * block_m * block_n, dtype=torch.float32,
+                             device=device),
+                 torch.zeros(tiles, dtype=torch.int32, device=device))
+        _SPLIT_STATE[key] = state
+    return state
+
+
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
                   block_n: int | None = None, block_k: int | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 64), w [N, K] (row-major, K contiguous) -> x @ w.T [M, N]."""
+                  num_warps: int | None = None, num_stages: int | None = None,
+                  split_k: int | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 64), w [N, K] (row-major, K contiguous) -> x @ w.T [M, N]. `split_k` > 1
+    splits K over that many programs per output tile (a deterministic in-kernel reduction)."""
     _check_operands(x, w, "skinny_linear")
     m, k = x.shape
     n = w.shape[0]
-    bn, bk, nw, ns = default_config(n, k, x.device)
+    bn, bk, nw, ns, sk = default_config(n, k, x.device)
     bn, bk, nw, ns = block_n or bn, block_k or bk, num_warps or nw, num_stages or ns
+    sk = split_k or sk
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
-    _skinny_gemm_kernel[(triton.cdiv(n, bn),)](
-        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
-        num_warps=nw, num_stages=ns)
+    tiles = triton.cdiv(n, bn)
+    k_split = triton.cdiv(triton.cdiv(k, sk), bk) * bk  # whole BLOCK_K steps per split
+    sk = triton.cdiv(k, k_split)  # a split never starts past K
+    ws, cnt = (_split_state(x.device, tiles, sk, block_m, bn) if sk > 1
+               else (out, out))  # unused when SPLIT_K == 1
+    _skinny_gemm_kernel[(tiles, sk)](
+        x, w, out, ws, cnt, m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0 and k_split % bk == 0,
+        SPLIT_K=sk, num_warps=nw, num_stages=ns)
     return out
