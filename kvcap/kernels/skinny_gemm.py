@@ -121,21 +121,25 @@ def _skinny_gemm_swiglu_kernel(x_ptr, w_ptr, y_ptr, M, INTER, K, stride_xm, stri
 
 
 def default_config(n: int, k: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages, split_k): the H200 sweep's most frequent
-    winner (32, 128, 4, 5; 64-row tiles with 3 stages won on the widest matrices)."""
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, split_k): the H200 sweep's winners at 16 rows
+    on the Llama-3.1-8B linears (docs/benchmarks/gemm-2026-12-03-h200.json): wide matrices (the
+    LM head) 64-column tiles, 3 stages; long K (down_proj) 256-wide K steps; square ones
+    (o_proj) 5 stages and K split in two, so 256 programs fill the SMs instead of 128."""
     if device.type != "cuda":
         return 16, 32, 1, 1, 1
     if n >= 16384:
         return 64, 128, 4, 3, 1
-    return 32, 128, 4, 5, 1
+    if k >= 2 * n:
+        return 32, 256, 4, 5, 1
+    return 32, 128, 4, 5, 2
 
 
 def swiglu_config(inter: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for skinny_swiglu: two weight tiles per step,
-    so half default_config's BLOCK_N keeps a stage's bytes (H200 sweep, kvcap.bench.gemm)."""
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for skinny_swiglu: the H200 sweep's winner at
+    16 rows on the 8B gate/up (two 32-row weight tiles per step)."""
     if device.type != "cuda":
         return 16, 32, 1, 1
-    return 32, 256, 4, 3
+    return 32, 128, 4, 3
 
 
 def _check_operands(x: torch.Tensor, w: torch.Tensor, what: str) -> None:

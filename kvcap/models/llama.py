@@ -184,7 +184,7 @@ class MLP(nn.Module):
         super().__init__()
         self.inter = shard.inter_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = _row_linear(self.inter, spec.hidden_size, tp)
+        self.down_proj = _row_linear(self.inter, spec.hidden_size, tp, "down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = decode_gemm.swiglu(x, self.gate_up_proj.weight)  # decode rows: one kernel
