@@ -134,12 +134,14 @@ def default_config(n: int, k: int, device: torch.device) -> tuple[int, int, int,
     return 32, 128, 4, 5, 2
 
 
-def swiglu_config(inter: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for skinny_swiglu: the H200 sweep's winner at
-    16 rows on the 8B gate/up (two 32-row weight tiles per step)."""
+def swiglu_config(rows: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for skinny_swiglu: the H200 sweep's winners on
+    the 8B gate/up (docs/benchmarks/gemm-2026-12-03-h200*.json): 32 output columns (two
+    32-row weight tiles per step) up to 16 rows, 64 above (at 32 rows 32 columns took 73 µs,
+    64 columns 60)."""
     if device.type != "cuda":
         return 16, 32, 1, 1
-    return 32, 128, 4, 3
+    return (32 if rows <= 16 else 64), 128, 4, 3
 
 
 def _check_operands(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
@@ -165,7 +167,7 @@ def skinny_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | 
                          f"{w_gate_up.shape[0]}")
     m, k = x.shape
     inter = w_gate_up.shape[0] // 2
-    bn, bk, nw, ns = swiglu_config(inter, k, x.device)
+    bn, bk, nw, ns = swiglu_config(m, x.device)
     bn, bk, nw, ns = block_n or bn, block_k or bk, num_warps or nw, num_stages or ns
     if out is None:
         out = torch.empty((m, inter), dtype=x.dtype, device=x.device)
