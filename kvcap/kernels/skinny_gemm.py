@@ -4,8 +4,10 @@ At decode batch sizes a linear layer reads its whole weight matrix to produce a 
 so it is a pure streaming read: one program per BLOCK_N weight rows walks the whole K axis in
 BLOCK_K steps (software-pipelined loads, num_stages deep), multiplies the [BLOCK_M, BLOCK_K]
 activation tile (M padded to the 16-row MMA minimum) with tl.dot and writes its [M, BLOCK_N]
-output once: no split-K workspace, no reduction kernel. X is tiny and stays in L2. FP32
-accumulation, FP16/BF16 in and out.
+output once. With `split_k` > 1 the K axis is split over that many programs per output tile and
+reduced inside the kernel, deterministically (the last split to arrive adds the FP32 partials in
+split order): more programs for square matrices, still no reduction kernel. X is tiny and stays
+in L2. FP32 accumulation, FP16/BF16 in and out.
 
 `skinny_swiglu` is the same loop over the fused gate/up weight ([gate; up], 2I rows) with
 SiLU(gate) * up in the epilogue: each program reads the gate rows and the up rows of its BLOCK_N
@@ -14,12 +16,11 @@ Rounding follows the unfused path exactly past the dots: gate and up are rounded
 dtype, SiLU is computed in FP32 and rounded, the product in FP32 and rounded (as
 `fused_ops.silu_mul` and `F.silu(gate) * up` do).
 
-On the H200 (docs/benchmarks/gemm-2026-12-01-h200.json, `python -m kvcap.bench.gemm`) the plain
-kernel's best configuration per shape takes 0.94-1.09x cuBLAS's time on the Llama-3.1-8B linears
-(faster on the LM head, 94% of the read ceiling, and on o_proj / gate_up at 16 rows; slower on
-down_proj). The small projections (QKV 68%, o_proj 56-61% of the ceiling for both) are bound by
-one wave's ramp-up and tail, not by the kernel's loop. Which linears the model routes here is
-kvcap.models.decode_gemm's rule.
+On the H200 at 16 rows (docs/benchmarks/gemm-2026-12-03-h200.json, `python -m kvcap.bench.gemm`)
+the defaults take 0.91-0.98x cuBLAS's time on the Llama-3.1-8B o_proj, down_proj and LM head
+(94% of the read ceiling there) and 0.93x cuBLAS + the activation kernel on gate/up; QKV stays
+on cuBLAS (no gain, 2026-12-01). Which linears the model routes here, up to how many rows, is
+kvcap.models.decode_gemm's rule (docs/kernels.md, "Twentieth change").
 """
 
 from __future__ import annotations
