@@ -186,7 +186,8 @@ def _split_state(device: torch.device, tiles: int, split_k: int, block_m: int,
                  block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP32 partials and the zeroed arrival counters of one split-K launch shape, kept per
     device and shape: allocated by the first (eager) call, so CUDA graphs capture a fixed
-    address, and the counters are back at 0 after every call."""
+    address, and the counters are back at 0 after every call. Calls of one shape share them,
+    so they must be ordered on one stream (a model's forward is)."""
     key = (device, tiles, split_k, block_m, block_n)
     state = _SPLIT_STATE.get(key)
     if state is None:
