@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,13 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+
+def env_flag(name: str) -> bool:
+    """True when environment variable `name` holds a true value: anything but unset, "", "0",
+    "false" or "no" (any case). Switches are read at each use, so tests can flip them.
+    (kvcap.kernels.common keeps its own copy: kernels import nothing else of kvcap.)"""
+    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no")
+
 
 KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "fp32", "fp8_e4m3")
 _TORCH_DTYPES = {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Device calls (nvidia-h200): the decode-size GEMM rule (kvcap.models.decode_gemm: o_proj, the
-# fused gate/up + SiLU, the LM head on kvcap.kernels.skinny_gemm) against cuBLAS.
+# Device calls (nvidia-h200): the decode-size GEMM rule (kvcap.models.decode_gemm: o_proj,
+# down_proj, the fused gate/up + SiLU, the LM head on kvcap.kernels.skinny_gemm) against cuBLAS.
 #   bash scripts/gpu_skinny.sh gemm      the GEMM tests compiled on the GPU, then the kernel sweep
 #                                        (kvcap.bench.gemm) at 16 and 64 rows (~7 min)
 #   bash scripts/gpu_skinny.sh profile   the 8B decode step profiled with the rule off and on
@@ -37,5 +37,5 @@ e2e)
         --repeats 2 --out "$OUT/e2e-$arm-$run" 2>&1 | grep -E "^\|" | sed "s/^/$arm$run /"
     done
   done ;;
-*) echo "usage: $0 profile|e2e"; exit 2 ;;
+*) echo "usage: $0 gemm|profile|e2e"; exit 2 ;;
 esac

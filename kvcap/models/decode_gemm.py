@@ -21,6 +21,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from kvcap.config import env_flag
+
 DISABLE_ENV = "KVCAP_DISABLE_SKINNY_GEMM"
 MAX_ROWS_ENV = "KVCAP_SKINNY_GEMM_MAX_ROWS"
 
@@ -48,7 +50,7 @@ def _row_limit(kind: str) -> int:
 def wants_skinny(kind: str, rows: int) -> bool:
     """The rule's switch and row part: `rows` rows of `kind` go to the skinny kernel (on a
     measured GPU, with FP16/BF16 operands)."""
-    if os.environ.get(DISABLE_ENV, "0").strip().lower() not in ("", "0", "false", "no"):
+    if env_flag(DISABLE_ENV):
         return False
     return 1 <= rows <= min(_row_limit(kind), SKINNY_MAX_ROWS)
 

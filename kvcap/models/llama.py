@@ -13,7 +13,6 @@ the plain single-process model (`shard` covers everything, no collectives).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -23,7 +22,7 @@ from torch import nn
 
 from kvcap.attention.base import AttentionBackend
 from kvcap.attention.metadata import AttentionMetadata
-from kvcap.config import ModelSpec
+from kvcap.config import ModelSpec, env_flag
 from kvcap.distributed.partition import TPShard, full_shard
 from kvcap.errors import ModelLoadError
 from kvcap.kv_cache.pool import KVCachePool
@@ -39,8 +38,7 @@ FUSED_OPS_ENV = "KVCAP_DISABLE_FUSED_OPS"
 def fused_ops_for(x: torch.Tensor):
     """kvcap.kernels.fused_ops when x is on CUDA and KVCAP_DISABLE_FUSED_OPS is unset, else
     None (torch ops). Imported here, lazily: CPU installs need not have triton."""
-    if not x.is_cuda or os.environ.get(FUSED_OPS_ENV, "0").strip().lower() not in (
-            "", "0", "false", "no"):
+    if not x.is_cuda or env_flag(FUSED_OPS_ENV):
         return None
     from kvcap.kernels import fused_ops
 

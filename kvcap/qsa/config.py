@@ -8,9 +8,9 @@ layer back to dense attention at the next forward (the rollback switch).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from kvcap.config import env_flag
 from kvcap.errors import ConfigError
 
 ENV_DISABLE_QSA = "KVCAP_DISABLE_QSA"
@@ -24,7 +24,7 @@ PATHS = ("auto", "torch", "triton")
 
 def qsa_disabled() -> bool:
     """True when `KVCAP_DISABLE_QSA` is set to a true value (read at every forward)."""
-    return os.environ.get(ENV_DISABLE_QSA, "0").strip().lower() not in ("", "0", "false", "no")
+    return env_flag(ENV_DISABLE_QSA)
 
 
 @dataclass(frozen=True)
