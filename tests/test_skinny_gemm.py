@@ -64,3 +64,46 @@ def test_split_k_is_exact_deterministic_and_reusable(m, n, k, bk, split):
     from kvcap.kernels.skinny_gemm import _SPLIT_STATE
 
     assert _SPLIT_STATE and all(int(cnt.abs().sum()) == 0 for _, cnt in _SPLIT_STATE.values())
+
+
+def _rms_normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The model's RMSNorm (kvcap.models.llama.RMSNorm._norm, HF's roundings)."""
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("m,n,k,bk,split", [(1, 48, 64, 32, 1), (16, 40, 96, 32, 1),
+                                            (5, 33, 100, 32, 1), (3, 40, 96, 32, 2),
+                                            (16, 48, 160, 32, 3), (7, 33, 100, 32, 2)])
+def test_input_norm_and_residual_fusions(m, n, k, bk, split):
+    """norm_weight: the GEMM of the RMS-normalised rows (the row scale applied to the FP32
+    result, the sum of squares gathered across splits); residual: the output plus the residual,
+    rounded as the unfused add rounds it -- bit for bit where the GEMM itself is."""
+    g = torch.Generator().manual_seed(m * n + k + split)
+    x = (torch.randn(m, k, generator=g) * 3).to(DEV, torch.float16)
+    x[0, :4] = 40.0  # an outlier feature: the row scale must come from the whole row
+    w = (torch.randn(n, k, generator=g) * 0.1).to(DEV, torch.float16)
+    nw = (1 + 0.3 * torch.randn(k, generator=g)).to(DEV, torch.float16)
+    eps = 1e-5
+    got = skinny_linear(x, w, block_n=16, block_k=bk, split_k=split, norm_weight=nw, eps=eps)
+    want = _rms_normed(x, nw, eps).double() @ w.double().t()
+    torch.testing.assert_close(got.double(), want, rtol=4e-3, atol=4e-3)
+    assert torch.equal(skinny_linear(x, w, block_n=16, block_k=bk, split_k=split,
+                                     norm_weight=nw, eps=eps), got)
+
+    res = torch.randn(m, n, generator=g).to(DEV, torch.float16)
+    plain = skinny_linear(x, w, block_n=16, block_k=bk, split_k=split)
+    summed = skinny_linear(x, w, block_n=16, block_k=bk, split_k=split, residual=res)
+    assert torch.equal(summed, (plain.float() + res.float()).to(torch.float16))
+    both = skinny_linear(x, w, block_n=16, block_k=bk, split_k=split, norm_weight=nw, eps=eps,
+                         residual=res)
+    assert torch.equal(both, (got.float() + res.float()).to(torch.float16))
+
+
+def test_fusion_operands_are_checked():
+    x = torch.randn(4, 32, dtype=torch.float16, device=DEV)
+    w = torch.randn(16, 32, dtype=torch.float16, device=DEV)
+    with pytest.raises(ValueError, match=r"norm_weight must be a contiguous \[32\] vector"):
+        skinny_linear(x, w, norm_weight=torch.ones(16, dtype=torch.float16, device=DEV))
+    with pytest.raises(ValueError, match=r"residual must be \[4, 16\]"):
+        skinny_linear(x, w, residual=torch.zeros(4, 32, dtype=torch.float16, device=DEV))

@@ -33,9 +33,11 @@ MAX_ROWS = 64
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, stride_xm,
-                        stride_wn, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr):
+def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, nw_ptr, res_ptr, M, N, K,
+                        k_split, eps, stride_xm, stride_wn, stride_ym, stride_rm,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, NORM: tl.constexpr = False,
+                        RESIDUAL: tl.constexpr = False):
     pid = tl.program_id(0)
     k0 = tl.program_id(1) * k_split  # this program's K range: [k0, k0 + k_split) within K
     rm = tl.arange(0, BLOCK_M)
@@ -45,8 +47,10 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, 
     nmask = rn < N
     xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :]
     wp = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :]
+    gp = nw_ptr + k0 + rk
     k_end = tl.minimum(k0 + k_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    ss = tl.zeros([BLOCK_M], tl.float32)
     for k in range(k0, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(xp, mask=mmask[:, None], other=0.0)
@@ -55,37 +59,86 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, 
             kmask = (k + rk) < k_end
             x = tl.load(xp, mask=mmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(wp, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if NORM:
+            x, ss = _norm_step(x, ss, gp, k + rk < k_end, EVEN_K)
+            gp += BLOCK_K
         acc += tl.dot(x, tl.trans(w))
         xp += BLOCK_K
         wp += BLOCK_K
     yp = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
     ymask = mmask[:, None] & nmask[None, :]
     if SPLIT_K == 1:
-        tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=ymask)
+        _store_rows(yp, ymask, acc, ss, K, eps, res_ptr, rm, rn, stride_rm, NORM, RESIDUAL)
     else:
-        # Deterministic split-K: each split stores its FP32 partial, counts itself in (after a
-        # barrier, acq_rel), and the last to arrive adds the partials in split order -- the
-        # same sum whatever the arrival order -- writes Y and resets the counter for the next
-        # call or graph replay. No workspace zeroing, no second kernel.
+        # Deterministic split-K: each split stores its FP32 partial (and its rows' partial sum
+        # of squares under NORM), counts itself in (after a barrier, acq_rel), and the last to
+        # arrive adds the partials in split order -- the same sum whatever the arrival order --
+        # writes Y and resets the counter for the next call or graph replay. No workspace
+        # zeroing, no second kernel.
         tile = rm[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        ws = ws_ptr + pid.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
+        ws = ws_ptr + pid.to(tl.int64) * (SPLIT_K * BLOCK_M * (BLOCK_N + 1))
         tl.store(ws + tl.program_id(1) * (BLOCK_M * BLOCK_N) + tile, acc)
+        ss_ws = ws + SPLIT_K * BLOCK_M * BLOCK_N  # then SPLIT_K x BLOCK_M sums of squares
+        if NORM:
+            tl.store(ss_ws + tl.program_id(1) * BLOCK_M + rm, ss)
         tl.debug_barrier()
         prev = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
         tl.debug_barrier()
         if prev == SPLIT_K - 1:
             tl.store(cnt_ptr + pid, 0)
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            ss_total = tl.zeros([BLOCK_M], tl.float32)
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(ws + s * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
-            tl.store(yp, total.to(y_ptr.dtype.element_ty), mask=ymask)
+                if NORM:
+                    ss_total += tl.load(ss_ws + s * BLOCK_M + rm, cache_modifier=".cg")
+            _store_rows(yp, ymask, total, ss_total, K, eps, res_ptr, rm, rn, stride_rm, NORM,
+                        RESIDUAL)
 
 
 @triton.jit
-def _skinny_gemm_swiglu_kernel(x_ptr, w_ptr, y_ptr, M, INTER, K, stride_xm, stride_wn,
-                               stride_ym,
+def _norm_step(x, ss, gp, kmask, EVEN_K: tl.constexpr):
+    """One K step of the input RMSNorm folded into the GEMM (NORM): adds the tile's squares to
+    the rows' running sums and returns x * norm weight in x's dtype -- the dot's operand. The
+    row scale rsqrt(mean(x^2) + eps) multiplies the FP32 result once at the end
+    (_scale_rows): a per-row factor commutes with the dot, so no pass over K comes first."""
+    xf = x.to(tl.float32)
+    ss += tl.sum(xf * xf, axis=1)
+    if EVEN_K:
+        g = tl.load(gp)
+    else:
+        g = tl.load(gp, mask=kmask, other=0.0)
+    return (xf * g.to(tl.float32)[None, :]).to(x.dtype), ss
+
+
+@triton.jit
+def _scale_rows(acc, ss, K, eps, NORM: tl.constexpr):
+    if NORM:
+        acc = acc * tl.rsqrt(ss / K + eps)[:, None]
+    return acc
+
+
+@triton.jit
+def _store_rows(yp, ymask, acc, ss, K, eps, res_ptr, rm, rn, stride_rm, NORM: tl.constexpr,
+                RESIDUAL: tl.constexpr):
+    """Y = acc (row-scaled under NORM) in Y's dtype; with RESIDUAL, Y = that + residual, added
+    in FP32 and rounded once more: the residual stream's add exactly as the unfused path
+    (kvcap.kernels.fused_ops.add_rms_norm) rounds it."""
+    dtype = yp.dtype.element_ty
+    y = _scale_rows(acc, ss, K, eps, NORM).to(dtype)
+    if RESIDUAL:
+        r = tl.load(res_ptr + rm[:, None].to(tl.int64) * stride_rm + rn[None, :], mask=ymask,
+                    other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
+    tl.store(yp, y, mask=ymask)
+
+
+@triton.jit
+def _skinny_gemm_swiglu_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, M, INTER, K, eps, stride_xm,
+                               stride_wn, stride_ym,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                               NORM: tl.constexpr = False):
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -97,6 +150,8 @@ def _skinny_gemm_swiglu_kernel(x_ptr, w_ptr, y_ptr, M, INTER, K, stride_xm, stri
     up = w_ptr + (rn[:, None].to(tl.int64) + INTER) * stride_wn + rk[None, :]  # after gate rows
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    ss = tl.zeros([BLOCK_M], tl.float32)
+    gn = nw_ptr + rk
     for k in range(0, K, BLOCK_K):
         if EVEN_K:
             x = tl.load(xp, mask=mmask[:, None], other=0.0)
@@ -107,6 +162,9 @@ def _skinny_gemm_swiglu_kernel(x_ptr, w_ptr, y_ptr, M, INTER, K, stride_xm, stri
             x = tl.load(xp, mask=mmask[:, None] & kmask[None, :], other=0.0)
             g = tl.load(gp, mask=nmask[:, None] & kmask[None, :], other=0.0)
             u = tl.load(up, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if NORM:
+            x, ss = _norm_step(x, ss, gn, k + rk < K, EVEN_K)
+            gn += BLOCK_K
         acc_g += tl.dot(x, tl.trans(g))
         acc_u += tl.dot(x, tl.trans(u))
         xp += BLOCK_K
@@ -114,9 +172,10 @@ def _skinny_gemm_swiglu_kernel(x_ptr, w_ptr, y_ptr, M, INTER, K, stride_xm, stri
         up += BLOCK_K
     dtype = y_ptr.dtype.element_ty
     # The unfused path's roundings: gate_up in the model dtype, F.silu rounded, product rounded.
-    gate = acc_g.to(dtype).to(tl.float32)
+    gate = _scale_rows(acc_g, ss, K, eps, NORM).to(dtype).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
-    y = (silu.to(tl.float32) * acc_u.to(dtype).to(tl.float32)).to(dtype)
+    y = (silu.to(tl.float32) * _scale_rows(acc_u, ss, K, eps, NORM).to(dtype).to(tl.float32)
+         ).to(dtype)
     yp = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
     tl.store(yp, y, mask=mmask[:, None] & nmask[None, :])
 
@@ -145,7 +204,8 @@ def swiglu_config(rows: int, device: torch.device) -> tuple[int, int, int, int]:
     return (32 if rows <= 16 else 64), 128, 4, 3
 
 
-def _check_operands(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
+def _check_operands(x: torch.Tensor, w: torch.Tensor, what: str,
+                    norm_weight: torch.Tensor | None = None) -> None:
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"{what} needs x [M, K] and w [N, K]; got {tuple(x.shape)} and "
                          f"{tuple(w.shape)}")
@@ -155,14 +215,20 @@ def _check_operands(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} needs x and w contiguous along K")
     if x.dtype != w.dtype:
         raise ValueError(f"x is {x.dtype} but w is {w.dtype}")
+    if norm_weight is not None and (norm_weight.shape != (x.shape[1],)
+                                    or not norm_weight.is_contiguous()):
+        raise ValueError(f"{what}'s norm_weight must be a contiguous [{x.shape[1]}] vector "
+                         f"(one per input feature), got {tuple(norm_weight.shape)}")
 
 
 def skinny_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | None = None,
                   block_n: int | None = None, block_k: int | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                  num_warps: int | None = None, num_stages: int | None = None,
+                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """x [M, K] (M <= 64), w_gate_up [2I, K] (gate rows, then up rows) ->
-    silu(x @ gate.T) * (x @ up.T) [M, I], one kernel."""
-    _check_operands(x, w_gate_up, "skinny_swiglu")
+    silu(x @ gate.T) * (x @ up.T) [M, I], one kernel. With `norm_weight` [K], x is first
+    RMS-normalised (rms_norm(x) * norm_weight, `eps`) inside the same kernel."""
+    _check_operands(x, w_gate_up, "skinny_swiglu", norm_weight)
     if w_gate_up.shape[0] % 2:
         raise ValueError(f"skinny_swiglu needs [gate; up] weights with an even row count, got "
                          f"{w_gate_up.shape[0]}")
@@ -173,9 +239,11 @@ def skinny_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | 
     if out is None:
         out = torch.empty((m, inter), dtype=x.dtype, device=x.device)
     _skinny_gemm_swiglu_kernel[(triton.cdiv(inter, bn),)](
-        x, w_gate_up, out, m, inter, k, x.stride(0), w_gate_up.stride(0), out.stride(0),
+        x, w_gate_up, out, x if norm_weight is None else norm_weight, m, inter, k, eps,
+        x.stride(0), w_gate_up.stride(0), out.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk,
-        EVEN_K=k % bk == 0, num_warps=nw, num_stages=ns, enable_fp_fusion=False)
+        EVEN_K=k % bk == 0, NORM=norm_weight is not None, num_warps=nw, num_stages=ns,
+        enable_fp_fusion=False)
     return out
 
 
@@ -191,7 +259,8 @@ def _split_state(device: torch.device, tiles: int, split_k: int, block_m: int,
     key = (device, tiles, split_k, block_m, block_n)
     state = _SPLIT_STATE.get(key)
     if state is None:
-        state = (torch.empty(tiles * split_k * block_m * block_n, dtype=torch.float32,
+        # Per tile: split_k partial tiles, then split_k x block_m row sums of squares (NORM).
+        state = (torch.empty(tiles * split_k * block_m * (block_n + 1), dtype=torch.float32,
                              device=device),
                  torch.zeros(tiles, dtype=torch.int32, device=device))
         _SPLIT_STATE[key] = state
@@ -201,12 +270,20 @@ def _split_state(device: torch.device, tiles: int, split_k: int, block_m: int,
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
                   block_n: int | None = None, block_k: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
-                  split_k: int | None = None) -> torch.Tensor:
+                  split_k: int | None = None, norm_weight: torch.Tensor | None = None,
+                  eps: float = 1e-6, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= 64), w [N, K] (row-major, K contiguous) -> x @ w.T [M, N]. `split_k` > 1
-    splits K over that many programs per output tile (a deterministic in-kernel reduction)."""
-    _check_operands(x, w, "skinny_linear")
+    splits K over that many programs per output tile (a deterministic in-kernel reduction).
+    Fusions of a decoder layer's neighbours: `norm_weight` [K] RMS-normalises x first
+    (rms_norm(x) * norm_weight, `eps`); `residual` [M, N] is added to the result (rounded as
+    the residual stream's add is), so the output is the new residual stream."""
+    _check_operands(x, w, "skinny_linear", norm_weight)
     m, k = x.shape
     n = w.shape[0]
+    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1
+                                 or residual.dtype != x.dtype):
+        raise ValueError(f"skinny_linear's residual must be [{m}, {n}] {x.dtype}, contiguous "
+                         f"along N; got {tuple(residual.shape)} {residual.dtype}")
     bn, bk, nw, ns, sk = default_config(n, k, x.device)
     bn, bk, nw, ns = block_n or bn, block_k or bk, num_warps or nw, num_stages or ns
     sk = split_k or sk
@@ -218,8 +295,11 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     sk = triton.cdiv(k, k_split)  # a split never starts past K
     ws, cnt = (_split_state(x.device, tiles, sk, block_m, bn) if sk > 1
                else (out, out))  # unused when SPLIT_K == 1
+    res = out if residual is None else residual
     _skinny_gemm_kernel[(tiles, sk)](
-        x, w, out, ws, cnt, m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
+        x, w, out, ws, cnt, x if norm_weight is None else norm_weight, res, m, n, k, k_split,
+        eps, x.stride(0), w.stride(0), out.stride(0), res.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0 and k_split % bk == 0,
-        SPLIT_K=sk, num_warps=nw, num_stages=ns)
+        SPLIT_K=sk, NORM=norm_weight is not None, RESIDUAL=residual is not None, num_warps=nw,
+        num_stages=ns, enable_fp_fusion=False)
     return out

@@ -145,8 +145,12 @@ class Attention(nn.Module):
         self.softmax_scale = self.head_dim**-0.5
 
     def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, ctx))
+
+    def attend(self, qkv: torch.Tensor, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+        """The projected q|k|v rows [T, q + 2 kv] -> attention output [T, q] (through the
+        `attn_out` hook point), the cache written on the way."""
+        t = qkv.shape[0]
         fused = fused_ops_for(qkv) if self.q_norm is None else None
         cache = ctx.pool.layer(self.layer_idx)
         # The fused RoPE kernel also writes the cache when the backend can attend over it.
@@ -174,7 +178,7 @@ class Attention(nn.Module):
         else:
             ctx.backend.forward(q, k.contiguous(), v.contiguous(), cache, ctx.meta,
                                 self.softmax_scale, out)
-        return self.o_proj(self.attn_out(out.view(t, self.q_size)))
+        return self.attn_out(out.view(t, self.q_size))
 
 
 class MLP(nn.Module):
@@ -207,8 +211,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, cos, sin, ctx: ForwardContext):
         """(x, residual) -> (mlp output, residual): the stream x + residual is added inside
-        the next norm, so each add costs no kernel of its own on CUDA. residual=None on the
-        first layer (x is then the embedding)."""
+        the next norm, so each add costs no kernel of its own on CUDA. residual=None means x
+        is the stream itself (the embedding on the first layer). A folded decode step
+        (_forward_folded) returns (stream, None)."""
+        if residual is None and ctx.meta.is_decode_only:
+            skinny = self._folded_kernels(x)
+            if skinny is not None:
+                return self._forward_folded(skinny, x, cos, sin, ctx), None
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
@@ -216,6 +225,35 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, cos, sin, ctx)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+    def _folded_kernels(self, x: torch.Tensor):
+        """kvcap.kernels.skinny_gemm where decode_gemm's rule folds this layer's step, else
+        None: single-process linears (no collective between a GEMM and its residual add), no
+        QKV bias, and no hook on the layer (hooks see its (x, residual) interface)."""
+        attn, mlp = self.self_attn, self.mlp
+        if (self._forward_pre_hooks or self._forward_hooks or attn.qkv_proj.bias is not None
+                or not isinstance(attn.o_proj, decode_gemm.DecodeLinear)
+                or not isinstance(mlp.down_proj, decode_gemm.DecodeLinear)):
+            return None
+        return decode_gemm.folded_layer_kernels(
+            x, attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight,
+            mlp.down_proj.weight)
+
+    def _forward_folded(self, skinny, stream: torch.Tensor, cos, sin, ctx: ForwardContext):
+        """The residual stream in, the next one out, in four GEMM kernels: the input norm
+        inside the QKV GEMM, the attention's residual add in the o_proj epilogue, the
+        post-attention norm inside the gate/up + SiLU GEMM, the MLP's residual add in the
+        down_proj epilogue (kvcap.kernels.skinny_gemm). The adds round exactly as the unfused
+        path's; each norm's row scale multiplies the FP32 dots instead of the rows."""
+        attn, mlp = self.self_attn, self.mlp
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        qkv = skinny.skinny_linear(stream, attn.qkv_proj.weight, norm_weight=ln1.weight,
+                                   eps=ln1.eps)
+        stream = skinny.skinny_linear(attn.attend(qkv, cos, sin, ctx), attn.o_proj.weight,
+                                      residual=stream)
+        act = skinny.skinny_swiglu(stream, mlp.gate_up_proj.weight, norm_weight=ln2.weight,
+                                   eps=ln2.eps)
+        return skinny.skinny_linear(act, mlp.down_proj.weight, residual=stream)
 
 
 class ForwardContext:
@@ -260,7 +298,7 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, ctx)
-        return self.norm(x, residual)[0]
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [n, hidden] -> FP32 logits [n, vocab] (None on tensor-parallel ranks > 0)."""
