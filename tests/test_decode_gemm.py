@@ -69,8 +69,8 @@ def test_swiglu_with_the_input_norm(m, inter, k, bn, bk, dtype):
     normed = nw * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
     gate, up = (normed.double() @ w.double().t()).chunk(2, dim=-1)
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
-    torch.testing.assert_close(got.double(), F.silu(gate) * up, rtol=tol, atol=tol)
     torch.testing.assert_close(got.float(), _unfused(normed, w).float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got.double(), F.silu(gate) * up, rtol=2 * tol, atol=2 * tol)
 
 
 @needs_triton
