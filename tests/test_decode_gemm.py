@@ -13,8 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvcap.kernels.skinny_gemm import MAX_ROWS, skinny_swiglu  # noqa: E402
-
-_orig_swiglu = skinny_swiglu
+from kvcap.kernels.skinny_gemm import norm_operands as _orig_norm_operands  # noqa: E402
 from kvcap.models import decode_gemm  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -57,14 +56,17 @@ def test_swiglu_matches_the_unfused_path(m, inter, k, bn, bk, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,inter,k,bn,bk", [(1, 48, 64, 16, 32), (16, 40, 96, 16, 32),
                                              (5, 70, 80, 32, 32)])
-def test_swiglu_with_the_input_norm(m, inter, k, bn, bk, dtype):
-    """norm_weight folds the post-attention RMSNorm in: the result is the unfused path's on the
-    normalised rows, within the dtype's rounding (the row scale multiplies the FP32 dots)."""
+def test_swiglu_with_a_row_norm(m, inter, k, bn, bk, dtype):
+    """row_norm folds the post-attention RMSNorm in (its weighted rows in, the row scale on the
+    dots): the unfused path's result on the normalised rows, within the dtype's rounding."""
+    from kvcap.kernels.skinny_gemm import RowNorm, norm_operands
+
     g = torch.Generator().manual_seed(m + inter + k)
     x = (torch.randn(m, k, generator=g) * 4).to(DEV, dtype)
     w = (torch.randn(2 * inter, k, generator=g) * 0.2).to(DEV, dtype)
     nw = (1 + 0.3 * torch.randn(k, generator=g)).to(DEV, dtype)
-    got = skinny_swiglu(x, w, block_n=bn, block_k=bk, norm_weight=nw, eps=1e-5)
+    xn, sums = norm_operands(x, nw)
+    got = skinny_swiglu(xn, w, block_n=bn, block_k=bk, row_norm=RowNorm(sums, 1e-5))
     h = x.float()
     normed = nw * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
     gate, up = (normed.double() @ w.double().t()).chunk(2, dim=-1)
@@ -136,36 +138,36 @@ def test_model_linears_route_on_hopper(rows, monkeypatch):
     assert decode_gemm.skinny_for(x, w, "swiglu") is None
 
 
-def _tiny_layer(seed: int, dtype: torch.dtype, qkv_bias: bool = False):
+def _tiny_model(seed: int, dtype: torch.dtype, qkv_bias: bool = False):
     from kvcap.config import ModelSpec
-    from kvcap.distributed.partition import full_shard
-    from kvcap.models.llama import DecoderLayer
+    from kvcap.models.llama import LlamaModel
 
     spec = ModelSpec.from_hf_config({
         "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "num_hidden_layers": 1, "intermediate_size": 96,
+        "num_key_value_heads": 2, "num_hidden_layers": 3, "intermediate_size": 96,
         "vocab_size": 32, "max_position_embeddings": 128, "rms_norm_eps": 1e-5})
     if qkv_bias:
         spec = dataclasses.replace(spec, qkv_bias=True)
-    layer = DecoderLayer(spec, 0, full_shard(spec))
+    model = LlamaModel(spec)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in layer.parameters():
+        for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() == 1 else 0.1)
                     + (1.0 if p.dim() == 1 else 0.0))
-    layer = layer.to(DEV, dtype)
+    model = model.to(DEV, dtype)
     # The attention itself is not what the fold changes: a fixed function of q|k|v stands in.
-    layer.self_attn.attend = lambda qkv, cos, sin, ctx: (qkv[:, :64] * 0.5).contiguous()
-    return layer
+    for layer in model.layers:
+        layer.self_attn.attend = lambda qkv, cos, sin, ctx: (qkv[:, :64] * 0.5).contiguous()
+    return model
 
 
 @needs_triton
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_folded_layer_step_matches_the_unfused_layer(rows, monkeypatch):
-    """A decode step of a decoder layer with its norms and residual adds folded into the
-    skinny GEMMs gives the unfused layer's residual stream (x + residual, rounded as the next
-    norm adds it) within FP16 rounding; it runs only on decode steps of small batches, not
-    when hooks watch the layer's interface, not with a QKV bias, and not when switched off."""
+def test_folded_decode_step_matches_the_unfolded_model(rows, monkeypatch):
+    """A decode step whose layers run folded (norms inside the QKV and gate/up GEMMs, residual
+    adds and the next norm's operands in the o_proj / down_proj epilogues) gives the unfolded
+    model's final hidden states within FP16 rounding; it folds only decode steps of small
+    batches, not when hooks watch a layer's interface, not with a QKV bias, not when off."""
     import types
 
     from kvcap.kernels import skinny_gemm
@@ -175,31 +177,30 @@ def test_folded_layer_step_matches_the_unfused_layer(rows, monkeypatch):
     monkeypatch.delenv(decode_gemm.DISABLE_ENV, raising=False)
     # The rule admits Hopper GPUs only: here the kernels run wherever the test does.
     monkeypatch.setattr(decode_gemm, "_kernels_for", lambda x, *w: skinny_gemm)
-    calls = []  # the folded swiglu calls (the unfused MLP may take the plain kernel)
-    monkeypatch.setattr(skinny_gemm, "skinny_swiglu", lambda *a, **k: (
-        "norm_weight" in k and calls.append(k)) or _orig_swiglu(*a, **k))
-    layer = _tiny_layer(rows, torch.float16)
+    folds = []
+    monkeypatch.setattr(skinny_gemm, "norm_operands",
+                        lambda *a: folds.append(1) or _orig_norm_operands(*a))
+    model = _tiny_model(rows, torch.float16)
     decode = types.SimpleNamespace(meta=types.SimpleNamespace(is_decode_only=True))
     prefill = types.SimpleNamespace(meta=types.SimpleNamespace(is_decode_only=False))
     g = torch.Generator().manual_seed(100 + rows)
-    stream = (torch.randn(rows, 64, generator=g) * 2).to(DEV, torch.float16)
+    ids = torch.randint(0, 32, (rows,), generator=g).to(DEV)
+    pos = torch.arange(rows, device=DEV)
 
-    out, res = layer(stream, None, None, None, decode)
-    assert res is None and out.shape == (rows, 64) and len(calls) == 1
-    assert calls[0]["norm_weight"] is layer.post_attention_layernorm.weight
-    ref_x, ref_res = layer(stream, None, None, None, prefill)  # the unfused path
-    assert len(calls) == 1 and ref_res is not None
-    want = (ref_x.float() + ref_res.float()).to(torch.float16)
-    torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+    got = model(ids, pos, decode)
+    assert len(folds) == 1 and got.shape == (rows, 64)
+    want = model(ids, pos, prefill)  # the unfolded layers
+    assert len(folds) == 1
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(model(ids, pos, decode), got) and len(folds) == 2
 
     monkeypatch.setenv(decode_gemm.NORM_FOLD_ENV, "1")
-    assert layer(stream, None, None, None, decode)[1] is not None
+    model(ids, pos, decode)
     monkeypatch.delenv(decode_gemm.NORM_FOLD_ENV)
-    handle = layer.register_forward_pre_hook(lambda mod, args: None)
-    assert layer(stream, None, None, None, decode)[1] is not None
+    handle = model.layers[1].register_forward_pre_hook(lambda mod, args: None)
+    model(ids, pos, decode)
     handle.remove()
-    assert layer(stream, ref_res, None, None, decode)[1] is not None  # an unfolded stream
-    big = torch.randn(17, 64, generator=g).to(DEV, torch.float16)
-    assert layer(big, None, None, None, decode)[1] is not None  # past down_proj's 16 rows
-    assert _tiny_layer(rows, torch.float16, qkv_bias=True)(
-        stream, None, None, None, decode)[1] is not None
+    model(torch.zeros(17, dtype=torch.long, device=DEV), torch.arange(17, device=DEV),
+          decode)  # past down_proj's 16 rows
+    _tiny_model(rows, torch.float16, qkv_bias=True)(ids, pos, decode)
+    assert len(folds) == 2

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from kvcap.bench.kernels import _graph_time, measure_ceilings
 from kvcap.bench.throughput import CONFIGS
 from kvcap.commands.common import positive_int, require_cuda
-from kvcap.kernels.skinny_gemm import skinny_linear, skinny_swiglu
+from kvcap.kernels.skinny_gemm import RowNorm, norm_operands, skinny_linear, skinny_swiglu
 from kvcap.scales.fsutil import atomic_write_text
 
 SWEEP_STAGES = (3, 5)
@@ -120,10 +120,11 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], ceiling: float,
 def bench_folded(spec, rows: list[int], ceiling: float, sweep=SWEEP) -> list[dict]:
     """A folded decoder layer's GEMMs (kvcap.models.llama.DecoderLayer._forward_folded) against
     what they replace: "qkv_norm" = the residual add + RMSNorm kernel and cuBLAS QKV vs
-    `skinny_linear(norm_weight=...)` (every configuration in `sweep`); "swiglu_norm" = the add +
-    norm kernel and `skinny_swiglu` vs `skinny_swiglu(norm_weight=...)`; "o_proj_residual" and
-    "down_proj_residual" = the skinny GEMM alone vs with the residual add in its epilogue
-    (default configuration). Rows carry the unfolded arm as impl "unfolded"."""
+    `skinny_linear(row_norm=...)` (every configuration in `sweep`); "swiglu_norm" = the add +
+    norm kernel and `skinny_swiglu` vs `skinny_swiglu(row_norm=...)`; "o_proj_residual" and
+    "down_proj_residual" = the skinny GEMM alone vs with the residual add and the next norm's
+    operands in its epilogue (default configuration). Rows carry the unfolded arm as impl
+    "unfolded"."""
     shapes = linear_shapes(spec)
     cases = {"qkv_norm": (shapes["qkv_proj"], F.linear, skinny_linear),
              "swiglu_norm": (shapes["gate_up_proj"], skinny_swiglu, skinny_swiglu),
@@ -161,21 +162,23 @@ def _folded_case(name: str, ws: list[torch.Tensor], m: int, plain, folded, eps: 
         def unfolded(w):
             return plain(add_rms_norm(x, nw, eps, res_in)[0], w)
 
-        stream = (x.float() + res_in.float()).half()
+        # The norm's operands, which the folded layer's previous epilogue makes.
+        xn, sums = norm_operands((x.float() + res_in.float()).half(), nw)
         want = unfolded(ws[0]).float()
         configs = [kw for kw in sweep if not swiglu or kw.get("split_k", 1) == 1]
 
         def call(w, kw):
-            return folded(stream, w, norm_weight=nw, eps=eps, **kw)
+            return folded(xn, w, row_norm=RowNorm(sums, eps), **kw)
     else:
         def unfolded(w):
             return plain(x, w)
 
         want = (unfolded(ws[0]).float() + res_out.float()).half().float()
         configs = [{}]
+        g_next = 1 + 0.1 * torch.randn(n, device="cuda", dtype=torch.float16)
 
         def call(w, kw):
-            return folded(x, w, residual=res_out, **kw)
+            return folded(x, w, residual=res_out, next_norm_weight=g_next, **kw)[0]
     out = [row("unfolded", _graph_time([functools.partial(unfolded, w) for w in ws]))]
     for kw in configs:
         try:
