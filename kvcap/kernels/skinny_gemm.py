@@ -52,6 +52,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, res_ptr, g_ptr, xn
     xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :]
     wp = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :]
     k_end = tl.minimum(k0 + k_split, K)
+    if ROW_SCALE:
+        scale = _row_scale(ss_in_ptr, ss_tiles, K, eps, rm, BLOCK_M, SS_TILES)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(k0, k_end, BLOCK_K):
         if EVEN_K:
@@ -82,7 +84,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, res_ptr, g_ptr, xn
         for s in tl.static_range(SPLIT_K):
             acc += tl.load(ws + s * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
     if ROW_SCALE:
-        acc = _row_scale(acc, ss_in_ptr, ss_tiles, K, eps, rm, BLOCK_M, SS_TILES)
+        acc = acc * scale[:, None]
     ymask = mmask[:, None] & nmask[None, :]
     dtype = y_ptr.dtype.element_ty
     y = acc.to(dtype)
@@ -102,14 +104,15 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, res_ptr, g_ptr, xn
 
 
 @triton.jit
-def _row_scale(acc, ss_ptr, ss_tiles, K, eps, rm, BLOCK_M: tl.constexpr, SS_TILES: tl.constexpr):
-    """acc * rsqrt(mean of squares + eps) per row: the RMSNorm row scale of the GEMM's input,
-    from the producer's per-tile sums of squares [ss_tiles, BLOCK_M]. A per-row factor
-    commutes with the dot, so it multiplies the FP32 result instead of the input rows."""
+def _row_scale(ss_ptr, ss_tiles, K, eps, rm, BLOCK_M: tl.constexpr, SS_TILES: tl.constexpr):
+    """rsqrt(mean of squares + eps) per row: the RMSNorm row scale of the GEMM's input, from
+    the producer's per-tile sums of squares [ss_tiles, BLOCK_M]. A per-row factor commutes
+    with the dot, so it multiplies the FP32 result instead of the input rows; it is read
+    before the K loop, where its latency hides behind the first weight loads."""
     t = tl.arange(0, SS_TILES)
     parts = tl.load(ss_ptr + t[:, None] * BLOCK_M + rm[None, :], mask=t[:, None] < ss_tiles,
                     other=0.0)
-    return acc * tl.rsqrt(tl.sum(parts, axis=0) / K + eps)[:, None]
+    return tl.rsqrt(tl.sum(parts, axis=0) / K + eps)
 
 
 @triton.jit
@@ -145,6 +148,8 @@ def _skinny_gemm_swiglu_kernel(x_ptr, w_ptr, y_ptr, ss_ptr, M, INTER, K, eps, ss
     up = w_ptr + (rn[:, None].to(tl.int64) + INTER) * stride_wn + rk[None, :]  # after gate rows
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if ROW_SCALE:
+        scale = _row_scale(ss_ptr, ss_tiles, K, eps, rm, BLOCK_M, SS_TILES)
     for k in range(0, K, BLOCK_K):
         if EVEN_K:
             x = tl.load(xp, mask=mmask[:, None], other=0.0)
@@ -163,8 +168,8 @@ def _skinny_gemm_swiglu_kernel(x_ptr, w_ptr, y_ptr, ss_ptr, M, INTER, K, eps, ss
     dtype = y_ptr.dtype.element_ty
     # The unfused path's roundings: gate_up in the model dtype, F.silu rounded, product rounded.
     if ROW_SCALE:
-        acc_g = _row_scale(acc_g, ss_ptr, ss_tiles, K, eps, rm, BLOCK_M, SS_TILES)
-        acc_u = _row_scale(acc_u, ss_ptr, ss_tiles, K, eps, rm, BLOCK_M, SS_TILES)
+        acc_g = acc_g * scale[:, None]
+        acc_u = acc_u * scale[:, None]
     gate = acc_g.to(dtype).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
     y = (silu.to(tl.float32) * acc_u.to(dtype).to(tl.float32)).to(dtype)
