@@ -52,16 +52,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, res_ptr, g_ptr, xn
     xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :]
     wp = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :]
     k_end = tl.minimum(k0 + k_split, K)
-    # The epilogue's small operands are read before the K loop: their latency then hides
-    # behind the weight stream instead of adding to every program's tail.
-    ymask = mmask[:, None] & nmask[None, :]
     if ROW_SCALE:
         scale = _row_scale(ss_in_ptr, ss_tiles, K, eps, rm, BLOCK_M, SS_TILES)
-    if RESIDUAL:
-        r = tl.load(res_ptr + rm[:, None].to(tl.int64) * stride_rm + rn[None, :], mask=ymask,
-                    other=0.0)
-    if NORM_OUT:
-        g = tl.load(g_ptr + rn, mask=nmask, other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(k0, k_end, BLOCK_K):
         if EVEN_K:
@@ -93,9 +85,12 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, res_ptr, g_ptr, xn
             acc += tl.load(ws + s * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
     if ROW_SCALE:
         acc = acc * scale[:, None]
+    ymask = mmask[:, None] & nmask[None, :]
     dtype = y_ptr.dtype.element_ty
     y = acc.to(dtype)
     if RESIDUAL:  # the residual stream's add, rounded as fused_ops.add_rms_norm rounds it
+        r = tl.load(res_ptr + rm[:, None].to(tl.int64) * stride_rm + rn[None, :], mask=ymask,
+                    other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
     offs = rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
     tl.store(y_ptr + offs, y, mask=ymask)
@@ -104,6 +99,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, res_ptr, g_ptr, xn
         # tile's per-row sum of squares (the consumer adds the tiles' sums in tile order).
         yf = tl.where(ymask, y.to(tl.float32), 0.0)
         tl.store(ss_out_ptr + pid * BLOCK_M + rm, tl.sum(yf * yf, axis=1))
+        g = tl.load(g_ptr + rn, mask=nmask, other=0.0)
         tl.store(xn_ptr + offs, (yf * g.to(tl.float32)[None, :]).to(dtype), mask=ymask)
 
 
