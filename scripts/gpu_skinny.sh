@@ -6,20 +6,11 @@
 #   bash scripts/gpu_skinny.sh profile   the 8B decode step profiled with the rule off and on
 #                                        (~4 min)
 #   bash scripts/gpu_skinny.sh e2e       1K decode end to end, rule off / on / off / on (~8 min)
-#   bash scripts/gpu_skinny.sh fold      folded decoder layers (norms inside the QKV and gate/up
-#                                        GEMMs, residual adds in the o_proj / down_proj epilogues):
-#                                        the tests compiled, then the folded GEMMs against the
-#                                        kernels they replace (kvcap.bench.gemm --folded, ~5 min)
-# SWITCH=KVCAP_DISABLE_NORM_FOLD makes profile / e2e compare the fold off / on instead (the
-# step's rows: CELLS, CONCURRENCY). Results under $OUT (default /tmp/out).
+# Results under $OUT (default /tmp/out).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export KVCAP_COMMIT=${KVCAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-SWITCH=${SWITCH:-KVCAP_DISABLE_SKINNY_GEMM}
-CELLS=${CELLS:-fp8:1:1024 fp16:16:1024 fp8:16:1024 fp8:64:1024}
-CONCURRENCY=${CONCURRENCY:-1 16 64}
-tag=$( [ "$SWITCH" = KVCAP_DISABLE_SKINNY_GEMM ] && echo skinny || echo "$SWITCH" | tr 'A-Z_' 'a-z-')
 case "${1:-}" in
 gemm)
   timeout 200 python3 -m pytest -q -m "gpu or not gpu" tests/test_decode_gemm.py \
@@ -29,29 +20,22 @@ gemm)
   timeout 420 python3 -m kvcap.bench.gemm --linears swiglu o_proj down_proj lm_head \
     --rows 16 64 --stages 3 5 8 --warps 4 --splits 1 2 4 --out "$OUT/gemm-skinny.json" 2>&1 \
     | grep -vE "^[a-z_]+ m=" | tail -16 ;;
-fold)
-  timeout 200 python3 -m pytest -q -m "gpu or not gpu" tests/test_decode_gemm.py \
-    tests/test_skinny_gemm.py 2>&1 | tail -4 | tee "$OUT/tests.txt"
-  grep -q " passed" "$OUT/tests.txt" && ! grep -qE "failed|error" "$OUT/tests.txt" || {
-    echo "tests did not pass: no timings"; exit 1; }
-  timeout 360 python3 -m kvcap.bench.gemm --folded --rows 1 16 --stages 3 5 --warps 4 \
-    --splits 1 2 3 --out "$OUT/gemm-folded.json" 2>&1 | grep -vE "^[a-z_]+ m=" | tail -12 ;;
 profile)
+  cells="fp8:1:1024 fp16:16:1024 fp8:16:1024 fp8:64:1024"
   for arm in off on; do
     [ $arm = off ] && flag=1 || flag=0
-    env "$SWITCH=$flag" timeout 120 python3 -m kvcap.bench.step_profile \
-      --dtype bfloat16 --cells $CELLS --steps 100 --rows 12 \
-      --out "$OUT/step-profile-$tag-$arm.json" 2>&1 | grep -E "wall|gemm|norm" | sed "s/^/$arm /"
+    KVCAP_DISABLE_SKINNY_GEMM=$flag timeout 120 python3 -m kvcap.bench.step_profile \
+      --dtype bfloat16 --cells $cells --steps 100 --rows 12 \
+      --out "$OUT/step-profile-skinny-$arm.json" 2>&1 | grep -E "wall|gemm" | sed "s/^/$arm /"
   done ;;
 e2e)
   for run in 1 2; do
     for arm in off on; do
       [ $arm = off ] && flag=1 || flag=0
-      env "$SWITCH=$flag" timeout 140 python3 -m kvcap.bench.throughput \
-        --dtype bfloat16 --concurrency $CONCURRENCY --context 1024 --kv fp16 fp8 \
-        --out-tokens 128 --repeats 2 --out "$OUT/e2e-$tag-$arm-$run" 2>&1 | grep -E "^\|" \
-        | sed "s/^/$arm$run /"
+      KVCAP_DISABLE_SKINNY_GEMM=$flag timeout 140 python3 -m kvcap.bench.throughput \
+        --dtype bfloat16 --concurrency 1 16 64 --context 1024 --kv fp16 fp8 --out-tokens 128 \
+        --repeats 2 --out "$OUT/e2e-$arm-$run" 2>&1 | grep -E "^\|" | sed "s/^/$arm$run /"
     done
   done ;;
-*) echo "usage: [SWITCH=...] $0 gemm|fold|profile|e2e"; exit 2 ;;
+*) echo "usage: $0 gemm|profile|e2e"; exit 2 ;;
 esac

@@ -1,12 +1,9 @@
 """Decode-size GEMMs: cuBLAS (`F.linear`) vs kvcap's weight-streaming Triton kernel
 (kvcap.kernels.skinny_gemm) on every distinct linear of a model, at M = 16 and 64 rows; and the
 MLP's gate/up GEMM + SiLU-and-multiply as cuBLAS + `fused_ops.silu_mul` (two kernels, the
-model's path without the skinny kernels) vs `skinny_swiglu` (one kernel), as "swiglu". With
-`--folded`, a folded decoder layer's GEMMs (norms and residual adds inside) against the kernels
-they replace (bench_folded).
+model's path without the skinny kernels) vs `skinny_swiglu` (one kernel), as "swiglu".
 
-    python -m kvcap.bench.gemm [--config kvcap/bench/configs/llama-3.1-8b.json] [--folded]
-        [--out FILE]
+    python -m kvcap.bench.gemm [--config kvcap/bench/configs/llama-3.1-8b.json] [--out FILE]
 
 Checks each kernel configuration against an FP32 reference first, then times both in CUDA
 graphs over enough distinct weight copies to defeat L2 (median of replays), as bytes read
@@ -30,7 +27,7 @@ import torch.nn.functional as F
 from kvcap.bench.kernels import _graph_time, measure_ceilings
 from kvcap.bench.throughput import CONFIGS
 from kvcap.commands.common import positive_int, require_cuda
-from kvcap.kernels.skinny_gemm import RowNorm, norm_operands, skinny_linear, skinny_swiglu
+from kvcap.kernels.skinny_gemm import skinny_linear, skinny_swiglu
 from kvcap.scales.fsutil import atomic_write_text
 
 SWEEP_STAGES = (3, 5)
@@ -117,83 +114,6 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], ceiling: float,
     return out
 
 
-def bench_folded(spec, rows: list[int], ceiling: float, sweep=SWEEP) -> list[dict]:
-    """A folded decoder layer's GEMMs (kvcap.models.llama.DecoderLayer._forward_folded) against
-    what they replace: "qkv_norm" = the residual add + RMSNorm kernel and cuBLAS QKV vs
-    `skinny_linear(row_norm=...)` (every configuration in `sweep`); "swiglu_norm" = the add +
-    norm kernel and `skinny_swiglu` vs `skinny_swiglu(row_norm=...)`; "o_proj_residual" and
-    "down_proj_residual" = the skinny GEMM alone vs with the residual add and the next norm's
-    operands in its epilogue (default configuration). Rows carry the unfolded arm as impl
-    "unfolded"."""
-    shapes = linear_shapes(spec)
-    cases = {"qkv_norm": (shapes["qkv_proj"], F.linear, skinny_linear),
-             "swiglu_norm": (shapes["gate_up_proj"], skinny_swiglu, skinny_swiglu),
-             "o_proj_residual": (shapes["o_proj"], skinny_linear, skinny_linear),
-             "down_proj_residual": (shapes["down_proj"], skinny_linear, skinny_linear)}
-    out = []
-    for name, ((n, k), plain, folded) in cases.items():
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
-              for _ in range(max(2, -(-(400 << 20) // (n * k * 2))))]  # > 8x the L2
-        for m in rows:
-            out += _folded_case(name, ws, m, plain, folded, spec.rms_norm_eps, ceiling, sweep)
-        del ws
-        torch.cuda.empty_cache()
-    return out
-
-
-def _folded_case(name: str, ws: list[torch.Tensor], m: int, plain, folded, eps: float,
-                 ceiling: float, sweep) -> list[dict]:
-    from kvcap.kernels.fused_ops import add_rms_norm
-
-    n, k = ws[0].shape
-    swiglu = plain is skinny_swiglu
-    moved = n * k * 2 + 2 * m * ((n // 2 if swiglu else n) + k)
-    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-    res_in = torch.randn(m, k, device="cuda", dtype=torch.float16)
-    res_out = torch.randn(m, n, device="cuda", dtype=torch.float16)
-    nw = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.float16)
-
-    def row(impl: str, ms: float, **extra) -> dict:
-        tbs = moved / ms / 1e9
-        return {"linear": name, "n": n, "k": k, "m": m, "impl": impl, "us": 1e3 * ms,
-                "tbs": tbs, "pct_ceiling": 100 * tbs / ceiling, **extra}
-
-    if name.endswith("_norm"):
-        def unfolded(w):
-            return plain(add_rms_norm(x, nw, eps, res_in)[0], w)
-
-        # The norm's operands, which the folded layer's previous epilogue makes.
-        xn, sums = norm_operands((x.float() + res_in.float()).half(), nw)
-        want = unfolded(ws[0]).float()
-        configs = [kw for kw in sweep if not swiglu or kw.get("split_k", 1) == 1]
-
-        def call(w, kw):
-            return folded(xn, w, row_norm=RowNorm(sums, eps), **kw)
-    else:
-        def unfolded(w):
-            return plain(x, w)
-
-        want = (unfolded(ws[0]).float() + res_out.float()).half().float()
-        configs = [{}]
-        g_next = 1 + 0.1 * torch.randn(n, device="cuda", dtype=torch.float16)
-
-        def call(w, kw):
-            return folded(x, w, residual=res_out, next_norm_weight=g_next, **kw)[0]
-    out = [row("unfolded", _graph_time([functools.partial(unfolded, w) for w in ws]))]
-    for kw in configs:
-        try:
-            err = _rel_err(call(ws[0], kw), want)
-            if err > 2e-2:
-                raise AssertionError(f"relative error {err:.2e} vs the unfolded path")
-            ms = _graph_time([functools.partial(call, w, kw) for w in ws])
-        except Exception as e:  # noqa: BLE001 - a config that cannot run is reported
-            print(f"{name} m={m} {kw}: {e!s:.100}", flush=True)
-            continue
-        out.append(row("triton", ms, **{"split_k": 1, "block_n": 0, "block_k": 0,
-                                        "num_warps": 0, "num_stages": 0, **kw}, rel_err=err))
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", type=Path, default=CONFIGS / "llama-3.1-8b.json")
@@ -205,9 +125,6 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", type=positive_int, nargs="+", default=[4, 8])
     ap.add_argument("--splits", type=positive_int, nargs="+", default=[1],
                     help="split-K counts the sweep tries (1: none)")
-    ap.add_argument("--folded", action="store_true",
-                    help="time a folded decoder layer's GEMMs against the unfolded kernels "
-                         "(bench_folded) instead of the linears")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     require_cuda(ap)
@@ -222,31 +139,27 @@ def main(argv=None) -> int:
     out = args.out or Path(f"gemm-{report['date']}.json")
     shapes = {**linear_shapes(spec), "swiglu": linear_shapes(spec)["gate_up_proj"]}
     shapes = {name: nk for name, nk in shapes.items() if not args.linears or name in args.linears}
-    sweep = sweep_configs(tuple(args.stages), tuple(args.splits), tuple(args.warps))
-    if args.folded:
-        report["rows"] = bench_folded(spec, args.rows, ceil, sweep)
-        shapes = dict.fromkeys(r["linear"] for r in report["rows"])  # names, in order
-        atomic_write_text(out, json.dumps(report, indent=1))
-    for name, (n, k) in ({} if args.folded else shapes).items():
-        report["rows"] += bench_shape(name, n, k, args.rows, ceil, sweep)
+    for name, (n, k) in shapes.items():
+        report["rows"] += bench_shape(name, n, k, args.rows, ceil,
+                                      sweep_configs(tuple(args.stages),
+                                                    tuple(args.splits), tuple(args.warps)))
         atomic_write_text(out, json.dumps(report, indent=1))
     print(f"read ceiling {ceil:.2f} TB/s")
-    base = "unfolded" if args.folded else "cuBLAS"
-    print(f"{'linear':18} {'m':>3} {base + ' us':>11} {'%ceil':>6} {'triton us':>10} {'%ceil':>6} "
+    print(f"{'linear':14} {'m':>3} {'cuBLAS us':>10} {'%ceil':>6} {'triton us':>10} {'%ceil':>6} "
           f"{'ratio':>6}  best config (BN, BK, warps, stages, split)")
     for name in shapes:
         for m in args.rows:
             rows = [r for r in report["rows"] if r["linear"] == name and r["m"] == m]
-            cb = next(r for r in rows if r["impl"] in ("cublas", "unfolded"))
+            cb = next(r for r in rows if r["impl"] == "cublas")
             tr = min((r for r in rows if r["impl"] == "triton"), key=lambda r: r["us"],
                      default=None)
             if tr is None:
-                print(f"{name:18} {m:3d} {cb['us']:11.1f} {cb['pct_ceiling']:6.1f}  (no triton)")
+                print(f"{name:14} {m:3d} {cb['us']:10.1f} {cb['pct_ceiling']:6.1f}  (no triton)")
                 continue
-            print(f"{name:18} {m:3d} {cb['us']:11.1f} {cb['pct_ceiling']:6.1f} {tr['us']:10.1f} "
+            print(f"{name:14} {m:3d} {cb['us']:10.1f} {cb['pct_ceiling']:6.1f} {tr['us']:10.1f} "
                   f"{tr['pct_ceiling']:6.1f} {cb['us'] / tr['us']:6.2f}  "
-                  + (f"{tr['block_n']}, {tr['block_k']}, {tr['num_warps']}, "
-                     f"{tr['num_stages']}, {tr['split_k']}" if tr["block_n"] else "default"))
+                  f"{tr['block_n']}, {tr['block_k']}, {tr['num_warps']}, {tr['num_stages']}, "
+                  f"{tr['split_k']}")
     print(f"wrote {out}")
     return 0
 

@@ -29,12 +29,7 @@ MAX_ROWS_ENV = "KVCAP_SKINNY_GEMM_MAX_ROWS"
 # kvcap.kernels.skinny_gemm.MAX_ROWS, not imported: a CPU install need not have triton.
 SKINNY_MAX_ROWS = 64
 # Rows up to which each kind beats cuBLAS end to end on the H200 (docs/kernels.md).
-# "qkv_norm": the QKV projection with the input RMSNorm folded in (folded layers only, below).
-ROW_LIMITS = {"o_proj": 32, "down_proj": 16, "swiglu": 32, "lm_head": 64, "qkv_norm": 16}
-
-NORM_FOLD_ENV = "KVCAP_DISABLE_NORM_FOLD"
-# A folded decoder layer runs these four GEMMs on the skinny kernels, so it needs all of them.
-FOLDED_LAYER_KINDS = ("qkv_norm", "o_proj", "swiglu", "down_proj")
+ROW_LIMITS = {"o_proj": 32, "down_proj": 16, "swiglu": 32, "lm_head": 64}
 
 
 @functools.cache
@@ -60,12 +55,12 @@ def wants_skinny(kind: str, rows: int) -> bool:
     return 1 <= rows <= min(_row_limit(kind), SKINNY_MAX_ROWS)
 
 
-def _kernels_for(x: torch.Tensor, *weights: torch.Tensor):
-    """kvcap.kernels.skinny_gemm when GEMMs of x [M, K]-shaped FP16/BF16 rows with these
-    weights can run there on this GPU (the rows' count aside), else None."""
+def skinny_for(x: torch.Tensor, weight: torch.Tensor, kind: str):
+    """kvcap.kernels.skinny_gemm when `kind`'s GEMM of x [M, K] with weight should run there,
+    else None (cuBLAS / torch ops)."""
     if (not x.is_cuda or x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16)
-            or x.stride(1) != 1
-            or any(w.dtype != x.dtype or w.stride(1) != 1 for w in weights)):
+            or weight.dtype != x.dtype or x.stride(1) != 1 or weight.stride(1) != 1
+            or not wants_skinny(kind, x.shape[0])):
         return None
     if not _measured_arch(x.device.index if x.device.index is not None
                           else torch.cuda.current_device()):
@@ -73,27 +68,6 @@ def _kernels_for(x: torch.Tensor, *weights: torch.Tensor):
     from kvcap.kernels import skinny_gemm
 
     return skinny_gemm
-
-
-def skinny_for(x: torch.Tensor, weight: torch.Tensor, kind: str):
-    """kvcap.kernels.skinny_gemm when `kind`'s GEMM of x [M, K] with weight should run there,
-    else None (cuBLAS / torch ops)."""
-    if not wants_skinny(kind, x.shape[0] if x.dim() == 2 else 0):
-        return None
-    return _kernels_for(x, weight)
-
-
-def folded_layer_kernels(x: torch.Tensor, *weights: torch.Tensor):
-    """kvcap.kernels.skinny_gemm when a decoder layer's decode step over the residual stream
-    x [M, H] should run folded (kvcap.models.llama.DecoderLayer): its two RMSNorms inside the
-    QKV and gate/up GEMMs, its two residual adds in the o_proj and down_proj epilogues -- two
-    kernels and two launch gaps fewer per layer. Needs every FOLDED_LAYER_KINDS rule to take
-    these rows and KVCAP_DISABLE_NORM_FOLD unset; else None."""
-    if env_flag(NORM_FOLD_ENV) or x.dim() != 2:
-        return None
-    if not all(wants_skinny(kind, x.shape[0]) for kind in FOLDED_LAYER_KINDS):
-        return None
-    return _kernels_for(x, *weights)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, kind: str) -> torch.Tensor:

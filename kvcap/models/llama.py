@@ -145,12 +145,8 @@ class Attention(nn.Module):
         self.softmax_scale = self.head_dim**-0.5
 
     def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
-        return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, ctx))
-
-    def attend(self, qkv: torch.Tensor, cos, sin, ctx: ForwardContext) -> torch.Tensor:
-        """The projected q|k|v rows [T, q + 2 kv] -> attention output [T, q] (through the
-        `attn_out` hook point), the cache written on the way."""
-        t = qkv.shape[0]
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
         fused = fused_ops_for(qkv) if self.q_norm is None else None
         cache = ctx.pool.layer(self.layer_idx)
         # The fused RoPE kernel also writes the cache when the backend can attend over it.
@@ -178,7 +174,7 @@ class Attention(nn.Module):
         else:
             ctx.backend.forward(q, k.contiguous(), v.contiguous(), cache, ctx.meta,
                                 self.softmax_scale, out)
-        return self.attn_out(out.view(t, self.q_size))
+        return self.o_proj(self.attn_out(out.view(t, self.q_size)))
 
 
 class MLP(nn.Module):
@@ -221,39 +217,6 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
-    def foldable(self) -> bool:
-        """Whether LlamaModel may run this layer's decode steps folded: single-process linears
-        (no collective between a GEMM and its residual add), no QKV bias, and no hook on the
-        layer (a folded step does not go through its (x, residual) interface)."""
-        attn, mlp = self.self_attn, self.mlp
-        return not (self._forward_pre_hooks or self._forward_hooks
-                    or attn.qkv_proj.bias is not None
-                    or not isinstance(attn.o_proj, decode_gemm.DecodeLinear)
-                    or not isinstance(mlp.down_proj, decode_gemm.DecodeLinear))
-
-    def folded_step(self, skinny, stream, xn, sums, next_norm: RMSNorm | None, cos, sin,
-                    ctx: ForwardContext):
-        """One decode step in four GEMM kernels (kvcap.kernels.skinny_gemm), the residual
-        stream in and out: `xn` / `sums` are the input norm's operands (the stream times the
-        norm weight, per-tile sums of squares), made by the previous layer's down_proj
-        epilogue; the QKV GEMM row-scales its result by the norm; the o_proj epilogue adds the
-        residual and makes the post-attention norm's operands for the gate/up + SiLU GEMM;
-        the down_proj epilogue adds the residual and makes `next_norm`'s operands (None: the
-        last layer, returns (stream, None, None)). The adds round exactly as the unfused
-        path's; a norm's row scale multiplies the FP32 dots instead of the rows."""
-        attn, mlp = self.self_attn, self.mlp
-        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        qkv = skinny.skinny_linear(xn, attn.qkv_proj.weight, row_norm=skinny.RowNorm(sums, ln1.eps))
-        stream, xn, sums = skinny.skinny_linear(attn.attend(qkv, cos, sin, ctx),
-                                                attn.o_proj.weight, residual=stream,
-                                                next_norm_weight=ln2.weight)
-        act = skinny.skinny_swiglu(xn, mlp.gate_up_proj.weight,
-                                   row_norm=skinny.RowNorm(sums, ln2.eps))
-        if next_norm is None:
-            return skinny.skinny_linear(act, mlp.down_proj.weight, residual=stream), None, None
-        return skinny.skinny_linear(act, mlp.down_proj.weight, residual=stream,
-                                    next_norm_weight=next_norm.weight)
-
 
 class ForwardContext:
     """What every layer needs for one forward: backend, pool, metadata, optional observer."""
@@ -294,33 +257,10 @@ class LlamaModel(nn.Module):
         """input_ids, positions: int64 [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        skinny = self._folded_kernels(x, ctx)
-        if skinny is not None:
-            return self._forward_folded(skinny, x, cos, sin, ctx)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, ctx)
         return self.norm(x, residual)[0]
-
-    def _folded_kernels(self, x: torch.Tensor, ctx: ForwardContext):
-        """kvcap.kernels.skinny_gemm where this forward's decode step runs folded
-        (decode_gemm.folded_layer_kernels' rule, every layer DecoderLayer.foldable), else None."""
-        if not ctx.meta.is_decode_only or not all(layer.foldable() for layer in self.layers):
-            return None
-        first = self.layers[0]
-        return decode_gemm.folded_layer_kernels(
-            x, first.self_attn.qkv_proj.weight, first.self_attn.o_proj.weight,
-            first.mlp.gate_up_proj.weight, first.mlp.down_proj.weight)
-
-    def _forward_folded(self, skinny, x: torch.Tensor, cos, sin, ctx: ForwardContext):
-        """The decoder layers' folded steps (DecoderLayer.folded_step): two norm kernels and
-        two launch gaps fewer per layer; one small kernel makes the first norm's operands."""
-        layers = self.layers
-        xn, sums = skinny.norm_operands(x, layers[0].input_layernorm.weight)
-        for i, layer in enumerate(layers):
-            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
-            x, xn, sums = layer.folded_step(skinny, x, xn, sums, nxt, cos, sin, ctx)
-        return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [n, hidden] -> FP32 logits [n, vocab] (None on tensor-parallel ranks > 0)."""
