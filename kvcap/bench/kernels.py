@@ -339,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-fold", action="store_true",
                     help="time decode with the split-K merge in a second launch and folded into "
                          "the decode kernel, every cache dtype, on the split cells, then stop")
+    ap.add_argument("--grid", action="store_true",
+                    help="--compare-fold / --compare-pairs / --compare-bf16 time the cells of "
+                         "--shapes x --batches x --contexts instead of their own")
     ap.add_argument("--compare-decoders", action="store_true",
                     help="time every E4M3 decoder pairing (K/V native/software) on the sweep "
                          "cells, then stop")
@@ -407,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
+    grid = [(name, hq, hkv, d, b, ctx) for name, hq, hkv, d in shapes
+            for b in batches for ctx in contexts] if args.grid else None
     sweep: list[dict] = []
     rows: list[dict] = []
     out = args.out or os.path.join(os.environ.get("OUT", "."), "kernels.json")
@@ -422,18 +427,19 @@ def main(argv: list[str] | None = None) -> int:
         save()
         return 0
     if args.compare_pairs:
-        info["compare_pairs"] = compare_knob(l2, ceil["read_tbs"], "pairs", WORD_CELLS[:2]
-                                             + [WORD_CELLS[4]], rounds=args.rounds)
+        info["compare_pairs"] = compare_knob(l2, ceil["read_tbs"], "pairs",
+                                             grid or WORD_CELLS[:2] + [WORD_CELLS[4]],
+                                             rounds=args.rounds)
         save()
         return 0
     if args.compare_bf16:
         info["compare_bf16"] = compare_knob(l2, ceil["read_tbs"], "fp16_dots",
-                                            FOLD_CELLS[:3] + [WORD_CELLS[1]] + WORD_CELLS[2:4],
-                                            rounds=args.rounds)
+                                            grid or FOLD_CELLS[:3] + [WORD_CELLS[1]]
+                                            + WORD_CELLS[2:4], rounds=args.rounds)
         save()
         return 0
     if args.compare_fold:
-        info["compare_fold"] = compare_knob(l2, ceil["read_tbs"], "fold", FOLD_CELLS,
+        info["compare_fold"] = compare_knob(l2, ceil["read_tbs"], "fold", grid or FOLD_CELLS,
                                             ("paged_fp16", "e4m3_native", "e4m3_software"),
                                             rounds=args.rounds)
         save()
