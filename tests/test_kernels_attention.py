@@ -112,25 +112,6 @@ def test_folded_merge_equals_merge_kernel(kv_dtype, fp8_mode, words, grouped):
     _check(case, one, kv_dtype)
 
 
-def test_fold_switch_folds_where_the_split_count_allows(monkeypatch):
-    """KVCAP_FOLD_SPLIT_MERGE=1: default calls merge inside the decode kernel (its arrival
-    counters come into use; the bits are the merge kernel's), and a call past FOLD_MAX_SPLITS
-    splits takes the merge kernel instead of failing; unset, no call folds."""
-    case = make_case(DECODE, 8, 2, 64, kv_dtype="fp8_e4m3", dtype=torch.float16, pad_rows=2,
-                     seed=3, device=DEV)
-    monkeypatch.setattr(decode_module, "_COUNTERS", {})
-    monkeypatch.delenv("KVCAP_FOLD_SPLIT_MERGE", raising=False)
-    two = _decode(case, num_splits=3, block_n=16)
-    assert not decode_module._COUNTERS
-    monkeypatch.setenv("KVCAP_FOLD_SPLIT_MERGE", "1")
-    assert torch.equal(_decode(case, num_splits=3, block_n=16), two)
-    assert decode_module._COUNTERS  # the folded merge ran
-    many = decode_module.FOLD_MAX_SPLITS + 1
-    _check(case, _decode(case, num_splits=many, block_n=16), "fp8_e4m3")
-    with pytest.raises(ValueError, match="fold=True merges at most"):
-        _decode(case, num_splits=many, block_n=16, fold=True)
-
-
 @pytest.mark.parametrize("kv_dtype,fp8_mode,words", [("fp16", "auto", False),
                                                      ("fp8_e4m3", "native", True)])
 @pytest.mark.parametrize("fold", [False, True])

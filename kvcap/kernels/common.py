@@ -28,7 +28,6 @@ ENV_MIXED = "KVCAP_MIXED_DECODERS"
 ENV_DISABLE_FP16_DOTS = "KVCAP_DISABLE_FP16_DOTS"
 ENV_DISABLE_ROPE_KV_WRITE = "KVCAP_DISABLE_ROPE_KV_WRITE"
 ENV_SOFTWARE_ENCODE = "KVCAP_SOFTWARE_E4M3_ENCODE"
-ENV_FOLD_MERGE = "KVCAP_FOLD_SPLIT_MERGE"
 
 SOFTWARE_FP8_FACTOR = 256.0  # the packed decoder yields value * 2^-8
 LOG2E = 1.4426950408889634
@@ -121,11 +120,6 @@ def words_enabled() -> bool:
 
 def mixed_decoders_enabled() -> bool:
     return _flag(ENV_MIXED)
-
-
-def fold_merge_enabled() -> bool:
-    """Decode merges its split-K partials inside the decode kernel where it can (opt-in)."""
-    return _flag(ENV_FOLD_MERGE)
 
 
 def fp16_dots_enabled() -> bool:

@@ -31,7 +31,6 @@ from kvcap.kernels.common import (
     convert_words,
     device_properties,
     dot_dtype,
-    fold_merge_enabled,
     fp16_dots_enabled,
     grouped_enabled,
     has_mma,
@@ -632,7 +631,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  num_warps: int | None = None, num_stages: int | None = None,
                  prefetch: bool | None = None, words: bool | None = None,
                  maxnreg: int | None = None, pairs: bool | None = None,
-                 fold: bool | None = None, fp16_dots: bool | None = None) -> torch.Tensor:
+                 fold: bool = False, fp16_dots: bool | None = None) -> torch.Tensor:
     """Decode attention for every sequence whose query length is 1 (others are skipped).
 
     q [T, Hq, D], out [T, Hq, D] (the token row of sequence i is query_start_loc[i]);
@@ -650,9 +649,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     sequence and head program to finish does it) instead of in a second launch, up to
     FOLD_MAX_SPLITS splits. Off by default: on the H200 it saved nothing (0.96-1.04x on the 8B
     cells, 0.77-0.92x at 4 x 4K; docs/benchmarks/fold-2026-12-01-h200.json) -- the arrival
-    atomic and barriers cost every program what the second launch cost once. None (the
-    default): fold where KVCAP_FOLD_SPLIT_MERGE=1 asks for it and the split count allows it
-    (the opt-in that lets the engine measure it at short contexts, where it was never timed).
+    atomic and barriers cost every program what the second launch cost once.
     `fp16_dots`: BF16 queries over an E4M3 cache run the FP16 route's dots (the queries scaled
     into FP16 by a power of two, fp16_scale; the default on GPUs with Triton MMA unless
     KVCAP_DISABLE_FP16_DOTS=1) instead of BF16 dots, which need every decoded FP16 value
@@ -695,8 +692,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                        cfg.short_programs_per_sm)
     block_h = max(16, triton.next_power_of_2(heads)) if grouped else 1
     counters = dummy = k_cache
-    if fold is None:
-        fold = fold_merge_enabled() and num_splits <= FOLD_MAX_SPLITS
     fold = fold and num_splits > 1
     if fold and num_splits > FOLD_MAX_SPLITS:
         raise ValueError(f"fold=True merges at most {FOLD_MAX_SPLITS} splits in the decode "
