@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 
+
 def env_flag(name: str) -> bool:
     """True when environment variable `name` holds a true value: anything but unset, "", "0",
     "false" or "no" (any case). Switches are read at each use, so tests can flip them.
