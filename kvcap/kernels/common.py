@@ -28,6 +28,7 @@ ENV_MIXED = "KVCAP_MIXED_DECODERS"
 ENV_DISABLE_FP16_DOTS = "KVCAP_DISABLE_FP16_DOTS"
 ENV_DISABLE_ROPE_KV_WRITE = "KVCAP_DISABLE_ROPE_KV_WRITE"
 ENV_SOFTWARE_ENCODE = "KVCAP_SOFTWARE_E4M3_ENCODE"
+ENV_DISABLE_PDL = "KVCAP_DISABLE_PDL"
 
 SOFTWARE_FP8_FACTOR = 256.0  # the packed decoder yields value * 2^-8
 LOG2E = 1.4426950408889634
@@ -125,6 +126,30 @@ def mixed_decoders_enabled() -> bool:
 def fp16_dots_enabled() -> bool:
     """BF16 queries over an E4M3 cache take FP16 dots in decode (decode.fp16_scale)."""
     return not _flag(ENV_DISABLE_FP16_DOTS)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch (griddepcontrol): sm_90+ CUDA, compiled kernels only."""
+    return device.type == "cuda" and not interpreting() and capability(device) >= (9, 0)
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Launch options of a decode step's kernels: {"launch_pdl": True} where programmatic
+    dependent launch is supported and KVCAP_DISABLE_PDL is unset, else {}. Such a kernel may
+    start while the one before it in the stream still runs; it must call `pdl_wait` (GDC=True)
+    before it touches anything its predecessors write."""
+    return {"launch_pdl": True} if pdl_supported(device) and not _flag(ENV_DISABLE_PDL) else {}
+
+
+@triton.jit
+def pdl_wait(GDC: tl.constexpr):
+    """In a kernel launched with pdl_launch's options: wait until the kernels before it have
+    finished and their writes are visible, then let the next kernel launch behind this grid.
+    Every program calls it first, so a kernel's completion implies its predecessors' and the
+    ordering stays transitive along the stream. A no-op with GDC=False."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def sm_count(device: torch.device) -> int:

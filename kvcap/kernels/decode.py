@@ -42,6 +42,8 @@ from kvcap.kernels.common import (
     mm,
     online_softmax_step,
     paged_row_offsets,
+    pdl_launch,
+    pdl_wait,
     programs_per_sm,
     sm_count,
     split_k_enabled,
@@ -231,8 +233,9 @@ def _decode_kernel(
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
     PREFETCH: tl.constexpr, WORDS: tl.constexpr, PAIRS: tl.constexpr = False,
     FOLD: tl.constexpr = False, BLOCK_S: tl.constexpr = 8,
-    F16_DOTS: tl.constexpr = False,
+    F16_DOTS: tl.constexpr = False, GDC: tl.constexpr = False,
 ):
+    pdl_wait(GDC)  # q and the cache rows come from the kernel before (common.pdl_launch)
     seq = tl.program_id(0)
     hp = tl.program_id(1)
     split = tl.program_id(2)
@@ -346,7 +349,9 @@ def _merge_kernel(
     out_ptr, po_ptr, plse_ptr, qsl_ptr, seq_lens_ptr, vs_ptr, out_factor,
     stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, num_splits,
     BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
+    pdl_wait(GDC)  # the partials come from the decode kernel
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(qsl_ptr + seq)
@@ -705,6 +710,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ps = (hq * num_splits, num_splits, 1)
     dt, ieee = dot_dtype(torch.float16 if fp16_dots else q.dtype)
     launch = {"maxnreg": maxnreg} if maxnreg and q.device.type == "cuda" else {}  # 0: no cap
+    pdl = pdl_launch(q.device)
     _decode_kernel[(num_seqs, head_programs, num_splits)](
         q, k_cache, v_cache, out, po, plse, counters, block_tables, seq_lens, query_start_loc,
         k_scale if fp8 else dummy, v_scale if fp8 else dummy, softmax_scale * LOG2E,
@@ -715,7 +721,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8, SOFTWARE=software, SOFTWARE_V=software_v,
         USE_DOT=grouped, PREFETCH=pf, WORDS=words, PAIRS=pairs,
         FOLD=fold, BLOCK_S=max(8, triton.next_power_of_2(num_splits)),
-        DOT_DTYPE=dt, IEEE=ieee, F16_DOTS=fp16_dots, num_warps=nw, num_stages=ns, **launch,
+        DOT_DTYPE=dt, IEEE=ieee, F16_DOTS=fp16_dots, GDC=bool(pdl), num_warps=nw,
+        num_stages=ns, **launch, **pdl,
     )
     if num_splits > 1 and not fold:
         _merge_kernel[(num_seqs, hq)](
@@ -723,6 +730,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             SOFTWARE_FP8_FACTOR if software_v else 1.0,
             out.stride(0), out.stride(1), *ps, num_splits,
             BLOCK_S=max(8, triton.next_power_of_2(num_splits)), HEAD_DIM=d,
-            FP8=fp8, BLOCK_N=bn, num_warps=4 if q.device.type == "cuda" else 1,
+            FP8=fp8, BLOCK_N=bn, GDC=bool(pdl), num_warps=4 if q.device.type == "cuda" else 1,
+            **pdl,
         )
     return out

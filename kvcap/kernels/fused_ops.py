@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcap.kernels.common import hardware_e4m3_encode
+from kvcap.kernels.common import hardware_e4m3_encode, pdl_launch, pdl_wait
 from kvcap.kernels.store_kv import check_cache_layout, encode_e4m3
 
 if TYPE_CHECKING:
@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, eps,
                          stride_x, stride_r, stride_o, stride_ro,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                         GDC: tl.constexpr = False):
+    pdl_wait(GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < n
@@ -59,10 +61,12 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if t:
         r = residual if residual is not None else x
         block = triton.next_power_of_2(n)
+        pdl = pdl_launch(x.device)
         _add_rms_norm_kernel[(t,)](
             x, r, weight, out, res_out, n, eps, x.stride(0), r.stride(0), out.stride(0),
-            res_out.stride(0), HAS_RES=residual is not None, BLOCK=block,
-            num_warps=max(1, min(16, block // 256)) if x.is_cuda else 1, enable_fp_fusion=False)
+            res_out.stride(0), HAS_RES=residual is not None, BLOCK=block, GDC=bool(pdl),
+            num_warps=max(1, min(16, block // 256)) if x.is_cuda else 1, enable_fp_fusion=False,
+            **pdl)
     return out if residual is None else (out, res_out)
 
 
@@ -72,7 +76,8 @@ def _rope_split_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stride_t,
                        stride_cb, stride_ch, stride_ct,
                        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                        STORE: tl.constexpr, FP8: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                       HW_ENCODE: tl.constexpr = False):
+                       HW_ENCODE: tl.constexpr = False, GDC: tl.constexpr = False):
+    pdl_wait(GDC)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -148,13 +153,14 @@ def rope_split_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
         else:  # unused placeholders (STORE=False)
             kc = vc = slot_mapping = ks = vs = qkv
             strides, block_size = (0, 0, 0), 1
+        pdl = pdl_launch(qkv.device)
         _rope_split_kernel[(t, num_heads + 2 * num_kv_heads)](
             qkv, cos, sin, q, k, v, qkv.stride(0), cos.stride(0),
             kc, vc, slot_mapping, ks, vs, *strides,
             HQ=num_heads, HKV=num_kv_heads, D=head_dim, STORE=store, FP8=fp8,
             BLOCK_SIZE=block_size, HW_ENCODE=fp8 and hardware_e4m3_encode(qkv.device, fp8_mode),
-            num_warps=1 if head_dim <= 128 else 2,
-            enable_fp_fusion=False)  # no FMA: each product rounds as torch rounds it
+            GDC=bool(pdl), num_warps=1 if head_dim <= 128 else 2,
+            enable_fp_fusion=False, **pdl)  # no FMA: each product rounds as torch rounds it
     return q, k, v
 
 

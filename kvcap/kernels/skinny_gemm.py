@@ -29,13 +29,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcap.kernels.common import pdl_launch, pdl_wait
+
 MAX_ROWS = 64
 
 
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, stride_xm,
                         stride_wn, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                        GDC: tl.constexpr = False):
+    pdl_wait(GDC)
     pid = tl.program_id(0)
     k0 = tl.program_id(1) * k_split  # this program's K range: [k0, k0 + k_split) within K
     rm = tl.arange(0, BLOCK_M)
@@ -85,7 +89,9 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, 
 def _skinny_gemm_swiglu_kernel(x_ptr, w_ptr, y_ptr, M, INTER, K, stride_xm, stride_wn,
                                stride_ym,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                               GDC: tl.constexpr = False):
+    pdl_wait(GDC)
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -125,13 +131,16 @@ def default_config(n: int, k: int, device: torch.device) -> tuple[int, int, int,
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, split_k): the H200 sweep's winners at 16 rows
     on the Llama-3.1-8B linears (docs/benchmarks/gemm-2026-12-03-h200.json): wide matrices (the
     LM head) 64-column tiles, 3 stages; long K (down_proj) 256-wide K steps; square ones
-    (o_proj) 5 stages and K split in two, so 256 programs fill the SMs instead of 128."""
+    (o_proj) 5 stages and K split in two, so 256 programs fill the SMs instead of 128; QKV
+    (more columns than K) 5 stages, no split."""
     if device.type != "cuda":
         return 16, 32, 1, 1, 1
     if n >= 16384:
         return 64, 128, 4, 3, 1
     if k >= 2 * n:
         return 32, 256, 4, 5, 1
+    if n > k:  # QKV: 192 tiles already fill the SMs (the 2026-12-01 sweep's best, no split)
+        return 32, 128, 4, 5, 1
     return 32, 128, 4, 5, 2
 
 
@@ -172,10 +181,12 @@ def skinny_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | 
     bn, bk, nw, ns = block_n or bn, block_k or bk, num_warps or nw, num_stages or ns
     if out is None:
         out = torch.empty((m, inter), dtype=x.dtype, device=x.device)
+    pdl = pdl_launch(x.device)
     _skinny_gemm_swiglu_kernel[(triton.cdiv(inter, bn),)](
         x, w_gate_up, out, m, inter, k, x.stride(0), w_gate_up.stride(0), out.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk,
-        EVEN_K=k % bk == 0, num_warps=nw, num_stages=ns, enable_fp_fusion=False)
+        EVEN_K=k % bk == 0, GDC=bool(pdl), num_warps=nw, num_stages=ns, enable_fp_fusion=False,
+        **pdl)
     return out
 
 
@@ -218,8 +229,9 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     sk = triton.cdiv(k, k_split)  # a split never starts past K
     ws, cnt = (_split_state(x.device, tiles, sk, block_m, bn) if sk > 1
                else (out, out))  # unused when SPLIT_K == 1
+    pdl = pdl_launch(x.device)
     _skinny_gemm_kernel[(tiles, sk)](
         x, w, out, ws, cnt, m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0 and k_split % bk == 0,
-        SPLIT_K=sk, num_warps=nw, num_stages=ns)
+        SPLIT_K=sk, GDC=bool(pdl), num_warps=nw, num_stages=ns, **pdl)
     return out

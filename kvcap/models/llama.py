@@ -133,8 +133,9 @@ class Attention(nn.Module):
         self.head_dim = spec.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=spec.qkv_bias)
+        qkv_out = self.q_size + 2 * self.kv_size
+        self.qkv_proj = (nn.Linear(spec.hidden_size, qkv_out, bias=True) if spec.qkv_bias
+                         else decode_gemm.DecodeLinear(spec.hidden_size, qkv_out, "qkv_proj"))
         self.o_proj = _row_linear(self.q_size, spec.hidden_size, tp, "o_proj")
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)

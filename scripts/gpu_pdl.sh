@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Device calls (nvidia-h200): programmatic dependent launch of a decode step's kernels
+# (kvcap.kernels.common.pdl_launch) against ordinary launches.
+#   bash scripts/gpu_pdl.sh tests         the dependent-launch chain test and the step kernels'
+#                                         tests compiled on the GPU (~3 min)
+#   bash scripts/gpu_pdl.sh e2e ROUND     1 and 16 x 1K decode end to end (8B shape, BF16), arms
+#                                         off / on / on with the QKV GEMM on the skinny kernel
+#                                         (~5 min per round; run rounds with alternating order)
+#   bash scripts/gpu_pdl.sh profile       the step profile of each arm (~4 min)
+# Results under $OUT (default /tmp/out).
+set -uo pipefail
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export KVCAP_COMMIT=${KVCAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+arm_env() {  # the environment of one arm
+  case $1 in
+  off) echo "KVCAP_DISABLE_PDL=1" ;;
+  on) echo "KVCAP_DISABLE_PDL=0" ;;
+  qkv) echo "KVCAP_DISABLE_PDL=0 KVCAP_SKINNY_GEMM_MAX_ROWS=16" ;;  # = the limits + QKV at <= 16
+  esac
+}
+case "${1:-}" in
+tests)
+  timeout 300 python3 -m pytest -q -m "gpu or not gpu" tests/test_pdl.py tests/test_decode_gemm.py \
+    tests/test_skinny_gemm.py tests/test_fused_ops.py 2>&1 | tail -4 | tee "$OUT/tests.txt" ;;
+e2e)
+  round=${2:-1}
+  arms="off on qkv"; [ $((round % 2)) = 0 ] && arms="qkv on off"
+  for arm in $arms; do
+    env $(arm_env $arm) timeout 150 python3 -m kvcap.bench.throughput --dtype bfloat16 \
+      --concurrency 1 16 --context 1024 --kv fp16 fp8 --out-tokens 128 --repeats 2 \
+      --out "$OUT/e2e-$arm-$round" 2>&1 | grep -E "^\|" | sed "s/^/$arm$round /"
+  done ;;
+profile)
+  for arm in off on qkv; do
+    env $(arm_env $arm) timeout 120 python3 -m kvcap.bench.step_profile --dtype bfloat16 \
+      --cells fp8:1:1024 fp16:16:1024 fp8:16:1024 --steps 100 --rows 12 \
+      --out "$OUT/step-profile-pdl-$arm.json" 2>&1 | grep -E "wall|gemm" | sed "s/^/$arm /"
+  done ;;
+*) echo "usage: $0 tests|e2e ROUND|profile"; exit 2 ;;
+esac

@@ -1,0 +1,112 @@
+"""Programmatic dependent launch of a decode step's kernels (kvcap.kernels.common.pdl_launch):
+each kernel may start while the one before it still runs and waits in-kernel for its inputs.
+On the GPU a whole layer's chain of kernels, replayed from a CUDA graph, must give the bytes it
+gives with every kernel launched the ordinary way."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvcap.kernels import common, fused_ops  # noqa: E402
+from kvcap.kernels.decode import paged_decode  # noqa: E402
+from kvcap.kernels.skinny_gemm import skinny_linear, skinny_swiglu  # noqa: E402
+from kvcap.kv_cache.pool import LayerKVCache  # noqa: E402
+
+GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def test_no_pdl_off_the_gpu_or_when_disabled(monkeypatch):
+    monkeypatch.delenv(common.ENV_DISABLE_PDL, raising=False)
+    assert common.pdl_launch(torch.device("cpu")) == {}
+    if GPU:
+        dev = torch.device("cuda")
+        want = {"launch_pdl": True} if torch.cuda.get_device_capability()[0] >= 9 else {}
+        assert common.pdl_launch(dev) == want
+        monkeypatch.setenv(common.ENV_DISABLE_PDL, "1")
+        assert common.pdl_launch(dev) == {}
+
+
+def _layer_chain(x, res, w, cos, sin, cache, slots, meta, layers):
+    """`layers` decoder layers' decode kernels in the engine's order, every layer on the same
+    weights and cache (idempotent: replays write the same bytes)."""
+    t = x.shape[0]
+    for _ in range(layers):
+        h, res = fused_ops.add_rms_norm(x, w["norm1"], 1e-5, res)
+        qkv = skinny_linear(h, w["qkv"])
+        q, _, _ = fused_ops.rope_split_qkv(qkv, cos, sin, 8, 2, 128, cache=cache,
+                                           slot_mapping=slots)
+        attn = torch.empty_like(q)
+        paged_decode(q, cache.k_cache, cache.v_cache, attn, *meta, cache.k_scale,
+                     cache.v_scale)
+        o = skinny_linear(attn.view(t, -1), w["o"])  # K split in two, reduced in the kernel
+        h, res = fused_ops.add_rms_norm(o, w["norm2"], 1e-5, res)
+        x = skinny_linear(skinny_swiglu(h, w["gate_up"]), w["down"])
+    return x, res
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs a compiled sm_90+ run")
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_graph_of_dependent_launches_matches_ordinary_launches(kv, rows, monkeypatch):
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    dev, dt = "cuda", torch.bfloat16
+
+    def rnd(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g, device=dev) * s).to(dt)
+
+    w = {"norm1": rnd(1024, s=0.5) + 1, "norm2": rnd(1024, s=0.5) + 1,
+         "qkv": rnd(1536, 1024, s=0.03), "o": rnd(1024, 1024, s=0.03),
+         "gate_up": rnd(2 * 2816, 1024, s=0.03), "down": rnd(1024, 2816, s=0.02)}
+    block, ctx = 16, 700
+    blocks_per_seq = -(-ctx // block)
+    nblocks = rows * blocks_per_seq + 3
+    fp8 = kv == "fp8"
+    cdt = torch.uint8 if fp8 else dt
+    kc = torch.zeros(nblocks, 2, block, 128, dtype=cdt, device=dev)
+    vc = torch.zeros_like(kc)
+    if fp8:  # earlier tokens: random bytes that are finite E4M3 values
+        kc.random_(0, 0x7E, generator=g)
+        vc.random_(0, 0x7E, generator=g)
+    else:
+        kc.copy_(rnd(*kc.shape))
+        vc.copy_(rnd(*vc.shape))
+    scales = ((torch.tensor(0.02, device=dev), torch.tensor(0.015, device=dev)) if fp8
+              else (None, None))
+    cache = LayerKVCache(0, kc, vc, "fp8_e4m3" if fp8 else "bf16", *scales)
+    perm = torch.randperm(nblocks, generator=g, device=dev)[:rows * blocks_per_seq]
+    tables = perm.view(rows, blocks_per_seq).to(torch.int32)
+    seq_lens = torch.full((rows,), ctx, dtype=torch.int32, device=dev)
+    seq_lens[0] = ctx - 37
+    pos = (seq_lens - 1).long()
+    slots = tables.long().gather(1, (pos // block)[:, None])[:, 0] * block + pos % block
+    qsl = torch.arange(rows + 1, dtype=torch.int32, device=dev)
+    meta = (tables, seq_lens, qsl, 128 ** -0.5, ctx)
+    freqs = pos.float()[:, None] / (10000 ** (torch.arange(0, 128, 2, device=dev) / 128))
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos().to(dt)[:, None], emb.sin().to(dt)[:, None]
+    x0, r0 = rnd(rows, 1024), rnd(rows, 1024)
+
+    monkeypatch.setenv(common.ENV_DISABLE_PDL, "1")
+    want = _layer_chain(x0, r0, w, cos, sin, cache, slots, meta, layers=4)
+    monkeypatch.delenv(common.ENV_DISABLE_PDL)
+    assert common.pdl_launch(torch.device(dev)) == {"launch_pdl": True}
+    eager = _layer_chain(x0, r0, w, cos, sin, cache, slots, meta, layers=4)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        got = _layer_chain(x0, r0, w, cos, sin, cache, slots, meta, layers=4)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(5):
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b, c in zip(want, eager, got, strict=True):
+            assert torch.equal(a, b) and torch.equal(a, c)
