@@ -15,7 +15,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 arm_env() {  # the environment of one arm
   case $1 in
   off) echo "KVCAP_DISABLE_PDL=1" ;;
-  on) echo "KVCAP_DISABLE_PDL=0" ;;
+  on) echo "KVCAP_DISABLE_PDL=0 KVCAP_PDL_RELEASE=end" ;;
+  start) echo "KVCAP_DISABLE_PDL=0 KVCAP_PDL_RELEASE=start" ;;
   qkv) echo "KVCAP_DISABLE_PDL=0 KVCAP_SKINNY_GEMM_MAX_ROWS=16" ;;  # = the limits + QKV at <= 16
   esac
 }
@@ -25,7 +26,7 @@ tests)
     tests/test_skinny_gemm.py tests/test_fused_ops.py 2>&1 | tail -4 | tee "$OUT/tests.txt" ;;
 e2e)
   round=${2:-1}
-  arms="off on qkv"; [ $((round % 2)) = 0 ] && arms="qkv on off"
+  arms=${ARMS:-off on qkv}; [ $((round % 2)) = 0 ] && arms=$(echo $arms | tr ' ' '\n' | tac)
   for arm in $arms; do
     env $(arm_env $arm) timeout 150 python3 -m kvcap.bench.throughput --dtype bfloat16 \
       --concurrency 1 16 --context 1024 --kv fp16 fp8 --out-tokens 128 --repeats 2 \

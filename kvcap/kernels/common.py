@@ -136,19 +136,37 @@ def pdl_supported(device: torch.device) -> bool:
 def pdl_launch(device: torch.device) -> dict:
     """Launch options of a decode step's kernels: {"launch_pdl": True} where programmatic
     dependent launch is supported and KVCAP_DISABLE_PDL is unset, else {}. Such a kernel may
-    start while the one before it in the stream still runs; it must call `pdl_wait` (GDC=True)
-    before it touches anything its predecessors write."""
+    start while the one before it in the stream still runs; it must call `pdl_wait` (with
+    GDC = pdl_mode()) before it touches anything its predecessors write."""
     return {"launch_pdl": True} if pdl_supported(device) and not _flag(ENV_DISABLE_PDL) else {}
+
+
+def pdl_mode(launch: dict) -> int:
+    """GDC of a kernel launched with `launch` (pdl_launch's): 0 ordinary launch; 1 wait first,
+    let the next kernel launch at the end; 2 wait first and let it launch at once
+    (KVCAP_PDL_RELEASE=start, an experiment)."""
+    if not launch:
+        return 0
+    return 2 if os.environ.get("KVCAP_PDL_RELEASE", "end") == "start" else 1
 
 
 @triton.jit
 def pdl_wait(GDC: tl.constexpr):
-    """In a kernel launched with pdl_launch's options: wait until the kernels before it have
-    finished and their writes are visible, then let the next kernel launch behind this grid.
-    Every program calls it first, so a kernel's completion implies its predecessors' and the
-    ordering stays transitive along the stream. A no-op with GDC=False."""
-    if GDC:
+    """First thing in a kernel launched with pdl_launch's options: wait until the kernels
+    before it have finished and their writes are visible. Every program calls it, so a
+    kernel's completion implies its predecessors' and ordering stays transitive along the
+    stream. A no-op with GDC=0."""
+    if GDC > 0:
         tl.extra.cuda.gdc_wait()
+    if GDC == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_release(GDC: tl.constexpr):
+    """Last thing in such a kernel: the next kernel may launch (its programs then wait in
+    pdl_wait for this grid to finish)."""
+    if GDC == 1:
         tl.extra.cuda.gdc_launch_dependents()
 
 

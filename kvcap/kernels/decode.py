@@ -43,6 +43,8 @@ from kvcap.kernels.common import (
     online_softmax_step,
     paged_row_offsets,
     pdl_launch,
+    pdl_mode,
+    pdl_release,
     pdl_wait,
     programs_per_sm,
     sm_count,
@@ -233,7 +235,7 @@ def _decode_kernel(
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
     PREFETCH: tl.constexpr, WORDS: tl.constexpr, PAIRS: tl.constexpr = False,
     FOLD: tl.constexpr = False, BLOCK_S: tl.constexpr = 8,
-    F16_DOTS: tl.constexpr = False, GDC: tl.constexpr = False,
+    F16_DOTS: tl.constexpr = False, GDC: tl.constexpr = 0,
 ):
     pdl_wait(GDC)  # q and the cache rows come from the kernel before (common.pdl_launch)
     seq = tl.program_id(0)
@@ -308,6 +310,7 @@ def _decode_kernel(
                        q_row, seq, hp * HEADS, stride_ot, stride_oh, stride_pb, stride_ph,
                        stride_ps, used_splits(seq_len, num_splits, BLOCK_N), HEADS, BLOCK_S,
                        HEAD_DIM, FP8, SOFTWARE_V)
+    pdl_release(GDC)
 
 
 @triton.jit
@@ -349,7 +352,7 @@ def _merge_kernel(
     out_ptr, po_ptr, plse_ptr, qsl_ptr, seq_lens_ptr, vs_ptr, out_factor,
     stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, num_splits,
     BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
-    GDC: tl.constexpr = False,
+    GDC: tl.constexpr = 0,
 ):
     pdl_wait(GDC)  # the partials come from the decode kernel
     seq = tl.program_id(0)
@@ -364,6 +367,7 @@ def _merge_kernel(
                        HEAD_DIM, FP8)
     dst = out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + tl.arange(0, HEAD_DIM)
     tl.store(dst, res.to(out_ptr.dtype.element_ty))
+    pdl_release(GDC)
 
 
 MAX_SPLITS = 64
@@ -721,7 +725,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8, SOFTWARE=software, SOFTWARE_V=software_v,
         USE_DOT=grouped, PREFETCH=pf, WORDS=words, PAIRS=pairs,
         FOLD=fold, BLOCK_S=max(8, triton.next_power_of_2(num_splits)),
-        DOT_DTYPE=dt, IEEE=ieee, F16_DOTS=fp16_dots, GDC=bool(pdl), num_warps=nw,
+        DOT_DTYPE=dt, IEEE=ieee, F16_DOTS=fp16_dots, GDC=pdl_mode(pdl), num_warps=nw,
         num_stages=ns, **launch, **pdl,
     )
     if num_splits > 1 and not fold:
@@ -730,7 +734,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             SOFTWARE_FP8_FACTOR if software_v else 1.0,
             out.stride(0), out.stride(1), *ps, num_splits,
             BLOCK_S=max(8, triton.next_power_of_2(num_splits)), HEAD_DIM=d,
-            FP8=fp8, BLOCK_N=bn, GDC=bool(pdl), num_warps=4 if q.device.type == "cuda" else 1,
+            FP8=fp8, BLOCK_N=bn, GDC=pdl_mode(pdl), num_warps=4 if q.device.type == "cuda" else 1,
             **pdl,
         )
     return out

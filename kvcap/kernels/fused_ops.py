@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcap.kernels.common import hardware_e4m3_encode, pdl_launch, pdl_wait
+from kvcap.kernels.common import hardware_e4m3_encode, pdl_launch, pdl_mode, pdl_release, pdl_wait
 from kvcap.kernels.store_kv import check_cache_layout, encode_e4m3
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, eps,
                          stride_x, stride_r, stride_o, stride_ro,
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
-                         GDC: tl.constexpr = False):
+                         GDC: tl.constexpr = 0):
     pdl_wait(GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -48,6 +48,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, eps,
     y = (h * inv).to(x.dtype)
     tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype),
              mask=m)
+    pdl_release(GDC)
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -64,7 +65,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         pdl = pdl_launch(x.device)
         _add_rms_norm_kernel[(t,)](
             x, r, weight, out, res_out, n, eps, x.stride(0), r.stride(0), out.stride(0),
-            res_out.stride(0), HAS_RES=residual is not None, BLOCK=block, GDC=bool(pdl),
+            res_out.stride(0), HAS_RES=residual is not None, BLOCK=block, GDC=pdl_mode(pdl),
             num_warps=max(1, min(16, block // 256)) if x.is_cuda else 1, enable_fp_fusion=False,
             **pdl)
     return out if residual is None else (out, res_out)
@@ -76,7 +77,7 @@ def _rope_split_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stride_t,
                        stride_cb, stride_ch, stride_ct,
                        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                        STORE: tl.constexpr, FP8: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                       HW_ENCODE: tl.constexpr = False, GDC: tl.constexpr = False):
+                       HW_ENCODE: tl.constexpr = False, GDC: tl.constexpr = 0):
     pdl_wait(GDC)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -103,6 +104,7 @@ def _rope_split_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stride_t,
         if STORE:
             _store_row(x, vc_ptr, vs_ptr, slot_ptr, t, h - HQ - HKV, d, stride_cb, stride_ch,
                        stride_ct, FP8, BLOCK_SIZE, HW_ENCODE)
+    pdl_release(GDC)
 
 
 @triton.jit
@@ -159,7 +161,7 @@ def rope_split_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
             kc, vc, slot_mapping, ks, vs, *strides,
             HQ=num_heads, HKV=num_kv_heads, D=head_dim, STORE=store, FP8=fp8,
             BLOCK_SIZE=block_size, HW_ENCODE=fp8 and hardware_e4m3_encode(qkv.device, fp8_mode),
-            GDC=bool(pdl), num_warps=1 if head_dim <= 128 else 2,
+            GDC=pdl_mode(pdl), num_warps=1 if head_dim <= 128 else 2,
             enable_fp_fusion=False, **pdl)  # no FMA: each product rounds as torch rounds it
     return q, k, v
 

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcap.kernels.common import pdl_launch, pdl_wait
+from kvcap.kernels.common import pdl_launch, pdl_mode, pdl_release, pdl_wait
 
 MAX_ROWS = 64
 
@@ -38,7 +38,7 @@ MAX_ROWS = 64
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, stride_xm,
                         stride_wn, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                        GDC: tl.constexpr = False):
+                        GDC: tl.constexpr = 0):
     pdl_wait(GDC)
     pid = tl.program_id(0)
     k0 = tl.program_id(1) * k_split  # this program's K range: [k0, k0 + k_split) within K
@@ -83,6 +83,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, 
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(ws + s * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
             tl.store(yp, total.to(y_ptr.dtype.element_ty), mask=ymask)
+    pdl_release(GDC)
 
 
 @triton.jit
@@ -90,7 +91,7 @@ def _skinny_gemm_swiglu_kernel(x_ptr, w_ptr, y_ptr, M, INTER, K, stride_xm, stri
                                stride_ym,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                               GDC: tl.constexpr = False):
+                               GDC: tl.constexpr = 0):
     pdl_wait(GDC)
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
@@ -125,6 +126,7 @@ def _skinny_gemm_swiglu_kernel(x_ptr, w_ptr, y_ptr, M, INTER, K, stride_xm, stri
     y = (silu.to(tl.float32) * acc_u.to(dtype).to(tl.float32)).to(dtype)
     yp = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
     tl.store(yp, y, mask=mmask[:, None] & nmask[None, :])
+    pdl_release(GDC)
 
 
 def default_config(n: int, k: int, device: torch.device) -> tuple[int, int, int, int, int]:
@@ -185,7 +187,7 @@ def skinny_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | 
     _skinny_gemm_swiglu_kernel[(triton.cdiv(inter, bn),)](
         x, w_gate_up, out, m, inter, k, x.stride(0), w_gate_up.stride(0), out.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk,
-        EVEN_K=k % bk == 0, GDC=bool(pdl), num_warps=nw, num_stages=ns, enable_fp_fusion=False,
+        EVEN_K=k % bk == 0, GDC=pdl_mode(pdl), num_warps=nw, num_stages=ns, enable_fp_fusion=False,
         **pdl)
     return out
 
@@ -233,5 +235,5 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     _skinny_gemm_kernel[(tiles, sk)](
         x, w, out, ws, cnt, m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0 and k_split % bk == 0,
-        SPLIT_K=sk, GDC=bool(pdl), num_warps=nw, num_stages=ns, **pdl)
+        SPLIT_K=sk, GDC=pdl_mode(pdl), num_warps=nw, num_stages=ns, **pdl)
     return out
