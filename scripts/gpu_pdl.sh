@@ -12,12 +12,15 @@ set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export KVCAP_COMMIT=${KVCAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-arm_env() {  # the environment of one arm
+arm_env() {  # the environment of one arm; every PDL arm has the QKV GEMM on the skinny kernel
+  local qkv="KVCAP_DISABLE_PDL=0 KVCAP_SKINNY_GEMM_MAX_ROWS=16"  # = the limits + QKV at <= 16
   case $1 in
   off) echo "KVCAP_DISABLE_PDL=1" ;;
-  on) echo "KVCAP_DISABLE_PDL=0 KVCAP_PDL_RELEASE=end" ;;
-  start) echo "KVCAP_DISABLE_PDL=0 KVCAP_PDL_RELEASE=start" ;;
-  qkv) echo "KVCAP_DISABLE_PDL=0 KVCAP_SKINNY_GEMM_MAX_ROWS=16" ;;  # = the limits + QKV at <= 16
+  end) echo "$qkv KVCAP_PDL_RELEASE=end" ;;
+  small) echo "$qkv KVCAP_PDL_RELEASE=small" ;;
+  smallpf2) echo "$qkv KVCAP_PDL_RELEASE=small KVCAP_PDL_PREFETCH=2" ;;
+  smallpf4) echo "$qkv KVCAP_PDL_RELEASE=small KVCAP_PDL_PREFETCH=4" ;;
+  endpf2) echo "$qkv KVCAP_PDL_RELEASE=end KVCAP_PDL_PREFETCH=2" ;;
   esac
 }
 case "${1:-}" in
@@ -26,14 +29,16 @@ tests)
     tests/test_skinny_gemm.py tests/test_fused_ops.py 2>&1 | tail -4 | tee "$OUT/tests.txt" ;;
 e2e)
   round=${2:-1}
-  arms=${ARMS:-off on qkv}; [ $((round % 2)) = 0 ] && arms=$(echo $arms | tr ' ' '\n' | tac)
+  arms=${ARMS:-off end small smallpf2}; [ $((round % 2)) = 0 ] && arms=$(echo $arms | tr ' ' '\n' | tac)
   for arm in $arms; do
     env $(arm_env $arm) timeout 150 python3 -m kvcap.bench.throughput --dtype bfloat16 \
       --concurrency 1 16 --context 1024 --kv fp16 fp8 --out-tokens 128 --repeats 2 \
-      --out "$OUT/e2e-$arm-$round" 2>&1 | grep -E "^\|" | sed "s/^/$arm$round /"
+      --out "/tmp/e2e-$arm-$round" 2>&1 | grep -E "^\|" | grep -v -- "---\|concurrency" \
+      | sed "s/^/$arm$round /"
+    cp /tmp/e2e-$arm-$round/*.json "$OUT/e2e-$arm-$round.json"
   done ;;
 profile)
-  for arm in off on qkv; do
+  for arm in ${ARMS:-off end small smallpf2}; do
     env $(arm_env $arm) timeout 120 python3 -m kvcap.bench.step_profile --dtype bfloat16 \
       --cells fp8:1:1024 fp16:16:1024 fp8:16:1024 --steps 100 --rows 12 \
       --out "$OUT/step-profile-pdl-$arm.json" 2>&1 | grep -E "wall|gemm" | sed "s/^/$arm /"

@@ -53,11 +53,13 @@ def _layer_chain(x, res, w, cos, sin, cache, slots, meta, layers):
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs a compiled sm_90+ run")
-@pytest.mark.parametrize("release", ["end", "start"])
+@pytest.mark.parametrize("release,prefetch", [("end", "0"), ("start", "0"), ("small", "2")])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("rows", [1, 16])
-def test_graph_of_dependent_launches_matches_ordinary_launches(kv, rows, release, monkeypatch):
+def test_graph_of_dependent_launches_matches_ordinary_launches(kv, rows, release, prefetch,
+                                                               monkeypatch):
     monkeypatch.setenv("KVCAP_PDL_RELEASE", release)
+    monkeypatch.setenv("KVCAP_PDL_PREFETCH", prefetch)
     g = torch.Generator(device="cuda").manual_seed(rows)
     dev, dt = "cuda", torch.bfloat16
 

@@ -141,13 +141,27 @@ def pdl_launch(device: torch.device) -> dict:
     return {"launch_pdl": True} if pdl_supported(device) and not _flag(ENV_DISABLE_PDL) else {}
 
 
-def pdl_mode(launch: dict) -> int:
+def pdl_mode(launch: dict, small: bool = False) -> int:
     """GDC of a kernel launched with `launch` (pdl_launch's): 0 ordinary launch; 1 wait first,
     let the next kernel launch at the end; 2 wait first and let it launch at once
-    (KVCAP_PDL_RELEASE=start, an experiment)."""
+    (KVCAP_PDL_RELEASE=start for every kernel, =small for the `small` ones: experiments)."""
     if not launch:
         return 0
-    return 2 if os.environ.get("KVCAP_PDL_RELEASE", "end") == "start" else 1
+    mode = os.environ.get("KVCAP_PDL_RELEASE", "end")
+    return 2 if mode == "start" or (mode == "small" and small) else 1
+
+
+def pdl_prefetch_steps(launch: dict) -> int:
+    """K steps of its weight a skinny GEMM launched as a dependent asks L2 for before it waits
+    (KVCAP_PDL_PREFETCH, an experiment; 0: none)."""
+    return int(os.environ.get("KVCAP_PDL_PREFETCH", "0")) if launch else 0
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at `ptrs` (no registers or shared memory kept)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

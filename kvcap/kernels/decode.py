@@ -734,7 +734,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             SOFTWARE_FP8_FACTOR if software_v else 1.0,
             out.stride(0), out.stride(1), *ps, num_splits,
             BLOCK_S=max(8, triton.next_power_of_2(num_splits)), HEAD_DIM=d,
-            FP8=fp8, BLOCK_N=bn, GDC=pdl_mode(pdl), num_warps=4 if q.device.type == "cuda" else 1,
+            FP8=fp8, BLOCK_N=bn, GDC=pdl_mode(pdl, small=True),
+            num_warps=4 if q.device.type == "cuda" else 1,
             **pdl,
         )
     return out
