@@ -4,23 +4,21 @@
 #   bash scripts/gpu_pdl.sh tests         the dependent-launch chain test and the step kernels'
 #                                         tests compiled on the GPU (~3 min)
 #   bash scripts/gpu_pdl.sh e2e ROUND     1 and 16 x 1K decode end to end (8B shape, BF16), arms
-#                                         off / on / on with the QKV GEMM on the skinny kernel
-#                                         (~5 min per round; run rounds with alternating order)
+#                                         off / auto (the release rule) / end (every kernel
+#                                         releases its successor at its end); ARMS, CONC, CTX
+#                                         override (~3 min per round; alternate the order)
 #   bash scripts/gpu_pdl.sh profile       the step profile of each arm (~4 min)
 # Results under $OUT (default /tmp/out).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export KVCAP_COMMIT=${KVCAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-arm_env() {  # the environment of one arm; every PDL arm has the QKV GEMM on the skinny kernel
-  local qkv="KVCAP_DISABLE_PDL=0 KVCAP_SKINNY_GEMM_MAX_ROWS=16"  # = the limits + QKV at <= 16
+arm_env() {  # the environment of one arm (the QKV GEMM on the skinny kernel at <= 16 rows in all)
   case $1 in
   off) echo "KVCAP_DISABLE_PDL=1" ;;
-  end) echo "$qkv KVCAP_PDL_RELEASE=end" ;;
-  small) echo "$qkv KVCAP_PDL_RELEASE=small" ;;
-  smallpf2) echo "$qkv KVCAP_PDL_RELEASE=small KVCAP_PDL_PREFETCH=2" ;;
-  smallpf4) echo "$qkv KVCAP_PDL_RELEASE=small KVCAP_PDL_PREFETCH=4" ;;
-  endpf2) echo "$qkv KVCAP_PDL_RELEASE=end KVCAP_PDL_PREFETCH=2" ;;
+  auto) echo "KVCAP_DISABLE_PDL=0" ;;
+  end) echo "KVCAP_DISABLE_PDL=0 KVCAP_PDL_RELEASE=end" ;;
+  start) echo "KVCAP_DISABLE_PDL=0 KVCAP_PDL_RELEASE=start" ;;
   esac
 }
 case "${1:-}" in
@@ -29,16 +27,17 @@ tests)
     tests/test_skinny_gemm.py tests/test_fused_ops.py 2>&1 | tail -4 | tee "$OUT/tests.txt" ;;
 e2e)
   round=${2:-1}
-  arms=${ARMS:-off end small smallpf2}; [ $((round % 2)) = 0 ] && arms=$(echo $arms | tr ' ' '\n' | tac)
+  arms=${ARMS:-off auto end}; [ $((round % 2)) = 0 ] && arms=$(echo $arms | tr ' ' '\n' | tac)
   for arm in $arms; do
     env $(arm_env $arm) timeout 150 python3 -m kvcap.bench.throughput --dtype bfloat16 \
-      --concurrency 1 16 --context 1024 --kv fp16 fp8 --out-tokens 128 --repeats 2 \
+      --concurrency ${CONC:-1 16} --context ${CTX:-1024} --kv fp16 fp8 --out-tokens 128 \
+      --repeats 2 \
       --out "/tmp/e2e-$arm-$round" 2>&1 | grep -E "^\|" | grep -v -- "---\|concurrency" \
       | sed "s/^/$arm$round /"
     cp /tmp/e2e-$arm-$round/*.json "$OUT/e2e-$arm-$round.json"
   done ;;
 profile)
-  for arm in ${ARMS:-off end small smallpf2}; do
+  for arm in ${ARMS:-off auto end}; do
     env $(arm_env $arm) timeout 120 python3 -m kvcap.bench.step_profile --dtype bfloat16 \
       --cells fp8:1:1024 fp16:16:1024 fp8:16:1024 --steps 100 --rows 12 \
       --out "$OUT/step-profile-pdl-$arm.json" 2>&1 | grep -E "wall|gemm" | sed "s/^/$arm /"

@@ -21,6 +21,20 @@ from kvcap.kv_cache.pool import LayerKVCache  # noqa: E402
 GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 
 
+def test_release_rule(monkeypatch):
+    """Grids of at most one program per SM let the next kernel launch at once, larger ones at
+    their end; an ordinary launch waits for nothing (sm_count is 4 off the GPU)."""
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("KVCAP_PDL_RELEASE", raising=False)
+    on = {"launch_pdl": True}
+    assert common.pdl_mode({}, 1, cpu) == 0
+    assert common.pdl_mode(on, 4, cpu) == 2 and common.pdl_mode(on, 5, cpu) == 1
+    monkeypatch.setenv("KVCAP_PDL_RELEASE", "end")
+    assert common.pdl_mode(on, 1, cpu) == 1
+    monkeypatch.setenv("KVCAP_PDL_RELEASE", "start")
+    assert common.pdl_mode(on, 500, cpu) == 2 and common.pdl_mode({}, 500, cpu) == 0
+
+
 def test_no_pdl_off_the_gpu_or_when_disabled(monkeypatch):
     monkeypatch.delenv(common.ENV_DISABLE_PDL, raising=False)
     assert common.pdl_launch(torch.device("cpu")) == {}
@@ -53,13 +67,11 @@ def _layer_chain(x, res, w, cos, sin, cache, slots, meta, layers):
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs a compiled sm_90+ run")
-@pytest.mark.parametrize("release,prefetch", [("end", "0"), ("start", "0"), ("small", "2")])
+@pytest.mark.parametrize("release", ["", "end", "start"])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("rows", [1, 16])
-def test_graph_of_dependent_launches_matches_ordinary_launches(kv, rows, release, prefetch,
-                                                               monkeypatch):
-    monkeypatch.setenv("KVCAP_PDL_RELEASE", release)
-    monkeypatch.setenv("KVCAP_PDL_PREFETCH", prefetch)
+def test_graph_of_dependent_launches_matches_ordinary_launches(kv, rows, release, monkeypatch):
+    monkeypatch.setenv("KVCAP_PDL_RELEASE", release)  # "": the rule
     g = torch.Generator(device="cuda").manual_seed(rows)
     dev, dt = "cuda", torch.bfloat16
 

@@ -137,31 +137,24 @@ def pdl_launch(device: torch.device) -> dict:
     """Launch options of a decode step's kernels: {"launch_pdl": True} where programmatic
     dependent launch is supported and KVCAP_DISABLE_PDL is unset, else {}. Such a kernel may
     start while the one before it in the stream still runs; it must call `pdl_wait` (with
-    GDC = pdl_mode()) before it touches anything its predecessors write."""
+    GDC = pdl_mode(...)) before it touches anything its predecessors write, and `pdl_release`
+    last."""
     return {"launch_pdl": True} if pdl_supported(device) and not _flag(ENV_DISABLE_PDL) else {}
 
 
-def pdl_mode(launch: dict, small: bool = False) -> int:
-    """GDC of a kernel launched with `launch` (pdl_launch's): 0 ordinary launch; 1 wait first,
-    let the next kernel launch at the end; 2 wait first and let it launch at once
-    (KVCAP_PDL_RELEASE=start for every kernel, =small for the `small` ones: experiments)."""
+def pdl_mode(launch: dict, programs: int, device: torch.device) -> int:
+    """GDC of a kernel of `programs` programs launched with `launch` (pdl_launch's): 0 an
+    ordinary launch; 1 wait first, let the next kernel launch when this one's programs end;
+    2 wait first and let it launch at once. 2 only for grids that fit one program per SM: the
+    next kernel's programs are then placed while this one runs, and where this grid covers
+    the SMs they crowd onto the few with room left (on the H200 releasing every kernel at
+    once lost 3-6% at 16 x 1K, docs/kernels.md). KVCAP_PDL_RELEASE=end|start forces 1|2."""
     if not launch:
         return 0
-    mode = os.environ.get("KVCAP_PDL_RELEASE", "end")
-    return 2 if mode == "start" or (mode == "small" and small) else 1
-
-
-def pdl_prefetch_steps(launch: dict) -> int:
-    """K steps of its weight a skinny GEMM launched as a dependent asks L2 for before it waits
-    (KVCAP_PDL_PREFETCH, an experiment; 0: none)."""
-    return int(os.environ.get("KVCAP_PDL_PREFETCH", "0")) if launch else 0
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines at `ptrs` (no registers or shared memory kept)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
+    forced = os.environ.get("KVCAP_PDL_RELEASE", "").strip()
+    if forced in ("end", "start"):
+        return 1 if forced == "end" else 2
+    return 2 if programs <= sm_count(device) else 1
 
 
 @triton.jit

@@ -725,7 +725,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8, SOFTWARE=software, SOFTWARE_V=software_v,
         USE_DOT=grouped, PREFETCH=pf, WORDS=words, PAIRS=pairs,
         FOLD=fold, BLOCK_S=max(8, triton.next_power_of_2(num_splits)),
-        DOT_DTYPE=dt, IEEE=ieee, F16_DOTS=fp16_dots, GDC=pdl_mode(pdl), num_warps=nw,
+        DOT_DTYPE=dt, IEEE=ieee, F16_DOTS=fp16_dots,
+        GDC=pdl_mode(pdl, num_seqs * head_programs * num_splits, q.device), num_warps=nw,
         num_stages=ns, **launch, **pdl,
     )
     if num_splits > 1 and not fold:
@@ -734,7 +735,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             SOFTWARE_FP8_FACTOR if software_v else 1.0,
             out.stride(0), out.stride(1), *ps, num_splits,
             BLOCK_S=max(8, triton.next_power_of_2(num_splits)), HEAD_DIM=d,
-            FP8=fp8, BLOCK_N=bn, GDC=pdl_mode(pdl, small=True),
+            FP8=fp8, BLOCK_N=bn, GDC=pdl_mode(pdl, num_seqs * hq, q.device),
             num_warps=4 if q.device.type == "cuda" else 1,
             **pdl,
         )

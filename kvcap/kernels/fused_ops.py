@@ -66,7 +66,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _add_rms_norm_kernel[(t,)](
             x, r, weight, out, res_out, n, eps, x.stride(0), r.stride(0), out.stride(0),
             res_out.stride(0), HAS_RES=residual is not None, BLOCK=block,
-            GDC=pdl_mode(pdl, small=True),
+            GDC=pdl_mode(pdl, t, x.device),
             num_warps=max(1, min(16, block // 256)) if x.is_cuda else 1, enable_fp_fusion=False,
             **pdl)
     return out if residual is None else (out, res_out)
@@ -162,7 +162,8 @@ def rope_split_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
             kc, vc, slot_mapping, ks, vs, *strides,
             HQ=num_heads, HKV=num_kv_heads, D=head_dim, STORE=store, FP8=fp8,
             BLOCK_SIZE=block_size, HW_ENCODE=fp8 and hardware_e4m3_encode(qkv.device, fp8_mode),
-            GDC=pdl_mode(pdl, small=True), num_warps=1 if head_dim <= 128 else 2,
+            GDC=pdl_mode(pdl, t * (num_heads + 2 * num_kv_heads), qkv.device),
+            num_warps=1 if head_dim <= 128 else 2,
             enable_fp_fusion=False, **pdl)  # no FMA: each product rounds as torch rounds it
     return q, k, v
 

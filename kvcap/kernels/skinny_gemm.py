@@ -29,14 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcap.kernels.common import (
-    pdl_launch,
-    pdl_mode,
-    pdl_prefetch_steps,
-    pdl_release,
-    pdl_wait,
-    prefetch_l2,
-)
+from kvcap.kernels.common import pdl_launch, pdl_mode, pdl_release, pdl_wait
 
 MAX_ROWS = 64
 
@@ -45,16 +38,12 @@ MAX_ROWS = 64
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, stride_xm,
                         stride_wn, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                        GDC: tl.constexpr = 0, PREFETCH: tl.constexpr = 0):
+                        GDC: tl.constexpr = 0):
+    pdl_wait(GDC)  # x comes from the kernel before (common.pdl_launch)
     pid = tl.program_id(0)
     k0 = tl.program_id(1) * k_split  # this program's K range: [k0, k0 + k_split) within K
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PREFETCH > 0:  # the weight does not depend on the kernels before: start on it
-        pc = k0 + tl.arange(0, PREFETCH * BLOCK_K // 64) * 64
-        prefetch_l2(w_ptr + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * stride_wn
-                    + tl.minimum(pc, K - 1)[None, :])
-    pdl_wait(GDC)
     rk = tl.arange(0, BLOCK_K)
     mmask = rm < M
     nmask = rn < N
@@ -102,16 +91,11 @@ def _skinny_gemm_swiglu_kernel(x_ptr, w_ptr, y_ptr, M, INTER, K, stride_xm, stri
                                stride_ym,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                               GDC: tl.constexpr = 0, PREFETCH: tl.constexpr = 0):
+                               GDC: tl.constexpr = 0):
+    pdl_wait(GDC)
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PREFETCH > 0:  # gate and up rows of the first K steps, before waiting for x
-        pc = tl.minimum(tl.arange(0, PREFETCH * BLOCK_K // 64) * 64, K - 1)
-        rows = tl.minimum(rn, INTER - 1)[:, None].to(tl.int64)
-        prefetch_l2(w_ptr + rows * stride_wn + pc[None, :])
-        prefetch_l2(w_ptr + (rows + INTER) * stride_wn + pc[None, :])
-    pdl_wait(GDC)
     rk = tl.arange(0, BLOCK_K)
     mmask = rm < M
     nmask = rn < INTER
@@ -200,10 +184,11 @@ def skinny_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | 
     if out is None:
         out = torch.empty((m, inter), dtype=x.dtype, device=x.device)
     pdl = pdl_launch(x.device)
-    _skinny_gemm_swiglu_kernel[(triton.cdiv(inter, bn),)](
+    grid = (triton.cdiv(inter, bn),)
+    _skinny_gemm_swiglu_kernel[grid](
         x, w_gate_up, out, m, inter, k, x.stride(0), w_gate_up.stride(0), out.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk,
-        EVEN_K=k % bk == 0, GDC=pdl_mode(pdl), PREFETCH=pdl_prefetch_steps(pdl), num_warps=nw,
+        EVEN_K=k % bk == 0, GDC=pdl_mode(pdl, grid[0], x.device), num_warps=nw,
         num_stages=ns, enable_fp_fusion=False, **pdl)
     return out
 
@@ -251,6 +236,6 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     _skinny_gemm_kernel[(tiles, sk)](
         x, w, out, ws, cnt, m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0 and k_split % bk == 0,
-        SPLIT_K=sk, GDC=pdl_mode(pdl), PREFETCH=pdl_prefetch_steps(pdl), num_warps=nw,
-        num_stages=ns, **pdl)
+        SPLIT_K=sk, GDC=pdl_mode(pdl, tiles * sk, x.device), num_warps=nw, num_stages=ns,
+        **pdl)
     return out

@@ -28,9 +28,11 @@ MAX_ROWS_ENV = "KVCAP_SKINNY_GEMM_MAX_ROWS"
 
 # kvcap.kernels.skinny_gemm.MAX_ROWS, not imported: a CPU install need not have triton.
 SKINNY_MAX_ROWS = 64
-# Rows up to which each kind beats cuBLAS end to end on the H200 (docs/kernels.md); 0: always
-# cuBLAS (the bias-free QKV projection: the skinny kernel took 1.02x cuBLAS's time, 2026-12-01).
-ROW_LIMITS = {"qkv_proj": 0, "o_proj": 32, "down_proj": 16, "swiglu": 32, "lm_head": 64}
+# Rows up to which each kind beats cuBLAS end to end on the H200 (docs/kernels.md). The
+# bias-free QKV projection alone took 1.02x cuBLAS's time (2026-12-01); it joins at <= 16 rows
+# so that a decode step's chain of programmatic dependent launches (kernels.common.pdl_launch)
+# is not broken by a cuBLAS kernel once per layer.
+ROW_LIMITS = {"qkv_proj": 16, "o_proj": 32, "down_proj": 16, "swiglu": 32, "lm_head": 64}
 
 
 @functools.cache
