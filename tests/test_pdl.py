@@ -37,13 +37,14 @@ def test_release_rule(monkeypatch):
 
 def test_no_pdl_off_the_gpu_or_when_disabled(monkeypatch):
     monkeypatch.delenv(common.ENV_DISABLE_PDL, raising=False)
-    assert common.pdl_launch(torch.device("cpu")) == {}
+    assert common.pdl_launch(torch.device("cpu"), 1) == {}
     if GPU:
         dev = torch.device("cuda")
         want = {"launch_pdl": True} if torch.cuda.get_device_capability()[0] >= 9 else {}
-        assert common.pdl_launch(dev) == want
+        assert common.pdl_launch(dev, common.PDL_MAX_ROWS) == want
+        assert common.pdl_launch(dev, common.PDL_MAX_ROWS + 1) == {}
         monkeypatch.setenv(common.ENV_DISABLE_PDL, "1")
-        assert common.pdl_launch(dev) == {}
+        assert common.pdl_launch(dev, 1) == {}
 
 
 def _layer_chain(x, res, w, cos, sin, cache, slots, meta, layers):
@@ -113,7 +114,7 @@ def test_graph_of_dependent_launches_matches_ordinary_launches(kv, rows, release
     monkeypatch.setenv(common.ENV_DISABLE_PDL, "1")
     want = _layer_chain(x0, r0, w, cos, sin, cache, slots, meta, layers=4)
     monkeypatch.delenv(common.ENV_DISABLE_PDL)
-    assert common.pdl_launch(torch.device(dev)) == {"launch_pdl": True}
+    assert common.pdl_launch(torch.device(dev), rows) == {"launch_pdl": True}
     eager = _layer_chain(x0, r0, w, cos, sin, cache, slots, meta, layers=4)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()

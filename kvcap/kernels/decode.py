@@ -714,7 +714,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ps = (hq * num_splits, num_splits, 1)
     dt, ieee = dot_dtype(torch.float16 if fp16_dots else q.dtype)
     launch = {"maxnreg": maxnreg} if maxnreg and q.device.type == "cuda" else {}  # 0: no cap
-    pdl = pdl_launch(q.device)
+    pdl = pdl_launch(q.device, num_seqs)
     _decode_kernel[(num_seqs, head_programs, num_splits)](
         q, k_cache, v_cache, out, po, plse, counters, block_tables, seq_lens, query_start_loc,
         k_scale if fp8 else dummy, v_scale if fp8 else dummy, softmax_scale * LOG2E,

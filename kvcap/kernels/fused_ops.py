@@ -62,7 +62,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if t:
         r = residual if residual is not None else x
         block = triton.next_power_of_2(n)
-        pdl = pdl_launch(x.device)
+        pdl = pdl_launch(x.device, t)
         _add_rms_norm_kernel[(t,)](
             x, r, weight, out, res_out, n, eps, x.stride(0), r.stride(0), out.stride(0),
             res_out.stride(0), HAS_RES=residual is not None, BLOCK=block,
@@ -156,7 +156,7 @@ def rope_split_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
         else:  # unused placeholders (STORE=False)
             kc = vc = slot_mapping = ks = vs = qkv
             strides, block_size = (0, 0, 0), 1
-        pdl = pdl_launch(qkv.device)
+        pdl = pdl_launch(qkv.device, t)
         _rope_split_kernel[(t, num_heads + 2 * num_kv_heads)](
             qkv, cos, sin, q, k, v, qkv.stride(0), cos.stride(0),
             kc, vc, slot_mapping, ks, vs, *strides,

@@ -183,7 +183,7 @@ def skinny_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | 
     bn, bk, nw, ns = block_n or bn, block_k or bk, num_warps or nw, num_stages or ns
     if out is None:
         out = torch.empty((m, inter), dtype=x.dtype, device=x.device)
-    pdl = pdl_launch(x.device)
+    pdl = pdl_launch(x.device, m)
     grid = (triton.cdiv(inter, bn),)
     _skinny_gemm_swiglu_kernel[grid](
         x, w_gate_up, out, m, inter, k, x.stride(0), w_gate_up.stride(0), out.stride(0),
@@ -232,7 +232,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     sk = triton.cdiv(k, k_split)  # a split never starts past K
     ws, cnt = (_split_state(x.device, tiles, sk, block_m, bn) if sk > 1
                else (out, out))  # unused when SPLIT_K == 1
-    pdl = pdl_launch(x.device)
+    pdl = pdl_launch(x.device, m)
     _skinny_gemm_kernel[(tiles, sk)](
         x, w, out, ws, cnt, m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0 and k_split % bk == 0,
