@@ -134,7 +134,7 @@ def pdl_supported(device: torch.device) -> bool:
 
 
 # Token rows up to which a step's kernels launch as programmatic dependents: on the H200 the
-# 8B shape's decode steps gained 1.4-1.8% at 1 and 16 rows (every kernel of a layer is then
+# 8B shape's decode steps gained 1.4-2.0% at 1 and 16 rows (every kernel of a layer is then
 # kvcap's: the skinny GEMMs) and lost 0.9% at 64 rows, where the GEMMs are cuBLAS's.
 PDL_MAX_ROWS = 16
 
