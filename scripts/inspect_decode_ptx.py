@@ -67,7 +67,8 @@ def inspect_rope(args, fp8: bool) -> int:
 
     hw = fp8 and args.encoder == "hardware"
     consts = dict(HQ=32, HKV=8, D=args.head_dim, STORE=True, FP8=fp8, BLOCK_SIZE=16,
-                  HW_ENCODE=hw)
+                  HW_ENCODE=hw, GDC=0)  # GDC: an ordinary launch (a constexpr left out
+    # would compile as a runtime argument, with its programmatic-launch branch)
     nw = 1 if args.head_dim <= 128 else 2
     k = compile_kernel(fused_ops._rope_split_kernel, consts, fp8, args.sm, nw, 1, None, args.dtype)
     print(f"triton {triton.__version__}, sm_{args.sm}, rope write, cache {args.cache}, "
@@ -250,7 +251,8 @@ def main() -> int:
                   SOFTWARE_V=args.cache == "software" or args.mixed,
                   USE_DOT=True, IEEE=False, PREFETCH=False,
                   DOT_DTYPE=tl.bfloat16 if args.dtype == "bf16" and not f16_dots else tl.float16,
-                  WORDS=args.words, PAIRS=args.pairs, FOLD=True, BLOCK_S=8, F16_DOTS=f16_dots)
+                  WORDS=args.words, PAIRS=args.pairs, FOLD=True, BLOCK_S=8, F16_DOTS=f16_dots,
+                  GDC=0)
     k = compile_kernel(decode._decode_kernel, consts, fp8, args.sm, args.num_warps,
                        args.num_stages, args.maxnreg, args.dtype)
     ptx = k.asm["ptx"]
