@@ -35,6 +35,12 @@ def test_release_rule(monkeypatch):
     assert common.pdl_mode(on, 500, cpu) == 2 and common.pdl_mode({}, 500, cpu) == 0
 
 
+def test_this_triton_has_programmatic_launch():
+    """CI's and the H200's Triton launch dependents; the check is what keeps an older one on
+    ordinary launches instead of failing on an unknown option."""
+    assert common._triton_has_pdl()
+
+
 def test_no_pdl_off_the_gpu_or_when_disabled(monkeypatch):
     monkeypatch.delenv(common.ENV_DISABLE_PDL, raising=False)
     assert common.pdl_launch(torch.device("cpu"), 1) == {}

@@ -128,9 +128,31 @@ def fp16_dots_enabled() -> bool:
     return not _flag(ENV_DISABLE_FP16_DOTS)
 
 
+def _triton_has_pdl() -> bool:
+    """Whether this Triton launches programmatic dependents (the `launch_pdl` launch option and
+    tl.extra.cuda.gdc_wait, Triton >= 3.3 or so): older ones launch the ordinary way."""
+    try:
+        import dataclasses
+
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        fields = {f.name for f in dataclasses.fields(CUDAOptions)}
+        return "launch_pdl" in fields and hasattr(tl.extra.cuda, "gdc_wait")
+    except (ImportError, AttributeError, TypeError):
+        return False
+
+
+_TRITON_HAS_PDL: list[bool] = []
+
+
 def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch (griddepcontrol): sm_90+ CUDA, compiled kernels only."""
-    return device.type == "cuda" and not interpreting() and capability(device) >= (9, 0)
+    """Programmatic dependent launch (griddepcontrol): sm_90+ CUDA, compiled kernels, a Triton
+    that has it."""
+    if device.type != "cuda" or interpreting() or capability(device) < (9, 0):
+        return False
+    if not _TRITON_HAS_PDL:
+        _TRITON_HAS_PDL.append(_triton_has_pdl())
+    return _TRITON_HAS_PDL[0]
 
 
 # Token rows up to which a step's kernels launch as programmatic dependents: on the H200 the
