@@ -64,3 +64,15 @@ def test_split_k_is_exact_deterministic_and_reusable(m, n, k, bk, split):
     from kvcap.kernels.skinny_gemm import _SPLIT_STATE
 
     assert _SPLIT_STATE and all(int(cnt.abs().sum()) == 0 for _, cnt in _SPLIT_STATE.values())
+
+
+def test_split_state_is_never_created_during_graph_capture(monkeypatch):
+    """The split-K partials and counters of a new launch shape are allocated by an eager call;
+    a first call inside CUDA graph capture is refused with what to do (checked before any
+    allocation, so the CPU can test it)."""
+    from kvcap.kernels import skinny_gemm
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ValueError, match="make one call of this shape before capturing"):
+        skinny_gemm._split_state(torch.device("cuda", 0), 7, 3, 16, 32)
+    assert (torch.device("cuda", 0), 7, 3, 16, 32) not in skinny_gemm._SPLIT_STATE

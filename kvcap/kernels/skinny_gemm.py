@@ -201,10 +201,16 @@ def _split_state(device: torch.device, tiles: int, split_k: int, block_m: int,
     """The FP32 partials and the zeroed arrival counters of one split-K launch shape, kept per
     device and shape: allocated by the first (eager) call, so CUDA graphs capture a fixed
     address, and the counters are back at 0 after every call. Calls of one shape share them,
-    so they must be ordered on one stream (a model's forward is)."""
+    so they must be ordered on one stream (a model's forward is). Never created during CUDA
+    graph capture: the graph's private pool would own them, and their zeroing would only
+    happen when the graph replays."""
     key = (device, tiles, split_k, block_m, block_n)
     state = _SPLIT_STATE.get(key)
     if state is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"a split-K skinny_linear of {tiles} tiles x {split_k} splits runs "
+                             "for the first time inside CUDA graph capture: make one call of "
+                             "this shape before capturing")
         state = (torch.empty(tiles * split_k * block_m * block_n, dtype=torch.float32,
                              device=device),
                  torch.zeros(tiles, dtype=torch.int32, device=device))
