@@ -18,9 +18,12 @@ dtype, SiLU is computed in FP32 and rounded, the product in FP32 and rounded (as
 
 On the H200 at 16 rows (docs/benchmarks/gemm-2026-12-03-h200.json, `python -m kvcap.bench.gemm`)
 the defaults take 0.91-0.98x cuBLAS's time on the Llama-3.1-8B o_proj, down_proj and LM head
-(94% of the read ceiling there) and 0.93x cuBLAS + the activation kernel on gate/up; QKV stays
-on cuBLAS (no gain, 2026-12-01). Which linears the model routes here, up to how many rows, is
-kvcap.models.decode_gemm's rule (docs/kernels.md, "Twentieth change").
+(94% of the read ceiling there) and 0.93x cuBLAS + the activation kernel on gate/up; QKV alone
+took 1.02x cuBLAS's (2026-12-01) and comes here at <= 16 rows only so that a step's kernels
+launch as programmatic dependents without a cuBLAS kernel between them (kernels.common
+.pdl_launch; every kernel here waits with pdl_wait). Which linears the model routes here, up to
+how many rows, is kvcap.models.decode_gemm's rule (docs/kernels.md, "Twentieth change",
+"Twenty-second change").
 """
 
 from __future__ import annotations

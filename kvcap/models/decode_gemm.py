@@ -3,7 +3,9 @@
 A decode step's linears read their whole weight for a few rows. For the row-parallel output
 projection cuBLAS picks split-K plus a separate reduce kernel at these sizes, and the MLP's
 gate/up GEMM is followed by a separate SiLU-and-multiply kernel; kvcap.kernels.skinny_gemm does
-each in one kernel (`skinny_linear`, `skinny_swiglu`). The rule here routes a linear to them
+each in one kernel (`skinny_linear`, `skinny_swiglu`); the bias-free QKV projection joins at <= 16
+rows, where the step's kernels launch as programmatic dependents (docs/kernels.md, "Twenty-second
+change"). The rule here routes a linear to them
 when its input has at most ROW_LIMITS[kind] rows (decode batches; prefill stays on cuBLAS), the
 tensors are FP16/BF16 on a GPU of the architecture they were measured on (Hopper, SM 9.x:
 docs/kernels.md "Twentieth change"), and KVCAP_DISABLE_SKINNY_GEMM is unset.
