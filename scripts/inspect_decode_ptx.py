@@ -32,7 +32,8 @@ from kvcap.kernels.common import target_properties  # noqa: E402
 
 PATTERNS = ["ld.shared.b8", "ld.shared", "st.shared", "ldmatrix", "mma.sync", "wgmma",
             "cp.async", "bar.sync", "cvt.rn.f16x2.e4m3x2", "prmt", "cvt.f32.f16",
-            "cvt.rn.bf16.f16", "cvt.rn.bf16x2.f32"]
+            "cvt.rn.bf16.f16", "cvt.rn.bf16x2.f32", "griddepcontrol.wait",
+            "griddepcontrol.launch_dependents"]
 
 
 def compile_kernel(fn, consts: dict, fp8: bool, sm: int, num_warps: int, num_stages: int,
@@ -224,6 +225,9 @@ def main() -> int:
                     help="prefill: the chunked-prefill kernel, qsa: the sparse (QSA) attention "
                          "kernel, both group 4 at their launchers' tiles for --sm; rope: the "
                          "fused RoPE kernel writing the cache")
+    ap.add_argument("--gdc", type=int, choices=[0, 1, 2], default=0,
+                    help="decode: programmatic dependent launch form (common.pdl_mode: 0 an "
+                         "ordinary launch, 1 release at the end, 2 release at once; sm_90+)")
     ap.add_argument("--encoder", choices=["hardware", "integer"], default="hardware",
                     help="rope with an E4M3 cache: the encoder form (store_kv.encode_e4m3)")
     args = ap.parse_args()
@@ -252,7 +256,7 @@ def main() -> int:
                   USE_DOT=True, IEEE=False, PREFETCH=False,
                   DOT_DTYPE=tl.bfloat16 if args.dtype == "bf16" and not f16_dots else tl.float16,
                   WORDS=args.words, PAIRS=args.pairs, FOLD=True, BLOCK_S=8, F16_DOTS=f16_dots,
-                  GDC=0)
+                  GDC=args.gdc)
     k = compile_kernel(decode._decode_kernel, consts, fp8, args.sm, args.num_warps,
                        args.num_stages, args.maxnreg, args.dtype)
     ptx = k.asm["ptx"]

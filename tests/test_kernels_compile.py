@@ -141,6 +141,18 @@ def test_hardware_conversion_on_hopper(words):
         assert c["spill store bytes"] == 0
 
 
+@pytest.mark.parametrize("gdc", [1, 2])
+def test_dependent_launch_compiles_on_hopper(gdc):
+    """The decode kernel as a programmatic dependent (common.pdl_mode's forms): it waits and
+    releases its successor, and the wait costs no spills or shared memory."""
+    base = ("--cache", "native", "--sm", "90", "--defaults", "--words")
+    plain, dep = _counts(*base), _counts(*base, "--gdc", str(gdc))
+    assert plain["griddepcontrol.wait"] == plain["griddepcontrol.launch_dependents"] == 0
+    assert dep["griddepcontrol.wait"] >= 1 and dep["griddepcontrol.launch_dependents"] >= 1
+    assert dep["spill store bytes"] == 0
+    assert dep["shared memory bytes"] == plain["shared memory bytes"]
+
+
 @pytest.mark.parametrize("kernel", ["prefill", "qsa"])
 @pytest.mark.parametrize("sm,head_dim", [(70, 128), (70, 256), (75, 64), (75, 128)])
 def test_prefill_and_qsa_compile_without_spills_on_fma_gpus(kernel, sm, head_dim):
