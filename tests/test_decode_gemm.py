@@ -67,8 +67,7 @@ def test_rule_rows_switch_and_override(monkeypatch):
     assert decode_gemm.SKINNY_MAX_ROWS == MAX_ROWS
     for kind, limit in decode_gemm.ROW_LIMITS.items():
         assert decode_gemm.wants_skinny(kind, 1) == (limit >= 1)
-        assert decode_gemm.wants_skinny(kind, limit) == (limit >= 1)
-        assert not decode_gemm.wants_skinny(kind, 0)
+        assert decode_gemm.wants_skinny(kind, limit) and not decode_gemm.wants_skinny(kind, 0)
         assert not decode_gemm.wants_skinny(kind, limit + 1)
     monkeypatch.setenv(decode_gemm.MAX_ROWS_ENV, "4")
     assert decode_gemm.wants_skinny("o_proj", 4) and not decode_gemm.wants_skinny("o_proj", 5)

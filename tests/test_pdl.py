@@ -25,14 +25,14 @@ def test_release_rule(monkeypatch):
     """Grids of at most one program per SM let the next kernel launch at once, larger ones at
     their end; an ordinary launch waits for nothing (sm_count is 4 off the GPU)."""
     cpu = torch.device("cpu")
-    monkeypatch.delenv("KVCAP_PDL_RELEASE", raising=False)
+    monkeypatch.delenv(common.ENV_PDL_RELEASE, raising=False)
     on = {"launch_pdl": True}
-    assert common.pdl_mode({}, 1, cpu) == 0
-    assert common.pdl_mode(on, 4, cpu) == 2 and common.pdl_mode(on, 5, cpu) == 1
-    monkeypatch.setenv("KVCAP_PDL_RELEASE", "end")
-    assert common.pdl_mode(on, 1, cpu) == 1
-    monkeypatch.setenv("KVCAP_PDL_RELEASE", "start")
-    assert common.pdl_mode(on, 500, cpu) == 2 and common.pdl_mode({}, 500, cpu) == 0
+    assert common.pdl_mode({}, (1,), cpu) == 0
+    assert common.pdl_mode(on, (2, 2), cpu) == 2 and common.pdl_mode(on, (5, 1, 1), cpu) == 1
+    monkeypatch.setenv(common.ENV_PDL_RELEASE, "end")
+    assert common.pdl_mode(on, (1,), cpu) == 1
+    monkeypatch.setenv(common.ENV_PDL_RELEASE, "start")
+    assert common.pdl_mode(on, (500,), cpu) == 2 and common.pdl_mode({}, (500,), cpu) == 0
 
 
 def test_this_triton_has_programmatic_launch():
@@ -78,7 +78,7 @@ def _layer_chain(x, res, w, cos, sin, cache, slots, meta, layers):
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("rows", [1, 16])
 def test_graph_of_dependent_launches_matches_ordinary_launches(kv, rows, release, monkeypatch):
-    monkeypatch.setenv("KVCAP_PDL_RELEASE", release)  # "": the rule
+    monkeypatch.setenv(common.ENV_PDL_RELEASE, release)  # "": the rule
     g = torch.Generator(device="cuda").manual_seed(rows)
     dev, dt = "cuda", torch.bfloat16
 

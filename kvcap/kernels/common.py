@@ -13,6 +13,8 @@ Both are inline PTX in compiled kernels; the CPU interpreter runs Triton-op twin
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 
 import torch
@@ -29,6 +31,7 @@ ENV_DISABLE_FP16_DOTS = "KVCAP_DISABLE_FP16_DOTS"
 ENV_DISABLE_ROPE_KV_WRITE = "KVCAP_DISABLE_ROPE_KV_WRITE"
 ENV_SOFTWARE_ENCODE = "KVCAP_SOFTWARE_E4M3_ENCODE"
 ENV_DISABLE_PDL = "KVCAP_DISABLE_PDL"
+ENV_PDL_RELEASE = "KVCAP_PDL_RELEASE"
 
 SOFTWARE_FP8_FACTOR = 256.0  # the packed decoder yields value * 2^-8
 LOG2E = 1.4426950408889634
@@ -128,6 +131,7 @@ def fp16_dots_enabled() -> bool:
     return not _flag(ENV_DISABLE_FP16_DOTS)
 
 
+@functools.cache
 def _triton_has_pdl() -> bool:
     """Whether this Triton launches programmatic dependents (the `launch_pdl` launch option and
     tl.extra.cuda.gdc_wait, Triton >= 3.3 or so): older ones launch the ordinary way."""
@@ -142,17 +146,11 @@ def _triton_has_pdl() -> bool:
         return False
 
 
-_TRITON_HAS_PDL: list[bool] = []
-
-
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch (griddepcontrol): sm_90+ CUDA, compiled kernels, a Triton
     that has it."""
-    if device.type != "cuda" or interpreting() or capability(device) < (9, 0):
-        return False
-    if not _TRITON_HAS_PDL:
-        _TRITON_HAS_PDL.append(_triton_has_pdl())
-    return _TRITON_HAS_PDL[0]
+    return (device.type == "cuda" and not interpreting() and capability(device) >= (9, 0)
+            and _triton_has_pdl())
 
 
 # Token rows up to which a step's kernels launch as programmatic dependents: on the H200 the
@@ -172,8 +170,8 @@ def pdl_launch(device: torch.device, rows: int) -> dict:
     return {"launch_pdl": True}
 
 
-def pdl_mode(launch: dict, programs: int, device: torch.device) -> int:
-    """GDC of a kernel of `programs` programs launched with `launch` (pdl_launch's): 0 an
+def pdl_mode(launch: dict, grid: tuple[int, ...], device: torch.device) -> int:
+    """GDC of a kernel of launch grid `grid` launched with `launch` (pdl_launch's): 0 an
     ordinary launch; 1 wait first, let the next kernel launch when this one's programs end;
     2 wait first and let it launch at once. 2 only for grids that fit one program per SM: the
     next kernel's programs are then placed while this one runs, and where this grid covers
@@ -181,10 +179,10 @@ def pdl_mode(launch: dict, programs: int, device: torch.device) -> int:
     once lost 3-6% at 16 x 1K, docs/kernels.md). KVCAP_PDL_RELEASE=end|start forces 1|2."""
     if not launch:
         return 0
-    forced = os.environ.get("KVCAP_PDL_RELEASE", "").strip()
+    forced = os.environ.get(ENV_PDL_RELEASE, "").strip()
     if forced in ("end", "start"):
         return 1 if forced == "end" else 2
-    return 2 if programs <= sm_count(device) else 1
+    return 2 if math.prod(grid) <= sm_count(device) else 1
 
 
 @triton.jit

@@ -715,7 +715,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     dt, ieee = dot_dtype(torch.float16 if fp16_dots else q.dtype)
     launch = {"maxnreg": maxnreg} if maxnreg and q.device.type == "cuda" else {}  # 0: no cap
     pdl = pdl_launch(q.device, num_seqs)
-    _decode_kernel[(num_seqs, head_programs, num_splits)](
+    grid = (num_seqs, head_programs, num_splits)
+    _decode_kernel[grid](
         q, k_cache, v_cache, out, po, plse, counters, block_tables, seq_lens, query_start_loc,
         k_scale if fp8 else dummy, v_scale if fp8 else dummy, softmax_scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -726,16 +727,17 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         USE_DOT=grouped, PREFETCH=pf, WORDS=words, PAIRS=pairs,
         FOLD=fold, BLOCK_S=max(8, triton.next_power_of_2(num_splits)),
         DOT_DTYPE=dt, IEEE=ieee, F16_DOTS=fp16_dots,
-        GDC=pdl_mode(pdl, num_seqs * head_programs * num_splits, q.device), num_warps=nw,
+        GDC=pdl_mode(pdl, grid, q.device), num_warps=nw,
         num_stages=ns, **launch, **pdl,
     )
     if num_splits > 1 and not fold:
-        _merge_kernel[(num_seqs, hq)](
+        grid = (num_seqs, hq)
+        _merge_kernel[grid](
             out, po, plse, query_start_loc, seq_lens, v_scale if fp8 else dummy,
             SOFTWARE_FP8_FACTOR if software_v else 1.0,
             out.stride(0), out.stride(1), *ps, num_splits,
             BLOCK_S=max(8, triton.next_power_of_2(num_splits)), HEAD_DIM=d,
-            FP8=fp8, BLOCK_N=bn, GDC=pdl_mode(pdl, num_seqs * hq, q.device),
+            FP8=fp8, BLOCK_N=bn, GDC=pdl_mode(pdl, grid, q.device),
             num_warps=4 if q.device.type == "cuda" else 1,
             **pdl,
         )

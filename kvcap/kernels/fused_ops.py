@@ -63,10 +63,11 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         r = residual if residual is not None else x
         block = triton.next_power_of_2(n)
         pdl = pdl_launch(x.device, t)
-        _add_rms_norm_kernel[(t,)](
+        grid = (t,)
+        _add_rms_norm_kernel[grid](
             x, r, weight, out, res_out, n, eps, x.stride(0), r.stride(0), out.stride(0),
             res_out.stride(0), HAS_RES=residual is not None, BLOCK=block,
-            GDC=pdl_mode(pdl, t, x.device),
+            GDC=pdl_mode(pdl, grid, x.device),
             num_warps=max(1, min(16, block // 256)) if x.is_cuda else 1, enable_fp_fusion=False,
             **pdl)
     return out if residual is None else (out, res_out)
@@ -157,12 +158,13 @@ def rope_split_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
             kc = vc = slot_mapping = ks = vs = qkv
             strides, block_size = (0, 0, 0), 1
         pdl = pdl_launch(qkv.device, t)
-        _rope_split_kernel[(t, num_heads + 2 * num_kv_heads)](
+        grid = (t, num_heads + 2 * num_kv_heads)
+        _rope_split_kernel[grid](
             qkv, cos, sin, q, k, v, qkv.stride(0), cos.stride(0),
             kc, vc, slot_mapping, ks, vs, *strides,
             HQ=num_heads, HKV=num_kv_heads, D=head_dim, STORE=store, FP8=fp8,
             BLOCK_SIZE=block_size, HW_ENCODE=fp8 and hardware_e4m3_encode(qkv.device, fp8_mode),
-            GDC=pdl_mode(pdl, t * (num_heads + 2 * num_kv_heads), qkv.device),
+            GDC=pdl_mode(pdl, grid, qkv.device),
             num_warps=1 if head_dim <= 128 else 2,
             enable_fp_fusion=False, **pdl)  # no FMA: each product rounds as torch rounds it
     return q, k, v

@@ -191,7 +191,7 @@ def skinny_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | 
     _skinny_gemm_swiglu_kernel[grid](
         x, w_gate_up, out, m, inter, k, x.stride(0), w_gate_up.stride(0), out.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk,
-        EVEN_K=k % bk == 0, GDC=pdl_mode(pdl, grid[0], x.device), num_warps=nw,
+        EVEN_K=k % bk == 0, GDC=pdl_mode(pdl, grid, x.device), num_warps=nw,
         num_stages=ns, enable_fp_fusion=False, **pdl)
     return out
 
@@ -242,9 +242,10 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     ws, cnt = (_split_state(x.device, tiles, sk, block_m, bn) if sk > 1
                else (out, out))  # unused when SPLIT_K == 1
     pdl = pdl_launch(x.device, m)
-    _skinny_gemm_kernel[(tiles, sk)](
+    grid = (tiles, sk)
+    _skinny_gemm_kernel[grid](
         x, w, out, ws, cnt, m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0 and k_split % bk == 0,
-        SPLIT_K=sk, GDC=pdl_mode(pdl, tiles * sk, x.device), num_warps=nw, num_stages=ns,
+        SPLIT_K=sk, GDC=pdl_mode(pdl, grid, x.device), num_warps=nw, num_stages=ns,
         **pdl)
     return out
