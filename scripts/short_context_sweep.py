@@ -39,19 +39,27 @@ ARMS = ("paged_fp16", "e4m3_native", "e4m3_software")
 
 
 def arm_launches(arm: str, tiles: list[int], splits: list[int], cell: kb.Cell,
-                 stages: list[int] | None = None) -> list[dict]:
+                 stages: list[int] | None = None, both_routes: bool = False) -> list[dict]:
     """paged_decode keywords to time for one arm (the default launch first, as {}); E4M3
-    launches keep the route (and its register cap) the default takes for the cell."""
+    launches keep the route (and its register cap) the default takes for the cell, or with
+    `both_routes` also take the other one (word route / short-context byte route)."""
     out: list[dict] = [{}]
     if arm == "paged_fp16":
         return out + [{"num_splits": s} for s in splits]
-    words, cfg, _ = default_launch(cell.b, cell.hkv, cell.ctx, cell.d, True,
-                                   torch.device("cuda"))
-    for bn in tiles:
-        for ns in stages or [cfg.num_stages]:
-            for s in splits:
-                out.append(dict(block_n=bn, num_warps=cfg.num_warps, num_stages=ns,
-                                maxnreg=cfg.maxnreg or 0, num_splits=s, words=words))
+    dev = torch.device("cuda")
+    words, cfg, _ = default_launch(cell.b, cell.hkv, cell.ctx, cell.d, True, dev)
+    routes = [(words, cfg)]
+    if both_routes:
+        other = not words
+        routes.append((other, decode_config(cell.d, True, True, dev, words=other,
+                                            short_route=not other)))
+    for route_words, rcfg in routes:
+        for bn in tiles:
+            for ns in stages or [rcfg.num_stages]:
+                for s in splits:
+                    kw = dict(block_n=bn, num_warps=rcfg.num_warps, num_stages=ns,
+                              maxnreg=rcfg.maxnreg or 0, num_splits=s, words=route_words)
+                    out.append({**kw, "pairs": rcfg.pairs} if route_words else kw)
     return out
 
 
@@ -139,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiles", default="64,128", help="E4M3 tile sizes (BLOCK_N) to time")
     ap.add_argument("--stages", default="",
                     help="E4M3 pipeline depths to time (default: the arm's own)")
+    ap.add_argument("--both-routes", action="store_true",
+                    help="E4M3: time the word route and the short-context byte route alike")
     ap.add_argument("--compare-rules", action="store_true",
                     help="time the split count without and with the short-context rule")
     ap.add_argument("--compare-routes", action="store_true",
@@ -189,9 +199,13 @@ def main(argv: list[str] | None = None) -> int:
                 _, cfg, default_splits = default_launch(b, hkv, ctx, d, arm != "paged_fp16",
                                                         dev)
                 ref = None
-                for kw in arm_launches(arm, tiles, splits, cell, stages):
+                for kw in arm_launches(arm, tiles, splits, cell, stages, args.both_routes):
                     fns = cell.fns(arm, **kw)
-                    fns[0]()
+                    try:
+                        fns[0]()
+                    except Exception as exc:  # noqa: BLE001 - e.g. a launch out of resources
+                        print(f"skip {arm} {kw}: {type(exc).__name__}", flush=True)
+                        continue
                     if ref is None:
                         ref = cell.out[0].clone()
                     err = kb._rel(cell.out[0], ref)
@@ -212,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                 ms, r = best[arm]
                 print(f"B={b} ctx={ctx} {arm:13s} default {dflt['us']:6.1f}us "
                       f"(splits {dflt['default_splits']}, x{dflt['us'] / base:.2f} of 16-bit) "
-                      f"best {ms * 1e3:6.1f}us (BN={r.get('block_n')} S={r.get('num_stages')} "
+                      f"best {ms * 1e3:6.1f}us (words={r.get('words')} BN={r.get('block_n')} "
+                      f"S={r.get('num_stages')} "
                       f"splits={r.get('num_splits', r['default_splits'])}, "
                       f"x{ms * 1e3 / base:.2f})", flush=True)
             save()

@@ -326,6 +326,17 @@ def test_split_heuristic():
     assert choose_num_splits(8, 8, 32768, 128, 132, 3, whole_waves=True) == 6
     assert choose_num_splits(16, 8, 16384, 128, 132, 3, whole_waves=True) == 3
     assert choose_num_splits(64, 8, 256, 128, 132, 3, whole_waves=True) == 1  # too few tiles
+    # a kernel that aims at 4 programs per SM but holds 5 (the 16-bit kernel): where the
+    # unsplit grid fits one wave of 660, the split one does too (32 x 8 programs: 2 splits, not
+    # 3 = 768; 64 x 8: 1, not 2); smaller grids keep the target's split count
+    assert choose_num_splits(32, 8, 16384, 64, 132, 4) == 3
+    assert choose_num_splits(32, 8, 16384, 64, 132, 4, resident=5) == 2
+    assert choose_num_splits(64, 8, 2048, 64, 132, 4, False, 4, 5) == 1
+    assert choose_num_splits(21, 8, 16384, 64, 132, 4, resident=5) == 3
+    for b in (1, 8, 16, 20, 24):
+        assert choose_num_splits(b, 8, 16384, 64, 132, 4, resident=5) == \
+            choose_num_splits(b, 8, 16384, 64, 132, 4)
+    assert choose_num_splits(128, 8, 16384, 64, 132, 4, resident=5) == 1
 
 
 def test_split_heuristic_short_contexts():
@@ -357,7 +368,8 @@ def test_decode_config_by_gpu(monkeypatch, mma):
 
     monkeypatch.setattr(decode, "word_route_launch", lambda props: (5, 3))
     monkeypatch.setattr(decode, "word_route_d256_launch", lambda props: (96, 7))
-    monkeypatch.setattr(decode, "device_properties", lambda device: None)
+    monkeypatch.setattr(decode, "device_properties", lambda device: common.target_properties(90))
+    monkeypatch.setattr(decode, "programs_per_sm", lambda props, *kernel: 5)
     monkeypatch.setattr(decode, "has_mma", lambda device: mma)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     cfg = decode_config(128, True, True, cuda)
@@ -371,6 +383,7 @@ def test_decode_config_by_gpu(monkeypatch, mma):
         assert (d256.block_n, d256.num_stages, d256.maxnreg, d256.programs_per_sm) == \
             (64, 3, 96, 7) and d256.whole_waves and d256.pairs
         assert decode_config(256, True, True, cuda, words=False).maxnreg is None
+        assert decode_config(128, True, False, cuda).resident == 5  # FP16 cache
     else:
         assert (cfg.block_n, cfg.maxnreg, cfg.pairs) == (32, None, False)
         assert decode_config(256, True, True, cuda).block_n == 16
@@ -389,7 +402,8 @@ def test_short_calls_take_the_byte_route(monkeypatch):
 
     monkeypatch.setattr(decode, "word_route_launch", lambda props: (5, 3))
     monkeypatch.setattr(decode, "word_route_d256_launch", lambda props: (128, 4))
-    monkeypatch.setattr(decode, "device_properties", lambda device: None)
+    monkeypatch.setattr(decode, "device_properties", lambda device: common.target_properties(90))
+    monkeypatch.setattr(decode, "programs_per_sm", lambda props, *kernel: 5)
     monkeypatch.setattr(decode, "has_mma", lambda device: True)
     monkeypatch.setattr(decode, "sm_count", lambda device: 132)
     cuda = torch.device("cuda")
@@ -402,6 +416,34 @@ def test_short_calls_take_the_byte_route(monkeypatch):
     assert not decode.default_launch(1, 8, 1024, 128, False, cuda)[0]  # 16-bit: no words
     assert not decode.short_byte_route(128, True, 1024, 34, 132)
     assert decode.short_byte_route(128, True, 1024, 33, 132)
+
+
+def test_wide_short_calls(monkeypatch):
+    """H200-like GPU (132 SMs; the word route holds 3 five-stage or 4 three-stage programs per
+    SM, the 16-bit kernel 5): E4M3 calls with more (sequence, KV head) programs than 3 x 132
+    but at most 4 x 132, over at most WIDE_WORD_ROUTE_TOKENS, take 3 stages and one split;
+    longer, narrower or wider calls keep 5 stages. The 16-bit kernel's splits stay in one wave
+    of its 5 resident programs per SM."""
+    from kvcap.kernels import decode
+
+    resident = {decode.WORD_ROUTE_SHARED_BYTES[3]: 4, decode.SIXTEEN_BIT_SHARED_BYTES: 5}
+    monkeypatch.setattr(decode, "word_route_launch", lambda props: (5, 3))
+    monkeypatch.setattr(decode, "device_properties", lambda device: common.target_properties(90))
+    monkeypatch.setattr(decode, "programs_per_sm", lambda props, smem, *rest: resident[smem])
+    monkeypatch.setattr(decode, "has_mma", lambda device: True)
+    monkeypatch.setattr(decode, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    for ctx in (1152, 2048, decode.WIDE_WORD_ROUTE_TOKENS):
+        words, cfg, splits = decode.default_launch(64, 8, ctx, 128, True, cuda)
+        assert words and (cfg.num_stages, cfg.programs_per_sm, cfg.maxnreg, splits) == \
+            (3, 4, 128, 1), ctx
+    for b, ctx in ((64, 16384), (32, 2048), (67, 2048), (8, 2048)):
+        words, cfg, splits = decode.default_launch(b, 8, ctx, 128, True, cuda)
+        assert words and cfg.num_stages == 5, (b, ctx)
+    assert decode.default_launch(64, 8, 16384, 128, True, cuda)[2] == 2
+    assert decode.default_launch(32, 8, 16384, 128, False, cuda)[2] == 2
+    assert decode.default_launch(64, 8, 2048, 128, False, cuda)[2] == 1
+    assert decode.default_launch(8, 8, 16384, 128, False, cuda)[2] == 9
 
 
 def test_short_route_default_is_the_byte_route(monkeypatch):

@@ -21,9 +21,11 @@ import pytest
 
 from kvcap.kernels.common import programs_per_sm, target_properties  # noqa: E402
 from kvcap.kernels.decode import (  # noqa: E402
+    SIXTEEN_BIT_SHARED_BYTES,
     WORD_ROUTE_D256_REGISTERS,
     WORD_ROUTE_D256_SHARED_BYTES,
     WORD_ROUTE_SHARED_BYTES,
+    sixteen_bit_registers,
     word_route_d256_launch,
     word_route_launch,
 )
@@ -124,6 +126,24 @@ def _assert_word_residency(c: dict, sm: int, head_dim: int) -> None:
         assert c["shared memory bytes"] <= WORD_ROUTE_D256_SHARED_BYTES
         cap = word_route_d256_launch(target_properties(sm))[0]
         assert c["registers"] <= (cap or WORD_ROUTE_D256_REGISTERS)
+
+
+@pytest.mark.parametrize("sm,dtype", [(80, "bf16"), (90, "bf16"), (90, "fp16")])
+def test_fp16_cache_residency_on_mma_gpus(sm, dtype):
+    """The 16-bit kernel at D = 128 fits the shared memory and registers its split cap
+    assumes (decode_config's `resident`), and the E4M3 word route's three-stage launch for
+    wide short calls fits WORD_ROUTE_SHARED_BYTES[3] (spills: 8 bytes with triton 3.6, none
+    with 3.9; the measured launch)."""
+    c = _counts("--cache", "fp16", "--sm", str(sm), "--defaults", "--dtype", dtype)
+    assert c["shared memory bytes"] <= SIXTEEN_BIT_SHARED_BYTES
+    assert c["registers"] <= sixteen_bit_registers(target_properties(sm))
+    assert c["spill store bytes"] == 0
+    if sm == 90:
+        c = _counts("--cache", "native", "--words", "--sm", "90", "--block-n", "128",
+                    "--num-warps", "4", "--num-stages", "3", "--maxnreg", "128", "--pairs",
+                    "--dtype", dtype)
+        assert c["shared memory bytes"] <= WORD_ROUTE_SHARED_BYTES[3]
+        assert c["spill store bytes"] <= 8
 
 
 @pytest.mark.parametrize("sm", [70, 75])

@@ -380,7 +380,8 @@ WAVE_FILL = 0.85  # the least filled last wave choose_num_splits accepts when sp
 
 def choose_num_splits(num_seqs: int, head_programs: int, max_seq_len: int, block_n: int,
                       num_sms: int, programs_per_sm: int = 4, whole_waves: bool = False,
-                      short_programs_per_sm: int | None = None) -> int:
+                      short_programs_per_sm: int | None = None,
+                      resident: int | None = None) -> int:
     """Split the context so the grid holds about `programs_per_sm` programs per SM (memory
     latency needs many loads in flight), keeping >= 4 tiles per split. With `whole_waves`
     (`programs_per_sm` is then how many programs an SM holds at once) the grid never exceeds
@@ -396,7 +397,14 @@ def choose_num_splits(num_seqs: int, head_programs: int, max_seq_len: int, block
     13.3 us at 2 E4M3 splits and 8.4 at 8; the 16-bit kernel 12.9 at 4 and 8.1 at 16). The
     engine chooses splits for a context class (2048 for every shorter context), so the
     merge also pays for splits a shorter sequence leaves empty: 32 splits over 1K tokens
-    took 9.4 us, 16 took 8.1 (rules-2026-12-02-h200-*.json), hence the cap."""
+    took 9.4 us, 16 took 8.1 (rules-2026-12-02-h200-*.json), hence the cap.
+
+    `resident`: how many programs an SM holds at once, for a kernel whose `programs_per_sm` is
+    a target rather than its residency (the 16-bit kernel): where the unsplit grid fits one
+    wave, the split grid stays within it too. H200, 8B shape, BF16, 5 resident programs: at
+    32 sequences 3 splits (768 programs, 1.16 waves) took 87 / 163 / 637 us at 2K / 4K / 16K
+    tokens and 2 splits 74 / 133 / 487; at 64 sequences 1 split took 0.89-0.94x 2 splits'
+    time (docs/benchmarks/splits-2026-12-03-h200-8b-bf16-wide-{1,2}.json)."""
     if not split_k_enabled():
         return 1
     tiles = triton.cdiv(max(max_seq_len, 1), block_n)
@@ -419,6 +427,8 @@ def choose_num_splits(num_seqs: int, head_programs: int, max_seq_len: int, block
     if short_programs_per_sm:
         short = min(tiles, MAX_SHORT_SPLITS, widest, short_programs_per_sm * num_sms // base)
         splits = max(splits, short)
+    if resident and base <= resident * num_sms:
+        splits = min(splits, max(1, resident * num_sms // base))
     return splits
 
 
@@ -432,6 +442,7 @@ class DecodeConfig(NamedTuple):
     whole_waves: bool = False  # programs_per_sm is the residency: split in whole waves
     pairs: bool = False  # word route: convert byte pairs (see paged_decode)
     short_programs_per_sm: int | None = None  # choose_num_splits' short-context grid
+    resident: int | None = None  # programs an SM holds, where programs_per_sm is a target
 
 
 # Shared memory of the E4M3 word-route program (BLOCK_N 128, 4 warps, byte pairs, 128-register
@@ -441,6 +452,24 @@ class DecodeConfig(NamedTuple):
 # K/V tiles get one shared buffer at 3 stages -- their loads are issued after the tile was
 # used, and each tile's memory latency is exposed -- and two buffers at 5 stages.
 WORD_ROUTE_SHARED_BYTES = {3: 41472, 5: 74752}
+# Wide short calls: more (sequence, KV head) programs than an SM's 3 five-stage programs per SM
+# cover, but no more than 4 three-stage ones do, over at most this many tokens, take 3 stages
+# and one split (one wave, no merge). H200, 8B shape, BF16 queries, 64 sequences (512
+# programs; docs/benchmarks/splits-2026-12-03-h200-8b-bf16-wide-{1,2}.json): 5 stages at 2 splits
+# took 63 / 93 / 156 us at 1,152 / 2K / 4K tokens, 3 stages at 1 split 45 / 72 / 136; at 16K
+# 557 against 538 (there the double-buffered tiles matter more than the merge), hence the
+# bound.
+WIDE_WORD_ROUTE_TOKENS = 4096
+
+# The 16-bit kernel at D = 128 (BLOCK_N 64, 4 warps, 2 stages): 38,912 bytes of shared memory
+# on sm_80 to sm_90; registers per thread 96 on sm_86 to sm_90 and 128 on sm_80 with triton
+# 3.6 (80 / 96 with 3.9), so the larger (tests/test_kernels_compile.py checks both). 5 programs
+# per SM on the H200, 4 on the A100.
+SIXTEEN_BIT_SHARED_BYTES = 38912
+
+
+def sixteen_bit_registers(props) -> int:
+    return 128 if (props.major, props.minor) == (8, 0) else 96
 
 
 # The word route at D = 256 (BLOCK_N 64, 4 warps, 3 stages, byte pairs), ptxas triton 3.6:
@@ -492,11 +521,13 @@ def word_route_launch(props) -> tuple[int, int]:
 
 def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
                   words: bool | None = None, mma: bool | None = None,
-                  short_route: bool = False) -> DecodeConfig:
+                  short_route: bool = False, programs: int = 0,
+                  max_seq_len: int = 0) -> DecodeConfig:
     """Launch configuration of the decode kernel (`words`: the E4M3 word route; default: the
     route use_words picks; `mma`: the GPU has Triton's tensor-core dots, default: has_mma;
     `short_route`: the call is short_byte_route's, which at D = 128 reads E4M3 bytes in
-    64-token tiles).
+    64-token tiles; `programs` (sequences x head programs) and `max_seq_len`, where given,
+    let a wide short call take the word route's three-stage launch, WIDE_WORD_ROUTE_TOKENS).
 
     Below sm_80 (V100, T4: FMA dots) the MMA-tuned tiles spill kilobytes per thread (ptxas,
     triton 3.6: 3.9-11.6 KB at BLOCK_N 128 / 64), so those GPUs take 32-token tiles (16 at
@@ -528,7 +559,12 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
     if fp8 and not words and short_route and head_dim == 128:
         return DecodeConfig(64, 4, 2, False, 8, short_programs_per_sm=8)
     if fp8 and words and head_dim == 128:
-        stages, resident = word_route_launch(device_properties(device))
+        props = device_properties(device)
+        stages, resident = word_route_launch(props)
+        if stages == 5 and 0 < max_seq_len <= WIDE_WORD_ROUTE_TOKENS:
+            wide = programs_per_sm(props, WORD_ROUTE_SHARED_BYTES[3], 128, 4)
+            if resident * sm_count(device) < programs <= wide * sm_count(device):
+                stages, resident = 3, wide
         return DecodeConfig(128, 4, stages, False, resident, maxnreg=128, whole_waves=True,
                             pairs=True, short_programs_per_sm=SHORT_WORD_PROGRAMS_PER_SM)
     if fp8 and words and head_dim == 256:
@@ -542,8 +578,13 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
         return DecodeConfig(128 if head_dim <= 128 else 64, 4, 2, False, 8,
                             short_programs_per_sm=short)
     pps = 8 if head_dim >= 256 else 4
+    resident = None
+    if head_dim == 128:
+        props = device_properties(device)
+        resident = programs_per_sm(props, SIXTEEN_BIT_SHARED_BYTES,
+                                   sixteen_bit_registers(props), 4)
     return DecodeConfig(128 if head_dim <= 64 else 64, 4, 2, False, pps,
-                        short_programs_per_sm=short)
+                        short_programs_per_sm=short, resident=resident)
 
 
 def short_byte_route(head_dim: int, fp8: bool, max_seq_len: int, programs: int,
@@ -616,9 +657,11 @@ def default_launch(num_seqs: int, head_programs: int, max_seq_len: int, head_dim
     num_sms = sm_count(device)
     short = short_byte_route(head_dim, fp8, max_seq_len, num_seqs * head_programs, num_sms)
     words = use_words(head_dim, True, fp8, device, short)
-    cfg = decode_config(head_dim, True, fp8, device, words, short_route=short)
+    cfg = decode_config(head_dim, True, fp8, device, words, short_route=short,
+                        programs=num_seqs * head_programs, max_seq_len=max_seq_len)
     splits = choose_num_splits(num_seqs, head_programs, max_seq_len, cfg.block_n, num_sms,
-                               cfg.programs_per_sm, cfg.whole_waves, cfg.short_programs_per_sm)
+                               cfg.programs_per_sm, cfg.whole_waves, cfg.short_programs_per_sm,
+                               cfg.resident)
     return words, cfg, splits
 
 
@@ -686,7 +729,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         words = use_words(d, grouped, fp8, q.device, short)
     if words and not (fp8 and grouped and d >= 64):
         raise ValueError("words=True needs an E4M3 cache, the grouped route and head_dim >= 64")
-    cfg = decode_config(d, grouped, fp8, q.device, words, short_route=short)
+    cfg = decode_config(d, grouped, fp8, q.device, words, short_route=short,
+                        programs=num_seqs * head_programs, max_seq_len=max_seq_len)
     if pairs is None:
         pairs = words and cfg.pairs
     if pairs and not words:
@@ -698,7 +742,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, head_programs, max_seq_len, bn,
                                        sm_count(q.device), cfg.programs_per_sm, cfg.whole_waves,
-                                       cfg.short_programs_per_sm)
+                                       cfg.short_programs_per_sm, cfg.resident)
     block_h = max(16, triton.next_power_of_2(heads)) if grouped else 1
     counters = dummy = k_cache
     fold = fold and num_splits > 1

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Device calls (nvidia-h200): the split caps for wide decode calls (decode.py: the 16-bit
+# kernel's `resident` cap, the E4M3 word route's three-stage launch up to
+# WIDE_WORD_ROUTE_TOKENS) against the launch of an older tree.
+#   OLD=DIR bash scripts/gpu_wide_splits.sh kernels     the kernel benchmark's cells at 32 and
+#                                                      64 sequences, this tree (~2 min)
+#   OLD=DIR bash scripts/gpu_wide_splits.sh e2e ROUND   end to end, 8B shape, BF16 weights, arms
+#                                                      old (PYTHONPATH=$OLD) / new, alternating
+#                                                      order by ROUND; CONC, CTX, KV override
+# OLD: a directory holding an older `kvcap` package (e.g. `git archive REV kvcap | tar -x -C DIR`).
+# Results under $OUT (default /tmp/out).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+export KVCAP_COMMIT=${KVCAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+case "${1:-}" in
+kernels)
+  PYTHONPATH=$PWD timeout 300 python3 -m kvcap.bench.kernels --skip-checks --dtype bfloat16 \
+    --shapes llama31-8b --batches 32,64 --contexts 1024,2048,4096,16384 \
+    --out "$OUT/kernels-wide.json" 2>&1 | grep -E "^\|" ;;
+e2e)
+  round=${2:-1}; arms="old new"; [ $((round % 2)) = 0 ] && arms="new old"
+  for arm in $arms; do
+    # python -m puts the working directory first on sys.path: run each arm from its own tree
+    path=$PWD; [ $arm = old ] && path=${OLD:?set OLD to the older tree}
+    (cd "$path" && PYTHONPATH=$path timeout 280 python3 -m kvcap.bench.throughput --dtype bfloat16 \
+      --concurrency ${CONC:-64} --context ${CTX:-1024} --kv ${KV:-fp16 fp8} --out-tokens 128 \
+      --repeats 2 --out "/tmp/e2e-${TAG:-}$arm-$round" 2>&1) | grep -E "^\|" \
+      | grep -v -- "---\|concurrency" | sed "s/^/$arm$round /"
+    cp /tmp/e2e-${TAG:-}$arm-$round/*.json "$OUT/e2e-${TAG:-}$arm-$round.json"
+  done ;;
+*) echo "usage: $0 kernels|e2e ROUND"; exit 2 ;;
+esac
