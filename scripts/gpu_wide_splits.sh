@@ -4,6 +4,9 @@
 # WIDE_WORD_ROUTE_TOKENS) against the launch of an older tree.
 #   OLD=DIR bash scripts/gpu_wide_splits.sh kernels     the kernel benchmark's cells at 32 and
 #                                                      64 sequences, this tree (~2 min)
+#   bash scripts/gpu_wide_splits.sh sweep              what the rule has not measured: 8B at 24 /
+#                                                      40 / 48 sequences, GQA-6 / D = 256 at 32
+#                                                      and 64 (explicit split counts; ~4 min)
 #   OLD=DIR bash scripts/gpu_wide_splits.sh e2e ROUND   end to end, 8B shape, BF16 weights, arms
 #                                                      old (PYTHONPATH=$OLD) / new, alternating
 #                                                      order by ROUND; CONC, CTX, KV override
@@ -18,6 +21,13 @@ kernels)
   PYTHONPATH=$PWD timeout 300 python3 -m kvcap.bench.kernels --skip-checks --dtype bfloat16 \
     --shapes llama31-8b --batches 32,64 --contexts 1024,2048,4096,16384 \
     --out "$OUT/kernels-wide.json" 2>&1 | grep -E "^\|" ;;
+sweep)
+  PYTHONPATH=$PWD timeout 280 python3 scripts/short_context_sweep.py --dtype bfloat16 \
+    --batches 24,40,48 --contexts 2048,16384 --splits 1,2,3,4,6 --tiles 128 --stages 3,5 \
+    --out "$OUT/splits-8b-between.json" 2>&1 | grep -E "^B=|MISMATCH"
+  PYTHONPATH=$PWD timeout 280 python3 scripts/short_context_sweep.py --dtype bfloat16 \
+    --shape 24,4,256 --batches 32,64 --contexts 2048,16384 --splits 1,2,3,4,6,8 --tiles 64 \
+    --out "$OUT/splits-gqa6-wide.json" 2>&1 | grep -E "^B=|MISMATCH" ;;
 e2e)
   round=${2:-1}; arms="old new"; [ $((round % 2)) = 0 ] && arms="new old"
   for arm in $arms; do
@@ -29,5 +39,5 @@ e2e)
       | grep -v -- "---\|concurrency" | sed "s/^/$arm$round /"
     cp /tmp/e2e-${TAG:-}$arm-$round/*.json "$OUT/e2e-${TAG:-}$arm-$round.json"
   done ;;
-*) echo "usage: $0 kernels|e2e ROUND"; exit 2 ;;
+*) echo "usage: $0 kernels|sweep|e2e ROUND"; exit 2 ;;
 esac
