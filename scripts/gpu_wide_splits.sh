@@ -5,7 +5,7 @@
 #   OLD=DIR bash scripts/gpu_wide_splits.sh kernels     the kernel benchmark's cells at 32 and
 #                                                      64 sequences, this tree (~2 min)
 #   bash scripts/gpu_wide_splits.sh sweep              what the rule has not measured: 8B at 24 /
-#                                                      40 / 48 sequences, GQA-6 / D = 256 at 32
+#                                                      40 / 48 / 128 sequences, GQA-6 / D = 256 at 32
 #                                                      and 64 (explicit split counts; ~4 min)
 #   OLD=DIR bash scripts/gpu_wide_splits.sh e2e ROUND   end to end, 8B shape, BF16 weights, arms
 #                                                      old (PYTHONPATH=$OLD) / new, alternating
@@ -23,7 +23,7 @@ kernels)
     --out "$OUT/kernels-wide.json" 2>&1 | grep -E "^\|" ;;
 sweep)
   PYTHONPATH=$PWD timeout 280 python3 scripts/short_context_sweep.py --dtype bfloat16 \
-    --batches 24,40,48 --contexts 2048,16384 --splits 1,2,3,4,6 --tiles 128 --stages 3,5 \
+    --batches 24,40,48,128 --contexts 2048,16384 --splits 1,2,3,4,6 --tiles 128 --stages 3,5 \
     --out "$OUT/splits-8b-between.json" 2>&1 | grep -E "^B=|MISMATCH"
   PYTHONPATH=$PWD timeout 280 python3 scripts/short_context_sweep.py --dtype bfloat16 \
     --shape 24,4,256 --batches 32,64 --contexts 2048,16384 --splits 1,2,3,4,6,8 --tiles 64 \
