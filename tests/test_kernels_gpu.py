@@ -22,6 +22,7 @@ if torch.cuda.is_available():
     from kvcap.numerics import e4m3
 
 SHAPES = [(32, 8, 128), (24, 4, 256), (9, 3, 64), (12, 2, 128), (8, 8, 64)]
+DEVICE = "cuda"
 
 
 def _err(a, b):
@@ -220,3 +221,45 @@ def test_prefill_register_cap_bit_identical(mode, dtype):
     tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
     assert _err(outs[0][:n], twin[:n]) < tol
     assert _err(outs[0][:n], dense_expected(case)) < tol
+
+
+@pytest.mark.parametrize("kv,mode", [("bf16", "auto"), ("fp8_e4m3", "native"),
+                                     ("fp8_e4m3", "software")])
+def test_wide_call_default_launch(kv, mode):
+    """64 decode rows of the 8B shape (512 (sequence, KV head) programs) over a 2K context class:
+    the default launch (on the H200 the E4M3 word route's three-stage, one-split launch and the
+    16-bit kernel's one-wave cap; docs/kernels.md, "Twenty-third change") against a dense float64
+    computation and the launch before the change (5 stages / the uncapped split count)."""
+    from kvcap.kernels.common import sm_count
+    from kvcap.kernels.decode import choose_num_splits, decode_config, default_launch
+
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(5)
+    seqs = [(int(x), 1) for x in torch.randint(600, 1400, (64,), generator=g)]
+    case = make_case(seqs, 32, 8, 128, kv_dtype=kv, dtype=dtype, device=DEVICE, seed=7)
+    m, c = case.meta, case.cache
+    fp8 = kv == "fp8_e4m3"
+    store_kv(case.k, case.v, c.k_cache, c.v_cache, m.slot_mapping, c.k_scale, c.v_scale)
+    exp = dense_expected(case)
+    dev, cls = torch.device(DEVICE), 2048
+    words, cfg, splits = default_launch(64, 8, cls, 128, fp8, dev)
+    out = case.out_buffer()
+    paged_decode(case.q, c.k_cache, c.v_cache, out, m.block_tables, m.seq_lens,
+                 m.query_start_loc, case.softmax_scale, cls, c.k_scale if fp8 else None,
+                 c.v_scale if fp8 else None, fp8_mode=mode if fp8 else "auto")
+    n = m.num_tokens
+    assert _err(out[:n], exp) < 2e-2
+    old = decode_config(128, True, fp8, dev, words)  # without the call's size: the old launch
+    old_splits = choose_num_splits(64, 8, cls, old.block_n, sm_count(dev), old.programs_per_sm,
+                                   old.whole_waves, old.short_programs_per_sm)
+    ref = case.out_buffer()
+    knobs = dict(block_n=old.block_n, num_warps=old.num_warps, num_stages=old.num_stages,
+                 maxnreg=old.maxnreg or 0, words=words, pairs=old.pairs) if fp8 else {}
+    paged_decode(case.q, c.k_cache, c.v_cache, ref, m.block_tables, m.seq_lens,
+                 m.query_start_loc, case.softmax_scale, cls, c.k_scale if fp8 else None,
+                 c.v_scale if fp8 else None, fp8_mode=mode if fp8 else "auto",
+                 num_splits=old_splits, **knobs)
+    assert _err(out[:n], ref[:n]) < 5e-3
+    if dev.type == "cuda" and torch.cuda.get_device_capability() == (9, 0) \
+            and sm_count(dev) >= 128:
+        assert splits == 1 and (not fp8 or cfg.num_stages == 3), (splits, cfg)
