@@ -37,10 +37,11 @@ PATTERNS = ["ld.shared.b8", "ld.shared", "st.shared", "ldmatrix", "mma.sync", "w
 
 
 def compile_kernel(fn, consts: dict, fp8: bool, sm: int, num_warps: int, num_stages: int,
-                   maxnreg: int | None = None, qtype: str = "fp16"):
+                   maxnreg: int | None = None, qtype: str = "fp16", fp_fusion: bool = True):
     """triton.compile a kvcap attention kernel for `sm`, pointers typed as its launcher passes
     them (E4M3 caches as uint8, queries and outputs `qtype`) and marked 16-byte aligned as the
-    JIT marks them."""
+    JIT marks them; FP fusion as its launcher asks (common.FP_FUSION; off for the fused layer
+    ops)."""
     params = list(inspect.signature(fn.fn).parameters)
     consts = {k: v for k, v in consts.items() if k in params}  # older kernels: fewer switches
     cache = "*u8" if fp8 else f"*{qtype}"
@@ -57,7 +58,7 @@ def compile_kernel(fn, consts: dict, fp8: bool, sm: int, num_warps: int, num_sta
             attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", sm, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages,
-                                       maxnreg=maxnreg))
+                                       maxnreg=maxnreg, enable_fp_fusion=fp_fusion))
 
 
 def inspect_rope(args, fp8: bool) -> int:
@@ -71,7 +72,8 @@ def inspect_rope(args, fp8: bool) -> int:
                   HW_ENCODE=hw, GDC=0)  # GDC: an ordinary launch (a constexpr left out
     # would compile as a runtime argument, with its programmatic-launch branch)
     nw = 1 if args.head_dim <= 128 else 2
-    k = compile_kernel(fused_ops._rope_split_kernel, consts, fp8, args.sm, nw, 1, None, args.dtype)
+    k = compile_kernel(fused_ops._rope_split_kernel, consts, fp8, args.sm, nw, 1, None, args.dtype,
+                       fp_fusion=False)
     print(f"triton {triton.__version__}, sm_{args.sm}, rope write, cache {args.cache}, "
           f"{args.dtype} rows, D={args.head_dim}, encoder "
           f"{('hardware' if hw else 'integer') if fp8 else 'none (16-bit copy)'}")

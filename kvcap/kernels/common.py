@@ -153,6 +153,13 @@ def pdl_supported(device: torch.device) -> bool:
             and _triton_has_pdl())
 
 
+# Launch option of every kernel that relies on FMA contraction (Triton's FP fusion): on by
+# default up to Triton 3.9, off from 3.10. kvcap's kernels were measured and tested with it on,
+# so they ask for it; the layer ops and GEMM epilogues that round as torch rounds pass
+# enable_fp_fusion=False themselves (fused_ops, skinny_gemm.skinny_swiglu).
+FP_FUSION = {"enable_fp_fusion": True}
+
+
 # Token rows up to which a step's kernels launch as programmatic dependents: on the H200 the
 # 8B shape's decode steps gained 1.4-2.0% at 1 and 16 rows (every kernel of a layer is then
 # kvcap's: the skinny GEMMs) and lost 0.9% at 64 rows, where the GEMMs are cuBLAS's.

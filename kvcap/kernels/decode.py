@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kvcap.kernels.common import (
+    FP_FUSION,
     LOG2E,
     MIXED_FP8_MODES,
     SOFTWARE_FP8_FACTOR,
@@ -772,7 +773,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         FOLD=fold, BLOCK_S=max(8, triton.next_power_of_2(num_splits)),
         DOT_DTYPE=dt, IEEE=ieee, F16_DOTS=fp16_dots,
         GDC=pdl_mode(pdl, grid, q.device), num_warps=nw,
-        num_stages=ns, **launch, **pdl,
+        num_stages=ns, **launch, **pdl, **FP_FUSION,
     )
     if num_splits > 1 and not fold:
         grid = (num_seqs, hq)
@@ -783,6 +784,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             BLOCK_S=max(8, triton.next_power_of_2(num_splits)), HEAD_DIM=d,
             FP8=fp8, BLOCK_N=bn, GDC=pdl_mode(pdl, grid, q.device),
             num_warps=4 if q.device.type == "cuda" else 1,
-            **pdl,
+            **pdl, **FP_FUSION,
         )
     return out

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kvcap.errors import DecoderCheckError
-from kvcap.kernels.common import convert_tile, convert_words, interpreting
+from kvcap.kernels.common import FP_FUSION, convert_tile, convert_words, interpreting
 from kvcap.kernels.store_kv import encode_e4m3
 from kvcap.numerics import e4m3
 
@@ -86,7 +86,8 @@ def check_e4m3_decoders(device: torch.device, software_decoders: set[bool]) -> N
         if (idx, software) in _PASSED:
             continue
         out = torch.empty(len(forms), codes.numel(), dtype=torch.float16, device=device)
-        _decode_all_forms[(1,)](codes.view(torch.int32), out, software, _ROWS, _WORDS)
+        _decode_all_forms[(1,)](codes.view(torch.int32), out, software, _ROWS, _WORDS,
+                                **FP_FUSION)
         want_bits = expected_bits(codes, software)
         # native: the 254 finite codes (the encoder never writes the NaN codes; the
         # interpreter's twin decodes them to +-480, the hardware to NaN)
@@ -147,7 +148,7 @@ def check_e4m3_encoder(device: torch.device, hardware: bool = True) -> None:
     for scale in _ENCODER_SCALES:
         s = torch.tensor(scale, dtype=torch.float32)
         _encode_probe[(triton.cdiv(x.numel(), _ENCODE_BLOCK),)](
-            xd, out, s.to(device), x.numel(), hardware, _ENCODE_BLOCK)
+            xd, out, s.to(device), x.numel(), hardware, _ENCODE_BLOCK, **FP_FUSION)
         got, want = out.cpu(), e4m3.encode(x, s)
         bad = _nan_unsigned(got) != _nan_unsigned(want)
         if bad.any():

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcap.kernels.common import FP_FUSION
+
 CHUNK_BYTES = 16384  # bytes one lane asks for (a multiple of 16)
 LANES = 32
 
@@ -44,4 +46,4 @@ def l2_prefetch(t: torch.Tensor) -> None:
         raise ValueError("l2_prefetch needs a size that is a multiple of 16 bytes")
     flat = t.view(torch.uint8).view(-1)
     grid = (triton.cdiv(n, CHUNK_BYTES * LANES),)
-    _l2_prefetch_kernel[grid](flat, n, CHUNK=CHUNK_BYTES, LANES=LANES, num_warps=1)
+    _l2_prefetch_kernel[grid](flat, n, CHUNK=CHUNK_BYTES, LANES=LANES, num_warps=1, **FP_FUSION)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kvcap.kernels.common import (
+    FP_FUSION,
     LOG2E,
     capability,
     check_attention_args,
@@ -170,5 +171,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         USE_DOT=True, PREFETCH=False,
         num_warps=nw, num_stages=ns,
         **({"maxnreg": maxnreg} if maxnreg and q.device.type == "cuda" else {}),  # 0: no cap
+        **FP_FUSION,
     )
     return out

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kvcap.kernels.common import (
+    FP_FUSION,
     LOG2E,
     SOFTWARE_FP8_FACTOR,
     check_cache,
@@ -185,7 +186,7 @@ def qsa_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_SIZE=k_cache.shape[2], BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8,
         SOFTWARE=software, USE_DOT=True, DOT_DTYPE=dt, IEEE=ieee,
-        SHARED_SEL=hs == 1, num_warps=nw, num_stages=ns,
+        SHARED_SEL=hs == 1, num_warps=nw, num_stages=ns, **FP_FUSION,
     )
     if num_splits > 1:
         _merge_rows_kernel[(t, hq)](
@@ -193,6 +194,6 @@ def qsa_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             SOFTWARE_FP8_FACTOR if software else 1.0,
             out.stride(0), out.stride(1), *ps, num_splits,
             BLOCK_S=max(8, triton.next_power_of_2(num_splits)), HEAD_DIM=d, FP8=fp8,
-            num_warps=4 if q.device.type == "cuda" else 1,
+            num_warps=4 if q.device.type == "cuda" else 1, **FP_FUSION,
         )
     return out

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcap.kernels.common import dot_dtype, mm
+from kvcap.kernels.common import FP_FUSION, dot_dtype, mm
 
 MODES = {"relu_sum": 0, "dot_sum": 1, "dot_max": 2, "bound_sum": 3, "bound_max": 4}
 
@@ -108,6 +108,6 @@ def qsa_score(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor | None,
         block_tables.stride(0), out.stride(0), out.stride(1), num_groups,
         J=j, BLOCK_J=max(16, triton.next_power_of_2(j)), DK=dk, GPB=lo.shape[2],
         BLOCK_G=block_g, MODE=MODES[mode], SHARED_KEY=hk == 1,
-        DOT_DTYPE=dt, IEEE=ieee, num_warps=4 if on_gpu else 1,
+        DOT_DTYPE=dt, IEEE=ieee, num_warps=4 if on_gpu else 1, **FP_FUSION,
     )
     return out

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcap.kernels.common import FP_FUSION
+
 _INT_MIN = tl.constexpr(-2147483648)
 
 
@@ -167,12 +169,13 @@ def qsa_topk(scores: torch.Tensor, visible: torch.Tensor, pos: torch.Tensor, k: 
                   BLOCK_W=256, num_warps=warps)
     if nchunks <= 1 or chunk <= k:
         _topk_kernel[(t, hs, 1)](scores, scores, visible, pos, scores, visible, out,
-                                 k, g, hs, 1, width, STAGE=0, **common)
+                                 k, g, hs, 1, width, STAGE=0, **common, **FP_FUSION)
         return out
     cand_val = torch.empty((t, hs, nchunks * k), dtype=torch.float32, device=scores.device)
     cand_idx = torch.empty((t, hs, nchunks * k), dtype=torch.int32, device=scores.device)
     _topk_kernel[(t, hs, nchunks)](scores, scores, visible, pos, cand_val, cand_idx, out,
-                                   k, g, hs, nchunks, width, STAGE=1, **common)
+                                   k, g, hs, nchunks, width, STAGE=1, **common, **FP_FUSION)
     _topk_kernel[(t, hs, 1)](cand_val, cand_idx, visible, pos, cand_val, cand_idx, out,
-                             k, nchunks * k, hs, nchunks, width, STAGE=2, **common)
+                             k, nchunks * k, hs, nchunks, width, STAGE=2, **common,
+                             **FP_FUSION)
     return out

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kvcap.kernels.common import load_cg
+from kvcap.kernels.common import FP_FUSION, load_cg
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 I32_MIN = tl.constexpr(-2147483648)
@@ -531,17 +531,18 @@ def fused_sample(
             logits, logits.stride(0), fparams, iparams, pl.stats, pl.cands, tok, pl.aux,
             pl.arrived, v, pl.p, pl.row_cand, GS=pl.gs, NG=pl.ng, CAND=pl.cand, CAP=pl.cap,
             P_PAD=pl.p_pad, CAP2=pl.cap2, EXACT=_EXACT, TILE=TILE, FALLBACK=fallback,
-            num_warps=pl.num_warps,
+            num_warps=pl.num_warps, **FP_FUSION,
         )  # fmt: skip
     else:
         _stage1[pl.grid1](
             logits, logits.stride(0), fparams, iparams, pl.stats, pl.cands, v, pl.p,
             pl.row_cand, GS=pl.gs, NG=pl.ng, CAND=pl.cand, CAP=pl.cap, num_warps=pl.num_warps,
+            **FP_FUSION,
         )  # fmt: skip
         _stage2[pl.grid2](
             logits, logits.stride(0), fparams, iparams, pl.stats, pl.cands, tok, pl.aux, v,
             pl.p, pl.row_cand, P_PAD=pl.p_pad, CAP=pl.cap, CAP2=pl.cap2, EXACT=_EXACT,
-            TILE=TILE, FALLBACK=fallback, num_warps=STAGE2_WARPS,
+            TILE=TILE, FALLBACK=fallback, num_warps=STAGE2_WARPS, **FP_FUSION,
         )  # fmt: skip
     if return_aux:
         a = pl.aux.view(b, 2)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcap.kernels.common import pdl_launch, pdl_mode, pdl_release, pdl_wait
+from kvcap.kernels.common import FP_FUSION, pdl_launch, pdl_mode, pdl_release, pdl_wait
 
 MAX_ROWS = 64
 
@@ -247,5 +247,5 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
         x, w, out, ws, cnt, m, n, k, k_split, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0 and k_split % bk == 0,
         SPLIT_K=sk, GDC=pdl_mode(pdl, grid, x.device), num_warps=nw, num_stages=ns,
-        **pdl)
+        **pdl, **FP_FUSION)
     return out

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcap.kernels.common import hardware_e4m3_encode, sm_count
+from kvcap.kernels.common import FP_FUSION, hardware_e4m3_encode, sm_count
 
 # The hardware conversion of one FP32 value (converted twice into the pair's two bytes; the
 # low byte is kept): round to nearest even, finite values and infinities beyond 448 -> +-448,
@@ -109,6 +109,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2],
         BLOCK_H=block_h, FP8=fp8, HW_ENCODE=fp8 and hardware_e4m3_encode(k.device, fp8_mode),
+        **FP_FUSION,
     )
 
 
