@@ -514,10 +514,16 @@ def word_route_launch(props) -> tuple[int, int]:
     properties: 5 stages (double-buffered K/V) where an SM still holds 3 such programs (Hopper:
     228 KiB of shared memory), else 3 stages (A100: 3 programs, 100 KiB parts such as the
     RTX 30xx / 40xx: 2)."""
-    resident = programs_per_sm(props, WORD_ROUTE_SHARED_BYTES[5], 128, 4)
+    resident = word_route_programs(props, 5)
     if resident >= 3:
         return 5, resident
-    return 3, programs_per_sm(props, WORD_ROUTE_SHARED_BYTES[3], 128, 4)
+    return 3, word_route_programs(props, 3)
+
+
+def word_route_programs(props, stages: int) -> int:
+    """Programs per SM of the E4M3 word route at D = 128 with `stages` pipeline stages (its
+    shared memory, WORD_ROUTE_SHARED_BYTES; 128 registers; 4 warps)."""
+    return programs_per_sm(props, WORD_ROUTE_SHARED_BYTES[stages], 128, 4)
 
 
 def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
@@ -563,8 +569,8 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
         props = device_properties(device)
         stages, resident = word_route_launch(props)
         if stages == 5 and 0 < max_seq_len <= WIDE_WORD_ROUTE_TOKENS:
-            wide = programs_per_sm(props, WORD_ROUTE_SHARED_BYTES[3], 128, 4)
-            if resident * sm_count(device) < programs <= wide * sm_count(device):
+            wide, sms = word_route_programs(props, 3), sm_count(device)
+            if resident * sms < programs <= wide * sms:
                 stages, resident = 3, wide
         return DecodeConfig(128, 4, stages, False, resident, maxnreg=128, whole_waves=True,
                             pairs=True, short_programs_per_sm=SHORT_WORD_PROGRAMS_PER_SM)
@@ -651,6 +657,15 @@ def merge_counters(device: torch.device, n: int) -> torch.Tensor:
     return cur
 
 
+def config_splits(cfg: DecodeConfig, num_seqs: int, head_programs: int, max_seq_len: int,
+                  num_sms: int, block_n: int | None = None) -> int:
+    """choose_num_splits for a launch of configuration `cfg` (tiles of `block_n` tokens where a
+    caller overrides the configuration's)."""
+    return choose_num_splits(num_seqs, head_programs, max_seq_len, block_n or cfg.block_n,
+                             num_sms, cfg.programs_per_sm, cfg.whole_waves,
+                             cfg.short_programs_per_sm, cfg.resident)
+
+
 def default_launch(num_seqs: int, head_programs: int, max_seq_len: int, head_dim: int,
                    fp8: bool, device: torch.device) -> tuple[bool, DecodeConfig, int]:
     """(word route?, launch configuration, split count) that paged_decode's grouped route
@@ -660,10 +675,7 @@ def default_launch(num_seqs: int, head_programs: int, max_seq_len: int, head_dim
     words = use_words(head_dim, True, fp8, device, short)
     cfg = decode_config(head_dim, True, fp8, device, words, short_route=short,
                         programs=num_seqs * head_programs, max_seq_len=max_seq_len)
-    splits = choose_num_splits(num_seqs, head_programs, max_seq_len, cfg.block_n, num_sms,
-                               cfg.programs_per_sm, cfg.whole_waves, cfg.short_programs_per_sm,
-                               cfg.resident)
-    return words, cfg, splits
+    return words, cfg, config_splits(cfg, num_seqs, head_programs, max_seq_len, num_sms)
 
 
 def split_buffers(num_seqs: int, hq: int, num_splits: int, d: int,
@@ -741,9 +753,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if maxnreg is None and block_n is None and num_warps is None and num_stages is None:
         maxnreg = cfg.maxnreg  # the cap belongs to the default launch configuration
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, head_programs, max_seq_len, bn,
-                                       sm_count(q.device), cfg.programs_per_sm, cfg.whole_waves,
-                                       cfg.short_programs_per_sm, cfg.resident)
+        num_splits = config_splits(cfg, num_seqs, head_programs, max_seq_len,
+                                   sm_count(q.device), bn)
     block_h = max(16, triton.next_power_of_2(heads)) if grouped else 1
     counters = dummy = k_cache
     fold = fold and num_splits > 1
