@@ -7,6 +7,11 @@
 #   bash scripts/gpu_wide_splits.sh sweep              what the rule has not measured: 8B at 24 /
 #                                                      40 / 48 / 128 sequences, GQA-6 / D = 256 at 32
 #                                                      and 64 (explicit split counts; ~4 min)
+#   bash scripts/gpu_wide_splits.sh d256               the 16-bit kernel's split cap at D = 256
+#                                                      (sixteen_bit_resident): its compile test
+#                                                      under this Triton, then GQA-6 at 4 / 8 / 16
+#                                                      sequences, where the cap lowers the split
+#                                                      count (~2 min)
 #   OLD=DIR bash scripts/gpu_wide_splits.sh e2e ROUND   end to end, 8B shape, BF16 weights, arms
 #                                                      old (PYTHONPATH=$OLD) / new, alternating
 #                                                      order by ROUND; CONC, CTX, KV override
@@ -28,6 +33,13 @@ sweep)
   PYTHONPATH=$PWD timeout 280 python3 scripts/short_context_sweep.py --dtype bfloat16 \
     --shape 24,4,256 --batches 32,64 --contexts 2048,16384 --splits 1,2,3,4,6,8 --tiles 64 \
     --out "$OUT/splits-gqa6-wide.json" 2>&1 | grep -E "^B=|MISMATCH" ;;
+d256)
+  PYTHONPATH=$PWD timeout 200 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_kernels_compile.py -k "residency" 2>&1 | tail -3
+  PYTHONPATH=$PWD timeout 280 python3 scripts/short_context_sweep.py --dtype bfloat16 \
+    --shape 24,4,256 --batches 4,8,16 --contexts 4096,16384,32768 \
+    --splits 3,6,8,12,17,24,33,64 --tiles 64 --out "$OUT/splits-gqa6-narrow.json" 2>&1 \
+    | grep -E "^B=|MISMATCH" ;;
 e2e)
   round=${2:-1}; arms="old new"; [ $((round % 2)) = 0 ] && arms="new old"
   for arm in $arms; do
@@ -39,5 +51,5 @@ e2e)
       | grep -v -- "---\|concurrency" | sed "s/^/$arm$round /"
     cp /tmp/e2e-${TAG:-}$arm-$round/*.json "$OUT/e2e-${TAG:-}$arm-$round.json"
   done ;;
-*) echo "usage: $0 kernels|sweep|e2e ROUND"; exit 2 ;;
+*) echo "usage: $0 kernels|sweep|d256|e2e ROUND"; exit 2 ;;
 esac

@@ -446,6 +446,28 @@ def test_wide_short_calls(monkeypatch):
     assert decode.default_launch(8, 8, 16384, 128, False, cuda)[2] == 9
 
 
+def test_sixteen_bit_d256_split_cap(monkeypatch):
+    """At D = 256 the 16-bit kernel aims at 8 programs per SM; on a GPU whose SM holds 3 of
+    them (the H200) a grid that fits one wave of 3 x 132 stays in it (GQA-6: 64 x 4 programs
+    take 1 split, not 5; 32 x 4 take 3, not 9); a GPU holding fewer keeps the target's count."""
+    from kvcap.kernels import decode
+
+    monkeypatch.setattr(decode, "device_properties", lambda device: common.target_properties(90))
+    monkeypatch.setattr(decode, "has_mma", lambda device: True)
+    monkeypatch.setattr(decode, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert decode.sixteen_bit_resident(common.target_properties(90), 256) == 3
+    assert decode.sixteen_bit_resident(common.target_properties(90), 64) is None
+    assert decode.sixteen_bit_resident(common.target_properties(80), 256) is None  # holds 2
+    assert decode.decode_config(256, True, False, cuda).resident == 3
+    for b, ctx, splits in ((64, 2048, 1), (64, 16384, 1), (32, 2048, 3), (32, 16384, 3),
+                           (200, 16384, 2)):  # 800 programs: past one wave, the target's rule
+        assert decode.default_launch(b, 4, ctx, 256, False, cuda)[2] == splits, (b, ctx)
+    monkeypatch.setattr(decode, "device_properties", lambda device: common.target_properties(80))
+    assert decode.decode_config(256, True, False, cuda).resident is None
+    assert decode.default_launch(64, 4, 16384, 256, False, cuda)[2] == 5
+
+
 def test_short_route_default_is_the_byte_route(monkeypatch):
     """On the CPU interpreter (4 "SMs") one sequence over one KV head is a short call:
     paged_decode launches the byte route's configuration (recorded at decode_config) and

@@ -21,10 +21,12 @@ import pytest
 
 from kvcap.kernels.common import programs_per_sm, target_properties  # noqa: E402
 from kvcap.kernels.decode import (  # noqa: E402
+    SIXTEEN_BIT_D256_SHARED_BYTES,
     SIXTEEN_BIT_SHARED_BYTES,
     WORD_ROUTE_D256_REGISTERS,
     WORD_ROUTE_D256_SHARED_BYTES,
     WORD_ROUTE_SHARED_BYTES,
+    sixteen_bit_d256_registers,
     sixteen_bit_registers,
     word_route_d256_launch,
     word_route_launch,
@@ -144,6 +146,17 @@ def test_fp16_cache_residency_on_mma_gpus(sm, dtype):
                     "--dtype", dtype)
         assert c["shared memory bytes"] <= WORD_ROUTE_SHARED_BYTES[3]
         assert c["spill store bytes"] <= 8
+
+
+@pytest.mark.parametrize("sm", [80, 86, 90])
+def test_fp16_cache_residency_at_d256(sm):
+    """The 16-bit kernel at D = 256 fits the shared memory and registers its split cap
+    assumes (sixteen_bit_resident: 3 programs per SM on the H200)."""
+    c = _counts("--cache", "fp16", "--sm", str(sm), "--head-dim", "256", "--defaults",
+                "--dtype", "bf16")
+    assert c["shared memory bytes"] <= SIXTEEN_BIT_D256_SHARED_BYTES
+    assert c["registers"] <= sixteen_bit_d256_registers(target_properties(sm))
+    assert c["spill store bytes"] == 0
 
 
 @pytest.mark.parametrize("sm", [70, 75])

@@ -473,6 +473,37 @@ def sixteen_bit_registers(props) -> int:
     return 128 if (props.major, props.minor) == (8, 0) else 96
 
 
+# The 16-bit kernel at D = 256 (BLOCK_N 64, 4 warps, 2 stages), sm_80 to sm_90: 75,776 bytes
+# of shared memory; 168 registers per thread (sm_80 with triton 3.6: 230), so an H200 SM holds
+# 3 programs (tests/test_kernels_compile.py checks both). Its target stays 8 programs per SM,
+# but where the unsplit grid fits one wave of the 3 resident ones the split grid does too.
+# H200, GQA-6, BF16 (docs/benchmarks/splits-2026-12-03h-h200-gqa6-bf16-{wide,narrow}.json),
+# us at 4K / 16K / 32K tokens, target's split count -> capped: 4 sequences (64 -> 24 splits at
+# 16K / 32K) 86.4 / 146.9 -> 74.7 / 135.7 at 16K / 32K; 8 (33 -> 12) 49.3 / 142.4 / 265.8 ->
+# 42.7 / 133.1 / 255.6; 16 (17 -> 6) 79.6 / 262.2 / 512.0 -> 71.9 / 253.3 / 500.0; 32 (9 -> 3)
+# 79 / 502 -> 74 / 497 at 2K / 16K; 64 (5 -> 1) 143 / 1,049 -> 133 / 985 at 2K / 16K.
+# Applied where an SM holds at least 3 (measured on the H200); GPUs that hold fewer (A100: 2,
+# 100 KiB parts: 1) would leave SMs idle under a one-wave cap, so they keep the target.
+SIXTEEN_BIT_D256_SHARED_BYTES = 75776
+SIXTEEN_BIT_D256_MIN_RESIDENT = 3
+
+
+def sixteen_bit_d256_registers(props) -> int:
+    return 230 if (props.major, props.minor) == (8, 0) else 168
+
+
+def sixteen_bit_resident(props, head_dim: int) -> int | None:
+    """Programs per SM the 16-bit kernel holds at once, where decode_config caps its splits by
+    them (D = 128, and D = 256 on GPUs holding at least SIXTEEN_BIT_D256_MIN_RESIDENT)."""
+    if head_dim == 128:
+        return programs_per_sm(props, SIXTEEN_BIT_SHARED_BYTES, sixteen_bit_registers(props), 4)
+    if head_dim == 256:
+        resident = programs_per_sm(props, SIXTEEN_BIT_D256_SHARED_BYTES,
+                                   sixteen_bit_d256_registers(props), 4)
+        return resident if resident >= SIXTEEN_BIT_D256_MIN_RESIDENT else None
+    return None
+
+
 # The word route at D = 256 (BLOCK_N 64, 4 warps, 3 stages, byte pairs), ptxas triton 3.6:
 # 43,264 bytes of shared memory on sm_80 to sm_90; 168 registers per thread uncapped (no
 # spill), 128 under the cap, where sm_90 spills 4-20 bytes and sm_80 / sm_86 24-64
@@ -585,11 +616,7 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
         return DecodeConfig(128 if head_dim <= 128 else 64, 4, 2, False, 8,
                             short_programs_per_sm=short)
     pps = 8 if head_dim >= 256 else 4
-    resident = None
-    if head_dim == 128:
-        props = device_properties(device)
-        resident = programs_per_sm(props, SIXTEEN_BIT_SHARED_BYTES,
-                                   sixteen_bit_registers(props), 4)
+    resident = sixteen_bit_resident(device_properties(device), head_dim)
     return DecodeConfig(128 if head_dim <= 64 else 64, 4, 2, False, pps,
                         short_programs_per_sm=short, resident=resident)
 
