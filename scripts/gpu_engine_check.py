@@ -10,6 +10,7 @@ import time
 import torch
 
 from kvcap import LLM, SamplingParams
+from kvcap.bench.provenance import stamp
 
 PROMPTS = ["The capital of France is", "def quicksort(arr):", "Once upon a time,",
            "List three primary colors:", "The quick brown fox", "In mathematics, a prime is",
@@ -75,7 +76,7 @@ res["overlap_s_8x64"], res["serial_s_8x64"] = runs[True][2], runs[False][2]
 print(repr(llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                     SamplingParams(temperature=0, max_tokens=20))[0].text))
 res = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
-       "commit": os.environ.get("KVCAP_COMMIT", "unknown")} | res
+       **stamp()} | res
 os.makedirs(os.environ.get("OUT", "/tmp/out"), exist_ok=True)
 with open(os.path.join(os.environ.get("OUT", "/tmp/out"), "engine_check.json"), "w") as f:
     json.dump(res, f, indent=1)

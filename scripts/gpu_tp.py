@@ -355,8 +355,10 @@ def orchestrate(args) -> int:
     emb_ok, emb_why = (False, "--cpu-smoke uses the tiny dummy model") if args.cpu_smoke \
         else (False, "--no-embedded") if args.no_embedded else embedded_available()
     plan = build_plan(args, out, tps, emb_ok)
+    from kvcap.bench.provenance import stamp
+
     report: dict[str, Any] = {
-        "issue": 11, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": git_commit(),
+        "issue": 11, "date": time.strftime("%Y-%m-%d %H:%M:%S"), **stamp(),
         "host": {"gpus": names, "n_gpus": n_gpus, "versions": versions,
                  "topology": topology(args.cpu_smoke or args.dry_run),
                  "env": {k: os.environ.get(k) for k in
@@ -412,17 +414,6 @@ def orchestrate(args) -> int:
         print_summary(report)
         print(f"\ngpu_tp: wrote {path} ({report['elapsed_s']} s)", flush=True)
     return 0
-
-
-def git_commit() -> str:
-    """KVCAP_COMMIT when set (a copied working tree may carry a stale .git), else git's."""
-    if os.environ.get("KVCAP_COMMIT"):
-        return os.environ["KVCAP_COMMIT"]
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def topology(smoke: bool) -> str | None:

@@ -282,14 +282,14 @@ def main() -> int:
     if args.json:
         import json
 
-        from kvcap.bench.throughput import _commit
+        from kvcap.bench.provenance import stamp
         from kvcap.scales.fsutil import atomic_write_text
 
         atomic_write_text(args.json, json.dumps({
             "triton": triton.__version__, "sm": args.sm, "cache": args.cache,
             "words": args.words, "pairs": args.pairs, "head_dim": args.head_dim,
             "dtype": args.dtype, "block_n": args.block_n, "num_warps": args.num_warps,
-            "num_stages": args.num_stages, "maxnreg": args.maxnreg, "commit": _commit(),
+            "num_stages": args.num_stages, "maxnreg": args.maxnreg, **stamp(),
             **usage, "sass_tile_loop": sass}, indent=1))
     return 0
 

@@ -128,13 +128,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     require_cuda(ap)
-    from kvcap.bench.throughput import _commit
+    from kvcap.bench.provenance import stamp
     from kvcap.config import ModelSpec
 
     spec = ModelSpec.from_hf_config(json.loads(args.config.read_text()))
     ceil = measure_ceilings()["read_tbs"]
     report = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-              "commit": _commit(), "torch": torch.__version__, "config": args.config.name,
+              **stamp(), "torch": torch.__version__, "config": args.config.name,
               "read_ceiling_tbs": ceil, "rows": []}
     out = args.out or Path(f"gemm-{report['date']}.json")
     shapes = {**linear_shapes(spec), "swiglu": linear_shapes(spec)["gate_up_proj"]}

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcap.bench.provenance import stamp
 from kvcap.bench.telemetry import sm_clock_mhz
 from kvcap.commands.common import positive_int
 from kvcap.kernels.common import sm_count
@@ -318,7 +319,7 @@ def run_info() -> dict:
             "sm_count": props.multi_processor_count,
             "l2_bytes": getattr(props, "L2_cache_size", 50 * 2**20),
             "torch": torch.__version__, "triton": triton.__version__,
-            "commit": os.environ.get("KVCAP_COMMIT", "unknown")}
+            **stamp()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,12 +23,12 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from kvcap.bench.provenance import stamp
 from kvcap.kernels.sampling_topk_topp import (
     fused_sample,
     launch_config,
@@ -283,10 +283,8 @@ def twin_cpu(out_dir: Path, repeats: int = 15) -> Path:
         print(f"B={b:2d} V={v:7d}: full {row['full_ms']:8.2f} ms, compact "
               f"{row['compact_ms']:7.2f} ms, tokens equal {row['tokens_equal']}")
     date = datetime.date.today().isoformat()
-    commit = os.environ.get("KVCAP_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
-                  threads=1, date=date, commit=commit or "unknown", torch=torch.__version__,
+                  threads=1, date=date, **stamp(), torch=torch.__version__,
                   timing=f"median of {repeats} calls (time.perf_counter)", rows=rows)
     out = out_dir / f"sampler-twin-cpu-{date}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -330,15 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     _ENGINE_SAMPLER = Sampler("cuda")
     rows = [bench_cell(*c) for c in tqdm(cells, desc="sampler bench")]
     launch_rows, sweep_rows = sweep() if args.sweep else ([], [])
-    commit = (
-        os.environ.get("KVCAP_COMMIT")
-        or subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    )
     date = datetime.date.today().isoformat()
     result = dict(
-        gpu=torch.cuda.get_device_name(), date=date, commit=commit or "unknown",
+        gpu=torch.cuda.get_device_name(), date=date, **stamp(),
         torch=torch.__version__, triton=__import__("triton").__version__,
         timing="median of CUDA-event timed calls; inputs rotated over > 2x L2",
         rows=rows, sweep=sweep_rows, launch_sweep=launch_rows,

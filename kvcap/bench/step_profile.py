@@ -140,7 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
                     help="model dtype of the step cells")
     args = ap.parse_args(argv)
-    from kvcap.bench.throughput import KV_MODES, _commit
+    from kvcap.bench.provenance import stamp
+    from kvcap.bench.throughput import KV_MODES
 
     cells = []
     for cell in args.cells:  # all checked before any GPU time is spent
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
     spec = ModelSpec.from_hf_config(json.loads(args.config.read_text()))
     ceil = measure_ceilings()
     report = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-              "commit": _commit(), "torch": torch.__version__, "config": args.config.name,
+              **stamp(), "torch": torch.__version__, "config": args.config.name,
               "dtype": args.dtype, "read_ceiling_tbs": ceil["read_tbs"],
               "gemms": time_gemms(spec, args.rows, ceil["read_tbs"]), "cells": []}
     out = args.out or Path(f"step-profile-{report['date']}.json")

@@ -20,13 +20,13 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from kvcap.bench.provenance import stamp
 from kvcap.bench.telemetry import Sampler
 from kvcap.commands.common import positive_float, positive_int, require_cuda
 
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     ceiling = read_ceiling_tbs(dev)
     report = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(dev),
-              "commit": _commit(), "read_ceiling_tbs": ceiling, "torch": torch.__version__,
+              **stamp(), "read_ceiling_tbs": ceiling, "torch": torch.__version__,
               "args": vars(args), "cells": [], "capacity": [], "hf_baseline": []}
     max_ctx = max(args.context)
     out = Path(args.out)
@@ -413,17 +413,6 @@ def _print_table(report: dict) -> None:
     for h in report["hf_baseline"]:
         print(f"HF generate {h['shape']} B={h['batch']} ctx={h['context']}: "
               f"{h['tok_s']:.1f} tok/s end to end, decode {h['decode_tok_s']:.1f} tok/s")
-
-
-def _commit() -> str:
-    """KVCAP_COMMIT when set (a copied working tree may carry a stale .git), else git's."""
-    if os.environ.get("KVCAP_COMMIT"):
-        return os.environ["KVCAP_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=False).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 if __name__ == "__main__":
