@@ -3,6 +3,9 @@
 # down_proj, the fused gate/up + SiLU, the LM head on kvcap.kernels.skinny_gemm) against cuBLAS.
 #   bash scripts/gpu_skinny.sh gemm      the GEMM tests compiled on the GPU, then the kernel sweep
 #                                        (kvcap.bench.gemm) at 16 and 64 rows (~7 min)
+#   bash scripts/gpu_skinny.sh wide      at 64 rows (where the model keeps cuBLAS for QKV, down_proj
+#                                        and gate/up): 128- / 256-column tiles, unsplit and split
+#                                        2 / 4, against cuBLAS (~4 min)
 #   bash scripts/gpu_skinny.sh profile   the 8B decode step profiled with the rule off and on
 #                                        (~4 min)
 #   bash scripts/gpu_skinny.sh e2e       1K decode end to end, rule off / on / off / on (~8 min)
@@ -20,6 +23,11 @@ gemm)
   timeout 420 python3 -m kvcap.bench.gemm --linears swiglu o_proj down_proj lm_head \
     --rows 16 64 --stages 3 5 8 --warps 4 --splits 1 2 4 --out "$OUT/gemm-skinny.json" 2>&1 \
     | grep -vE "^[a-z_]+ m=" | tail -16 ;;
+wide)
+  timeout 150 python3 -m pytest -q -m "gpu or not gpu" tests/test_skinny_gemm.py 2>&1 | tail -2
+  timeout 420 python3 -m kvcap.bench.gemm --linears qkv_proj down_proj o_proj swiglu --rows 64 \
+    --block-ns 128 256 --stages 3 4 --warps 4 8 --splits 1 2 4 --out "$OUT/gemm-wide-64.json" \
+    2>&1 | grep -vE "^[a-z_]+ m=" | tail -8 ;;
 profile)
   cells="fp8:1:1024 fp16:16:1024 fp8:16:1024 fp8:64:1024"
   for arm in off on; do
@@ -37,5 +45,5 @@ e2e)
         --repeats 2 --out "$OUT/e2e-$arm-$run" 2>&1 | grep -E "^\|" | sed "s/^/$arm$run /"
     done
   done ;;
-*) echo "usage: $0 gemm|profile|e2e"; exit 2 ;;
+*) echo "usage: $0 gemm|wide|profile|e2e"; exit 2 ;;
 esac

@@ -76,3 +76,26 @@ def test_split_state_is_never_created_during_graph_capture(monkeypatch):
     with pytest.raises(ValueError, match="make one call of this shape before capturing"):
         skinny_gemm._split_state(torch.device("cuda", 0), 7, 3, 16, 32)
     assert (torch.device("cuda", 0), 7, 3, 16, 32) not in skinny_gemm._SPLIT_STATE
+
+
+@pytest.mark.parametrize("bn,split", [(128, 1), (128, 4), (256, 2)])
+def test_wide_tiles_at_64_rows(bn, split):
+    """The wide column tiles `python -m kvcap.bench.gemm --block-ns 128 256` sweeps at 64 rows,
+    split and unsplit, match torch (a partial last tile, K not a multiple of the split)."""
+    g = torch.Generator().manual_seed(bn + split)
+    x = torch.randn(64, 200, generator=g).to(DEV, torch.float16)
+    w = (torch.randn(bn + 24, 200, generator=g) * 0.1).to(DEV, torch.float16)
+    got = skinny_linear(x, w, block_n=bn, block_k=32, split_k=split)
+    torch.testing.assert_close(got.float(), x.float() @ w.float().t(), rtol=2e-3, atol=2e-3)
+
+
+def test_gemm_sweep_block_ns():
+    from kvcap.bench.gemm import sweep_configs
+
+    default = sweep_configs(stages=(3,), splits=(1, 2), warps=(4, 8))
+    assert {c["block_n"] for c in default} == {16, 32, 64}
+    assert {c["num_warps"] for c in default if "split_k" in c} == {4}
+    wide = sweep_configs(stages=(3,), splits=(1, 2), warps=(4, 8), block_ns=(128, 256))
+    assert {c["block_n"] for c in wide} == {128, 256}
+    assert {(c["block_n"], c["num_warps"]) for c in wide if c.get("split_k") == 2} == \
+        {(128, 4), (128, 8), (256, 4), (256, 8)}

@@ -33,14 +33,21 @@ from kvcap.scales.fsutil import atomic_write_text
 SWEEP_STAGES = (3, 5)
 
 
-def sweep_configs(stages=SWEEP_STAGES, splits=(1,), warps=(4, 8)) -> list[dict]:
+def sweep_configs(stages=SWEEP_STAGES, splits=(1,), warps=(4, 8),
+                  block_ns: tuple[int, ...] | None = None) -> list[dict]:
     """Launch keywords the Triton sweep tries: every (BLOCK_N, BLOCK_K, warps, stages) without
     split-K, and for each split count > 1 the 32- and 64-column tiles of 128-wide K steps on
-    4 warps (the plain kernel's usual winners)."""
+    4 warps (the plain kernel's usual winners). `block_ns` replaces both sets of column tile
+    widths (e.g. 128 / 256 at 64 rows, where narrow tiles make every program re-read the
+    activation rows from L2: 128 programs x 64 rows x 14,336 x 2 bytes = 235 MB on down_proj,
+    twice its weight); with it the split configurations also try `warps`."""
+    plain = block_ns or (16, 32, 64)
     out = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns) for bn, bk, nw, ns in
-           itertools.product((16, 32, 64), (128, 256), warps, stages)]
-    out += [dict(block_n=bn, block_k=128, num_warps=4, num_stages=ns, split_k=sk)
-            for sk, bn, ns in itertools.product([s for s in splits if s > 1], (32, 64), stages)]
+           itertools.product(plain, (128, 256), warps, stages)]
+    split_warps = warps if block_ns else (4,)
+    out += [dict(block_n=bn, block_k=128, num_warps=nw, num_stages=ns, split_k=sk)
+            for sk, bn, nw, ns in itertools.product([s for s in splits if s > 1],
+                                                    block_ns or (32, 64), split_warps, stages)]
     return out
 
 
@@ -125,6 +132,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", type=positive_int, nargs="+", default=[4, 8])
     ap.add_argument("--splits", type=positive_int, nargs="+", default=[1],
                     help="split-K counts the sweep tries (1: none)")
+    ap.add_argument("--block-ns", type=positive_int, nargs="+", default=None,
+                    help="column tile widths the sweep tries (default: 16 32 64 unsplit, "
+                         "32 64 split)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     require_cuda(ap)
@@ -142,7 +152,8 @@ def main(argv=None) -> int:
     for name, (n, k) in shapes.items():
         report["rows"] += bench_shape(name, n, k, args.rows, ceil,
                                       sweep_configs(tuple(args.stages),
-                                                    tuple(args.splits), tuple(args.warps)))
+                                                    tuple(args.splits), tuple(args.warps),
+                                                    tuple(args.block_ns or ()) or None))
         atomic_write_text(out, json.dumps(report, indent=1))
     print(f"read ceiling {ceil:.2f} TB/s")
     print(f"{'linear':14} {'m':>3} {'cuBLAS us':>10} {'%ceil':>6} {'triton us':>10} {'%ceil':>6} "
