@@ -58,3 +58,10 @@ def test_stamp_prefers_kvcap_commit(monkeypatch):
 def test_cli_prints_the_installed_digest(capsys):
     assert provenance.main([]) == 0
     assert provenance.source_digest() in capsys.readouterr().out
+
+
+def test_kvcap_bench_provenance(capsys):
+    from kvcap.cli import main
+
+    assert main(["bench", "provenance"]) == 0
+    assert provenance.source_digest() in capsys.readouterr().out

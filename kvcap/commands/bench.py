@@ -8,8 +8,9 @@ import importlib
 from kvcap.errors import ConfigError
 
 SUITES = ("throughput", "throughput_report", "kernels", "sampler", "serving", "qsa",
-          "step_overhead", "step_profile", "gemm")
-HELP = f"run a benchmark: {' | '.join(SUITES)} (see docs/benchmarks)"
+          "step_overhead", "step_profile", "gemm", "provenance")
+HELP = (f"run a benchmark: {' | '.join(SUITES)} (see docs/benchmarks; provenance: the source "
+        "digest every result records, here or at a git revision)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
