@@ -426,7 +426,7 @@ def test_wide_short_calls(monkeypatch):
     of its 5 resident programs per SM."""
     from kvcap.kernels import decode
 
-    resident = {decode.WORD_ROUTE_SHARED_BYTES[3]: 4, decode.SIXTEEN_BIT_SHARED_BYTES: 5}
+    resident = {decode.WORD_ROUTE_SHARED_BYTES[3]: 4, decode.SIXTEEN_BIT_SHARED_BYTES[128]: 5}
     monkeypatch.setattr(decode, "word_route_launch", lambda props: (5, 3))
     monkeypatch.setattr(decode, "device_properties", lambda device: common.target_properties(90))
     monkeypatch.setattr(decode, "programs_per_sm", lambda props, smem, *rest: resident[smem])

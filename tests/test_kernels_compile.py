@@ -21,12 +21,10 @@ import pytest
 
 from kvcap.kernels.common import programs_per_sm, target_properties  # noqa: E402
 from kvcap.kernels.decode import (  # noqa: E402
-    SIXTEEN_BIT_D256_SHARED_BYTES,
     SIXTEEN_BIT_SHARED_BYTES,
     WORD_ROUTE_D256_REGISTERS,
     WORD_ROUTE_D256_SHARED_BYTES,
     WORD_ROUTE_SHARED_BYTES,
-    sixteen_bit_d256_registers,
     sixteen_bit_registers,
     word_route_d256_launch,
     word_route_launch,
@@ -137,8 +135,8 @@ def test_fp16_cache_residency_on_mma_gpus(sm, dtype):
     wide short calls fits WORD_ROUTE_SHARED_BYTES[3] (spills: 8 bytes with triton 3.6, none
     with 3.9; the measured launch)."""
     c = _counts("--cache", "fp16", "--sm", str(sm), "--defaults", "--dtype", dtype)
-    assert c["shared memory bytes"] <= SIXTEEN_BIT_SHARED_BYTES
-    assert c["registers"] <= sixteen_bit_registers(target_properties(sm))
+    assert c["shared memory bytes"] <= SIXTEEN_BIT_SHARED_BYTES[128]
+    assert c["registers"] <= sixteen_bit_registers(target_properties(sm), 128)
     assert c["spill store bytes"] == 0
     if sm == 90:
         c = _counts("--cache", "native", "--words", "--sm", "90", "--block-n", "128",
@@ -154,8 +152,8 @@ def test_fp16_cache_residency_at_d256(sm):
     assumes (sixteen_bit_resident: 3 programs per SM on the H200)."""
     c = _counts("--cache", "fp16", "--sm", str(sm), "--head-dim", "256", "--defaults",
                 "--dtype", "bf16")
-    assert c["shared memory bytes"] <= SIXTEEN_BIT_D256_SHARED_BYTES
-    assert c["registers"] <= sixteen_bit_d256_registers(target_properties(sm))
+    assert c["shared memory bytes"] <= SIXTEEN_BIT_SHARED_BYTES[256]
+    assert c["registers"] <= sixteen_bit_registers(target_properties(sm), 256)
     assert c["spill store bytes"] == 0
 
 

@@ -462,46 +462,41 @@ WORD_ROUTE_SHARED_BYTES = {3: 41472, 5: 74752}
 # bound.
 WIDE_WORD_ROUTE_TOKENS = 4096
 
-# The 16-bit kernel at D = 128 (BLOCK_N 64, 4 warps, 2 stages): 38,912 bytes of shared memory
-# on sm_80 to sm_90; registers per thread 96 on sm_86 to sm_90 and 128 on sm_80 with triton
-# 3.6 (80 / 96 with 3.9), so the larger (tests/test_kernels_compile.py checks both). 5 programs
-# per SM on the H200, 4 on the A100.
-SIXTEEN_BIT_SHARED_BYTES = 38912
-
-
-def sixteen_bit_registers(props) -> int:
-    return 128 if (props.major, props.minor) == (8, 0) else 96
-
-
-# The 16-bit kernel at D = 256 (BLOCK_N 64, 4 warps, 2 stages), sm_80 to sm_90: 75,776 bytes
-# of shared memory; 168 registers per thread (sm_80 with triton 3.6: 230), so an H200 SM holds
-# 3 programs (tests/test_kernels_compile.py checks both). Its target stays 8 programs per SM,
-# but where the unsplit grid fits one wave of the 3 resident ones the split grid does too.
-# H200, GQA-6, BF16 (docs/benchmarks/splits-2026-12-03h-h200-gqa6-bf16-{wide,narrow}.json),
-# us at 4K / 16K / 32K tokens, target's split count -> capped: 4 sequences (64 -> 24 splits at
-# 16K / 32K) 86.4 / 146.9 -> 74.7 / 135.7 at 16K / 32K; 8 (33 -> 12) 49.3 / 142.4 / 265.8 ->
-# 42.7 / 133.1 / 255.6; 16 (17 -> 6) 79.6 / 262.2 / 512.0 -> 71.9 / 253.3 / 500.0; 32 (9 -> 3)
-# 79 / 502 -> 74 / 497 at 2K / 16K; 64 (5 -> 1) 143 / 1,049 -> 133 / 985 at 2K / 16K.
-# Applied where an SM holds at least 3 (measured on the H200); GPUs that hold fewer (A100: 2,
-# 100 KiB parts: 1) would leave SMs idle under a one-wave cap, so they keep the target.
-SIXTEEN_BIT_D256_SHARED_BYTES = 75776
+# The 16-bit kernel's program by head size (BLOCK_N 64, 4 warps, 2 stages), sm_80 to sm_90:
+# shared memory bytes, and registers per thread as (sm_80 with triton 3.6, elsewhere) -- the
+# larger of triton 3.6 and 3.9 (tests/test_kernels_compile.py checks both). D = 128: 38,912
+# bytes, 128 / 96 registers (triton 3.9: 96 / 80), so 5 programs per SM on the H200 and 4 on
+# the A100. D = 256: 75,776 bytes, 230 / 168 registers, so 3 on the H200.
+SIXTEEN_BIT_SHARED_BYTES = {128: 38912, 256: 75776}
+_SIXTEEN_BIT_REGISTERS = {128: (128, 96), 256: (230, 168)}
+# At D = 256 the target stays 8 programs per SM, but where the unsplit grid fits one wave of
+# the 3 resident ones the split grid does too. H200, GQA-6, BF16
+# (docs/benchmarks/splits-2026-12-03h-h200-gqa6-bf16-{wide,narrow}.json), us at 4K / 16K / 32K
+# tokens, target's split count -> capped: 4 sequences (64 -> 24 splits at 16K / 32K) 86.4 /
+# 146.9 -> 74.7 / 135.7 at 16K / 32K; 8 (33 -> 12) 49.3 / 142.4 / 265.8 -> 42.7 / 133.1 /
+# 255.6; 16 (17 -> 6) 79.6 / 262.2 / 512.0 -> 71.9 / 253.3 / 500.0; 32 (9 -> 3) 79 / 502 ->
+# 74 / 497 at 2K / 16K; 64 (5 -> 1) 143 / 1,049 -> 133 / 985 at 2K / 16K. Applied where an SM
+# holds at least 3 (measured on the H200); GPUs that hold fewer (A100: 2, 100 KiB parts: 1)
+# would leave SMs idle under a one-wave cap, so they keep the target.
 SIXTEEN_BIT_D256_MIN_RESIDENT = 3
 
 
-def sixteen_bit_d256_registers(props) -> int:
-    return 230 if (props.major, props.minor) == (8, 0) else 168
+def sixteen_bit_registers(props, head_dim: int) -> int:
+    """Registers per thread of the 16-bit kernel at `head_dim` (128 or 256) on this GPU."""
+    sm80, other = _SIXTEEN_BIT_REGISTERS[head_dim]
+    return sm80 if (props.major, props.minor) == (8, 0) else other
 
 
 def sixteen_bit_resident(props, head_dim: int) -> int | None:
     """Programs per SM the 16-bit kernel holds at once, where decode_config caps its splits by
     them (D = 128, and D = 256 on GPUs holding at least SIXTEEN_BIT_D256_MIN_RESIDENT)."""
-    if head_dim == 128:
-        return programs_per_sm(props, SIXTEEN_BIT_SHARED_BYTES, sixteen_bit_registers(props), 4)
-    if head_dim == 256:
-        resident = programs_per_sm(props, SIXTEEN_BIT_D256_SHARED_BYTES,
-                                   sixteen_bit_d256_registers(props), 4)
-        return resident if resident >= SIXTEEN_BIT_D256_MIN_RESIDENT else None
-    return None
+    if head_dim not in SIXTEEN_BIT_SHARED_BYTES:
+        return None
+    resident = programs_per_sm(props, SIXTEEN_BIT_SHARED_BYTES[head_dim],
+                               sixteen_bit_registers(props, head_dim), 4)
+    if head_dim == 256 and resident < SIXTEEN_BIT_D256_MIN_RESIDENT:
+        return None
+    return resident
 
 
 # The word route at D = 256 (BLOCK_N 64, 4 warps, 3 stages, byte pairs), ptxas triton 3.6:
