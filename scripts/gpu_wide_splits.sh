@@ -12,6 +12,9 @@
 #                                                      under this Triton, then GQA-6 at 4 / 8 / 16
 #                                                      sequences, where the cap lowers the split
 #                                                      count (~2 min)
+#   OLD=DIR bash scripts/gpu_wide_splits.sh kernels-ab  the kernel benchmark, old / new / new / old
+#                                                      trees, SHAPE (gqa6-d256), BATCHES (16,64),
+#                                                      CONTEXTS (32768) (~1 min)
 #   OLD=DIR bash scripts/gpu_wide_splits.sh e2e ROUND   end to end, 8B shape, BF16 weights, arms
 #                                                      old (PYTHONPATH=$OLD) / new, alternating
 #                                                      order by ROUND; CONC, CTX, KV override
@@ -40,6 +43,23 @@ d256)
     --shape 24,4,256 --batches 4,8,16 --contexts 4096,16384,32768 \
     --splits 3,6,8,12,17,24,33,64 --tiles 64 --out "$OUT/splits-gqa6-narrow.json" 2>&1 \
     | grep -E "^B=|MISMATCH" ;;
+kernels-ab)
+  i=0
+  for arm in old new new old; do
+    # python -m puts the working directory first on sys.path: run each arm from its own tree
+    i=$((i + 1)); path=$PWD; [ $arm = old ] && path=${OLD:?set OLD to the older tree}
+    (cd "$path" && PYTHONPATH=$path timeout 120 python3 -m kvcap.bench.kernels --skip-checks \
+      --dtype bfloat16 --shapes ${SHAPE:-gqa6-d256} --batches ${BATCHES:-16,64} \
+      --contexts ${CONTEXTS:-32768} --out "$OUT/ab-$i-$arm.json" > /dev/null 2>&1)
+  done
+  python3 - "$OUT" <<'PY'
+import glob, json, sys
+for f in sorted(glob.glob(sys.argv[1] + "/ab-*.json")):
+    cells = json.load(open(f))["cells"]
+    print(f.rsplit("/", 1)[1], [(c["batch"], c["context"], *(round(c[a]["ms"] * 1e3, 1) for a in
+          ("sdpa_fp16", "paged_fp16", "e4m3_native", "e4m3_software"))) for c in cells])
+PY
+  ;;
 e2e)
   round=${2:-1}; arms="old new"; [ $((round % 2)) = 0 ] && arms="new old"
   for arm in $arms; do
@@ -51,5 +71,5 @@ e2e)
       | grep -v -- "---\|concurrency" | sed "s/^/$arm$round /"
     cp /tmp/e2e-${TAG:-}$arm-$round/*.json "$OUT/e2e-${TAG:-}$arm-$round.json"
   done ;;
-*) echo "usage: $0 kernels|sweep|d256|e2e ROUND"; exit 2 ;;
+*) echo "usage: $0 kernels|sweep|d256|kernels-ab|e2e ROUND"; exit 2 ;;
 esac
