@@ -8,6 +8,9 @@
 #                                         releases its successor at its end); ARMS, CONC, CTX
 #                                         override (~3 min per round; alternate the order)
 #   bash scripts/gpu_pdl.sh profile       the step profile of each arm (~4 min)
+#   bash scripts/gpu_pdl.sh kernels       the kernel benchmark's issue-5 cells (8B, B 8 / 16 x
+#                                         16K / 32K, BF16 queries), arms off / auto / auto / off
+#                                         (~2 min)
 # Results under $OUT (default /tmp/out).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -42,5 +45,13 @@ profile)
       --cells fp8:1:1024 fp16:16:1024 fp8:16:1024 --steps 100 --rows 12 \
       --out "$OUT/step-profile-pdl-$arm.json" 2>&1 | grep -E "wall|gemm" | sed "s/^/$arm /"
   done ;;
-*) echo "usage: $0 tests|e2e ROUND|profile"; exit 2 ;;
+kernels)
+  i=0
+  for arm in off auto auto off; do
+    i=$((i + 1))
+    env $(arm_env $arm) timeout 120 python3 -m kvcap.bench.kernels --skip-checks \
+      --dtype bfloat16 --shapes llama31-8b --batches 8,16 --contexts 16384,32768 \
+      --out "$OUT/kernels-pdl-$i-$arm.json" 2>&1 | grep -E "^llama" | sed "s/^/$arm$i /"
+  done ;;
+*) echo "usage: $0 tests|e2e ROUND|profile|kernels"; exit 2 ;;
 esac
