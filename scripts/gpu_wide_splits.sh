@@ -12,6 +12,11 @@
 #                                                      under this Triton, then GQA-6 at 4 / 8 / 16
 #                                                      sequences, where the cap lowers the split
 #                                                      count (~2 min)
+#   bash scripts/gpu_wide_splits.sh d64                the D = 64 16-bit kernel (the embedded model's
+#                                                      shape, 9 / 3 heads): its shared memory and
+#                                                      registers under this Triton, then 80 / 132 /
+#                                                      150 sequences, where a one-wave cap of 5
+#                                                      resident programs would split less (~2 min)
 #   OLD=DIR bash scripts/gpu_wide_splits.sh kernels-ab  the kernel benchmark, old / new / new / old
 #                                                      trees, SHAPE (gqa6-d256), BATCHES (16,64),
 #                                                      CONTEXTS (32768) (~1 min)
@@ -43,6 +48,15 @@ d256)
     --shape 24,4,256 --batches 4,8,16 --contexts 4096,16384,32768 \
     --splits 3,6,8,12,17,24,33,64 --tiles 64 --out "$OUT/splits-gqa6-narrow.json" 2>&1 \
     | grep -E "^B=|MISMATCH" ;;
+d64)
+  for sm in 80 86 90; do
+    echo "sm_$sm: $(PYTHONPATH=$PWD python3 scripts/inspect_decode_ptx.py --cache fp16 --sm $sm \
+      --head-dim 64 --defaults --dtype bf16 2>&1 | grep -E "shared memory|registers|spill" \
+      | tr -s ' ' | tr '\n' ';')"
+  done
+  PYTHONPATH=$PWD timeout 280 python3 scripts/short_context_sweep.py --dtype bfloat16 \
+    --shape 9,3,64 --batches 80,132,150 --contexts 2048,16384 --splits 1,2,3 --tiles 64 \
+    --out "$OUT/splits-d64-wide.json" 2>&1 | grep -E "^B=|MISMATCH" ;;
 kernels-ab)
   i=0
   for arm in old new new old; do
@@ -71,5 +85,5 @@ e2e)
       | grep -v -- "---\|concurrency" | sed "s/^/$arm$round /"
     cp /tmp/e2e-${TAG:-}$arm-$round/*.json "$OUT/e2e-${TAG:-}$arm-$round.json"
   done ;;
-*) echo "usage: $0 kernels|sweep|d256|kernels-ab|e2e ROUND"; exit 2 ;;
+*) echo "usage: $0 kernels|sweep|d256|d64|kernels-ab|e2e ROUND"; exit 2 ;;
 esac
