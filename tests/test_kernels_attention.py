@@ -457,7 +457,6 @@ def test_sixteen_bit_d256_split_cap(monkeypatch):
     monkeypatch.setattr(decode, "sm_count", lambda device: 132)
     cuda = torch.device("cuda")
     assert decode.sixteen_bit_resident(common.target_properties(90), 256) == 3
-    assert decode.sixteen_bit_resident(common.target_properties(90), 64) is None
     assert decode.sixteen_bit_resident(common.target_properties(80), 256) is None  # holds 2
     assert decode.decode_config(256, True, False, cuda).resident == 3
     for b, ctx, splits in ((64, 2048, 1), (64, 16384, 1), (32, 2048, 3), (32, 16384, 3),
@@ -466,6 +465,24 @@ def test_sixteen_bit_d256_split_cap(monkeypatch):
     monkeypatch.setattr(decode, "device_properties", lambda device: common.target_properties(80))
     assert decode.decode_config(256, True, False, cuda).resident is None
     assert decode.default_launch(64, 4, 16384, 256, False, cuda)[2] == 5
+
+
+def test_sixteen_bit_d64_split_cap(monkeypatch):
+    """At D = 64 (the embedded model: 3 KV heads) the 16-bit kernel aims at 4 programs per SM
+    and an H200 SM holds 5: a grid that fits one wave of 5 x 132 stays in it (80 sequences: 2
+    splits, not 3; 132 and 150: 1, not 2), narrower calls keep the target's count."""
+    from kvcap.kernels import decode
+
+    monkeypatch.setattr(decode, "device_properties", lambda device: common.target_properties(90))
+    monkeypatch.setattr(decode, "has_mma", lambda device: True)
+    monkeypatch.setattr(decode, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert decode.sixteen_bit_resident(common.target_properties(90), 64) == 5
+    assert decode.sixteen_bit_resident(common.target_properties(80), 64) == 4
+    assert decode.decode_config(64, True, False, cuda).resident == 5
+    for b, splits in ((16, 11), (64, 3), (80, 2), (132, 1), (150, 1)):
+        for ctx in (2048, 16384):
+            assert decode.default_launch(b, 3, ctx, 64, False, cuda)[2] == splits, (b, ctx)
 
 
 def test_short_route_default_is_the_byte_route(monkeypatch):

@@ -157,6 +157,17 @@ def test_fp16_cache_residency_at_d256(sm):
     assert c["spill store bytes"] == 0
 
 
+@pytest.mark.parametrize("sm", [80, 86, 90])
+def test_fp16_cache_residency_at_d64(sm):
+    """The 16-bit kernel at D = 64 (the embedded model) fits the shared memory and registers
+    its split cap assumes (sixteen_bit_resident: 5 programs per SM on the H200)."""
+    c = _counts("--cache", "fp16", "--sm", str(sm), "--head-dim", "64", "--defaults",
+                "--dtype", "bf16")
+    assert c["shared memory bytes"] <= SIXTEEN_BIT_SHARED_BYTES[64]
+    assert c["registers"] <= sixteen_bit_registers(target_properties(sm), 64)
+    assert c["spill store bytes"] == 0
+
+
 @pytest.mark.parametrize("sm", [70, 75])
 def test_fp16_cache_compiles_without_spills_on_fma_gpus(sm):
     c = _counts("--cache", "fp16", "--sm", str(sm), "--defaults")

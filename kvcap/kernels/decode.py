@@ -462,13 +462,21 @@ WORD_ROUTE_SHARED_BYTES = {3: 41472, 5: 74752}
 # bound.
 WIDE_WORD_ROUTE_TOKENS = 4096
 
-# The 16-bit kernel's program by head size (BLOCK_N 64, 4 warps, 2 stages), sm_80 to sm_90:
-# shared memory bytes, and registers per thread as (sm_80 with triton 3.6, elsewhere) -- the
-# larger of triton 3.6 and 3.9 (tests/test_kernels_compile.py checks both). D = 128: 38,912
-# bytes, 128 / 96 registers (triton 3.9: 96 / 80), so 5 programs per SM on the H200 and 4 on
-# the A100. D = 256: 75,776 bytes, 230 / 168 registers, so 3 on the H200.
-SIXTEEN_BIT_SHARED_BYTES = {128: 38912, 256: 75776}
-_SIXTEEN_BIT_REGISTERS = {128: (128, 96), 256: (230, 168)}
+# The 16-bit kernel's program by head size (4 warps, 2 stages; BLOCK_N 128 at D = 64, 64 above),
+# sm_80 to sm_90:
+# shared memory bytes, and registers per thread by target (sm_80; other pre-Hopper targets;
+# sm_90+) -- the larger of triton 3.6 and 3.9 (tests/test_kernels_compile.py checks both).
+# D = 64: 38,912 bytes, 122 / 128 / 92 registers (triton 3.9: 96 / 93 / 92), so 5 programs per
+# SM on the H200, 4 on the A100. D = 128: 38,912 bytes, 128 / 96 / 96 (triton 3.9: 96 / 80 /
+# 80), 5 on the H200, 4 on the A100. D = 256: 75,776 bytes, 230 / 168 / 168, 3 on the H200.
+SIXTEEN_BIT_SHARED_BYTES = {64: 38912, 128: 38912, 256: 75776}
+_SIXTEEN_BIT_REGISTERS = {64: (122, 128, 92), 128: (128, 96, 96), 256: (230, 168, 168)}
+# At D = 64 (the embedded model's shape, 3 KV heads) the one-wave cap changes the split count
+# only for wide calls: 80 sequences 3 -> 2, 132-150 2 -> 1 on the H200. Measured there, BF16
+# (docs/benchmarks/splits-2026-12-03i-h200-d64-bf16-wide.json), us at 2K / 16K tokens,
+# target's count -> capped: 80 sequences 42.8 / 316.3 -> 39.8 / 245.1; 132: 69.4 / 492.2 ->
+# 55.3 / 400.2; 150: 72.2 / 509.3 -> 61.7 / 452.2 (0.77-0.93x; the capped count was the best
+# of 1-3 splits in 5 of 6 cells, 132 x 16K 3 splits 391.6).
 # At D = 256 the target stays 8 programs per SM, but where the unsplit grid fits one wave of
 # the 3 resident ones the split grid does too. H200, GQA-6, BF16
 # (docs/benchmarks/splits-2026-12-03h-h200-gqa6-bf16-{wide,narrow}.json), us at 4K / 16K / 32K
@@ -482,14 +490,16 @@ SIXTEEN_BIT_D256_MIN_RESIDENT = 3
 
 
 def sixteen_bit_registers(props, head_dim: int) -> int:
-    """Registers per thread of the 16-bit kernel at `head_dim` (128 or 256) on this GPU."""
-    sm80, other = _SIXTEEN_BIT_REGISTERS[head_dim]
-    return sm80 if (props.major, props.minor) == (8, 0) else other
+    """Registers per thread of the 16-bit kernel at `head_dim` (64, 128 or 256) on this GPU."""
+    sm80, pre_hopper, hopper = _SIXTEEN_BIT_REGISTERS[head_dim]
+    if props.major >= 9:
+        return hopper
+    return sm80 if (props.major, props.minor) == (8, 0) else pre_hopper
 
 
 def sixteen_bit_resident(props, head_dim: int) -> int | None:
     """Programs per SM the 16-bit kernel holds at once, where decode_config caps its splits by
-    them (D = 128, and D = 256 on GPUs holding at least SIXTEEN_BIT_D256_MIN_RESIDENT)."""
+    them (D = 64 and 128, and D = 256 on GPUs holding at least SIXTEEN_BIT_D256_MIN_RESIDENT)."""
     if head_dim not in SIXTEEN_BIT_SHARED_BYTES:
         return None
     resident = programs_per_sm(props, SIXTEEN_BIT_SHARED_BYTES[head_dim],
