@@ -15,8 +15,8 @@
 #   bash scripts/gpu_wide_splits.sh d64                the D = 64 16-bit kernel (the embedded model's
 #                                                      shape, 9 / 3 heads): its shared memory and
 #                                                      registers under this Triton, then 80 / 132 /
-#                                                      150 sequences, where a one-wave cap of 5
-#                                                      resident programs would split less (~2 min)
+#                                                      150 sequences, where the one-wave cap of 5
+#                                                      resident programs splits less (~2 min)
 #   OLD=DIR bash scripts/gpu_wide_splits.sh kernels-ab  the kernel benchmark, old / new / new / old
 #                                                      trees, SHAPE (gqa6-d256), BATCHES (16,64),
 #                                                      CONTEXTS (32768) (~1 min)
