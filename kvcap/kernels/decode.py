@@ -474,10 +474,9 @@ _SIXTEEN_BIT_REGISTERS = {64: (122, 128, 92), 128: (128, 96, 96), 256: (230, 168
 # At D = 64 (the embedded model's shape, 3 KV heads) the one-wave cap changes the split count
 # only for wide calls: on the H200 56-58 sequences 4 -> 3, 74-87 3 -> 2, 111-175 2 -> 1.
 # Measured there, BF16 (docs/benchmarks/splits-2026-12-03i-h200-d64-bf16-wide.json), us at
-# 2K / 16K tokens,
-# target's count -> capped: 80 sequences 42.8 / 316.3 -> 39.8 / 245.1; 132: 69.4 / 492.2 ->
-# 55.3 / 400.2; 150: 72.2 / 509.3 -> 61.7 / 452.2 (0.77-0.93x; the capped count was the best
-# of 1-3 splits in 5 of 6 cells, 132 x 16K 3 splits 391.6).
+# 2K / 16K tokens, target's count -> capped: 80 sequences 42.8 / 316.3 -> 39.8 / 245.1; 132:
+# 69.4 / 492.2 -> 55.3 / 400.2; 150: 72.2 / 509.3 -> 61.7 / 452.2 (0.77-0.93x; the capped count
+# was the best of 1-3 splits in 5 of 6 cells, 132 x 16K 3 splits 391.6).
 # At D = 256 the target stays 8 programs per SM, but where the unsplit grid fits one wave of
 # the 3 resident ones the split grid does too. H200, GQA-6, BF16
 # (docs/benchmarks/splits-2026-12-03h-h200-gqa6-bf16-{wide,narrow}.json), us at 4K / 16K / 32K
