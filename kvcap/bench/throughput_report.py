@@ -139,12 +139,12 @@ def _pool(n: int) -> str:
     return f"{round(n / 1000)}K" if n >= 10_000 else f"{n:,}"
 
 
-def _row_label(conc: int, ctx: int) -> str:
+def row_label(conc: int, ctx: int) -> str:
     """16 x 1K for 16 x 1024 tokens (contexts count in KiB as the README does)."""
     return f"{conc} x {f'{ctx // 1024}K' if ctx % 1024 == 0 else ctx}"
 
 
-def _measured(cell: dict | None) -> bool:
+def measured(cell: dict | None) -> bool:
     return cell is not None and "skip" not in cell
 
 
@@ -158,10 +158,10 @@ def _skip_text(cell: dict) -> str:
 def _cell_text(cell: dict | None, fp16: dict | None, ratio: bool, kv16: str = "FP16") -> str:
     if cell is None:
         return "not run"
-    if not _measured(cell):
+    if not measured(cell):
         return _skip_text(cell)
     text = f"{cell['decode_tok_s']:,.0f}"
-    if ratio and _measured(fp16):
+    if ratio and measured(fp16):
         text += f" ({cell['decode_tok_s'] / fp16['decode_tok_s']:.2f}x)"
     elif ratio and (cell.get("fits_only_in_e4m3") or fp16 is not None):
         text += f" ({kv16} does not fit)"
@@ -184,7 +184,7 @@ def markdown_table(cells: list[dict], shape: str = DEFAULT_SHAPE) -> str:
         fp16 = sel.get(("fp16", conc, ctx))
         texts = [_cell_text(sel.get((kv, conc, ctx)), fp16, ratio=kv != "fp16", kv16=kv16)
                  for kv, _, _ in columns]
-        lines.append(f"| {_row_label(conc, ctx)} | " + " | ".join(texts) + " |")
+        lines.append(f"| {row_label(conc, ctx)} | " + " | ".join(texts) + " |")
     cs = list(sel.values())
     lines += ["", f"{shape} ({kv16} weights) decode tok/s (E4M3/{kv16} in parentheses), "
               f"{_each(cs, '{gpu}')}, {_each(cs, '{date}')}; source: "
@@ -214,14 +214,14 @@ def plot(cells: list[dict], out_png: str | Path, shape: str = DEFAULT_SHAPE) -> 
     ax = fig.add_subplot()
     columns = _columns(sel)
     width = 0.8 / len(columns)
-    values = [c["decode_tok_s"] for c in sel.values() if _measured(c)]
+    values = [c["decode_tok_s"] for c in sel.values() if measured(c)]
     log = bool(values) and min(values) > 0 and max(values) / min(values) > 10
     for i, (kv, label, colour) in enumerate(columns):
         xs, hs, fracs = [], [], []
         for j, (conc, ctx) in enumerate(rows):
             x = j + (i - (len(columns) - 1) / 2) * width
             cell = sel.get((kv, conc, ctx))
-            if _measured(cell):
+            if measured(cell):
                 xs.append(x)
                 hs.append(cell["decode_tok_s"])
                 fracs.append(cell.get("roofline_fraction"))
@@ -236,7 +236,7 @@ def plot(cells: list[dict], out_png: str | Path, shape: str = DEFAULT_SHAPE) -> 
         ax.set_yscale("log")
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
     ax.margins(y=0.12)
-    ax.set_xticks(range(len(rows)), [_row_label(*r) for r in rows])
+    ax.set_xticks(range(len(rows)), [row_label(*r) for r in rows])
     ax.set_xlabel("concurrency x context")
     ax.set_ylabel("decode tok/s" + (" (log)" if log else ""))
     ax.set_title(_title(sel, shape), fontsize=9)

@@ -7,10 +7,11 @@ import importlib
 
 from kvcap.errors import ConfigError
 
-SUITES = ("throughput", "throughput_report", "kernels", "sampler", "serving", "qsa",
-          "step_overhead", "step_profile", "gemm", "provenance")
-HELP = (f"run a benchmark: {' | '.join(SUITES)} (see docs/benchmarks; provenance: the source "
-        "digest every result records, here or at a git revision)")
+SUITES = ("throughput", "throughput_report", "throughput_targets", "kernels", "sampler",
+          "serving", "qsa", "step_overhead", "step_profile", "gemm", "provenance")
+HELP = (f"run a benchmark: {' | '.join(SUITES)} (see docs/benchmarks; throughput_targets: the "
+        "decode targets judged per cell from throughput JSONs; provenance: the source digest "
+        "every result records, here or at a git revision)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
