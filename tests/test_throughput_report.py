@@ -162,3 +162,16 @@ def test_model_dtype_labels_and_no_mixing(tmp_path):
     fp16 = _write(tmp_path, "fp16.json", _report([_cell("fp16", 16, 1024, 2900.0)]))
     with pytest.raises(tr.ReportError, match="mix model dtypes"):
         tr.markdown_table(tr.load_cells([path, fp16]))
+
+
+def test_ratios_across_runs_are_marked(tmp_path):
+    """A ratio whose E4M3 and unquantized cells come from two files carries a dagger and the
+    table says what it means; ratios within one file carry none."""
+    old = _write(tmp_path, "old.json", _report([_cell("fp16", 16, 1024, 3000.0),
+                                                _cell("fp8-software", 16, 1024, 3060.0)]))
+    new = _write(tmp_path, "new.json", _report([_cell("fp16", 16, 1024, 3100.0),
+                                                _cell("fp8", 16, 1024, 3200.0)]))
+    table = tr.markdown_table(tr.load_cells([old, new]))
+    assert f"| 16 x 1K | 3,100 | 3,200 (1.03x) | 3,060 (0.99x{tr.CROSS_RUN}) |" in table
+    assert table.endswith("(kvcap bench throughput_targets compares arms of one run only)")
+    assert tr.CROSS_RUN not in tr.markdown_table(tr.load_cells([new]))

@@ -25,6 +25,7 @@ from pathlib import Path
 from kvcap.scales.fsutil import atomic_write_bytes
 
 DEFAULT_SHAPE = "llama-3.1-8b"
+CROSS_RUN = "\u2020"  # a ratio between cells of two files (runs): a footnote says so
 # (kv mode in the JSON, column title, bar colour); the "fp16" arm's KV is in the model dtype
 KV_COLUMNS = (("fp16", "FP16 KV", "#4c72b0"), ("fp8", "E4M3 (native)", "#dd8452"),
               ("fp8-software", "E4M3 (software)", "#55a868"))
@@ -162,7 +163,8 @@ def _cell_text(cell: dict | None, fp16: dict | None, ratio: bool, kv16: str = "F
         return _skip_text(cell)
     text = f"{cell['decode_tok_s']:,.0f}"
     if ratio and measured(fp16):
-        text += f" ({cell['decode_tok_s'] / fp16['decode_tok_s']:.2f}x)"
+        cross = cell["source"] != fp16["source"]  # two runs: marked, see markdown_table
+        text += f" ({cell['decode_tok_s'] / fp16['decode_tok_s']:.2f}x{CROSS_RUN if cross else ''})"
     elif ratio and (cell.get("fits_only_in_e4m3") or fp16 is not None):
         text += f" ({kv16} does not fit)"
     return text
@@ -189,6 +191,9 @@ def markdown_table(cells: list[dict], shape: str = DEFAULT_SHAPE) -> str:
     lines += ["", f"{shape} ({kv16} weights) decode tok/s (E4M3/{kv16} in parentheses), "
               f"{_each(cs, '{gpu}')}, {_each(cs, '{date}')}; source: "
               f"{_each(cs, '`{source}` (commit {commit})')}"]
+    if any(CROSS_RUN in line for line in lines[2:-2]):
+        lines[-1] += (f". {CROSS_RUN}: the two cells of this ratio come from different runs "
+                      "(kvcap bench throughput_targets compares arms of one run only)")
     return "\n".join(lines)
 
 
