@@ -125,3 +125,12 @@ def test_committed_h200_runs():
     assert _by(verdicts, "KV capacity")["pool"].value == pytest.approx(2.0, abs=1e-3)
     assert all(int(v.cell.split(" x ")[0]) >= 16 for v in _by(verdicts, "roofline").values())
     assert "16 x 16K" in _by(verdicts, "E4M3 >= 1.3x")
+
+
+def test_roofline_is_judged_on_the_8b_shape_only(tmp_path):
+    cells = [dict(_cell("fp16", 16, 1024, 3000.0, roofline=0.7), shape="gqa6-d256"),
+             dict(_cell("fp8", 16, 1024, 3100.0, roofline=0.7), shape="gqa6-d256")]
+    run = _write(tmp_path, "gqa6.json", cells)
+    verdicts = tt.judge(load_cells([run]), "gqa6-d256")
+    assert _by(verdicts, "roofline") == {}
+    assert _by(verdicts, "E4M3 >= unquantized")["16 x 1K"].met
