@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvcap.bench import throughput_targets as tt
-from kvcap.bench.throughput_report import ReportError, load_cells
+from kvcap.bench.throughput_report import ReportError, load_cells, load_reports
 
 BENCH = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 SHAPE = "llama-3.1-8b"
@@ -33,7 +33,7 @@ def _write(tmp_path, name, cells, pools=(879472, 1758192), dtype="bfloat16") -> 
 
 
 def _judge(paths):
-    return tt.judge(load_cells(paths), SHAPE, tt.capacity_ratios(paths, SHAPE))
+    return tt.judge(load_cells(paths), SHAPE, tt.capacity_ratios(load_reports(paths), SHAPE))
 
 
 def _by(verdicts, target_prefix):

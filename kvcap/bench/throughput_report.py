@@ -43,8 +43,7 @@ def cells_from_report(report: object, source: str) -> list[dict]:
     (the run's capacity record, else the block counts in its skip reason)."""
     if not isinstance(report, dict) or not isinstance(report.get("cells"), list):
         raise ReportError(f"{source}: no 'cells' list (not a kvcap.bench.throughput JSON)")
-    capacity = {(c.get("shape"), c.get("kv")): c.get("tokens")
-                for c in report.get("capacity") or [] if isinstance(c, dict)}
+    capacity = pool_tokens(report)
     cells = []
     for i, raw in enumerate(report["cells"]):
         if not isinstance(raw, dict):
@@ -82,9 +81,16 @@ def _pool_tokens_from_skip(cell: dict) -> int | None:
     return int(m.group(2)) * math.ceil(cell["context"] / per_seq)
 
 
-def load_cells(paths: Iterable[str | Path]) -> list[dict]:
-    """The cells of one or more throughput JSONs, in file order (see cells_from_report)."""
-    cells: list[dict] = []
+def pool_tokens(report: dict) -> dict[tuple[str, str], object]:
+    """{(shape, kv): pool tokens} from a report's `capacity` records (one memory budget)."""
+    return {(c.get("shape"), c.get("kv")): c.get("tokens")
+            for c in report.get("capacity") or [] if isinstance(c, dict)}
+
+
+def load_reports(paths: Iterable[str | Path]) -> list[tuple[str, dict]]:
+    """(file name, parsed report) per path, in order; every file is validated (its cells too)
+    before any is returned, so a bad file is one ReportError naming it."""
+    reports = []
     for p in paths:
         path = Path(p)
         try:
@@ -95,8 +101,15 @@ def load_cells(paths: Iterable[str | Path]) -> list[dict]:
             report = json.loads(text)
         except ValueError as e:
             raise ReportError(f"{path} is not valid JSON ({e})") from None
-        cells.extend(cells_from_report(report, path.name))
-    return cells
+        cells_from_report(report, path.name)  # validates
+        reports.append((path.name, report))
+    return reports
+
+
+def load_cells(paths: Iterable[str | Path]) -> list[dict]:
+    """The cells of one or more throughput JSONs, in file order (see cells_from_report)."""
+    return [cell for name, report in load_reports(paths)
+            for cell in cells_from_report(report, name)]
 
 
 def _select(cells: list[dict], shape: str) -> dict[tuple[str, int, int], dict]:

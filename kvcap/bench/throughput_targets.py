@@ -16,16 +16,16 @@ covers them). The markdown goes to stdout; bad input is one line on stderr (exit
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvcap.bench.throughput_report import (
     DEFAULT_SHAPE,
     ReportError,
-    load_cells,
+    cells_from_report,
+    load_reports,
     measured,
+    pool_tokens,
     row_label,
 )
 
@@ -72,14 +72,13 @@ def judge(cells: list[dict], shape: str = DEFAULT_SHAPE,
     by_file: dict[str, dict[tuple[str, int, int], dict]] = {}
     for c in mine:
         by_file.setdefault(c["source"], {})[(c["kv"], c["concurrency"], c["context"])] = c
-    found: dict[tuple[str, str], Verdict] = {}
-    order: dict[tuple[str, str], tuple] = {}
+    # (target, cell) -> (sort key, verdict); a later file's verdict replaces an earlier one
+    found: dict[tuple[str, str], tuple[tuple, Verdict]] = {}
 
     def add(rank: int, target: str, conc: int, ctx: int, label: str, value: float,
             threshold: float, source: str) -> None:
-        key = (target, label)
-        found[key] = Verdict(target, label, value, threshold, source)
-        order[key] = (rank, ctx, conc, label)
+        found[(target, label)] = ((rank, ctx, conc, label),
+                                  Verdict(target, label, value, threshold, source))
 
     for source, sel in by_file.items():
         for (kv, conc, ctx), cell in sel.items():
@@ -106,20 +105,18 @@ def judge(cells: list[dict], shape: str = DEFAULT_SHAPE,
     for source, ratio in capacity:
         add(0, f"KV capacity E4M3 >= {CAPACITY_MIN}x", 0, 0, "pool", ratio, CAPACITY_MIN,
             source)
-    return [found[k] for k in sorted(found, key=lambda k: order[k])]
+    return [verdict for _, verdict in sorted(found.values(), key=lambda kv: kv[0])]
 
 
-def capacity_ratios(paths: list[str], shape: str) -> list[tuple[str, float]]:
-    """(file name, E4M3 / unquantized pool tokens) for each file whose run sized both pools of
-    `shape` (its `capacity` records) at one memory budget."""
+def capacity_ratios(reports: list[tuple[str, dict]], shape: str) -> list[tuple[str, float]]:
+    """(file name, E4M3 / unquantized pool tokens) for each report (load_reports) whose run
+    sized both pools of `shape` at one memory budget."""
     out = []
-    for p in paths:
-        report = json.loads(Path(p).read_text())
-        pools = {c.get("kv"): c.get("tokens") for c in report.get("capacity") or []
-                 if isinstance(c, dict) and c.get("shape") == shape}
-        if (isinstance(pools.get("fp16"), int) and isinstance(pools.get("fp8"), int)
-                and pools["fp16"] > 0):
-            out.append((Path(p).name, pools["fp8"] / pools["fp16"]))
+    for name, report in reports:
+        pools = pool_tokens(report)
+        fp16, fp8 = pools.get((shape, "fp16")), pools.get((shape, "fp8"))
+        if isinstance(fp16, int) and isinstance(fp8, int) and fp16 > 0:
+            out.append((name, fp8 / fp16))
     return out
 
 
@@ -147,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default=DEFAULT_SHAPE, help=f"default {DEFAULT_SHAPE}")
     args = ap.parse_args(argv)
     try:
-        cells = load_cells(args.files)  # validates every file first
-        verdicts = judge(cells, args.shape, capacity_ratios(args.files, args.shape))
+        reports = load_reports(args.files)  # validates every file first
+        cells = [cell for name, report in reports for cell in cells_from_report(report, name)]
+        verdicts = judge(cells, args.shape, capacity_ratios(reports, args.shape))
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

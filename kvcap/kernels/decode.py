@@ -462,12 +462,11 @@ WORD_ROUTE_SHARED_BYTES = {3: 41472, 5: 74752}
 # bound.
 WIDE_WORD_ROUTE_TOKENS = 4096
 
-# The 16-bit kernel's program by head size (4 warps, 2 stages; BLOCK_N 128 at D = 64, 64 above),
-# sm_80 to sm_90:
-# shared memory bytes, and registers per thread by target (sm_80; other pre-Hopper targets;
-# sm_90+) -- the larger of triton 3.6 and 3.9 (tests/test_kernels_compile.py checks both).
-# D = 64: 38,912 bytes, 122 / 128 / 92 registers (triton 3.9: 96 / 93 / 92), so 5 programs per
-# SM on the H200, 4 on the A100. D = 128: 38,912 bytes, 128 / 96 / 96 (triton 3.9: 96 / 80 /
+# The 16-bit kernel's program by head size (4 warps, 2 stages; BLOCK_N 128 at D = 64, 64 above) on
+# sm_80 to sm_90: shared memory bytes, and registers per thread by target (sm_80; other pre-Hopper
+# targets; sm_90+) -- the larger of triton 3.6 and 3.9 (tests/test_kernels_compile.py checks
+# both). D = 64: 38,912 bytes, 122 / 128 / 92 registers (triton 3.9: 96 / 93 / 92), so 5 programs
+# per SM on the H200, 4 on the A100. D = 128: 38,912 bytes, 128 / 96 / 96 (triton 3.9: 96 / 80 /
 # 80), 5 on the H200, 4 on the A100. D = 256: 75,776 bytes, 230 / 168 / 168, 3 on the H200.
 SIXTEEN_BIT_SHARED_BYTES = {64: 38912, 128: 38912, 256: 75776}
 _SIXTEEN_BIT_REGISTERS = {64: (122, 128, 92), 128: (128, 96, 96), 256: (230, 168, 168)}
