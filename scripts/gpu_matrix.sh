@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Device calls (nvidia-h200): the GPU test suite, and issue 5's full decode matrix at HEAD.
+#   bash scripts/gpu_matrix.sh tests        every GPU-marked test (pytest -m gpu; the server
+#                                           modules skip without uvicorn/openai) (~4 min)
+#   bash scripts/gpu_matrix.sh SHAPE ...    python -m kvcap.bench.kernels over B {1,4,8,16,64}
+#                                           x context {1K,4K,16K,32K,128K}, BF16 queries, two
+#                                           rounds, one JSON per shape (llama31-8b, gqa6-d256,
+#                                           smollm2-135m); the benchmark saves after every
+#                                           cell, so a shape cut by its timeout keeps its cells
+# SHAPE_S (default 540 / number of shapes) bounds each shape. Results under $OUT.
+set -uo pipefail
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export KVCAP_COMMIT=${KVCAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+[ $# -ge 1 ] || { echo "usage: $0 tests | SHAPE ..."; exit 2; }
+if [ "$1" = tests ]; then
+  timeout ${TESTS_S:-400} python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 \
+    | tail -25 | tee "$OUT/gpu-tests.txt"
+  exit 0
+fi
+per=${SHAPE_S:-$((540 / $#))}
+for shape in "$@"; do
+  timeout "$per" python3 -m kvcap.bench.kernels --dtype bfloat16 --shapes "$shape" \
+    --batches 1,4,8,16,64 --contexts 1024,4096,16384,32768,131072 --rounds 2 \
+    --out "$OUT/kernels-$shape.json" 2>&1 | grep -v "^  " | tail -40
+  echo "$shape: exit ${PIPESTATUS[0]}"
+done
