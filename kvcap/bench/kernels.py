@@ -341,8 +341,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="time decode with the split-K merge in a second launch and folded into "
                          "the decode kernel, every cache dtype, on the split cells, then stop")
     ap.add_argument("--grid", action="store_true",
-                    help="--compare-fold / --compare-pairs / --compare-bf16 time the cells of "
-                         "--shapes x --batches x --contexts instead of their own")
+                    help="--compare-fold / --compare-pairs / --compare-bf16 / "
+                         "--sweep-occupancy time the cells of --shapes x --batches x --contexts "
+                         "instead of their own")
     ap.add_argument("--compare-decoders", action="store_true",
                     help="time every E4M3 decoder pairing (K/V native/software) on the sweep "
                          "cells, then stop")
@@ -449,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         info["sweep_occupancy"] = []
         cells = [c for c in OCCUPANCY_CELLS if c[0] in args.shapes.split(",")]
         splits = args.occupancy_splits
-        if splits:
+        if splits or args.grid:
             cells = [(name, hq, hkv, d, b, ctx) for name, hq, hkv, d in shapes
                      for b in batches for ctx in contexts]
         sweep_occupancy(l2, ceil["read_tbs"], info["sweep_occupancy"], save,
