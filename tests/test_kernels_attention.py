@@ -485,6 +485,29 @@ def test_sixteen_bit_d64_split_cap(monkeypatch):
             assert decode.default_launch(b, 3, ctx, 64, False, cuda)[2] == splits, (b, ctx)
 
 
+def test_e4m3_d64_five_stages_in_whole_waves(monkeypatch):
+    """E4M3 at D = 64 (the embedded model): where an SM holds 4 five-stage programs (Hopper)
+    the byte route double-buffers its K/V tiles and splits in whole waves of 4 x 132 (8 x 32K:
+    22 splits, 16: 11, 64: 2); the A100 holds 2 and keeps the 2-stage launch at 8 programs per
+    SM."""
+    from kvcap.kernels import decode
+
+    monkeypatch.setattr(decode, "has_mma", lambda device: True)
+    monkeypatch.setattr(decode, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(decode, "device_properties", lambda device: common.target_properties(90))
+    assert decode.byte_route_d64_launch(common.target_properties(90)) == (5, 4)
+    cfg = decode.decode_config(64, True, True, cuda)
+    assert (cfg.block_n, cfg.num_stages, cfg.programs_per_sm, cfg.whole_waves) == (128, 5, 4, True)
+    for b, splits in ((8, 22), (16, 11), (64, 2)):
+        assert decode.default_launch(b, 3, 32768, 64, True, cuda)[2] == splits, b
+    assert decode.decode_config(128, True, True, cuda).num_stages == 5  # the word route's
+    monkeypatch.setattr(decode, "device_properties", lambda device: common.target_properties(80))
+    assert decode.byte_route_d64_launch(common.target_properties(80)) == (2, None)
+    cfg = decode.decode_config(64, True, True, cuda)
+    assert (cfg.num_stages, cfg.programs_per_sm, cfg.whole_waves) == (2, 8, False)
+
+
 def test_short_route_default_is_the_byte_route(monkeypatch):
     """On the CPU interpreter (4 "SMs") one sequence over one KV head is a short call:
     paged_decode launches the byte route's configuration (recorded at decode_config) and

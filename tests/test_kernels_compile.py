@@ -21,6 +21,8 @@ import pytest
 
 from kvcap.kernels.common import programs_per_sm, target_properties  # noqa: E402
 from kvcap.kernels.decode import (  # noqa: E402
+    BYTE_ROUTE_D64_REGISTERS,
+    BYTE_ROUTE_D64_SHARED_BYTES,
     SIXTEEN_BIT_SHARED_BYTES,
     WORD_ROUTE_D256_REGISTERS,
     WORD_ROUTE_D256_SHARED_BYTES,
@@ -165,6 +167,19 @@ def test_fp16_cache_residency_at_d64(sm):
                 "--dtype", "bf16")
     assert c["shared memory bytes"] <= SIXTEEN_BIT_SHARED_BYTES[64]
     assert c["registers"] <= sixteen_bit_registers(target_properties(sm), 64)
+    assert c["spill store bytes"] == 0
+
+
+@pytest.mark.parametrize("sm,cache", [(80, "software"), (86, "software"), (90, "native"),
+                                      (90, "software")])
+def test_e4m3_byte_route_residency_at_d64(sm, cache):
+    """The E4M3 byte route at D = 64 fits the shared memory and registers its launch assumes
+    (byte_route_d64_launch: 5 stages, 4 programs per SM on the H200; 2 stages elsewhere)."""
+    c = _counts("--cache", cache, "--sm", str(sm), "--head-dim", "64", "--defaults",
+                "--dtype", "bf16")
+    stages = 5 if sm == 90 else 2
+    assert c["shared memory bytes"] <= BYTE_ROUTE_D64_SHARED_BYTES[stages]
+    assert c["registers"] <= BYTE_ROUTE_D64_REGISTERS
     assert c["spill store bytes"] == 0
 
 

@@ -537,6 +537,30 @@ SHORT_BYTE_ROUTE_TOKENS = 2048
 SHORT_BYTE_ROUTE_SMS_PER_PROGRAM = 4
 
 
+# The E4M3 byte route at D = 64 (the embedded model; BLOCK_N 128, 4 warps): shared memory by
+# pipeline depth, triton 3.6 and 3.9, sm_80 to sm_90, and a register bound above what ptxas
+# gives (92-121; tests/test_kernels_compile.py checks both). At 2 stages the K/V loads, which
+# depend on the block-table load, are not pipelined at all ((S - 1) // 2 = 0 iterations ahead;
+# see WORD_ROUTE_SHARED_BYTES); 5 stages double-buffer them. H200, BF16 queries, 3 KV heads
+# (docs/benchmarks/occupancy-2026-12-04-h200-smol-bf16.json): 5 stages at 4 programs per SM and
+# whole-wave splits took 0.82x the 2-stage launch's time natively at 64 x 32K / 128K, 0.86-0.91x
+# at 8 / 16 sequences; the software decoder 0.87-0.91x at 8 / 16 sequences, 1.03x at 64.
+BYTE_ROUTE_D64_SHARED_BYTES = {2: 38912, 5: 56320}
+BYTE_ROUTE_D64_REGISTERS = 128
+# The 5-stage launch where an SM holds at least this many of its programs (Hopper: 4), else
+# the 2-stage one (A100: 2 at 5 stages against 4 at 2 -- derived, not measured).
+BYTE_ROUTE_D64_MIN_RESIDENT = 4
+
+
+def byte_route_d64_launch(props) -> tuple[int, int | None]:
+    """(pipeline stages, programs per SM for whole-wave splits, or None for the 2-stage
+    launch's split target) of the E4M3 byte route at D = 64."""
+    resident = programs_per_sm(props, BYTE_ROUTE_D64_SHARED_BYTES[5], BYTE_ROUTE_D64_REGISTERS, 4)
+    if resident >= BYTE_ROUTE_D64_MIN_RESIDENT:
+        return 5, resident
+    return 2, None
+
+
 def word_route_d256_launch(props) -> tuple[int | None, int]:
     """(register cap, programs per SM) of the E4M3 word route at D = 256."""
     cap = 128 if (props.major, props.minor) >= (9, 0) else None
@@ -616,6 +640,11 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
     # The short-context rule where it was measured to help (H200: D = 64 and 128); at
     # D = 256 more splits than the 4-tile rule's were slower or no faster.
     short = None if head_dim >= 256 else (8 if fp8 else 4)
+    if fp8 and head_dim == 64:
+        stages, resident = byte_route_d64_launch(device_properties(device))
+        if resident:
+            return DecodeConfig(128, 4, stages, False, resident, whole_waves=True,
+                                short_programs_per_sm=short)
     if fp8:
         return DecodeConfig(128 if head_dim <= 128 else 64, 4, 2, False, 8,
                             short_programs_per_sm=short)
