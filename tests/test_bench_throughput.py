@@ -74,3 +74,20 @@ def test_gpu_sampler_reads_every_nth_step_and_summarises():
     blind = Sampler(clock=lambda: None, power=lambda: None)
     blind.sample()
     assert set(blind.summary().values()) == {None}
+
+
+def test_embedded_model_scales_come_from_the_calibration_corpora(default_model_dir):
+    """The throughput benchmark's E4M3 arms of a real checkpoint pass the gate with scales
+    calibrated in the run: one positive finite scale per layer and K/V, each the ceiling of
+    max_abs / 448 over the corpora's calibration records (here a short prefill)."""
+    import math
+
+    from kvcap import LLM
+    from kvcap.bench.throughput import calibrated_scales
+
+    scales = calibrated_scales("default", "float32", tokens=2048)
+    assert len(scales) == 60  # 30 layers x K/V
+    assert all(math.isfinite(v) and v > 0 for v in scales.values())
+    llm = LLM(model="default", dtype="float32", kv_cache_dtype="fp8_e4m3", kv_scales=scales,
+              max_model_len=256, max_num_seqs=2)
+    assert llm.kv_dtype == "fp8_e4m3"

@@ -7,8 +7,10 @@ Per cell: all requests are submitted at once with random prompts of `context - o
 and generate `out` tokens (ignore_eos, greedy). TTFT = until every request has a first token;
 decode tok/s = tokens generated after that / time after that. Roofline: a decode step must
 read the weights once and each sequence's KV once; we divide those bytes by a read ceiling
-measured in the same run. Dummy-weight E4M3 arms use scales calibrated on the same random
-model (ceil_fp32(max_abs / 448) over a short prefill), so the gate runs as in production.
+measured in the same run. E4M3 arms use scales calibrated in the run, so the gate runs as in
+production: ceil_fp32(max_abs / 448) per layer (`kvcap calibrate`'s default policy) over a short
+prefill of random ids for dummy weights, and over the calibration split of kvcap's built-in
+corpora (CALIBRATION_TOKENS, 1K-token records) for a real checkpoint (the embedded model).
 """
 
 from __future__ import annotations
@@ -71,9 +73,15 @@ def read_ceiling_tbs(device: torch.device) -> float:
         return measure_ceilings()["read_tbs"]
 
 
-def calibrated_scales(model: str, dtype: str) -> dict[str, float]:
-    """Scales for a dummy model from its own FP16 prefill (per layer max_abs / 448, ceil)."""
+CALIBRATION_TOKENS = 65536  # a real checkpoint's calibration prefill, in tokens
+
+
+def calibrated_scales(model: str, dtype: str, tokens: int = CALIBRATION_TOKENS
+                      ) -> dict[str, float]:
+    """Per-layer K/V scales (ceil_fp32(max_abs / 448)) from the model's own prefill: random
+    ids for dummy weights, the built-in corpora's calibration split for a real checkpoint."""
     from kvcap import LLM, SamplingParams
+    from kvcap.eval import corpora
     from kvcap.scales.report import scale_for
 
     maxes: dict[tuple[int, str], float] = {}
@@ -85,8 +93,16 @@ def calibrated_scales(model: str, dtype: str) -> dict[str, float]:
 
     llm = LLM(model=model, dtype=dtype, kv_cache_memory_gib=2, enforce_eager=True,
               kv_observer=observe)
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, llm.spec.vocab_size, (4, 512), generator=gen).tolist()
+    if model.startswith("dummy:"):
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, llm.spec.vocab_size, (4, 512), generator=gen).tolist()
+    else:
+        shards = corpora.build_shards(llm.tokenizer, None, tokens, "calibration", 1024,
+                                      progress=False)
+        ids = [r for s in shards for r in s.records]
+        if not ids:
+            raise RuntimeError("the built-in calibration corpora produced no records on this "
+                               "machine: E4M3 arms of a real checkpoint cannot be calibrated")
     llm.generate(ids, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     prefix = llm.spec.layer_prefix
     out = {f"{prefix}.{layer}.self_attn.{n}_scale": scale_for(m) for (layer, n), m in maxes.items()}
@@ -302,7 +318,8 @@ def main(argv=None) -> int:
     runs: dict[tuple, list[dict]] = {}  # (shape, kv, c, ctx) -> one result per pass
     for shape in args.shapes:
         model = SHAPES[shape]
-        scales = calibrated_scales(model, args.dtype) if model.startswith("dummy:") else None
+        scales = (calibrated_scales(model, args.dtype)
+                  if any(KV_MODES[m][0] == "fp8_e4m3" for m in args.kv) else None)
         # --passes: the arms in order, then reversed, ...: a GPU whose speed drifts during a
         # run (H200, 2026-12-02: 3% over four minutes) then biases no arm against another
         arm_passes = [] if args.hf_only else [
@@ -324,7 +341,10 @@ def main(argv=None) -> int:
                     for c in args.concurrency:
                         cell = {"shape": shape, "kv": mode, "concurrency": c, "context": ctx}
                         need = c * (-(-ctx // llm.config.block_size))
-                        if need > llm.pool.num_blocks:
+                        if ctx > llm.max_model_len:  # the embedded model holds 8K tokens
+                            cell["skip"] = (f"context {ctx} is over the model's maximum length "
+                                            f"({llm.max_model_len} tokens)")
+                        elif need > llm.pool.num_blocks:
                             cell["skip"] = (f"needs {need} KV blocks, pool has "
                                             f"{llm.pool.num_blocks}")
                             cell["pool_tokens"] = llm.pool.num_tokens
