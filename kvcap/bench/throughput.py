@@ -231,30 +231,44 @@ def roofline_step_s(llm, concurrency: int, context: int, ceiling_tbs: float) -> 
     return (weight_bytes(llm) + kv) / (ceiling_tbs * 1e12)
 
 
-def hf_baseline(config_path: str, batch: int, context: int, out_tokens: int) -> dict:
-    """HF transformers generate (FP16, SDPA) on the same random-weight shape."""
+def hf_baseline(model: str, batch: int, context: int, out_tokens: int,
+                device: str = "cuda") -> dict:
+    """HF transformers generate (FP16, SDPA) on the same model: random weights of the same
+    config for a dummy shape ("dummy:CONFIG"), else the checkpoint itself (the embedded model
+    through its converted HF-format directory)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.from_pretrained(config_path)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float16,
-                                                 attn_implementation="sdpa").eval()
-    ids = torch.randint(100, cfg.vocab_size - 100, (batch, context - out_tokens), device="cuda")
+    from kvcap.models.loader import resolve_model_dir
+
+    kw = dict(dtype=torch.float16, attn_implementation="sdpa")
+    if model.startswith("dummy:"):
+        cfg = AutoConfig.from_pretrained(model[len("dummy:"):])
+        with torch.device(device):
+            hf = AutoModelForCausalLM.from_config(cfg, **kw).eval()
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(resolve_model_dir(model), **kw).to(device).eval()
+        cfg = hf.config
+    ids = torch.randint(100, cfg.vocab_size - 100, (batch, context - out_tokens), device=device)
+
+    def sync() -> None:
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
 
     def timed(m, n: int) -> float:
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        torch.cuda.synchronize()
+        sync()
         return time.perf_counter() - t0
 
     with torch.no_grad():
-        timed(model, 4)  # warm-up
-        first = timed(model, 1)  # prefill + one token, subtracted for a decode-only rate
-        dt = timed(model, out_tokens)
-    del model
+        timed(hf, 4)  # warm-up
+        first = timed(hf, 1)  # prefill + one token, subtracted for a decode-only rate
+        dt = timed(hf, out_tokens)
+    del hf
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
     return {"batch": batch, "context": context, "out_tokens": out_tokens, "e2e_s": dt,
             "tok_s": batch * out_tokens / dt, "prefill_plus_one_s": first,
             "decode_tok_s": batch * (out_tokens - 1) / max(dt - first, 1e-9)}
@@ -366,10 +380,10 @@ def main(argv=None) -> int:
                 del llm
                 gc.collect()
                 torch.cuda.empty_cache()
-        if (args.hf_baseline or args.hf_only) and model.startswith("dummy:"):
+        if args.hf_baseline or args.hf_only:
             for b in (1, 16):
                 report["hf_baseline"].append({"shape": shape, **hf_baseline(
-                    model[len("dummy:"):], b, 1024, 64)})
+                    model, b, 1024, 64)})
                 _save(report, path)
     _mark_fp8_only(report)
     report["complete"] = True
