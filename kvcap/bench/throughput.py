@@ -81,6 +81,7 @@ def calibrated_scales(model: str, dtype: str, tokens: int = CALIBRATION_TOKENS
     """Per-layer K/V scales (ceil_fp32(max_abs / 448)) from the model's own prefill: random
     ids for dummy weights, the built-in corpora's calibration split for a real checkpoint."""
     from kvcap import LLM, SamplingParams
+    from kvcap.errors import CalibrationError
     from kvcap.eval import corpora
     from kvcap.scales.report import scale_for
 
@@ -101,8 +102,9 @@ def calibrated_scales(model: str, dtype: str, tokens: int = CALIBRATION_TOKENS
                                       progress=False)
         ids = [r for s in shards for r in s.records]
         if not ids:
-            raise RuntimeError("the built-in calibration corpora produced no records on this "
-                               "machine: E4M3 arms of a real checkpoint cannot be calibrated")
+            raise CalibrationError("the built-in calibration corpora produced no records on "
+                                   "this machine: the E4M3 arms of a real checkpoint cannot be "
+                                   "calibrated (run `kvcap calibrate --corpus FILE` instead)")
     llm.generate(ids, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     prefix = llm.spec.layer_prefix
     out = {f"{prefix}.{layer}.self_attn.{n}_scale": scale_for(m) for (layer, n), m in maxes.items()}

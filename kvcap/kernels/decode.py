@@ -538,10 +538,11 @@ SHORT_BYTE_ROUTE_SMS_PER_PROGRAM = 4
 
 
 # The E4M3 byte route at D = 64 (the embedded model; BLOCK_N 128, 4 warps): shared memory by
-# pipeline depth, triton 3.6 and 3.9, sm_80 to sm_90, and a register bound above what ptxas
-# gives (92-121; tests/test_kernels_compile.py checks both). At 2 stages the K/V loads, which
-# depend on the block-table load, are not pipelined at all ((S - 1) // 2 = 0 iterations ahead;
-# see WORD_ROUTE_SHARED_BYTES); 5 stages double-buffer them. H200, BF16 queries, 3 KV heads
+# pipeline depth (triton 3.9, sm_80 to sm_90), and a register bound above what ptxas gives (92-121
+# with triton 3.9); tests/test_kernels_compile.py checks both with triton 3.9 in CI and 3.6 on the
+# H200 (scripts/gpu_matrix.sh tests). At 2 stages the K/V loads, which depend on the block-table
+# load, are not pipelined at all ((S - 1) // 2 = 0 iterations ahead; see WORD_ROUTE_SHARED_BYTES);
+# 5 stages double-buffer them. H200, BF16 queries, 3 KV heads
 # (docs/benchmarks/occupancy-2026-12-04-h200-smol-bf16.json): 5 stages at 4 programs per SM and
 # whole-wave splits took 0.82x the 2-stage launch's time natively at 64 x 32K / 128K, 0.86-0.91x
 # at 8 / 16 sequences; the software decoder 0.87-0.91x at 8 / 16 sequences, 1.03x at 64.
@@ -640,7 +641,7 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
     # The short-context rule where it was measured to help (H200: D = 64 and 128); at
     # D = 256 more splits than the 4-tile rule's were slower or no faster.
     short = None if head_dim >= 256 else (8 if fp8 else 4)
-    if fp8 and head_dim == 64:
+    if fp8 and head_dim == 64 and not words:
         stages, resident = byte_route_d64_launch(device_properties(device))
         if resident:
             return DecodeConfig(128, 4, stages, False, resident, whole_waves=True,
