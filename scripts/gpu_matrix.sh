@@ -28,3 +28,4 @@ for shape in "$@"; do
     --out "$OUT/kernels-$shape.json" 2>&1 | grep -v "^  " | tail -40
   echo "$shape: exit ${PIPESTATUS[0]}"
 done
+python3 -m kvcap.bench.kernels --summary "$OUT"/kernels-*.json  # issue 5's verdicts, all files

@@ -146,3 +146,29 @@ def test_clock_range_column():
     assert kvcap_kernels_bench._clock_range([1980, 1410, None, 1755]) == "1410-1980"
     assert kvcap_kernels_bench._clock_range(None) == "-"
     assert kvcap_kernels_bench._clock_range([None, None]) == "-"
+
+
+def test_summary_judges_every_target_cell_from_files(tmp_path, capsys):
+    """--summary: issue 5's verdicts over the cells of several files; a cell meeting 1.8x at
+    85% counts, the 56% cell does not, skipped and non-target cells are left out, and an E4M3
+    arm slower than the 16-bit kernel at >= 4K is named whatever its shape."""
+    fast = {"shape": "llama31-8b", "batch": 16, "context": 32768, "splits": 3,
+            "splits_fp16": 5, "sdpa_fp16": _arm(0.470, 0.470, 97.0),
+            "paged_fp16": _arm(0.490, 0.470, 93.0), "e4m3_native": _arm(0.250, 0.470, 91.0),
+            "e4m3_software": _arm(0.300, 0.470, 76.0)}
+    slow_d64 = {**fast, "shape": "smollm2-135m", "batch": 1, "context": 4096,
+                "e4m3_software": _arm(0.500, 0.470, 40.0)}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_result()))
+    b.write_text(json.dumps({"cells": [fast, slow_d64]}))
+    assert main(["--summary", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert ("native >= 1.8x SDPA at >= 85% of the ceiling: met in 1 of 2 cells (not: 8 x 16K)"
+            in out)
+    assert "software within 1.15x of native: met in 1 of 2 cells (not: 16 x 32K)" in out
+    assert "16-bit paged within 1.1x of SDPA: met in 2 of 2 cells" in out
+    assert "1 cells: smollm2-135m B=1 ctx=4096 e4m3_software" in out
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["--summary", str(bad)]) == 2
+    assert "is not a readable kvcap.bench.kernels result" in capsys.readouterr().err
