@@ -251,16 +251,15 @@ def hf_baseline(model: str, batch: int, context: int, out_tokens: int,
         hf = AutoModelForCausalLM.from_pretrained(resolve_model_dir(model), **kw).to(device).eval()
         cfg = hf.config
     ids = torch.randint(100, cfg.vocab_size - 100, (batch, context - out_tokens), device=device)
-
-    def sync() -> None:
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize()
+    on_cuda = torch.device(device).type == "cuda"
 
     def timed(m, n: int) -> float:
-        sync()
+        if on_cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        sync()
+        if on_cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     with torch.no_grad():
@@ -269,7 +268,7 @@ def hf_baseline(model: str, batch: int, context: int, out_tokens: int,
         dt = timed(hf, out_tokens)
     del hf
     gc.collect()
-    if torch.device(device).type == "cuda":
+    if on_cuda:
         torch.cuda.empty_cache()
     return {"batch": batch, "context": context, "out_tokens": out_tokens, "e2e_s": dt,
             "tok_s": batch * out_tokens / dt, "prefill_plus_one_s": first,

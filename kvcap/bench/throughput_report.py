@@ -88,8 +88,8 @@ def pool_tokens(report: dict) -> dict[tuple[str, str], object]:
 
 
 def load_reports(paths: Iterable[str | Path]) -> list[tuple[str, dict]]:
-    """(file name, parsed report) per path, in order; every file is validated (its cells too)
-    before any is returned, so a bad file is one ReportError naming it."""
+    """(file name, parsed report) per path, in order: a file that cannot be read or parsed is
+    one ReportError naming it (cells_from_report validates the cells)."""
     reports = []
     for p in paths:
         path = Path(p)
@@ -101,7 +101,6 @@ def load_reports(paths: Iterable[str | Path]) -> list[tuple[str, dict]]:
             report = json.loads(text)
         except ValueError as e:
             raise ReportError(f"{path} is not valid JSON ({e})") from None
-        cells_from_report(report, path.name)  # validates
         reports.append((path.name, report))
     return reports
 

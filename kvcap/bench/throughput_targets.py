@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default=DEFAULT_SHAPE, help=f"default {DEFAULT_SHAPE}")
     args = ap.parse_args(argv)
     try:
-        reports = load_reports(args.files)  # validates every file first
+        reports = load_reports(args.files)
+        # every file's cells are validated here, before any verdict
         cells = [cell for name, report in reports for cell in cells_from_report(report, name)]
         verdicts = judge(cells, args.shape, capacity_ratios(reports, args.shape))
     except ReportError as e:
