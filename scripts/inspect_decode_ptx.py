@@ -212,8 +212,6 @@ def main() -> int:
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--num-stages", type=int, default=2)
     ap.add_argument("--pairs", action="store_true", help="word route: bytes permuted in pairs")
-    ap.add_argument("--lanes", action="store_true",
-                    help="word route: per-warp token lanes (decode.attend_word_lanes)")
     ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16",
                     help="query dtype (bf16 over an E4M3 cache on sm_80+: FP16 dots)")
     ap.add_argument("--defaults", action="store_true",
@@ -247,8 +245,7 @@ def main() -> int:
         # memory per SM then comes from common._SHARED_PER_SM)
         decode.device_properties = lambda device: target_properties(args.sm)
         cfg = decode.decode_config(args.head_dim, True, fp8, torch.device("cuda"), args.words,
-                                   mma=args.sm >= 80, short_route=args.short,
-                                   lanes=args.lanes and args.words)
+                                   mma=args.sm >= 80, short_route=args.short)
         args.block_n, args.num_warps, args.num_stages = cfg.block_n, cfg.num_warps, cfg.num_stages
         args.maxnreg, args.pairs = cfg.maxnreg, args.words and cfg.pairs
     if args.words and not fp8:
@@ -261,7 +258,7 @@ def main() -> int:
                   USE_DOT=True, IEEE=False, PREFETCH=False,
                   DOT_DTYPE=tl.bfloat16 if args.dtype == "bf16" and not f16_dots else tl.float16,
                   WORDS=args.words, PAIRS=args.pairs, FOLD=True, BLOCK_S=8, F16_DOTS=f16_dots,
-                  GDC=args.gdc, LANES=args.num_warps if args.lanes else 0)
+                  GDC=args.gdc)
     k = compile_kernel(decode._decode_kernel, consts, fp8, args.sm, args.num_warps,
                        args.num_stages, args.maxnreg, args.dtype)
     ptx = k.asm["ptx"]
@@ -271,7 +268,7 @@ def main() -> int:
         (args.dump / "decode.ptx").write_text(ptx)
     print(f"triton {triton.__version__}, sm_{args.sm}, cache {args.cache}, "
           f"{'words' if args.words else 'bytes'}, D={args.head_dim}, BLOCK_N={args.block_n}, "
-          f"{args.num_warps} warps, {args.num_stages} stages{', lanes' if args.lanes else ''}")
+          f"{args.num_warps} warps, {args.num_stages} stages")
     for pat in PATTERNS:
         n = len(re.findall(re.escape(pat) + (r"\b" if pat == "ld.shared.b8" else ""), ptx))
         print(f"  {pat:22s} {n}")

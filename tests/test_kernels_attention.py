@@ -157,43 +157,6 @@ def test_decode_word_route(fp8_mode, hq, hkv, d, num_splits):
     assert _err(out[:nt], bytes_route[:nt]) < 1e-3
 
 
-@pytest.mark.parametrize("fp8_mode", ["native", "software"])
-@pytest.mark.parametrize("dtype,num_splits,block_n", [(torch.float16, 1, 16),
-                                                      (torch.float16, 3, 32),
-                                                      (torch.bfloat16, 2, 64)])
-def test_decode_word_lanes(fp8_mode, dtype, num_splits, block_n):
-    """The word route in per-warp token lanes (each lane its own online softmax, merged at the
-    end) against the twin, the dense reference and the one-softmax word route. The sequences
-    (50 / 9 / 130 / 3 tokens) leave lanes empty in some splits' only tile (3 tokens: three of
-    four lanes), which must not set the merged maximum; the cache is NaN-poisoned elsewhere."""
-    case = make_case([(50, 1), (9, 1), (130, 1), (3, 1)], 8, 2, 128, kv_dtype="fp8_e4m3",
-                     dtype=dtype, pad_rows=2, seed=block_n + num_splits, device=DEV)
-    case.q.mul_(4.0)  # peaked softmaxes: a wrong lane weight shows
-    block_n = block_n if DEV == "cpu" else 64  # a GPU's dots need lanes of >= 16 tokens
-    kw = dict(fp8_mode=fp8_mode, num_splits=num_splits, words=True, block_n=block_n)
-    lanes = _decode(case, lanes=True, **kw)
-    _check(case, lanes, "bf16" if dtype == torch.bfloat16 else "fp8_e4m3", _reference(case))
-    nt = case.meta.num_tokens
-    assert _err(lanes[:nt], _decode(case, lanes=False, **kw)[:nt]) < 1e-3
-
-
-def test_word_lanes_switch_and_refusals(monkeypatch):
-    """KVCAP_WORD_LANES=1 makes the lanes the D = 128 word route's launch (same bits as
-    lanes=True); lanes need the word route at D = 128 and a tile the lanes divide."""
-    case = make_case(DECODE, 8, 2, 128, kv_dtype="fp8_e4m3", seed=4, device=DEV)
-    bn = 32 if DEV == "cpu" else 64
-    on = _decode(case, lanes=True, words=True, num_splits=2, block_n=bn)
-    monkeypatch.setenv(common.ENV_WORD_LANES, "1")
-    assert torch.equal(_decode(case, words=True, num_splits=2, block_n=bn), on)
-    with pytest.raises(ValueError, match="lanes=True cuts"):
-        _decode(case, lanes=True, words=False)
-    with pytest.raises(ValueError, match="lanes divide"):
-        _decode(case, lanes=True, words=True, block_n=16 + 2)
-    small = make_case(DECODE, 4, 1, 64, kv_dtype="fp8_e4m3", seed=4, device=DEV)
-    with pytest.raises(ValueError, match="lanes=True cuts"):
-        _decode(small, lanes=True, words=True)
-
-
 @pytest.mark.parametrize("fp8_mode,words,grouped,num_splits,hq,hkv,d,magnitude", [
     ("native", True, True, 3, 8, 2, 128, 1.0), ("software", True, True, 3, 8, 2, 128, 1.0),
     ("native", True, True, 3, 8, 2, 128, 3e5), ("software", True, True, 1, 8, 2, 128, 1e-6),

@@ -337,14 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-pairs", action="store_true",
                     help="time the E4M3 word route with and without byte-pair conversion on "
                          "the 8B cells, then stop")
-    ap.add_argument("--compare-lanes", action="store_true",
-                    help="time the E4M3 word route at D = 128 with one softmax per tile and in "
-                         "per-warp token lanes (paged_decode lanes) on the 8B cells, then stop")
     ap.add_argument("--compare-fold", action="store_true",
                     help="time decode with the split-K merge in a second launch and folded into "
                          "the decode kernel, every cache dtype, on the split cells, then stop")
     ap.add_argument("--grid", action="store_true",
-                    help="--compare-fold / --compare-pairs / --compare-bf16 / --compare-lanes / "
+                    help="--compare-fold / --compare-pairs / --compare-bf16 / "
                          "--sweep-occupancy time the cells of --shapes x --batches x --contexts "
                          "instead of their own")
     ap.add_argument("--compare-decoders", action="store_true",
@@ -449,11 +446,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_pairs:
         info["compare_pairs"] = compare_knob(l2, ceil["read_tbs"], "pairs",
                                              grid or WORD_CELLS[:2] + [WORD_CELLS[4]],
-                                             rounds=args.rounds)
-        save()
-        return 0
-    if args.compare_lanes:
-        info["compare_lanes"] = compare_knob(l2, ceil["read_tbs"], "lanes", grid or LANES_CELLS,
                                              rounds=args.rounds)
         save()
         return 0
@@ -647,10 +639,6 @@ SWEEP_CELLS = [("llama31-8b", 32, 8, 128, 8, 32768), ("llama31-8b", 32, 8, 128, 
 
 WORD_CELLS = SWEEP_CELLS + [("llama31-8b", 32, 8, 128, 16, 16384),
                             ("gqa6-d256", 24, 4, 256, 64, 16384)]
-# issue 5's target cells of the 8B shape, and two shorter ones
-LANES_CELLS = [("llama31-8b", 32, 8, 128, b, ctx) for b, ctx in
-               ((8, 16384), (8, 32768), (16, 16384), (16, 32768), (64, 16384), (4, 4096),
-                (64, 4096))]
 # cells whose default launch splits the context (the folded merge matters there)
 FOLD_CELLS = [("llama31-8b", 32, 8, 128, 8, 16384), ("llama31-8b", 32, 8, 128, 8, 32768),
               ("llama31-8b", 32, 8, 128, 16, 16384), ("llama31-8b", 32, 8, 128, 4, 4096),

@@ -32,7 +32,6 @@ ENV_DISABLE_ROPE_KV_WRITE = "KVCAP_DISABLE_ROPE_KV_WRITE"
 ENV_SOFTWARE_ENCODE = "KVCAP_SOFTWARE_E4M3_ENCODE"
 ENV_DISABLE_PDL = "KVCAP_DISABLE_PDL"
 ENV_PDL_RELEASE = "KVCAP_PDL_RELEASE"
-ENV_WORD_LANES = "KVCAP_WORD_LANES"
 
 SOFTWARE_FP8_FACTOR = 256.0  # the packed decoder yields value * 2^-8
 LOG2E = 1.4426950408889634
@@ -121,11 +120,6 @@ def split_k_enabled() -> bool:
 
 def words_enabled() -> bool:
     return not _flag(ENV_DISABLE_WORDS)
-
-
-def word_lanes_enabled() -> bool:
-    """The D = 128 word route cuts its tiles into per-warp token lanes (attend_word_lanes)."""
-    return _flag(ENV_WORD_LANES)
 
 
 def mixed_decoders_enabled() -> bool:

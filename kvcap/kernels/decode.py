@@ -51,7 +51,6 @@ from kvcap.kernels.common import (
     sm_count,
     split_k_enabled,
     use_software_fp8,
-    word_lanes_enabled,
     words_enabled,
 )
 
@@ -159,10 +158,16 @@ def fp16_scale(amax):
 
 
 @triton.jit
-def _word_queries(q_ptr, q_base, heads, hmask, qk_scale, stride_qh, HEAD_DIM: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr, F16_DOTS: tl.constexpr):
-    """The query rows [BLOCK_H, HEAD_DIM // 4] of the word route's four column groups as dot
-    operands, and qk_scale (with F16_DOTS times fp16_scale's 2^-s)."""
+def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
+                      qk_scale, head_off, stride_cb, stride_ct, stride_qh,
+                      BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, SOFTWARE: tl.constexpr, SOFTWARE_V: tl.constexpr,
+                      DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, PAIRS: tl.constexpr,
+                      F16_DOTS: tl.constexpr = False):
+    """attend_tiles for E4M3 caches read as 32-bit words: the head dimension is split into the
+    four column groups a word decodes to (column 4c + j -> group j), so QK^T is four dots of
+    K = D/4 and the output is four [BLOCK_H, D/4] accumulators (returned in group order).
+    F16_DOTS: BF16 queries on FP16 dots (fp16_scale)."""
     qb = q_ptr + q_base + heads[:, None].to(tl.int64) * stride_qh
     c4 = tl.arange(0, HEAD_DIM // 4)[None, :] * 4
     q0 = tl.load(qb + c4, mask=hmask[:, None], other=0.0)
@@ -176,24 +181,10 @@ def _word_queries(q_ptr, q_base, heads, hmask, qk_scale, stride_qh, HEAD_DIM: tl
         qk_scale = qk_scale * down
     else:
         q_up = 1.0
-    return (_to_dot(q0, q_up, DOT_DTYPE, F16_DOTS), _to_dot(q1, q_up, DOT_DTYPE, F16_DOTS),
-            _to_dot(q2, q_up, DOT_DTYPE, F16_DOTS), _to_dot(q3, q_up, DOT_DTYPE, F16_DOTS),
-            qk_scale)
-
-
-@triton.jit
-def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
-                      qk_scale, head_off, stride_cb, stride_ct, stride_qh,
-                      BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, SOFTWARE: tl.constexpr, SOFTWARE_V: tl.constexpr,
-                      DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, PAIRS: tl.constexpr,
-                      F16_DOTS: tl.constexpr = False):
-    """attend_tiles for E4M3 caches read as 32-bit words: the head dimension is split into the
-    four column groups a word decodes to (column 4c + j -> group j), so QK^T is four dots of
-    K = D/4 and the output is four [BLOCK_H, D/4] accumulators (returned in group order).
-    F16_DOTS: BF16 queries on FP16 dots (fp16_scale)."""
-    q0, q1, q2, q3, qk_scale = _word_queries(q_ptr, q_base, heads, hmask, qk_scale, stride_qh,
-                                             HEAD_DIM, DOT_DTYPE, F16_DOTS)
+    q0 = _to_dot(q0, q_up, DOT_DTYPE, F16_DOTS)
+    q1 = _to_dot(q1, q_up, DOT_DTYPE, F16_DOTS)
+    q2 = _to_dot(q2, q_up, DOT_DTYPE, F16_DOTS)
+    q3 = _to_dot(q3, q_up, DOT_DTYPE, F16_DOTS)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     a0 = tl.zeros([BLOCK_H, HEAD_DIM // 4], tl.float32)
@@ -223,78 +214,6 @@ def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_st
 
 
 @triton.jit
-def attend_word_lanes(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
-                      qk_scale, head_off, stride_cb, stride_ct, stride_qh,
-                      BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, SOFTWARE: tl.constexpr, SOFTWARE_V: tl.constexpr,
-                      DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, PAIRS: tl.constexpr,
-                      F16_DOTS: tl.constexpr, LANES: tl.constexpr):
-    """attend_word_tiles with each tile cut into LANES token lanes of BLOCK_N // LANES tokens,
-    every lane its own online softmax (batched [LANES, ...] dots): launched with LANES warps,
-    Triton gives each warp one lane, so a tile's row maxima, sums and probability operand never
-    leave the warp -- attend_word_tiles spreads a tile's tokens over the warps and pays a
-    shared-memory exchange and barrier for each of those. The lanes merge once, at the end.
-    Returns what attend_word_tiles returns (m, l, four column-group accumulators)."""
-    T: tl.constexpr = BLOCK_N // LANES
-    C: tl.constexpr = HEAD_DIM // 4
-    q0, q1, q2, q3, qk_scale = _word_queries(q_ptr, q_base, heads, hmask, qk_scale, stride_qh,
-                                             HEAD_DIM, DOT_DTYPE, F16_DOTS)
-    shape: tl.constexpr = (LANES, BLOCK_H, C)  # every lane multiplies the same query rows
-    q0 = tl.broadcast_to(q0[None, :, :], shape)
-    q1 = tl.broadcast_to(q1[None, :, :], shape)
-    q2 = tl.broadcast_to(q2[None, :, :], shape)
-    q3 = tl.broadcast_to(q3[None, :, :], shape)
-    m_i = tl.full([LANES, BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([LANES, BLOCK_H], tl.float32)
-    a0 = tl.zeros(shape, tl.float32)
-    a1 = tl.zeros(shape, tl.float32)
-    a2 = tl.zeros(shape, tl.float32)
-    a3 = tl.zeros(shape, tl.float32)
-    # token offsets [LANES, T, 1] of a tile; pointers are built in 3-D so that no layout
-    # conversion sits between the block-table load and the K/V loads
-    lane_tok = tl.arange(0, LANES)[:, None, None] * T + tl.arange(0, T)[None, :, None]
-    cols = tl.arange(0, C)[None, None, :]
-    kw = kc_ptr.to(tl.pointer_type(tl.int32))
-    vw = vc_ptr.to(tl.pointer_type(tl.int32))
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + lane_tok
-        pmask = pos < hi
-        blk = tl.load(bt_ptr + seq.to(tl.int64) * bt_stride + pos // BLOCK_SIZE, mask=pmask,
-                      other=0)
-        word = (blk.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_ct
-                + head_off) // 4 + cols
-        k0, k1, k2, k3 = convert_words(tl.load(kw + word, mask=pmask, other=0), SOFTWARE,
-                                       DOT_DTYPE, PAIRS)
-        s = mm(q0, tl.permute(k0, (0, 2, 1)), True, IEEE)
-        s += mm(q1, tl.permute(k1, (0, 2, 1)), True, IEEE)
-        s += mm(q2, tl.permute(k2, (0, 2, 1)), True, IEEE)
-        s += mm(q3, tl.permute(k3, (0, 2, 1)), True, IEEE)
-        s = tl.where(tl.permute(pmask, (0, 2, 1)), s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 2))
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # lanes with nothing visible yet
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, :, None])
-        l_i = l_i * alpha + tl.sum(p, 2)
-        pd = p.to(DOT_DTYPE)
-        v0, v1, v2, v3 = convert_words(tl.load(vw + word, mask=pmask, other=0), SOFTWARE_V,
-                                       DOT_DTYPE, PAIRS)
-        a0 = a0 * alpha[:, :, None] + mm(pd, v0, True, IEEE)
-        a1 = a1 * alpha[:, :, None] + mm(pd, v1, True, IEEE)
-        a2 = a2 * alpha[:, :, None] + mm(pd, v2, True, IEEE)
-        a3 = a3 * alpha[:, :, None] + mm(pd, v3, True, IEEE)
-        m_i = m_new
-    # Merge the lanes. A lane is empty only where a split holds fewer tokens than the lanes
-    # before it cover (one tile; its max reads 0 and its sum 0): it must not set the maximum.
-    seen = l_i > 0
-    m_all = tl.max(tl.where(seen, m_i, float("-inf")), 0)
-    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-    w = tl.where(seen, tl.exp2(m_i - m_all[None, :]), 0.0)
-    return (m_all, tl.sum(l_i * w, 0), tl.sum(a0 * w[:, :, None], 0),
-            tl.sum(a1 * w[:, :, None], 0), tl.sum(a2 * w[:, :, None], 0),
-            tl.sum(a3 * w[:, :, None], 0))
-
-
-@triton.jit
 def _store_groups(base, hmask, o0, o1, o2, o3, HEAD_DIM: tl.constexpr):
     """Store four column groups [BLOCK_H, HEAD_DIM // 4] (column 4c + j) at base pointers."""
     c4 = tl.arange(0, HEAD_DIM // 4)[None, :] * 4
@@ -317,7 +236,7 @@ def _decode_kernel(
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
     PREFETCH: tl.constexpr, WORDS: tl.constexpr, PAIRS: tl.constexpr = False,
     FOLD: tl.constexpr = False, BLOCK_S: tl.constexpr = 8,
-    F16_DOTS: tl.constexpr = False, GDC: tl.constexpr = 0, LANES: tl.constexpr = 0,
+    F16_DOTS: tl.constexpr = False, GDC: tl.constexpr = 0,
 ):
     pdl_wait(GDC)  # q and the cache rows come from the kernel before (common.pdl_launch)
     seq = tl.program_id(0)
@@ -351,13 +270,7 @@ def _decode_kernel(
         qk_scale = qk_scale * 256.0
     if SOFTWARE_V:
         out_scale = out_scale * 256.0
-    if WORDS and LANES:
-        m_i, l_i, a0, a1, a2, a3 = attend_word_lanes(
-            q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, kc_ptr, vc_ptr, bt_ptr,
-            bt_stride, seq, lo, hi, qk_scale, kvh.to(tl.int64) * stride_ch, stride_cb,
-            stride_ct, stride_qh, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFTWARE, SOFTWARE_V,
-            DOT_DTYPE, IEEE, PAIRS, F16_DOTS, LANES)
-    elif WORDS:
+    if WORDS:
         m_i, l_i, a0, a1, a2, a3 = attend_word_tiles(
             q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, kc_ptr, vc_ptr, bt_ptr,
             bt_stride, seq, lo, hi, qk_scale, kvh.to(tl.int64) * stride_ch, stride_cb,
@@ -531,7 +444,6 @@ class DecodeConfig(NamedTuple):
     pairs: bool = False  # word route: convert byte pairs (see paged_decode)
     short_programs_per_sm: int | None = None  # choose_num_splits' short-context grid
     resident: int | None = None  # programs an SM holds, where programs_per_sm is a target
-    lanes: int = 0  # word route: token lanes per tile, one per warp (attend_word_lanes)
 
 
 # Shared memory of the E4M3 word-route program (BLOCK_N 128, 4 warps, byte pairs, 128-register
@@ -541,11 +453,6 @@ class DecodeConfig(NamedTuple):
 # K/V tiles get one shared buffer at 3 stages -- their loads are issued after the tile was
 # used, and each tile's memory latency is exposed -- and two buffers at 5 stages.
 WORD_ROUTE_SHARED_BYTES = {3: 41472, 5: 74752}
-# The word route in per-warp token lanes (attend_word_lanes: BLOCK_N 64, 4 warps and lanes,
-# 5 stages, 128-register cap, byte pairs; ptxas sm_90a, triton 3.9: no spill): shared memory
-# bytes. 4 such programs fit an H200 SM.
-WORD_LANES_SHARED_BYTES = 49664
-WORD_LANES = 4
 # Wide short calls: more (sequence, KV head) programs than an SM's 3 five-stage programs per SM
 # cover, but no more than 4 three-stage ones do, over at most this many tokens, take 3 stages
 # and one split (one wave, no merge). H200, 8B shape, BF16 queries, 64 sequences (512
@@ -682,7 +589,7 @@ def word_route_programs(props, stages: int) -> int:
 def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
                   words: bool | None = None, mma: bool | None = None,
                   short_route: bool = False, programs: int = 0,
-                  max_seq_len: int = 0, lanes: bool | None = None) -> DecodeConfig:
+                  max_seq_len: int = 0) -> DecodeConfig:
     """Launch configuration of the decode kernel (`words`: the E4M3 word route; default: the
     route use_words picks; `mma`: the GPU has Triton's tensor-core dots, default: has_mma;
     `short_route`: the call is short_byte_route's, which at D = 128 reads E4M3 bytes in
@@ -720,11 +627,6 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
         return DecodeConfig(64, 4, 2, False, 8, short_programs_per_sm=8)
     if fp8 and words and head_dim == 128:
         props = device_properties(device)
-        if word_lanes_enabled() if lanes is None else lanes:
-            return DecodeConfig(64, WORD_LANES, 5, False,
-                                programs_per_sm(props, WORD_LANES_SHARED_BYTES, 128, WORD_LANES),
-                                maxnreg=128, whole_waves=True, pairs=True,
-                                short_programs_per_sm=SHORT_WORD_PROGRAMS_PER_SM, lanes=WORD_LANES)
         stages, resident = word_route_launch(props)
         if stages == 5 and 0 < max_seq_len <= WIDE_WORD_ROUTE_TOKENS:
             wide, sms = word_route_programs(props, 3), sm_count(device)
@@ -855,8 +757,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  num_warps: int | None = None, num_stages: int | None = None,
                  prefetch: bool | None = None, words: bool | None = None,
                  maxnreg: int | None = None, pairs: bool | None = None,
-                 fold: bool = False, fp16_dots: bool | None = None,
-                 lanes: bool | None = None) -> torch.Tensor:
+                 fold: bool = False, fp16_dots: bool | None = None) -> torch.Tensor:
     """Decode attention for every sequence whose query length is 1 (others are skipped).
 
     q [T, Hq, D], out [T, Hq, D] (the token row of sequence i is query_start_loc[i]);
@@ -880,8 +781,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     KVCAP_DISABLE_FP16_DOTS=1) instead of BF16 dots, which need every decoded FP16 value
     converted to BF16 (1.11-1.14x the time natively on the H200's 8B cells: docs/kernels.md,
     "Ninth change").
-    `lanes`: the word route cuts each tile into one token lane per warp, each with its own
-    online softmax, merged once at the end (attend_word_lanes; default: KVCAP_WORD_LANES=1).
     """
     num_seqs = seq_lens.shape[0]
     hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
@@ -904,13 +803,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         words = use_words(d, grouped, fp8, q.device, short)
     if words and not (fp8 and grouped and d >= 64):
         raise ValueError("words=True needs an E4M3 cache, the grouped route and head_dim >= 64")
-    if lanes is None:
-        lanes = words and d == 128 and word_lanes_enabled()
-    if lanes and not (words and d == 128):
-        raise ValueError("lanes=True cuts the word route's tiles at head_dim 128: it needs "
-                         "words=True and head_dim 128")
     cfg = decode_config(d, grouped, fp8, q.device, words, short_route=short,
-                        programs=num_seqs * head_programs, max_seq_len=max_seq_len, lanes=lanes)
+                        programs=num_seqs * head_programs, max_seq_len=max_seq_len)
     if pairs is None:
         pairs = words and cfg.pairs
     if pairs and not words:
@@ -922,10 +816,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if num_splits is None:
         num_splits = config_splits(cfg, num_seqs, head_programs, max_seq_len,
                                    sm_count(q.device), bn)
-    n_lanes = (cfg.lanes or WORD_LANES) if lanes else 0
-    if n_lanes and (bn % n_lanes or (q.device.type == "cuda" and bn // n_lanes < 16)):
-        raise ValueError(f"lanes=True needs a tile (block_n={bn}) that {n_lanes} lanes divide "
-                         "(into lanes of >= 16 tokens on a GPU: the dots' smallest size)")
     block_h = max(16, triton.next_power_of_2(heads)) if grouped else 1
     counters = dummy = k_cache
     fold = fold and num_splits > 1
@@ -954,7 +844,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         USE_DOT=grouped, PREFETCH=pf, WORDS=words, PAIRS=pairs,
         FOLD=fold, BLOCK_S=max(8, triton.next_power_of_2(num_splits)),
         DOT_DTYPE=dt, IEEE=ieee, F16_DOTS=fp16_dots,
-        GDC=pdl_mode(pdl, grid, q.device), LANES=n_lanes, num_warps=nw,
+        GDC=pdl_mode(pdl, grid, q.device), num_warps=nw,
         num_stages=ns, **launch, **pdl, **FP_FUSION,
     )
     if num_splits > 1 and not fold:
