@@ -22,7 +22,8 @@
 #                                                      CONTEXTS (32768) (~1 min)
 #   OLD=DIR bash scripts/gpu_wide_splits.sh e2e ROUND   end to end, 8B shape, BF16 weights, arms
 #                                                      old (PYTHONPATH=$OLD) / new, alternating
-#                                                      order by ROUND; CONC, CTX, KV override
+#                                                      order by ROUND; CONC, CTX, KV, MAXLEN
+#                                                      (--max-model-len), TAG override
 # OLD: a directory holding an older `kvcap` package (e.g. `git archive REV kvcap | tar -x -C DIR`).
 # Results under $OUT (default /tmp/out).
 set -uo pipefail
@@ -81,7 +82,8 @@ e2e)
     path=$PWD; [ $arm = old ] && path=${OLD:?set OLD to the older tree}
     (cd "$path" && PYTHONPATH=$path timeout 280 python3 -m kvcap.bench.throughput --dtype bfloat16 \
       --concurrency ${CONC:-64} --context ${CTX:-1024} --kv ${KV:-fp16 fp8} --out-tokens 128 \
-      --repeats 2 --out "/tmp/e2e-${TAG:-}$arm-$round" 2>&1) | grep -E "^\|" \
+      --repeats 2 ${MAXLEN:+--max-model-len $MAXLEN} --out "/tmp/e2e-${TAG:-}$arm-$round" 2>&1) \
+      | grep -E "^\|" \
       | grep -v -- "---\|concurrency" | sed "s/^/$arm$round /"
     cp /tmp/e2e-${TAG:-}$arm-$round/*.json "$OUT/e2e-${TAG:-}$arm-$round.json"
   done ;;

@@ -313,10 +313,18 @@ def main(argv=None) -> int:
                          "a BF16-capable GPU is bfloat16")
     ap.add_argument("--block-size", type=positive_int, default=16,
                     help="tokens per KV cache block of every arm (a power of two)")
+    ap.add_argument("--max-model-len", type=positive_int, default=None,
+                    help="every arm's maximum sequence length (default: the longest --context); "
+                         "a server's is the model's (e.g. 131072), and decode graphs are "
+                         "captured for context classes up to it, so a step of short sequences "
+                         "runs its class's launch (engine/cuda_graph.py)")
     ap.add_argument("--out", default="docs/benchmarks")
     args = ap.parse_args(argv)
     if args.block_size & (args.block_size - 1):
         ap.error(f"--block-size must be a power of two, got {args.block_size}")
+    if args.max_model_len is not None and args.max_model_len < max(args.context):
+        ap.error(f"--max-model-len {args.max_model_len} is shorter than the longest --context "
+                 f"({max(args.context)})")
     require_cuda(ap, "; the CPU path of the pipeline is `kvcap demo`")
     logging.basicConfig(level=logging.WARNING)
     from kvcap import LLM
@@ -326,7 +334,7 @@ def main(argv=None) -> int:
     report = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(dev),
               **stamp(), "read_ceiling_tbs": ceiling, "torch": torch.__version__,
               "args": vars(args), "cells": [], "capacity": [], "hf_baseline": []}
-    max_ctx = max(args.context)
+    max_ctx = args.max_model_len or max(args.context)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"throughput-{report['date']}.json"
