@@ -101,3 +101,17 @@ def test_hf_baseline_runs_the_embedded_checkpoint_itself(default_model_dir):
     r = hf_baseline("default", 1, 24, 4, device="cpu")
     assert (r["batch"], r["context"], r["out_tokens"]) == (1, 24, 4)
     assert r["tok_s"] > 0 and r["decode_tok_s"] > 0 and r["e2e_s"] > 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--context", "4096", "--max-model-len", "1000"], "--max-model-len 1000 is shorter"),
+    (["--context", "1024", "--block-size", "24"], "--block-size must be a power of two")])
+def test_bad_arguments_are_refused_before_the_gpu_is_needed(capsys, argv, message):
+    """A maximum length under the longest context (its cells could not run) and a block size
+    the kernels do not take are usage errors on any machine, before any model is built."""
+    from kvcap.bench.throughput import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err

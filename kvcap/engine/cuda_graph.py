@@ -19,7 +19,6 @@ from tqdm.auto import tqdm
 
 from kvcap.attention.metadata import AttentionMetadata
 from kvcap.engine.input_batch import BlockTableRows, StagingBuffer
-from kvcap.kernels.decode import SHORT_BYTE_ROUTE_TOKENS, WIDE_WORD_ROUTE_TOKENS
 from kvcap.models.llama import ForwardContext
 
 logger = logging.getLogger(__name__)
@@ -34,19 +33,23 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
 
 
-# Class boundaries: the decode launch rules that depend on the context change there (short
-# E4M3 calls take the byte route up to SHORT_BYTE_ROUTE_TOKENS, wide E4M3 calls the one-wave
-# launch up to WIDE_WORD_ROUTE_TOKENS), so a step gets the launch its real length would; and
-# 16K. Without the 4K class, 64 sequences of 2-4K tokens ran the 16K class's two-split
-# five-stage launch (docs/kernels.md, "Twenty-seventh change").
-CLASS_BOUNDARIES = (SHORT_BYTE_ROUTE_TOKENS, WIDE_WORD_ROUTE_TOKENS, 16384)
+def class_boundaries() -> tuple[int, ...]:
+    """Where the decode launch rules that depend on the context change (short E4M3 calls take
+    the byte route up to SHORT_BYTE_ROUTE_TOKENS, wide E4M3 calls the one-wave launch up to
+    WIDE_WORD_ROUTE_TOKENS), so a step gets the launch its real length would; and 16K.
+    Without the 4K class, 64 sequences of 2-4K tokens ran the 16K class's two-split
+    five-stage launch (docs/kernels.md, "Twenty-seventh change"). Imported here, not at the
+    top: the CPU engine runs without Triton, which the kernels module needs."""
+    from kvcap.kernels.decode import SHORT_BYTE_ROUTE_TOKENS, WIDE_WORD_ROUTE_TOKENS
+
+    return SHORT_BYTE_ROUTE_TOKENS, WIDE_WORD_ROUTE_TOKENS, 16384
 
 
 def context_classes(max_model_len: int) -> list[int]:
     """The context lengths decode graphs are captured for (a decode step runs the graph of the
     smallest class >= its longest sequence). Eager decode on CUDA uses the same classes for
     its split-K choice, so graph and eager runs compute the same sums (same greedy tokens)."""
-    return sorted({c for c in CLASS_BOUNDARIES if c < max_model_len} | {max_model_len})
+    return sorted({c for c in class_boundaries() if c < max_model_len} | {max_model_len})
 
 
 def context_class(classes: list[int], max_seq_len: int) -> int:
