@@ -212,8 +212,6 @@ def main() -> int:
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--num-stages", type=int, default=2)
     ap.add_argument("--pairs", action="store_true", help="word route: bytes permuted in pairs")
-    ap.add_argument("--k-halves", action="store_true",
-                    help="word route: QK^T in two permute-free column halves (K_HALVES)")
     ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16",
                     help="query dtype (bf16 over an E4M3 cache on sm_80+: FP16 dots)")
     ap.add_argument("--defaults", action="store_true",
@@ -260,7 +258,7 @@ def main() -> int:
                   USE_DOT=True, IEEE=False, PREFETCH=False,
                   DOT_DTYPE=tl.bfloat16 if args.dtype == "bf16" and not f16_dots else tl.float16,
                   WORDS=args.words, PAIRS=args.pairs, FOLD=True, BLOCK_S=8, F16_DOTS=f16_dots,
-                  GDC=args.gdc, K_HALVES=args.k_halves)
+                  GDC=args.gdc)
     k = compile_kernel(decode._decode_kernel, consts, fp8, args.sm, args.num_warps,
                        args.num_stages, args.maxnreg, args.dtype)
     ptx = k.asm["ptx"]

@@ -157,22 +157,6 @@ def test_decode_word_route(fp8_mode, hq, hkv, d, num_splits):
     assert _err(out[:nt], bytes_route[:nt]) < 1e-3
 
 
-@pytest.mark.parametrize("fp8_mode", ["native", "software"])
-@pytest.mark.parametrize("dtype,num_splits", [(torch.float16, 1), (torch.bfloat16, 3)])
-def test_word_route_k_halves(fp8_mode, dtype, num_splits):
-    """QK^T over two column halves (k_halves: columns {4c, 4c+1} and {4c+2, 4c+3} as K
-    indices 2c, 2c+1) against the four column groups, the twin and the dense reference."""
-    case = make_case([(50, 1), (9, 1), (130, 1)], 8, 2, 128, kv_dtype="fp8_e4m3", dtype=dtype,
-                     pad_rows=2, seed=num_splits + 21, device=DEV)
-    kw = dict(fp8_mode=fp8_mode, num_splits=num_splits, words=True)
-    halves = _decode(case, k_halves=True, **kw)
-    _check(case, halves, "bf16" if dtype == torch.bfloat16 else "fp8_e4m3", _reference(case))
-    nt = case.meta.num_tokens
-    assert _err(halves[:nt], _decode(case, **kw)[:nt]) < 1e-3
-    with pytest.raises(ValueError, match="k_halves=True"):
-        _decode(case, k_halves=True, words=False)
-
-
 @pytest.mark.parametrize("fp8_mode,words,grouped,num_splits,hq,hkv,d,magnitude", [
     ("native", True, True, 3, 8, 2, 128, 1.0), ("software", True, True, 3, 8, 2, 128, 1.0),
     ("native", True, True, 3, 8, 2, 128, 3e5), ("software", True, True, 1, 8, 2, 128, 1e-6),

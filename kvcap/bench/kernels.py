@@ -337,9 +337,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-pairs", action="store_true",
                     help="time the E4M3 word route with and without byte-pair conversion on "
                          "the 8B cells, then stop")
-    ap.add_argument("--compare-k-halves", action="store_true",
-                    help="time the E4M3 word route with QK^T in four column groups and in two "
-                         "permute-free halves (paged_decode k_halves) on the 8B cells, then stop")
     ap.add_argument("--compare-fold", action="store_true",
                     help="time decode with the split-K merge in a second launch and folded into "
                          "the decode kernel, every cache dtype, on the split cells, then stop")
@@ -450,11 +447,6 @@ def main(argv: list[str] | None = None) -> int:
         info["compare_pairs"] = compare_knob(l2, ceil["read_tbs"], "pairs",
                                              grid or WORD_CELLS[:2] + [WORD_CELLS[4]],
                                              rounds=args.rounds)
-        save()
-        return 0
-    if args.compare_k_halves:
-        info["compare_k_halves"] = compare_knob(l2, ceil["read_tbs"], "k_halves",
-                                                grid or K_HALVES_CELLS, rounds=args.rounds)
         save()
         return 0
     if args.compare_bf16:
@@ -647,10 +639,6 @@ SWEEP_CELLS = [("llama31-8b", 32, 8, 128, 8, 32768), ("llama31-8b", 32, 8, 128, 
 
 WORD_CELLS = SWEEP_CELLS + [("llama31-8b", 32, 8, 128, 16, 16384),
                             ("gqa6-d256", 24, 4, 256, 64, 16384)]
-# issue 5's target cells of the 8B shape, and two shorter ones
-K_HALVES_CELLS = [("llama31-8b", 32, 8, 128, b, ctx) for b, ctx in
-                  ((8, 16384), (8, 32768), (16, 16384), (16, 32768), (64, 16384), (4, 4096),
-                   (64, 4096))]
 # cells whose default launch splits the context (the folded merge matters there)
 FOLD_CELLS = [("llama31-8b", 32, 8, 128, 8, 16384), ("llama31-8b", 32, 8, 128, 8, 32768),
               ("llama31-8b", 32, 8, 128, 16, 16384), ("llama31-8b", 32, 8, 128, 4, 4096),

@@ -163,42 +163,28 @@ def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_st
                       BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       BLOCK_N: tl.constexpr, SOFTWARE: tl.constexpr, SOFTWARE_V: tl.constexpr,
                       DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, PAIRS: tl.constexpr,
-                      F16_DOTS: tl.constexpr = False, K_HALVES: tl.constexpr = False):
+                      F16_DOTS: tl.constexpr = False):
     """attend_tiles for E4M3 caches read as 32-bit words: the head dimension is split into the
     four column groups a word decodes to (column 4c + j -> group j), so QK^T is four dots of
     K = D/4 and the output is four [BLOCK_H, D/4] accumulators (returned in group order).
-    F16_DOTS: BF16 queries on FP16 dots (fp16_scale).
-
-    K_HALVES: QK^T in two dots of K = D/2 instead, over columns {4c, 4c + 1} and {4c + 2,
-    4c + 3} in the order (c, byte): a word's bytes 0 and 1 convert to one FP16 pair that is
-    already the MMA operand's register for adjacent K indices 2c and 2c + 1 (likewise bytes 2
-    and 3), so K needs no byte permutes; V keeps the four groups (its operand pairs adjacent
-    tokens, two words)."""
+    F16_DOTS: BF16 queries on FP16 dots (fp16_scale)."""
     qb = q_ptr + q_base + heads[:, None].to(tl.int64) * stride_qh
-    if K_HALVES:
-        kk = tl.arange(0, HEAD_DIM // 2)[None, :]
-        dcol = (kk // 2) * 4 + kk % 2  # half 0's column of K index kk; half 1's is 2 further
-        q0 = tl.load(qb + dcol, mask=hmask[:, None], other=0.0)
-        q1 = tl.load(qb + dcol + 2, mask=hmask[:, None], other=0.0)
-        amax = tl.maximum(_absmax(q0), _absmax(q1))
-    else:
-        c4 = tl.arange(0, HEAD_DIM // 4)[None, :] * 4
-        q0 = tl.load(qb + c4, mask=hmask[:, None], other=0.0)
-        q1 = tl.load(qb + c4 + 1, mask=hmask[:, None], other=0.0)
-        q2 = tl.load(qb + c4 + 2, mask=hmask[:, None], other=0.0)
-        q3 = tl.load(qb + c4 + 3, mask=hmask[:, None], other=0.0)
+    c4 = tl.arange(0, HEAD_DIM // 4)[None, :] * 4
+    q0 = tl.load(qb + c4, mask=hmask[:, None], other=0.0)
+    q1 = tl.load(qb + c4 + 1, mask=hmask[:, None], other=0.0)
+    q2 = tl.load(qb + c4 + 2, mask=hmask[:, None], other=0.0)
+    q3 = tl.load(qb + c4 + 3, mask=hmask[:, None], other=0.0)
+    if F16_DOTS:
         amax = tl.maximum(tl.maximum(_absmax(q0), _absmax(q1)),
                           tl.maximum(_absmax(q2), _absmax(q3)))
-    if F16_DOTS:
         q_up, down = fp16_scale(amax)
         qk_scale = qk_scale * down
     else:
         q_up = 1.0
     q0 = _to_dot(q0, q_up, DOT_DTYPE, F16_DOTS)
     q1 = _to_dot(q1, q_up, DOT_DTYPE, F16_DOTS)
-    if not K_HALVES:
-        q2 = _to_dot(q2, q_up, DOT_DTYPE, F16_DOTS)
-        q3 = _to_dot(q3, q_up, DOT_DTYPE, F16_DOTS)
+    q2 = _to_dot(q2, q_up, DOT_DTYPE, F16_DOTS)
+    q3 = _to_dot(q3, q_up, DOT_DTYPE, F16_DOTS)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     a0 = tl.zeros([BLOCK_H, HEAD_DIM // 4], tl.float32)
@@ -210,16 +196,10 @@ def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_st
         pmask = pos < hi
         row = paged_row_offsets(bt_ptr, bt_stride, seq, pos, pmask, BLOCK_SIZE, stride_cb,
                                 stride_ct, head_off)
-        kwords = load_words(kc_ptr, row, pmask, HEAD_DIM)
-        if K_HALVES:
-            k0, k1, k2, k3 = convert_words(kwords, SOFTWARE, DOT_DTYPE)
-            h0 = tl.reshape(tl.join(k0, k1), (BLOCK_N, HEAD_DIM // 2))
-            h1 = tl.reshape(tl.join(k2, k3), (BLOCK_N, HEAD_DIM // 2))
-            s = mm(q0, tl.trans(h0), True, IEEE) + mm(q1, tl.trans(h1), True, IEEE)
-        else:
-            k0, k1, k2, k3 = convert_words(kwords, SOFTWARE, DOT_DTYPE, PAIRS)
-            s = mm(q0, tl.trans(k0), True, IEEE) + mm(q1, tl.trans(k1), True, IEEE)
-            s += mm(q2, tl.trans(k2), True, IEEE) + mm(q3, tl.trans(k3), True, IEEE)
+        k0, k1, k2, k3 = convert_words(load_words(kc_ptr, row, pmask, HEAD_DIM), SOFTWARE,
+                                       DOT_DTYPE, PAIRS)
+        s = mm(q0, tl.trans(k0), True, IEEE) + mm(q1, tl.trans(k1), True, IEEE)
+        s += mm(q2, tl.trans(k2), True, IEEE) + mm(q3, tl.trans(k3), True, IEEE)
         s = tl.where(pmask[None, :], s * qk_scale, float("-inf"))
         m_new, alpha, p, l_i = online_softmax_step(s, m_i, l_i)
         pd = p.to(DOT_DTYPE)
@@ -256,7 +236,7 @@ def _decode_kernel(
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
     PREFETCH: tl.constexpr, WORDS: tl.constexpr, PAIRS: tl.constexpr = False,
     FOLD: tl.constexpr = False, BLOCK_S: tl.constexpr = 8,
-    F16_DOTS: tl.constexpr = False, GDC: tl.constexpr = 0, K_HALVES: tl.constexpr = False,
+    F16_DOTS: tl.constexpr = False, GDC: tl.constexpr = 0,
 ):
     pdl_wait(GDC)  # q and the cache rows come from the kernel before (common.pdl_launch)
     seq = tl.program_id(0)
@@ -295,7 +275,7 @@ def _decode_kernel(
             q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, kc_ptr, vc_ptr, bt_ptr,
             bt_stride, seq, lo, hi, qk_scale, kvh.to(tl.int64) * stride_ch, stride_cb,
             stride_ct, stride_qh, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFTWARE, SOFTWARE_V,
-            DOT_DTYPE, IEEE, PAIRS, F16_DOTS, K_HALVES)
+            DOT_DTYPE, IEEE, PAIRS, F16_DOTS)
     else:
         if F16_DOTS:  # BF16 queries, FP16 dots: one power of two for the program's queries
             q = _load_q(q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, HEAD_DIM,
@@ -777,8 +757,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  num_warps: int | None = None, num_stages: int | None = None,
                  prefetch: bool | None = None, words: bool | None = None,
                  maxnreg: int | None = None, pairs: bool | None = None,
-                 fold: bool = False, fp16_dots: bool | None = None,
-                 k_halves: bool = False) -> torch.Tensor:
+                 fold: bool = False, fp16_dots: bool | None = None) -> torch.Tensor:
     """Decode attention for every sequence whose query length is 1 (others are skipped).
 
     q [T, Hq, D], out [T, Hq, D] (the token row of sequence i is query_start_loc[i]);
@@ -802,8 +781,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     KVCAP_DISABLE_FP16_DOTS=1) instead of BF16 dots, which need every decoded FP16 value
     converted to BF16 (1.11-1.14x the time natively on the H200's 8B cells: docs/kernels.md,
     "Ninth change").
-    `k_halves`: the word route's QK^T in two dots over column halves whose FP16 pairs need no
-    byte permutes (attend_word_tiles K_HALVES).
     """
     num_seqs = seq_lens.shape[0]
     hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
@@ -832,8 +809,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         pairs = words and cfg.pairs
     if pairs and not words:
         raise ValueError("pairs=True converts the word route's byte pairs: it needs words=True")
-    if k_halves and not words:
-        raise ValueError("k_halves=True splits the word route's QK^T: it needs words=True")
     bn, nw, ns = block_n or cfg.block_n, num_warps or cfg.num_warps, num_stages or cfg.num_stages
     pf = cfg.prefetch if prefetch is None else prefetch
     if maxnreg is None and block_n is None and num_warps is None and num_stages is None:
@@ -869,7 +844,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         USE_DOT=grouped, PREFETCH=pf, WORDS=words, PAIRS=pairs,
         FOLD=fold, BLOCK_S=max(8, triton.next_power_of_2(num_splits)),
         DOT_DTYPE=dt, IEEE=ieee, F16_DOTS=fp16_dots,
-        GDC=pdl_mode(pdl, grid, q.device), K_HALVES=k_halves, num_warps=nw,
+        GDC=pdl_mode(pdl, grid, q.device), num_warps=nw,
         num_stages=ns, **launch, **pdl, **FP_FUSION,
     )
     if num_splits > 1 and not fold:
