@@ -251,15 +251,17 @@ def test_bf16_queries_compile_to_fp16_dots(cache, sm, head_dim):
     is converted on its way to a dot (BF16 dots cost one cvt.rn.bf16.f16 per element on
     sm_90, and cvt.f32.f16 + cvt.rn.bf16.f32 per element below it: 256 / 512 per thread and
     128-token tile at D = 128), and the word route keeps the shared memory its residency
-    assumes. Spills: none, but one register at sm_90's word route (stored before the tile loop;
-    triton 3.9 spills it for the software decoder too since its 2026-12-02 rewrite, and its
-    loop's local loads and stores are as many as before: 12 / 1 in both)."""
+    assumes. Spills: none with the H200's triton 3.6; with triton 3.9 up to two registers
+    stored before the word route's tile loop since its unsigned word offsets
+    (common.paged_word_offsets, 2026-12-04: on the H200, 110 instructions fewer per tile and
+    1-3% / 4-5% faster natively / in software; the loop's local loads and stores went from 12 / 1
+    to 13 / 2 at sm_90) and one at sm_86's D = 256 word route (none in its loop)."""
     words = head_dim in (128, 256)
     c = _counts("--cache", cache, "--sm", str(sm), "--head-dim", str(head_dim), "--defaults",
                 "--dtype", "bf16", *(["--words"] if words else []))
     assert c["cvt.f32.f16"] == 0 and c["cvt.rn.bf16.f16"] == 0
     assert (c["cvt.rn.f16x2.e4m3x2"] > 0) == (cache == "native")
-    assert c["spill store bytes"] <= (4 if sm >= 90 and words else 0)
+    assert c["spill store bytes"] <= ((8 if sm >= 90 else 4) if words else 0)
     if words:
         _assert_word_residency(c, sm, head_dim)
 

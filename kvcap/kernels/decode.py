@@ -43,6 +43,7 @@ from kvcap.kernels.common import (
     mm,
     online_softmax_step,
     paged_row_offsets,
+    paged_word_offsets,
     pdl_launch,
     pdl_mode,
     pdl_release,
@@ -194,8 +195,8 @@ def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_st
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pmask = pos < hi
-        row = paged_row_offsets(bt_ptr, bt_stride, seq, pos, pmask, BLOCK_SIZE, stride_cb,
-                                stride_ct, head_off)
+        row = paged_word_offsets(bt_ptr, bt_stride, seq, pos, pmask, BLOCK_SIZE, stride_cb,
+                                 stride_ct, head_off)
         k0, k1, k2, k3 = convert_words(load_words(kc_ptr, row, pmask, HEAD_DIM), SOFTWARE,
                                        DOT_DTYPE, PAIRS)
         s = mm(q0, tl.trans(k0), True, IEEE) + mm(q1, tl.trans(k1), True, IEEE)
