@@ -172,3 +172,18 @@ def test_summary_judges_every_target_cell_from_files(tmp_path, capsys):
     bad.write_text("{}")
     assert main(["--summary", str(bad)]) == 2
     assert "is not a readable kvcap.bench.kernels result" in capsys.readouterr().err
+
+
+def test_summary_into_a_closed_pipe_is_not_an_error(tmp_path):
+    """`--summary FILE | head`: a reader that leaves before the summary is written (here one
+    that reads nothing) ends the command without a traceback and with status 0."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(_result()))
+    r = subprocess.run(["bash", "-c", "set -o pipefail; "
+                        f"{sys.executable} -m kvcap.bench.kernels --summary {path} | true"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr

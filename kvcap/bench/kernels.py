@@ -399,7 +399,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {name} is not a readable kvcap.bench.kernels result ({e})",
                       file=sys.stderr)
                 return 2
-        print_summary(rows)
+        try:
+            print_summary(rows)
+            sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+        except BrokenPipeError:  # e.g. `... --summary FILE | head`: the reader left, no traceback
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
