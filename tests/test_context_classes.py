@@ -16,7 +16,6 @@ def test_classes_and_lookup():
     assert context_class(classes, 40000) == 40000  # beyond the last class: itself
 
 
-
 def test_a_class_boundary_at_every_context_dependent_launch_rule(monkeypatch):
     """A decode step launches for its context class, so each context threshold of the launch
     rules is a class boundary: on an H200 (132 SMs), 64 sequences x 8 KV heads of 2-4K

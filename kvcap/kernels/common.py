@@ -416,8 +416,8 @@ def paged_word_offsets(bt_ptr, bt_stride, seq, pos, mask, BLOCK_SIZE: tl.constex
     that compiles shortest: positions, block numbers and strides are never negative, so as
     unsigned values a division by the block size needs no sign fix-ups (a shift and a mask for
     a power of two), the block's base is one widening multiply and the offset within a block
-    stays 32-bit. Triton 3.6 (the H200's) compiled paged_row_offsets' signed form to 110 more
-    instructions per tile of the word route (858 -> 748; docs/kernels.md, "Twenty-seventh
+    stays 32-bit. Triton 3.6 (the H200's) compiled paged_row_offsets' signed form to 109 more
+    instructions per tile of the word route (858 -> 749; docs/kernels.md, "Twenty-eighth
     change"). Kept apart from paged_row_offsets: the 16-bit kernel held more registers with it."""
     upos = pos.to(tl.uint32)
     blk = tl.load(bt_ptr + seq.to(tl.int64) * bt_stride + upos // BLOCK_SIZE, mask=mask, other=0)
