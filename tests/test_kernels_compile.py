@@ -253,7 +253,7 @@ def test_bf16_queries_compile_to_fp16_dots(cache, sm, head_dim):
     128-token tile at D = 128), and the word route keeps the shared memory its residency
     assumes. Spills: none with the H200's triton 3.6; with triton 3.9 up to two registers
     stored before the word route's tile loop since its unsigned word offsets
-    (common.paged_word_offsets, 2026-12-04: on the H200, 110 instructions fewer per tile and
+    (common.paged_word_offsets, 2026-12-04: on the H200, 109 instructions fewer per tile and
     1-3% / 4-5% faster natively / in software; the loop's local loads and stores went from 12 / 1
     to 13 / 2 at sm_90) and one at sm_86's D = 256 word route (none in its loop)."""
     words = head_dim in (128, 256)
