@@ -105,10 +105,14 @@ def load_reports(paths: Iterable[str | Path]) -> list[tuple[str, dict]]:
     return reports
 
 
+def report_cells(reports: Iterable[tuple[str, dict]]) -> list[dict]:
+    """The cells of (file name, report) pairs (load_reports), in order (cells_from_report)."""
+    return [cell for name, report in reports for cell in cells_from_report(report, name)]
+
+
 def load_cells(paths: Iterable[str | Path]) -> list[dict]:
     """The cells of one or more throughput JSONs, in file order (see cells_from_report)."""
-    return [cell for name, report in load_reports(paths)
-            for cell in cells_from_report(report, name)]
+    return report_cells(load_reports(paths))
 
 
 def _select(cells: list[dict], shape: str) -> dict[tuple[str, int, int], dict]:

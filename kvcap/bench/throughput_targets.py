@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from kvcap.bench.throughput_report import (
     DEFAULT_SHAPE,
     ReportError,
-    cells_from_report,
     load_reports,
     measured,
     pool_tokens,
+    report_cells,
     row_label,
 )
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         reports = load_reports(args.files)
         # every file's cells are validated here, before any verdict
-        cells = [cell for name, report in reports for cell in cells_from_report(report, name)]
+        cells = report_cells(reports)
         verdicts = judge(cells, args.shape, capacity_ratios(reports, args.shape))
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
