@@ -148,7 +148,7 @@ def ptxas_usage(ptx: str, sm: int) -> dict[str, int]:
             "spill store bytes": int(spills[1]) if spills else -1}
 
 
-SASS_OPS = ("LOP3", "SHF", "PRMT", "IMAD", "F2FP", "HMMA", "LDS", "LDL", "STL")
+SASS_OPS = ("LOP3", "SHF", "PRMT", "IMAD", "F2FP", "HMMA", "LDS", "LDL", "STL", "BAR", "FMUL")
 
 
 def sass_instructions(cubin: bytes) -> list[tuple[int, str]]:
