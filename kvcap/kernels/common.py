@@ -290,6 +290,18 @@ def paged_row_offsets(bt_ptr, bt_stride, seq, pos, mask, BLOCK_SIZE: tl.constexp
 
 
 @triton.jit
+def paged_byte_offsets(bt_ptr, bt_stride, seq, pos, mask, BLOCK_SIZE: tl.constexpr,
+                       stride_b, stride_t, head_off):
+    """paged_row_offsets in paged_word_offsets' unsigned form, for the E4M3 byte routes
+    (offsets in bytes): a shift and a mask for the block size, one widening multiply for the
+    block's base. Not used by the 16-bit kernel, which held more registers with it."""
+    upos = pos.to(tl.uint32)
+    blk = tl.load(bt_ptr + seq.to(tl.int64) * bt_stride + upos // BLOCK_SIZE, mask=mask, other=0)
+    base = blk.to(tl.uint32).to(tl.int64) * stride_b.to(tl.uint32).to(tl.int64)
+    return base + ((upos % BLOCK_SIZE) * stride_t).to(tl.int64) + head_off
+
+
+@triton.jit
 def load_raw(cache_ptr, row_off, mask, HEAD_DIM: tl.constexpr):
     """Raw cache tile [N, HEAD_DIM] (E4M3: bytes), masked rows = 0."""
     d = tl.arange(0, HEAD_DIM)

@@ -42,6 +42,7 @@ from kvcap.kernels.common import (
     mixed_decoders_enabled,
     mm,
     online_softmax_step,
+    paged_byte_offsets,
     paged_row_offsets,
     paged_word_offsets,
     pdl_launch,
@@ -73,6 +74,20 @@ def store_rows(base, hmask, o, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _row_offsets(bt_ptr, bt_stride, seq, pos, mask, BLOCK_SIZE: tl.constexpr, stride_cb,
+                 stride_ct, head_off, FP8: tl.constexpr):
+    """Cache offsets of a tile's rows: the unsigned form for E4M3 bytes (shorter under the
+    H200's triton 3.6), the signed one for 16-bit caches (fewer registers there)."""
+    if FP8:
+        off = paged_byte_offsets(bt_ptr, bt_stride, seq, pos, mask, BLOCK_SIZE, stride_cb,
+                                 stride_ct, head_off)
+    else:
+        off = paged_row_offsets(bt_ptr, bt_stride, seq, pos, mask, BLOCK_SIZE, stride_cb,
+                                stride_ct, head_off)
+    return off
+
+
+@triton.jit
 def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
                  qk_scale, head_off, stride_cb, stride_ct, qpos,
                  BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -89,8 +104,8 @@ def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     if PREFETCH:
         pos0 = lo + tl.arange(0, BLOCK_N)
-        row0 = paged_row_offsets(bt_ptr, bt_stride, seq, pos0, pos0 < hi, BLOCK_SIZE,
-                                 stride_cb, stride_ct, head_off)
+        row0 = _row_offsets(bt_ptr, bt_stride, seq, pos0, pos0 < hi, BLOCK_SIZE,
+                            stride_cb, stride_ct, head_off, FP8)
         kr = load_raw(kc_ptr, row0, pos0 < hi, HEAD_DIM)
         vr = load_raw(vc_ptr, row0, pos0 < hi, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
@@ -99,13 +114,13 @@ def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
         if PREFETCH:
             npos = pos + BLOCK_N
             nmask = npos < hi
-            nrow = paged_row_offsets(bt_ptr, bt_stride, seq, npos, nmask, BLOCK_SIZE,
-                                     stride_cb, stride_ct, head_off)
+            nrow = _row_offsets(bt_ptr, bt_stride, seq, npos, nmask, BLOCK_SIZE,
+                                stride_cb, stride_ct, head_off, FP8)
             kn = load_raw(kc_ptr, nrow, nmask, HEAD_DIM)
             vn = load_raw(vc_ptr, nrow, nmask, HEAD_DIM)
         else:
-            row = paged_row_offsets(bt_ptr, bt_stride, seq, pos, pmask, BLOCK_SIZE, stride_cb,
-                                    stride_ct, head_off)
+            row = _row_offsets(bt_ptr, bt_stride, seq, pos, pmask, BLOCK_SIZE, stride_cb,
+                               stride_ct, head_off, FP8)
             kr = load_raw(kc_ptr, row, pmask, HEAD_DIM)
             vr = load_raw(vc_ptr, row, pmask, HEAD_DIM)
         k = convert_tile(kr, FP8, SOFTWARE, DOT_DTYPE)
