@@ -271,12 +271,10 @@ def test_bf16_queries_compile_to_fp16_dots(cache, sm, head_dim):
 def test_short_byte_route_compiles_without_spills(cache, sm):
     """The short-context byte route at D = 128 (64-token tiles, 2 stages, uncapped; BF16
     queries on FP16 dots) on tensor-core GPUs: no spill, no decoded value converted, the FP8
-    instruction only where the hardware decoder runs. One exception, where measured: with the
-    unsigned byte offsets (common.paged_byte_offsets) CI's triton 3.9 spills 4 bytes at sm_90
-    in software, before the tile loop (no LDL / STL inside it); the H200's 3.6 spills none."""
+    instruction only where the hardware decoder runs."""
     c = _counts("--cache", cache, "--sm", str(sm), "--head-dim", "128", "--defaults", "--short",
                 "--dtype", "bf16")
-    assert c["spill store bytes"] <= {("software", 90): 4}.get((cache, sm), 0)
+    assert c["spill store bytes"] == 0
     assert c["cvt.f32.f16"] == 0 and c["cvt.rn.bf16.f16"] == 0
     assert (c["cvt.rn.f16x2.e4m3x2"] > 0) == (cache == "native")
 
@@ -285,13 +283,17 @@ def test_short_byte_route_compiles_without_spills(cache, sm):
                                          ("software", "bf16")])
 def test_d256_word_route_on_hopper(cache, dtype):
     """The E4M3 word route at D = 256 on sm_90 (decode_config: 64-token tiles, 3 stages,
-    128-register cap, 4 programs per SM). ptxas spills 4-20 bytes under the cap; the H200
-    measured this launch at 0.76-0.91x the byte route's time, so a spill up to that is
-    accepted here and anything more fails (decode.WORD_ROUTE_D256_SHARED_BYTES)."""
+    128-register cap, 4 programs per SM). ptxas spills under the cap: 4-20 bytes with CI's
+    triton 3.9, 56-60 with the H200's 3.6 since the unsigned word offsets (ba8cc02; 20 before,
+    and 1 STL / 2 LDL per tile against 3 / 7 now) -- measured faster all the same, 0.96-0.99x
+    natively and 0.95-0.98x in software at 8-64 sequences x 16K / 32K (docs/kernels.md,
+    "Twenty-ninth change"); the launch itself took 0.76-0.91x the byte route's time. A spill
+    up to what was measured is accepted here and anything more fails
+    (decode.WORD_ROUTE_D256_SHARED_BYTES)."""
     c = _counts("--cache", cache, "--sm", "90", "--head-dim", "256", "--defaults", "--words",
                 "--dtype", dtype)
     assert (c["cvt.rn.f16x2.e4m3x2"] > 0) == (cache == "native")
-    assert c["spill store bytes"] <= 20
+    assert c["spill store bytes"] <= 60
     _assert_word_residency(c, 90, 256)
     assert programs_per_sm(target_properties(90), c["shared memory bytes"], c["registers"],
                            4) == word_route_d256_launch(target_properties(90))[1] == 4

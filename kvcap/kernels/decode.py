@@ -75,10 +75,12 @@ def store_rows(base, hmask, o, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def _row_offsets(bt_ptr, bt_stride, seq, pos, mask, BLOCK_SIZE: tl.constexpr, stride_cb,
-                 stride_ct, head_off, FP8: tl.constexpr):
-    """Cache offsets of a tile's rows: the unsigned form for E4M3 bytes (shorter under the
-    H200's triton 3.6), the signed one for 16-bit caches (fewer registers there)."""
-    if FP8:
+                 stride_ct, head_off, UNSIGNED: tl.constexpr):
+    """Cache offsets of a tile's rows, in the unsigned form (paged_byte_offsets) where it was
+    timed faster: the E4M3 byte route at D = 64, 0.95-0.99x natively and 0.97-0.99x in software
+    (H200, triton 3.6; docs/kernels.md, "Twenty-ninth change"). The short route at D = 128 lost
+    0.6 µs in software at one sequence with it, and the 16-bit kernel held more registers."""
+    if UNSIGNED:
         off = paged_byte_offsets(bt_ptr, bt_stride, seq, pos, mask, BLOCK_SIZE, stride_cb,
                                  stride_ct, head_off)
     else:
@@ -105,7 +107,7 @@ def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
     if PREFETCH:
         pos0 = lo + tl.arange(0, BLOCK_N)
         row0 = _row_offsets(bt_ptr, bt_stride, seq, pos0, pos0 < hi, BLOCK_SIZE,
-                            stride_cb, stride_ct, head_off, FP8)
+                            stride_cb, stride_ct, head_off, FP8 and HEAD_DIM == 64)
         kr = load_raw(kc_ptr, row0, pos0 < hi, HEAD_DIM)
         vr = load_raw(vc_ptr, row0, pos0 < hi, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
@@ -115,12 +117,12 @@ def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
             npos = pos + BLOCK_N
             nmask = npos < hi
             nrow = _row_offsets(bt_ptr, bt_stride, seq, npos, nmask, BLOCK_SIZE,
-                                stride_cb, stride_ct, head_off, FP8)
+                                stride_cb, stride_ct, head_off, FP8 and HEAD_DIM == 64)
             kn = load_raw(kc_ptr, nrow, nmask, HEAD_DIM)
             vn = load_raw(vc_ptr, nrow, nmask, HEAD_DIM)
         else:
             row = _row_offsets(bt_ptr, bt_stride, seq, pos, pmask, BLOCK_SIZE, stride_cb,
-                               stride_ct, head_off, FP8)
+                               stride_ct, head_off, FP8 and HEAD_DIM == 64)
             kr = load_raw(kc_ptr, row, pmask, HEAD_DIM)
             vr = load_raw(vc_ptr, row, pmask, HEAD_DIM)
         k = convert_tile(kr, FP8, SOFTWARE, DOT_DTYPE)
