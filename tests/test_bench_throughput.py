@@ -115,3 +115,20 @@ def test_bad_arguments_are_refused_before_the_gpu_is_needed(capsys, argv, messag
         main(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_result_path_takes_a_json_file_or_a_directory_and_never_overwrites(tmp_path):
+    """--out: a .json path is used as given (its directory made); a directory gets
+    throughput-DATE.json, then -2, -3 ... so a second run on one day keeps the first."""
+    from kvcap.bench.throughput import result_path
+
+    named = result_path(tmp_path / "sub" / "run.json", "throughput-2026-12-04")
+    assert named == tmp_path / "sub" / "run.json" and named.parent.is_dir()
+    first = result_path(tmp_path / "d", "throughput-2026-12-04")
+    assert first == tmp_path / "d" / "throughput-2026-12-04.json"
+    first.write_text("{}")
+    second = result_path(tmp_path / "d", "throughput-2026-12-04")
+    assert second == tmp_path / "d" / "throughput-2026-12-04-2.json"
+    second.write_text("{}")
+    assert result_path(tmp_path / "d", "throughput-2026-12-04").name == \
+        "throughput-2026-12-04-3.json"

@@ -318,7 +318,9 @@ def main(argv=None) -> int:
                          "a server's is the model's (e.g. 131072), and decode graphs are "
                          "captured for context classes up to it, so a step of short sequences "
                          "runs its class's launch (engine/cuda_graph.py)")
-    ap.add_argument("--out", default="docs/benchmarks")
+    ap.add_argument("--out", default="docs/benchmarks",
+                    help="a .json file, or a directory for throughput-DATE.json (-2, -3, ... "
+                         "when that exists: an earlier run is never overwritten)")
     args = ap.parse_args(argv)
     if args.block_size & (args.block_size - 1):
         ap.error(f"--block-size must be a power of two, got {args.block_size}")
@@ -335,9 +337,7 @@ def main(argv=None) -> int:
               **stamp(), "read_ceiling_tbs": ceiling, "torch": torch.__version__,
               "args": vars(args), "cells": [], "capacity": [], "hf_baseline": []}
     max_ctx = args.max_model_len or max(args.context)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"throughput-{report['date']}.json"
+    path = result_path(Path(args.out), f"throughput-{report['date']}")
     runs: dict[tuple, list[dict]] = {}  # (shape, kv, c, ctx) -> one result per pass
     for shape in args.shapes:
         model = SHAPES[shape]
@@ -401,6 +401,19 @@ def main(argv=None) -> int:
     print(f"wrote {path}")
     write_table_and_png(report, path)
     return 0
+
+
+def result_path(out: Path, stem: str) -> Path:
+    """Where a run writes its JSON: `out` itself when it names a .json file, else
+    out/STEM.json, or out/STEM-N.json with the first N >= 2 not taken."""
+    if out.suffix == ".json":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    path, n = out / f"{stem}.json", 2
+    while path.exists():
+        path, n = out / f"{stem}-{n}.json", n + 1
+    return path
 
 
 def write_table_and_png(report: dict, path: Path) -> list[Path]:

@@ -77,7 +77,7 @@ def store_rows(base, hmask, o, HEAD_DIM: tl.constexpr):
 def _row_offsets(bt_ptr, bt_stride, seq, pos, mask, BLOCK_SIZE: tl.constexpr, stride_cb,
                  stride_ct, head_off, UNSIGNED: tl.constexpr):
     """Cache offsets of a tile's rows, in the unsigned form (paged_byte_offsets) where it was
-    timed faster: the E4M3 byte route at D = 64, 0.95-0.99x natively and 0.97-0.99x in software
+    timed faster: the E4M3 byte route at D = 64, 0.95-0.99x natively and 0.97-0.98x in software
     (H200, triton 3.6; docs/kernels.md, "Twenty-ninth change"). The short route at D = 128 lost
     0.6 µs in software at one sequence with it, and the 16-bit kernel held more registers."""
     if UNSIGNED:
