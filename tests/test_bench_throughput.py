@@ -120,7 +120,7 @@ def test_bad_arguments_are_refused_before_the_gpu_is_needed(capsys, argv, messag
 def test_result_path_takes_a_json_file_or_a_directory_and_never_overwrites(tmp_path):
     """--out: a .json path is used as given (its directory made); a directory gets
     throughput-DATE.json, then -2, -3 ... so a second run on one day keeps the first."""
-    from kvcap.bench.throughput import result_path
+    from kvcap.bench.provenance import result_path
 
     named = result_path(tmp_path / "sub" / "run.json", "throughput-2026-12-04")
     assert named == tmp_path / "sub" / "run.json" and named.parent.is_dir()

@@ -80,6 +80,19 @@ def commit(repo: Path = PACKAGE_DIR.parent) -> str:
     return out or "unknown"
 
 
+def result_path(out: Path, stem: str) -> Path:
+    """Where a run writes its JSON: `out` itself when it names a .json file, else
+    out/STEM.json, or out/STEM-N.json with the first N >= 2 not taken."""
+    if out.suffix == ".json":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    path, n = out / f"{stem}.json", 2
+    while path.exists():
+        path, n = out / f"{stem}-{n}.json", n + 1
+    return path
+
+
 def stamp() -> dict[str, str]:
     """The provenance fields every benchmark JSON records."""
     return {"commit": commit(), "source_digest": source_digest()}

@@ -13,7 +13,8 @@ bisection fallback), then median CUDA-event timings of B {1, 8, 16, 64} x V {49,
 ``ONE_LAUNCH_MAX_BATCH``: ``suggested_one_launch_max_batch``) and stage-1 chunk size / warps
 variants of both paths.
 Inputs rotate over enough copies to exceed the L2 cache. JSON goes to
-``DIR/sampler-<date>.json`` (default docs/benchmarks) with GPU, date and commit.
+``DIR/sampler-<date>.json`` (default docs/benchmarks; ``-2``, ``-3`` ... when taken) or to
+the ``--out`` file named ``*.json``, with GPU, date and commit.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kvcap.bench.provenance import stamp
+from kvcap.bench.provenance import result_path, stamp
 from kvcap.kernels.sampling_topk_topp import (
     fused_sample,
     launch_config,
@@ -286,18 +287,17 @@ def twin_cpu(out_dir: Path, repeats: int = 15) -> Path:
     result = dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
                   threads=1, date=date, **stamp(), torch=torch.__version__,
                   timing=f"median of {repeats} calls (time.perf_counter)", rows=rows)
-    out = out_dir / f"sampler-twin-cpu-{date}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, out)
+    out = result_path(out_dir, f"sampler-twin-cpu-{date}")
+    atomic_write_text(out, json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="docs/benchmarks")
+    ap.add_argument("--out", default="docs/benchmarks",
+                    help="a .json file, or a directory for sampler-DATE.json (-2, -3, ... when "
+                         "that exists: an earlier run is never overwritten)")
     ap.add_argument(
         "--sweep",
         action="store_true",
@@ -337,8 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     if launch_rows:
         result["suggested_one_launch_max_batch"] = suggest_one_launch_max_batch(launch_rows)
-    out = Path(args.out) / f"sampler-{date}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = result_path(Path(args.out), f"sampler-{date}")
     atomic_write_text(out, json.dumps(result, indent=2) + "\n")
     print(f"\n{result['gpu']}  commit {result['commit'][:10]}  -> {out}")
     print(" B       V    k     p min_p | tok mask   fb 1v2 | sort_ms engine_ms |"

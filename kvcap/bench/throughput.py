@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from kvcap.bench.provenance import stamp
+from kvcap.bench.provenance import result_path, stamp
 from kvcap.bench.telemetry import Sampler
 from kvcap.commands.common import positive_float, positive_int, require_cuda
 
@@ -401,19 +401,6 @@ def main(argv=None) -> int:
     print(f"wrote {path}")
     write_table_and_png(report, path)
     return 0
-
-
-def result_path(out: Path, stem: str) -> Path:
-    """Where a run writes its JSON: `out` itself when it names a .json file, else
-    out/STEM.json, or out/STEM-N.json with the first N >= 2 not taken."""
-    if out.suffix == ".json":
-        out.parent.mkdir(parents=True, exist_ok=True)
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    path, n = out / f"{stem}.json", 2
-    while path.exists():
-        path, n = out / f"{stem}-{n}.json", n + 1
-    return path
 
 
 def write_table_and_png(report: dict, path: Path) -> list[Path]:
