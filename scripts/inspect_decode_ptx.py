@@ -247,7 +247,9 @@ def main() -> int:
         cfg = decode.decode_config(args.head_dim, True, fp8, torch.device("cuda"), args.words,
                                    mma=args.sm >= 80, short_route=args.short)
         args.block_n, args.num_warps, args.num_stages = cfg.block_n, cfg.num_warps, cfg.num_stages
-        args.maxnreg, args.pairs = cfg.maxnreg, args.words and cfg.pairs
+        args.pairs = args.words and cfg.pairs
+        if args.maxnreg is None:  # an explicit --maxnreg overrides the default cap
+            args.maxnreg = cfg.maxnreg
     if args.words and not fp8:
         ap.error("--words needs an E4M3 cache (--cache native|software)")
     # BF16 queries over E4M3: FP16 dots on MMA GPUs (paged_decode's fp16_dots default)
