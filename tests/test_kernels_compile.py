@@ -297,3 +297,23 @@ def test_d256_word_route_on_hopper(cache, dtype):
     _assert_word_residency(c, 90, 256)
     assert programs_per_sm(target_properties(90), c["shared memory bytes"], c["registers"],
                            4) == word_route_d256_launch(target_properties(90))[1] == 4
+
+
+def test_sass_defaults_reports_each_launch(tmp_path, monkeypatch):
+    """scripts/sass_defaults.py (the table to read before spending device time): one route
+    compiled for sm_90, its row printed and written with the Triton version and provenance."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import sass_defaults
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    monkeypatch.setattr(sass_defaults, "ROUTES", [("E4M3 bytes", 64, ["native"], [])])
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the compiler, not the interpreter
+    out = tmp_path / "sass.json"
+    assert sass_defaults.main(["--sm", "90", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (row,) = report["rows"]
+    assert report["sm"] == 90 and report["triton"] and "source_digest" in report
+    assert row["route"] == "E4M3 bytes" and row["head_dim"] == 64
+    assert row["registers"] > 0 and row["sass loop instructions"] > 0
+    assert row["spill store bytes"] == 0
