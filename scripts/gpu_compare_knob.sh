@@ -3,9 +3,9 @@
 # SM clock per round (kvcap.bench.kernels --compare-KNOB --rounds N), and nvidia-smi clocks,
 # power and throttle reasons every 100 ms alongside (the H200's power cap moves E4M3 decode
 # timings by up to ~11%: docs/kernels.md, "Eighteenth change").
-#   bash scripts/gpu_compare_knob.sh fold|words|pairs|bf16 [ROUNDS]
+#   bash scripts/gpu_compare_knob.sh fold|prewait|words|pairs|bf16 [ROUNDS]
 set -uo pipefail
-knob=${1:?usage: gpu_compare_knob.sh fold|words|pairs|bf16 [ROUNDS]}
+knob=${1:?usage: gpu_compare_knob.sh fold|prewait|words|pairs|bf16 [ROUNDS]}
 rounds=${2:-4}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export KVCAP_COMMIT=${KVCAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}

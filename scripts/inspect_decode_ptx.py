@@ -33,7 +33,7 @@ from kvcap.kernels.common import target_properties  # noqa: E402
 PATTERNS = ["ld.shared.b8", "ld.shared", "st.shared", "ldmatrix", "mma.sync", "wgmma",
             "cp.async", "bar.sync", "cvt.rn.f16x2.e4m3x2", "prmt", "cvt.f32.f16",
             "cvt.rn.bf16.f16", "cvt.rn.bf16x2.f32", "griddepcontrol.wait",
-            "griddepcontrol.launch_dependents"]
+            "griddepcontrol.launch_dependents", "prefetch.global.L2"]
 
 
 def compile_kernel(fn, consts: dict, fp8: bool, sm: int, num_warps: int, num_stages: int,
@@ -230,6 +230,9 @@ def main() -> int:
     ap.add_argument("--gdc", type=int, choices=[0, 1, 2], default=0,
                     help="decode: programmatic dependent launch form (common.pdl_mode: 0 an "
                          "ordinary launch, 1 release at the end, 2 release at once; sm_90+)")
+    ap.add_argument("--prewait", action="store_true",
+                    help="decode: the first tile's L2 prefetch ahead of the dependent-launch "
+                         "wait (paged_decode's prewait; with --gdc 1 or 2)")
     ap.add_argument("--encoder", choices=["hardware", "integer"], default="hardware",
                     help="rope with an E4M3 cache: the encoder form (store_kv.encode_e4m3)")
     args = ap.parse_args()
@@ -260,7 +263,9 @@ def main() -> int:
                   USE_DOT=True, IEEE=False, PREFETCH=False,
                   DOT_DTYPE=tl.bfloat16 if args.dtype == "bf16" and not f16_dots else tl.float16,
                   WORDS=args.words, PAIRS=args.pairs, FOLD=True, BLOCK_S=8, F16_DOTS=f16_dots,
-                  GDC=args.gdc)
+                  GDC=args.gdc, PREWAIT=args.prewait,
+                  ROW_LINES=max(1, args.head_dim * (1 if fp8 else 2) // 128),
+                  LINE_ELEMS=128 if fp8 else 64)
     k = compile_kernel(decode._decode_kernel, consts, fp8, args.sm, args.num_warps,
                        args.num_stages, args.maxnreg, args.dtype)
     ptx = k.asm["ptx"]

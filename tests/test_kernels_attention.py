@@ -112,6 +112,21 @@ def test_folded_merge_equals_merge_kernel(kv_dtype, fp8_mode, words, grouped):
     _check(case, one, kv_dtype)
 
 
+@pytest.mark.parametrize("kv_dtype,fp8_mode,words,d", [("fp16", "auto", False, 64),
+                                                       ("fp8_e4m3", "native", False, 64),
+                                                       ("fp8_e4m3", "software", True, 128),
+                                                       ("bf16", "auto", False, 256)])
+def test_prewait_prefetch_changes_nothing(kv_dtype, fp8_mode, words, d):
+    """paged_decode(prewait=True) -- each program's first tile located (sequence length, split
+    bounds, block-table rows) ahead of the dependent-launch wait and prefetched into L2 -- gives
+    the default's bits in a mixed batch with empty splits (the interpreter runs the location,
+    not the PTX hint; the hint's place before the wait is a compile test)."""
+    case = make_case(MIXED, 8, 2, d, kv_dtype=kv_dtype, dtype=_DT[kv_dtype], pad_rows=2,
+                     seed=13, device=DEV)
+    kw = dict(fp8_mode=fp8_mode, words=words or None, num_splits=6, block_n=16)
+    assert torch.equal(_decode(case, prewait=True, **kw), _decode(case, **kw))
+
+
 @pytest.mark.parametrize("kv_dtype,fp8_mode,words", [("fp16", "auto", False),
                                                      ("fp8_e4m3", "native", True)])
 @pytest.mark.parametrize("fold", [False, True])

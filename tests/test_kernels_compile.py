@@ -317,3 +317,22 @@ def test_sass_defaults_reports_each_launch(tmp_path, monkeypatch):
     assert row["route"] == "E4M3 bytes" and row["head_dim"] == 64
     assert row["registers"] > 0 and row["sass loop instructions"] > 0
     assert row["spill store bytes"] == 0
+
+
+@pytest.mark.parametrize("cache,words", [("native", True), ("fp16", False)])
+def test_prewait_prefetch_runs_ahead_of_the_dependent_launch_wait(tmp_path, cache, words):
+    """paged_decode(prewait=True) on sm_90 with dependent launches: the first tile's L2
+    prefetches (one per K / V row a thread owns) sit before `griddepcontrol.wait` in the PTX,
+    after the sequence-length and block-table loads they need; without prewait there are
+    none."""
+    args = ["--cache", cache, "--sm", "90", "--head-dim", "128", "--defaults", "--dtype", "bf16",
+            "--gdc", "2"] + (["--words"] if words else [])
+    assert _counts(*args)["prefetch.global.L2"] == 0
+    c = _counts(*args, "--prewait", "--dump", str(tmp_path))
+    assert c["prefetch.global.L2"] > 0 and c["griddepcontrol.wait"] == 1
+    assert c["spill store bytes"] <= {True: 8}.get(words, 0)  # the word route's own bound
+    ptx = (tmp_path / "decode.ptx").read_text()
+    wait = ptx.index("griddepcontrol.wait")
+    prefetches = [m.start() for m in re.finditer(r"prefetch\.global\.L2", ptx)]
+    assert prefetches and max(prefetches) < wait
+    assert ptx.index("ld.global") < min(prefetches)

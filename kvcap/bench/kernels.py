@@ -340,8 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-fold", action="store_true",
                     help="time decode with the split-K merge in a second launch and folded into "
                          "the decode kernel, every cache dtype, on the split cells, then stop")
+    ap.add_argument("--compare-prewait", action="store_true",
+                    help="time decode with and without the first tile's L2 prefetch ahead of "
+                         "the dependent-launch wait (paged_decode prewait), every cache dtype, "
+                         "on the split cells (<= 16 sequences: dependent launches on), then stop")
     ap.add_argument("--grid", action="store_true",
-                    help="--compare-fold / --compare-pairs / --compare-bf16 / "
+                    help="--compare-fold / --compare-prewait / --compare-pairs / --compare-bf16 / "
                          "--sweep-occupancy time the cells of --shapes x --batches x --contexts "
                          "instead of their own")
     ap.add_argument("--compare-decoders", action="store_true",
@@ -463,6 +467,13 @@ def main(argv: list[str] | None = None) -> int:
         info["compare_fold"] = compare_knob(l2, ceil["read_tbs"], "fold", grid or FOLD_CELLS,
                                             ("paged_fp16", "e4m3_native", "e4m3_software"),
                                             rounds=args.rounds)
+        save()
+        return 0
+    if args.compare_prewait:
+        info["compare_prewait"] = compare_knob(l2, ceil["read_tbs"], "prewait",
+                                               grid or FOLD_CELLS,
+                                               ("paged_fp16", "e4m3_native", "e4m3_software"),
+                                               rounds=args.rounds)
         save()
         return 0
     if args.sweep_occupancy:

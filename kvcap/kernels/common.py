@@ -317,6 +317,18 @@ _NATIVE_PTX = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
                            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
 
 
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    """Ask L2 for the 128-byte lines at `ptrs` where `mask` holds (`prefetch.global.L2`, no
+    registers filled, nothing waited for). A hint: L2 is the GPU's point of coherence, so a
+    line another kernel is still writing is never read stale through it. The CPU interpreter
+    cannot run PTX: there it does nothing."""
+    if _CVT_ASM:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+            "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
 # The packed software decoder, one FP16 pair per 32-bit register in three instructions: a byte
 # permute `prmt` puts the two E4M3 bytes at bits 0-7 and 16-23 and, in the byte above each,
 # that byte's sign replicated (prmt's sign mode: selector nibble | 8); a shift left by 7 then

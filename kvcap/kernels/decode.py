@@ -49,6 +49,7 @@ from kvcap.kernels.common import (
     pdl_mode,
     pdl_release,
     pdl_wait,
+    prefetch_l2,
     programs_per_sm,
     sm_count,
     split_k_enabled,
@@ -242,6 +243,35 @@ def _store_groups(base, hmask, o0, o1, o2, o3, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _split_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
+    """[lo, hi): the cached positions split `split` of num_splits attends (whole tiles)."""
+    per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits) * BLOCK_N
+    lo = split * per_split
+    return lo, tl.minimum(lo + per_split, seq_len)
+
+
+@triton.jit
+def _prefetch_first_tile(kc_ptr, vc_ptr, bt_ptr, bt_stride, seq_lens_ptr, num_splits, head_off,
+                         stride_cb, stride_ct, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         ROW_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
+                         UNSIGNED_ROWS: tl.constexpr):
+    """L2 prefetch of this program's first K/V tile (ROW_LINES 128-byte lines per row), from
+    what the kernel before a dependent launch does not write -- the sequence length and the
+    block table (host copies made before the step) -- so it can run ahead of pdl_wait and
+    overlap the previous kernel's tail. The newest token's row, which that kernel may still be
+    writing, is only hinted at, never read (prefetch_l2)."""
+    seq = tl.program_id(0)
+    lo, hi = _split_bounds(tl.load(seq_lens_ptr + seq), tl.program_id(2), num_splits, BLOCK_N)
+    pos = lo + tl.arange(0, BLOCK_N)
+    mask = pos < hi
+    rows = _row_offsets(bt_ptr, bt_stride, seq, pos, mask, BLOCK_SIZE, stride_cb, stride_ct,
+                        head_off, UNSIGNED_ROWS)
+    lines = rows[:, None] + (tl.arange(0, ROW_LINES) * LINE_ELEMS)[None, :]
+    prefetch_l2(kc_ptr + lines, mask[:, None])
+    prefetch_l2(vc_ptr + lines, mask[:, None])
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr, po_ptr, plse_ptr, cnt_ptr,
     bt_ptr, seq_lens_ptr, qsl_ptr, ks_ptr, vs_ptr, sm_scale,
@@ -255,25 +285,27 @@ def _decode_kernel(
     PREFETCH: tl.constexpr, WORDS: tl.constexpr, PAIRS: tl.constexpr = False,
     FOLD: tl.constexpr = False, BLOCK_S: tl.constexpr = 8,
     F16_DOTS: tl.constexpr = False, GDC: tl.constexpr = 0,
+    PREWAIT: tl.constexpr = False, ROW_LINES: tl.constexpr = 1, LINE_ELEMS: tl.constexpr = 128,
 ):
-    pdl_wait(GDC)  # q and the cache rows come from the kernel before (common.pdl_launch)
     seq = tl.program_id(0)
     hp = tl.program_id(1)
     split = tl.program_id(2)
+    kvh = (hp * HEADS) // GROUP
+    if PREWAIT:  # an experiment, off by default (paged_decode's `prewait`)
+        _prefetch_first_tile(kc_ptr, vc_ptr, bt_ptr, bt_stride, seq_lens_ptr, num_splits,
+                             kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, BLOCK_SIZE,
+                             BLOCK_N, ROW_LINES, LINE_ELEMS, FP8 and HEAD_DIM == 64)
+    pdl_wait(GDC)  # q and the cache rows come from the kernel before (common.pdl_launch)
     # All three loads issued together: the length is not behind the branch's round trip.
     q_row = tl.load(qsl_ptr + seq)
     q_end = tl.load(qsl_ptr + seq + 1)
     seq_len = tl.load(seq_lens_ptr + seq)
     if q_end - q_row != 1:
         return
-    kvh = (hp * HEADS) // GROUP
     h = tl.arange(0, BLOCK_H)
     hmask = h < HEADS
     heads = hp * HEADS + h
-    n_tiles = tl.cdiv(seq_len, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, num_splits) * BLOCK_N
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, seq_len)
+    lo, hi = _split_bounds(seq_len, split, num_splits, BLOCK_N)
     if SPLIT and split > 0 and lo >= seq_len:
         # A split the sequence leaves empty (the engine sizes splits for a context class)
         # writes nothing: the merge reads only used_splits' partials.
@@ -775,7 +807,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  num_warps: int | None = None, num_stages: int | None = None,
                  prefetch: bool | None = None, words: bool | None = None,
                  maxnreg: int | None = None, pairs: bool | None = None,
-                 fold: bool = False, fp16_dots: bool | None = None) -> torch.Tensor:
+                 fold: bool = False, fp16_dots: bool | None = None,
+                 prewait: bool = False) -> torch.Tensor:
     """Decode attention for every sequence whose query length is 1 (others are skipped).
 
     q [T, Hq, D], out [T, Hq, D] (the token row of sequence i is query_start_loc[i]);
@@ -799,6 +832,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     KVCAP_DISABLE_FP16_DOTS=1) instead of BF16 dots, which need every decoded FP16 value
     converted to BF16 (1.11-1.14x the time natively on the H200's 8B cells: docs/kernels.md,
     "Ninth change").
+    `prewait`: each program first L2-prefetches its first K/V tile, from the sequence length
+    and block table alone, before it waits for the kernel before it (programmatic dependent
+    launch, common.pdl_launch), so the prefetch overlaps that kernel's tail. An experiment, off
+    by default, not yet timed (docs/kernels.md, "Thirtieth change"); same outputs either way.
     """
     num_seqs = seq_lens.shape[0]
     hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
@@ -862,6 +899,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         USE_DOT=grouped, PREFETCH=pf, WORDS=words, PAIRS=pairs,
         FOLD=fold, BLOCK_S=max(8, triton.next_power_of_2(num_splits)),
         DOT_DTYPE=dt, IEEE=ieee, F16_DOTS=fp16_dots,
+        PREWAIT=prewait, ROW_LINES=max(1, d * k_cache.element_size() // 128),
+        LINE_ELEMS=128 // k_cache.element_size(),
         GDC=pdl_mode(pdl, grid, q.device), num_warps=nw,
         num_stages=ns, **launch, **pdl, **FP_FUSION,
     )
