@@ -78,9 +78,10 @@ def store_rows(base, hmask, o, HEAD_DIM: tl.constexpr):
 def _row_offsets(bt_ptr, bt_stride, seq, pos, mask, BLOCK_SIZE: tl.constexpr, stride_cb,
                  stride_ct, head_off, UNSIGNED: tl.constexpr):
     """Cache offsets of a tile's rows, in the unsigned form (paged_byte_offsets) where it was
-    timed faster: the E4M3 byte route at D = 64, 0.95-0.99x natively and 0.97-0.98x in software
-    (H200, triton 3.6; docs/kernels.md, "Twenty-ninth change"). The short route at D = 128 lost
-    0.6 µs in software at one sequence with it, and the 16-bit kernel held more registers."""
+    timed faster: decode's E4M3 byte route at D = 64, 0.95-0.99x natively and 0.97-0.98x in
+    software (H200, triton 3.6; docs/kernels.md, "Twenty-ninth change"). The short route at
+    D = 128 lost 0.6 µs in software at one sequence with it, the 16-bit kernel held more
+    registers, and prefill (which shares attend_tiles) was not timed with it."""
     if UNSIGNED:
         off = paged_byte_offsets(bt_ptr, bt_stride, seq, pos, mask, BLOCK_SIZE, stride_cb,
                                  stride_ct, head_off)
@@ -96,19 +97,21 @@ def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
                  BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, FP8: tl.constexpr, SOFTWARE: tl.constexpr,
                  SOFTWARE_V: tl.constexpr, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                 IEEE: tl.constexpr, CAUSAL: tl.constexpr, PREFETCH: tl.constexpr):
+                 IEEE: tl.constexpr, CAUSAL: tl.constexpr, PREFETCH: tl.constexpr,
+                 UNSIGNED_ROWS: tl.constexpr = False):
     """Online-softmax attention of BLOCK_H query rows over cached tokens [lo, hi) of one KV
     head. Returns (m, l, acc): base-2 running max, sum, unnormalised FP32 output. With
     CAUSAL, row r sees positions <= qpos[r]. With PREFETCH the raw K/V bytes of the next tile
     are loaded into registers before the current tile is decoded and used, keeping loads in
-    flight. SOFTWARE / SOFTWARE_V: the decoder of K / of V (they may differ)."""
+    flight. SOFTWARE / SOFTWARE_V: the decoder of K / of V (they may differ). UNSIGNED_ROWS:
+    row offsets in paged_byte_offsets' form (_row_offsets)."""
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     if PREFETCH:
         pos0 = lo + tl.arange(0, BLOCK_N)
         row0 = _row_offsets(bt_ptr, bt_stride, seq, pos0, pos0 < hi, BLOCK_SIZE,
-                            stride_cb, stride_ct, head_off, FP8 and HEAD_DIM == 64)
+                            stride_cb, stride_ct, head_off, UNSIGNED_ROWS)
         kr = load_raw(kc_ptr, row0, pos0 < hi, HEAD_DIM)
         vr = load_raw(vc_ptr, row0, pos0 < hi, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
@@ -118,12 +121,12 @@ def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
             npos = pos + BLOCK_N
             nmask = npos < hi
             nrow = _row_offsets(bt_ptr, bt_stride, seq, npos, nmask, BLOCK_SIZE,
-                                stride_cb, stride_ct, head_off, FP8 and HEAD_DIM == 64)
+                                stride_cb, stride_ct, head_off, UNSIGNED_ROWS)
             kn = load_raw(kc_ptr, nrow, nmask, HEAD_DIM)
             vn = load_raw(vc_ptr, nrow, nmask, HEAD_DIM)
         else:
             row = _row_offsets(bt_ptr, bt_stride, seq, pos, pmask, BLOCK_SIZE, stride_cb,
-                               stride_ct, head_off, FP8 and HEAD_DIM == 64)
+                               stride_ct, head_off, UNSIGNED_ROWS)
             kr = load_raw(kc_ptr, row, pmask, HEAD_DIM)
             vr = load_raw(vc_ptr, row, pmask, HEAD_DIM)
         k = convert_tile(kr, FP8, SOFTWARE, DOT_DTYPE)
@@ -340,7 +343,7 @@ def _decode_kernel(
             q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi, qk_scale,
             kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, h,
             BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, SOFTWARE_V, USE_DOT,
-            DOT_DTYPE, IEEE, False, PREFETCH)
+            DOT_DTYPE, IEEE, False, PREFETCH, FP8 and HEAD_DIM == 64)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     if not SPLIT:
         inv = (out_scale / l_safe)[:, None]
