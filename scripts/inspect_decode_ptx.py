@@ -263,9 +263,7 @@ def main() -> int:
                   USE_DOT=True, IEEE=False, PREFETCH=False,
                   DOT_DTYPE=tl.bfloat16 if args.dtype == "bf16" and not f16_dots else tl.float16,
                   WORDS=args.words, PAIRS=args.pairs, FOLD=True, BLOCK_S=8, F16_DOTS=f16_dots,
-                  GDC=args.gdc, PREWAIT=args.prewait,
-                  ROW_LINES=max(1, args.head_dim * (1 if fp8 else 2) // 128),
-                  LINE_ELEMS=128 if fp8 else 64)
+                  GDC=args.gdc, PREWAIT=args.prewait)
     k = compile_kernel(decode._decode_kernel, consts, fp8, args.sm, args.num_warps,
                        args.num_stages, args.maxnreg, args.dtype)
     ptx = k.asm["ptx"]

@@ -255,10 +255,9 @@ def _split_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _prefetch_first_tile(kc_ptr, vc_ptr, bt_ptr, bt_stride, seq_lens_ptr, num_splits, head_off,
-                         stride_cb, stride_ct, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         ROW_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
-                         UNSIGNED_ROWS: tl.constexpr):
-    """L2 prefetch of this program's first K/V tile (ROW_LINES 128-byte lines per row), from
+                         stride_cb, stride_ct, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         BLOCK_N: tl.constexpr, UNSIGNED_ROWS: tl.constexpr):
+    """L2 prefetch of this program's first K/V tile (every 128-byte line of each row), from
     what the kernel before a dependent launch does not write -- the sequence length and the
     block table (host copies made before the step) -- so it can run ahead of pdl_wait and
     overlap the previous kernel's tail. The newest token's row, which that kernel may still be
@@ -269,6 +268,8 @@ def _prefetch_first_tile(kc_ptr, vc_ptr, bt_ptr, bt_stride, seq_lens_ptr, num_sp
     mask = pos < hi
     rows = _row_offsets(bt_ptr, bt_stride, seq, pos, mask, BLOCK_SIZE, stride_cb, stride_ct,
                         head_off, UNSIGNED_ROWS)
+    LINE_ELEMS: tl.constexpr = 1024 // kc_ptr.dtype.element_ty.primitive_bitwidth
+    ROW_LINES: tl.constexpr = max(1, HEAD_DIM // LINE_ELEMS)
     lines = rows[:, None] + (tl.arange(0, ROW_LINES) * LINE_ELEMS)[None, :]
     prefetch_l2(kc_ptr + lines, mask[:, None])
     prefetch_l2(vc_ptr + lines, mask[:, None])
@@ -288,7 +289,7 @@ def _decode_kernel(
     PREFETCH: tl.constexpr, WORDS: tl.constexpr, PAIRS: tl.constexpr = False,
     FOLD: tl.constexpr = False, BLOCK_S: tl.constexpr = 8,
     F16_DOTS: tl.constexpr = False, GDC: tl.constexpr = 0,
-    PREWAIT: tl.constexpr = False, ROW_LINES: tl.constexpr = 1, LINE_ELEMS: tl.constexpr = 128,
+    PREWAIT: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     hp = tl.program_id(1)
@@ -296,8 +297,8 @@ def _decode_kernel(
     kvh = (hp * HEADS) // GROUP
     if PREWAIT:  # an experiment, off by default (paged_decode's `prewait`)
         _prefetch_first_tile(kc_ptr, vc_ptr, bt_ptr, bt_stride, seq_lens_ptr, num_splits,
-                             kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, BLOCK_SIZE,
-                             BLOCK_N, ROW_LINES, LINE_ELEMS, FP8 and HEAD_DIM == 64)
+                             kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, HEAD_DIM,
+                             BLOCK_SIZE, BLOCK_N, FP8 and HEAD_DIM == 64)
     pdl_wait(GDC)  # q and the cache rows come from the kernel before (common.pdl_launch)
     # All three loads issued together: the length is not behind the branch's round trip.
     q_row = tl.load(qsl_ptr + seq)
@@ -902,8 +903,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         USE_DOT=grouped, PREFETCH=pf, WORDS=words, PAIRS=pairs,
         FOLD=fold, BLOCK_S=max(8, triton.next_power_of_2(num_splits)),
         DOT_DTYPE=dt, IEEE=ieee, F16_DOTS=fp16_dots,
-        PREWAIT=prewait, ROW_LINES=max(1, d * k_cache.element_size() // 128),
-        LINE_ELEMS=128 // k_cache.element_size(),
+        PREWAIT=prewait,
         GDC=pdl_mode(pdl, grid, q.device), num_warps=nw,
         num_stages=ns, **launch, **pdl, **FP_FUSION,
     )
