@@ -135,10 +135,12 @@ def main(argv=None) -> int:
     ap.add_argument("--block-ns", type=positive_int, nargs="+", default=None,
                     help="column tile widths the sweep tries (default: 16 32 64 unsplit, "
                          "32 64 split)")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=Path("."),
+                    help="a .json file, or a directory for gemm-DATE.json (-2, -3, ... when "
+                         "that exists: an earlier run is never overwritten)")
     args = ap.parse_args(argv)
     require_cuda(ap)
-    from kvcap.bench.provenance import stamp
+    from kvcap.bench.provenance import result_path, stamp
     from kvcap.config import ModelSpec
 
     spec = ModelSpec.from_hf_config(json.loads(args.config.read_text()))
@@ -146,7 +148,7 @@ def main(argv=None) -> int:
     report = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
               **stamp(), "torch": torch.__version__, "config": args.config.name,
               "read_ceiling_tbs": ceil, "rows": []}
-    out = args.out or Path(f"gemm-{report['date']}.json")
+    out = result_path(args.out, f"gemm-{report['date']}")
     shapes = {**linear_shapes(spec), "swiglu": linear_shapes(spec)["gate_up_proj"]}
     shapes = {name: nk for name, nk in shapes.items() if not args.linears or name in args.linears}
     for name, (n, k) in shapes.items():

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcap.bench.provenance import stamp
+from kvcap.bench.provenance import result_path, stamp
 from kvcap.bench.telemetry import sm_clock_mhz
 from kvcap.commands.common import positive_int
 from kvcap.kernels.common import sm_count
@@ -325,7 +325,9 @@ def run_info() -> dict:
 def main(argv: list[str] | None = None) -> int:
     global BLOCK_SIZE, CONTIGUOUS_TABLES, DTYPE, MIN_GRAPH_CALLS
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None,
+                    help="a .json file, or a directory for kernels.json (-2, -3, ... when that "
+                         "exists: an earlier run is never overwritten); default $OUT or .")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
@@ -439,12 +441,12 @@ def main(argv: list[str] | None = None) -> int:
             for b in batches for ctx in contexts] if args.grid else None
     sweep: list[dict] = []
     rows: list[dict] = []
-    out = args.out or os.path.join(os.environ.get("OUT", "."), "kernels.json")
+    out = result_path(Path(args.out or os.environ.get("OUT", ".")), "kernels")
 
     def save() -> None:
         result = {"info": info, "ceilings": ceil, "checks": checks, "sweep": sweep,
                   "cells": rows}
-        atomic_write_text(Path(out), json.dumps(result, indent=1))
+        atomic_write_text(out, json.dumps(result, indent=1))
 
     if args.compare_words:
         info["compare_words"] = compare_knob(l2, ceil["read_tbs"], "words", WORD_CELLS,

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from kvcap.bench.provenance import result_path
 from kvcap.scales.fsutil import atomic_write_text
 
 BLOCK_SIZE = 16
@@ -175,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvcap.bench.kernels import _graph_time
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None,
+                    help="a .json file, or a directory for qsa.json (-2, -3, ... when that "
+                         "exists: an earlier run is never overwritten); default $OUT or .")
     ap.add_argument("--batches", default="1,4,8,16")
     ap.add_argument("--contexts", default="16384,32768,65536,131072")
     ap.add_argument("--skip-checks", action="store_true")
@@ -198,11 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     l2 = info["l2_bytes"]
     info["shape"] = {"hq": HQ, "hkv": HKV, "head_dim": D, "index_heads": HI, "index_dim": DI,
                      "topk_groups": TOPK, "block_size": BLOCK_SIZE}
-    out = args.out or os.path.join(os.environ.get("OUT", "."), "qsa.json")
+    out = result_path(Path(args.out or os.environ.get("OUT", ".")), "qsa")
     doc: dict = {"info": info, "checks": [], "cells": [], "quality": None, "e2e": None}
 
     def save() -> None:
-        atomic_write_text(Path(out), json.dumps(doc, indent=1))
+        atomic_write_text(out, json.dumps(doc, indent=1))
 
     if not args.skip_checks:
         doc["checks"] = run_checks()

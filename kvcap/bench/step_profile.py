@@ -136,11 +136,13 @@ def main(argv=None) -> int:
                          "(fp16, fp8, fp8-software, fp8-mixed)")
     ap.add_argument("--steps", type=positive_int, default=20)
     ap.add_argument("--rows", type=positive_int, nargs="+", default=[16, 64])
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=Path("."),
+                    help="a .json file, or a directory for step-profile-DATE.json (-2, -3, ... "
+                         "when that exists: an earlier run is never overwritten)")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
                     help="model dtype of the step cells")
     args = ap.parse_args(argv)
-    from kvcap.bench.provenance import stamp
+    from kvcap.bench.provenance import result_path, stamp
     from kvcap.bench.throughput import KV_MODES
 
     cells = []
@@ -160,7 +162,7 @@ def main(argv=None) -> int:
               **stamp(), "torch": torch.__version__, "config": args.config.name,
               "dtype": args.dtype, "read_ceiling_tbs": ceil["read_tbs"],
               "gemms": time_gemms(spec, args.rows, ceil["read_tbs"]), "cells": []}
-    out = args.out or Path(f"step-profile-{report['date']}.json")
+    out = result_path(args.out, f"step-profile-{report['date']}")
 
     def save() -> None:
         atomic_write_text(out, json.dumps(report, indent=1))
