@@ -136,6 +136,114 @@ def test_models_health_batch(srv):
     assert sorted(c.index for c in r.choices) == [0, 1] and r.usage.completion_tokens <= 6
 
 
+# ----------------------------------------------------------------------------- logprobs, echo, n
+def _hf_logprobs(tiny_dir, ids: list[int]):
+    """log_softmax of HF transformers' logits at each position, FP32 (an independent model)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tiny_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_completion_echo_logprobs_match_hf_and_the_engine(srv, offline, tiny_dir):
+    prompt = "The capital of France is"
+    r = srv.http.post(CMPL, json={"model": "tiny", "prompt": prompt, "max_tokens": 4,
+                                  "temperature": 0, "logprobs": 3, "echo": True}).json()
+    choice = r["choices"][0]
+    want = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=4, logprobs=3),
+                            use_tqdm=False)[0]
+    assert choice["text"] == prompt + want.text
+    lp = choice["logprobs"]
+    ids = want.prompt_token_ids + want.token_ids
+    n_prompt = len(want.prompt_token_ids)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(ids)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert "".join(lp["tokens"]) == choice["text"]  # byte-level tokens join to the text
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:k]) for k in range(len(ids))]
+    ref = _hf_logprobs(tiny_dir, ids)  # position k - 1 predicts token k
+    for k in range(1, len(ids)):
+        assert lp["token_logprobs"][k] == pytest.approx(float(ref[k - 1, ids[k]]), abs=2e-4)
+        top = lp["top_logprobs"][k]
+        assert len(top) in (3, 4) and lp["tokens"][k] in top  # the top 3 and the chosen one
+        best = float(ref[k - 1].max())
+        assert max(top.values()) == pytest.approx(best, abs=2e-4)
+    for k, d in enumerate(want.logprobs):  # generated part: the engine's own values
+        assert lp["token_logprobs"][n_prompt + k] == pytest.approx(d[want.token_ids[k]])
+
+
+def test_completion_logprobs_stream_equals_non_stream(srv):
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
+            "logprobs": 2, "echo": True, "stop": [" the"], "ignore_eos": True}
+    whole = srv.http.post(CMPL, json=body).json()["choices"][0]
+    del body["ignore_eos"]
+    chunks = list(srv.client.completions.create(**body, stream=True,
+                                                extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].text for c in chunks)
+    merged = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for c in chunks:
+        if c.choices[0].logprobs is not None:
+            for key, val in merged.items():
+                val += getattr(c.choices[0].logprobs, key)
+    assert text == whole["text"] and merged == whole["logprobs"]
+
+
+def test_chat_logprobs_through_the_openai_client(srv, offline):
+    msgs = [{"role": "user", "content": "Say hi"}]
+    r = srv.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=5,
+                                           temperature=0, logprobs=True, top_logprobs=2)
+    want = offline.chat(msgs, SamplingParams(temperature=0, max_tokens=5, logprobs=2),
+                        use_tqdm=False)[0]
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(want.token_ids) == 5
+    assert b"".join(bytes(t.bytes) for t in content).decode() == r.choices[0].message.content
+    for t, tok, d in zip(content, want.token_ids, want.logprobs, strict=True):
+        assert t.logprob == pytest.approx(d[tok])
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert t.top_logprobs[0].logprob == pytest.approx(max(d.values()))  # greedy: the best
+    chunks = list(srv.client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
+        stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]
+    assert [t.model_dump() for t in streamed] == [t.model_dump() for t in content]
+    plain = srv.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_token_texts_give_each_tokens_exact_bytes(offline):
+    from kvcap.server.logprobs import TokenTexts
+
+    texts = TokenTexts(offline.tokenizer)
+    assert texts.byte_level
+    text = "héllo 世界 wörld <|im_start|>\n\t x"
+    ids = offline.tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(bytes(texts(t)[1]) for t in ids).decode() == text
+    partial = [texts(t)[0] for t in ids if "\ufffd" in texts(t)[0]]
+    assert partial  # 世界 is split inside its UTF-8 sequences
+    assert TokenTexts(None)(7) == ("token_id:7", list(b"token_id:7"))
+
+
+def test_n_choices_with_a_seed(srv):
+    body = {"model": "tiny", "prompt": ["Hello", "Once upon"], "max_tokens": 6,
+            "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    one = [srv.http.post(CMPL, json={**body, "prompt": p, "seed": 11 + j}).json()
+           for p in body["prompt"] for j in range(3)]
+    r = srv.http.post(CMPL, json={**body, "n": 3}).json()
+    assert [c["index"] for c in r["choices"]] == list(range(6))
+    # prompt p's choice j is the single request with seed + j
+    assert [c["text"] for c in r["choices"]] == [o["choices"][0]["text"] for o in one]
+    assert r["usage"]["prompt_tokens"] == sum(o["usage"]["prompt_tokens"] for o in one[::3])
+    assert r["usage"]["completion_tokens"] == 36
+    chat = srv.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4, n=2, seed=5,
+        stream=True, stream_options={"include_usage": True})
+    chunks = list(chat)
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+    assert chunks[-1].usage.completion_tokens == 8
+
+
 # ----------------------------------------------------------------------------- bad input
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 CASES = [
@@ -157,8 +265,17 @@ CASES = [
      "max_tokens: 200 prompt tokens + 100 completion tokens exceed the context"),
     (CMPL, {"model": "tiny", "prompt": [49152]}, 400, "prompt",
      "prompt: token ids must be in [0, 49152)"),
-    (CMPL, {"model": "tiny", "prompt": "x", "n": 2}, 400, "n",
-     "n: only the default value is supported"),
+    (CMPL, {"model": "tiny", "prompt": "x", "n": 0}, 400, "n", "n: must be in [1, 128], got 0"),
+    (CMPL, {"model": "tiny", "prompt": ["x", "y"], "n": 4}, 400, "prompt",
+     "prompt: at most 6 prompts x n choices per request"),
+    (CMPL, {"model": "tiny", "prompt": "x", "best_of": 3}, 400, "best_of",
+     "best_of: only the default value is supported"),
+    (CMPL, {"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs",
+     "logprobs: must be in [0, 20], got 21"),
+    (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+            "top_logprobs": 2}, 400, "top_logprobs", "top_logprobs: needs logprobs: true"),
+    (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+            "top_logprobs": -1}, 400, "top_logprobs", "top_logprobs: must be in [0, 20]"),
     (CMPL, {"model": "tiny", "prompt": "x", "temperature": 7.5}, 400, "temperature",
      "temperature: must be in [0, 2], got 7.5"),
     (CHAT, {"model": "tiny", "messages": "hi"}, 422, "messages", "messages: "),

@@ -4,6 +4,9 @@ Requests are parsed strictly (`"8"` is not an integer) and unknown fields are ig
 OpenAI API. Fields that kvcap does not implement are accepted only at their neutral value;
 anything else is refused with a 400 that names the field, never silently ignored.
 `top_k`, `min_p`, `ignore_eos` and `stop_token_ids` are accepted as extensions (vLLM style).
+`n` choices per prompt run as n engine requests; with a `seed`, choice j samples with seed + j.
+Log-probabilities (`logprobs`, chat's `top_logprobs`, up to MAX_LOGPROBS alternatives) and
+completions' `echo` are formatted by `kvcap.server.logprobs`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kvcap.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI: 5 for completions, 20 for chat)
+MAX_N = 128  # choices per prompt (also bounded by the server's admission limit)
 
 
 class APIError(Exception):
@@ -88,8 +94,6 @@ class _SamplingFields(BaseModel):
 
     def unsupported(self) -> list[str]:
         bad = []
-        if self.n != 1:
-            bad.append("n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 bad.append(name)
@@ -126,6 +130,8 @@ class _SamplingFields(BaseModel):
                 f"must be in [0, 1], got {self.min_p}",
             ),
             ("stop", all(self.stop_list), "must be non-empty strings"),
+            ("n", 1 <= self.n <= MAX_N, f"must be in [1, {MAX_N}], got {self.n}"),
+            *self.logprob_checks(),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -137,6 +143,7 @@ class _SamplingFields(BaseModel):
                 param=name,
                 code="unsupported_parameter",
             )
+        logprobs, prompt_logprobs = self.logprob_counts()
         return SamplingParams(
             temperature=1.0 if self.temperature is None else float(self.temperature),
             top_p=1.0 if self.top_p is None else float(self.top_p),
@@ -147,7 +154,16 @@ class _SamplingFields(BaseModel):
             stop=self.stop_list,
             ignore_eos=self.ignore_eos,
             stop_token_ids=list(self.stop_token_ids or []),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def logprob_checks(self) -> list[tuple[str, bool, str]]:
+        return []
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(alternatives per generated token, per prompt token); None: not asked for."""
+        return None, None
 
     @property
     def stop_list(self) -> list[str]:
@@ -166,15 +182,18 @@ class CompletionRequest(_SamplingFields):
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.logprobs is not None:
-            bad.append("logprobs")
-        if self.echo:
-            bad.append("echo")
-        if self.best_of not in (None, 1):
+        if self.best_of not in (None, 1, self.n):  # best_of == n returns every choice
             bad.append("best_of")
         if self.suffix:
             bad.append("suffix")
         return bad
+
+    def logprob_checks(self) -> list[tuple[str, bool, str]]:
+        ok = self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS
+        return [("logprobs", ok, f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")]
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return self.logprobs, (self.logprobs if self.echo else None)
 
 
 class ContentPart(BaseModel):
@@ -208,13 +227,20 @@ class ChatCompletionRequest(_SamplingFields):
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.logprobs or self.top_logprobs:
-            bad.append("logprobs")
         if self.tools:
             bad.append("tools")
         if self.response_format and self.response_format.get("type") != "text":
             bad.append("response_format")
         return bad
+
+    def logprob_checks(self) -> list[tuple[str, bool, str]]:
+        n = self.top_logprobs
+        return [("top_logprobs", n is None or 0 <= n <= MAX_LOGPROBS,
+                 f"must be in [0, {MAX_LOGPROBS}], got {n}"),
+                ("top_logprobs", n is None or self.logprobs, "needs logprobs: true")]
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
     def conversation(self) -> list[dict[str, str]]:
         if not self.messages:
@@ -265,10 +291,31 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -289,7 +336,7 @@ class ChatResponseMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -305,7 +352,7 @@ class ChatCompletionResponse(BaseModel):
 class ChunkChoice(BaseModel):
     index: int
     delta: dict[str, str]
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -10,6 +10,7 @@ requests are aborted, which frees their KV blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -28,6 +29,7 @@ from kvcap.server.async_engine import (
     ServerBusy,
     ServiceUnavailable,
 )
+from kvcap.server.logprobs import TokenTexts
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +103,7 @@ class OpenAIServing:
         self.aeng, self.tokenizer, self.model_name = aeng, tokenizer, model_name
         self.max_model_len, self.vocab_size, self.poll_s = max_model_len, vocab_size, poll_s
         self.bm = aeng.engine.block_manager
+        self.token_texts = TokenTexts(tokenizer)
 
     # ----------------------------------------------------------------- validation
     def check_model(self, name: str) -> None:
@@ -137,6 +140,24 @@ class OpenAIServing:
                     400, f"prompt: token ids must be in [0, {self.vocab_size})", param="prompt"
                 )
         return prompts
+
+    def prompt_texts(self, prompt: str | list, prompts: list[list[int]]) -> list[str]:
+        """What `echo` sends back: each prompt as given, or its token ids decoded."""
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt[0], str):
+            return list(prompt)
+        if self.tokenizer is None:
+            return [""] * len(prompts)
+        return [self.tokenizer.decode(ids) for ids in prompts]
+
+    @staticmethod
+    def choices(pairs: list[tuple[list[int], Any]], n: int) -> list[tuple[list[int], Any]]:
+        """Each (prompt, params) n times, in choice order (prompt p's choice j is p * n + j);
+        with a seed, choice j samples with seed + j so the choices differ."""
+        return [(ids, dataclasses.replace(params, seed=params.seed + j)
+                 if j and params.seed is not None else params)
+                for ids, params in pairs for j in range(n)]
 
     def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
         conv = req.conversation()
@@ -225,9 +246,18 @@ class OpenAIServing:
         stops: list[str],
         chunk: Callable[..., Any],
         include_usage: bool,
+        opening: Callable[[int, RequestOutput], Any] | None = None,
+        n: int = 1,
     ) -> AsyncIterator[str]:
-        """SSE events: `chunk(index, text=, finish=, role=, usage=)` builds each event."""
+        """SSE events: `chunk(index, text=, finish=, role=, usage=, out=, span=)` builds each
+        event; `span` is the range of generated tokens that event covers (for their logprobs):
+        the tokens since the previous event, whose text may have been held back.
+        `opening(index, out)`, where given, builds an event sent before a choice's first text
+        (completions' echo of the prompt). Every n streams share a prompt (n choices), which
+        the usage counts once."""
         sent = [""] * len(streams)
+        sent_tokens = [0] * len(streams)
+        opened = [opening is None] * len(streams)
         usage = [0, 0]
         try:
             for i in range(len(streams)):
@@ -240,13 +270,20 @@ class OpenAIServing:
                         yield ": keep-alive\n\n"
                         continue
                     i, out = item
+                    if not opened[i]:
+                        opened[i] = True
+                        yield sse(opening(i, out))
                     delta = text_delta(sent[i], out.text, out.finished, stops)
                     sent[i] += delta
+                    span = (sent_tokens[i], len(out.token_ids))
                     if delta:
-                        yield sse(chunk(i, text=delta))
+                        yield sse(chunk(i, text=delta, out=out, span=span))
+                        sent_tokens[i] = span[1]
                     if out.finished:
-                        yield sse(chunk(i, finish=out.finish_reason))
-                        usage[0] += len(out.prompt_token_ids)
+                        span = (sent_tokens[i], len(out.token_ids))
+                        yield sse(chunk(i, finish=out.finish_reason, out=out, span=span))
+                        sent_tokens[i] = span[1]
+                        usage[0] += len(out.prompt_token_ids) if i % n == 0 else 0
                         usage[1] += len(out.token_ids)
             if include_usage:
                 yield sse(chunk(None, usage=P.UsageInfo.of(*usage)))

@@ -1,0 +1,120 @@
+"""The engine's per-token log-probabilities in the two OpenAI shapes.
+
+The engine records, for each generated token (and with `prompt_logprobs` for each prompt token
+after the first), a dict token id -> log-probability holding the top N of log_softmax(logits)
+plus the chosen token (`ModelRunner._collect_logprobs`). These are the model's raw
+distribution, before temperature and top-k/top-p/min-p, as in vLLM.
+
+- completions (`logprobs: N`): `{tokens, token_logprobs, top_logprobs, text_offset}`; each
+  `top_logprobs` entry holds the top N and the chosen token (so up to N + 1 entries, as the
+  OpenAI API documents), keyed by token text; the first echoed prompt token has `None`s.
+  `text_offset[k]` is where token k's text starts in the choice's text (the echoed prompt and
+  the completion), counting the token texts before it.
+- chat (`logprobs: true, top_logprobs: N`): `{content: [{token, logprob, bytes, top_logprobs:
+  [N x {token, logprob, bytes}]}]}`.
+
+A token's text is its bytes decoded as UTF-8 (a token that ends inside a multi-byte character
+shows U+FFFD); `bytes` are the token's own bytes, so a client can join them exactly. JSON has no
+infinities: a log-probability of -inf (a masked logit) is sent as -9999.0, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from kvcap.server import protocol as P
+
+MIN_LOGPROB = -9999.0
+
+
+def _finite(v: float) -> float:
+    return v if math.isfinite(v) else MIN_LOGPROB
+
+
+@lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): printable bytes stand for themselves, the others
+    are shifted to code points from 256 up, in byte order; this is its inverse."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class TokenTexts:
+    """Token id -> (text, bytes), cached. Byte-level BPE tokenizers give a token's exact bytes;
+    others fall back to decoding the token alone. Without a tokenizer a token is `token_id:N`."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, tok: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(tok)
+        if hit is None:
+            hit = self._cache[tok] = self._lookup(tok)
+        return hit
+
+    def _lookup(self, tok: int) -> tuple[str, list[int]]:
+        if self.tokenizer is None:
+            text = f"token_id:{tok}"
+            return text, list(text.encode())
+        if self.byte_level:
+            piece = self.tokenizer.convert_ids_to_tokens(tok)
+            table = _byte_level_decoder()
+            if isinstance(piece, str) and piece and all(c in table for c in piece):
+                raw = bytes(table[c] for c in piece)
+                return raw.decode("utf-8", errors="replace"), list(raw)
+        text = self.tokenizer.decode([tok])
+        return text, list(text.encode())
+
+
+def _top(d: dict[int, float], n: int) -> list[tuple[int, float]]:
+    """The n most likely entries of one position's dict (it may also hold the chosen token)."""
+    return sorted(d.items(), key=lambda kv: -kv[1])[:n]
+
+
+def completion_logprobs(texts: TokenTexts, ids: list[int], lps: list[dict[int, float] | None],
+                        offset: int = 0) -> P.CompletionLogprobs:
+    """Tokens `ids` with their dicts `lps` (None: no logprob, the first prompt token); the
+    first token's text starts at character `offset` of the choice's text."""
+    out = P.CompletionLogprobs()
+    for tok, d in zip(ids, lps, strict=True):
+        text = texts(tok)[0]
+        out.tokens.append(text)
+        out.text_offset.append(offset)
+        offset += len(text)
+        if d is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(_finite(d[tok]))
+        top: dict[str, float] = {}
+        for t, v in _top(d, len(d)):  # most likely first; equal texts keep the likelier
+            top.setdefault(texts(t)[0], _finite(v))
+        out.top_logprobs.append(top)
+    return out
+
+
+def chat_logprobs(texts: TokenTexts, ids: list[int], lps: list[dict[int, float]],
+                  top_n: int) -> P.ChatLogprobs:
+    """Generated tokens `ids` with their dicts, each with its `top_n` alternatives."""
+    content = []
+    for tok, d in zip(ids, lps, strict=True):
+        text, raw = texts(tok)
+        alts = []
+        for t, v in _top(d, top_n):
+            t_text, t_raw = texts(t)
+            alts.append(P.TopLogprob(token=t_text, logprob=_finite(v), bytes=t_raw))
+        content.append(P.ChatTokenLogprob(token=text, logprob=_finite(d[tok]), bytes=raw,
+                                          top_logprobs=alts))
+    return P.ChatLogprobs(content=content)
