@@ -71,6 +71,29 @@ def test_stop_strings_and_logprobs(llm):
     assert out.text.startswith(out2.text)
 
 
+def test_prompt_logits_in_row_blocks_equal_one_block(llm, monkeypatch):
+    """Teacher-forced logits are computed PROMPT_LOGITS_ROWS rows at a time (memory beside the
+    KV pool); blocks that split prefill chunks unevenly give the same logprobs and logits."""
+    import torch
+
+    from kvcap.engine import model_runner
+
+    ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)
+    p = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+
+    def run():
+        return llm.generate([ids], p, use_tqdm=False, want_prompt_logits=True)[0]
+
+    whole = run()
+    monkeypatch.setattr(model_runner, "PROMPT_LOGITS_ROWS", 7)
+    sliced = run()
+    assert len(ids) > 3 * 7 and len(sliced.prompt_logprobs) == len(ids)
+    assert sliced.prompt_logprobs == whole.prompt_logprobs
+    assert torch.equal(sliced.prompt_logits, whole.prompt_logits)
+    for k in range(1, len(ids)):  # each position's dict holds the prompt's next token
+        assert ids[k] in sliced.prompt_logprobs[k]
+
+
 def test_cli_generate_answers_capital_of_france():
     res = subprocess.run(
         [sys.executable, "-m", "kvcap.cli", "-q", "generate", "--model", "default", "--device",

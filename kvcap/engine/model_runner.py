@@ -18,7 +18,12 @@ from kvcap.kv_cache.pool import KVCachePool
 from kvcap.models.llama import ForwardContext, KVObserverFn, LlamaModel
 from kvcap.sampling.sampler import Sampler, SamplingBatch, compute_topn_logprobs
 
-PromptLogitsFn = Callable[[int, torch.Tensor], None]
+PromptLogitsFn = Callable[[int, torch.Tensor, int], None]
+# Teacher-forced logits are computed this many rows at a time: [rows, V] FP32 and its
+# log_softmax must stay small beside the KV pool, which is sized from a warm-up that computes
+# logits for max_num_seqs rows only (a 2,048-row prefill chunk of a 128K vocabulary would be
+# 1 GiB each).
+PROMPT_LOGITS_ROWS = 256
 
 
 @dataclass
@@ -220,7 +225,9 @@ class ModelRunner:
     def run_plan(self, plan: StepPlan, on_prompt_logits: PromptLogitsFn | None = None,
                  fed_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Forward the plan on this rank. Each teacher-forced logits block [n, V] FP32 goes to
-        `on_prompt_logits(chunk_index, logits)`; returns the sampled rows' logits [S, V] FP32,
+        `on_prompt_logits(chunk_index, logits, first_row)`, at most PROMPT_LOGITS_ROWS rows at
+        a time (`first_row`: the block's first row within the chunk); returns the sampled rows'
+        logits [S, V] FP32,
         or None when nothing samples (and on every rank but 0 under tensor parallelism, where
         `compute_logits` gathers the vocabulary shards on rank 0 only). A plan scheduled
         ahead (`plan.fed`) takes its input ids from `fed_ids`."""
@@ -228,11 +235,11 @@ class ModelRunner:
             raise ValueError("a step scheduled ahead needs its input ids on the device")
         hidden, _ = self._forward(plan, fed_ids if plan.fed else None)
         for i, lo, hi in plan.prompt_rows:
-            if hi <= lo:
-                continue
-            logits = self.model.compute_logits(hidden[lo:hi])
-            if on_prompt_logits is not None:
-                on_prompt_logits(i, logits)
+            for first in range(lo, hi, PROMPT_LOGITS_ROWS):
+                last = min(hi, first + PROMPT_LOGITS_ROWS)
+                logits = self.model.compute_logits(hidden[first:last])
+                if on_prompt_logits is not None:
+                    on_prompt_logits(i, logits, first - lo)
         logits = None
         if len(plan.sample_rows) == len(plan.ids):  # every row samples
             logits = self.model.compute_logits(hidden[: len(plan.ids)])
@@ -269,7 +276,8 @@ class ModelRunner:
         # there (Ctrl-C) would leave the other ranks waiting in the forward's collectives.
         self.broadcast_plan(plan)
         logits = self.run_plan(
-            plan, lambda i, lg: self._collect_prompt_outputs(chunks[i], extras, lg), fed)
+            plan, lambda i, lg, row: self._collect_prompt_outputs(chunks[i], extras, lg, row),
+            fed)
         sampling = [ch for ch in chunks if ch.samples]
         reqs = [ch.request for ch in sampling]
         if logits is None:
@@ -314,17 +322,19 @@ class ModelRunner:
             ex.prompt_logprobs = [None]
 
     def _collect_prompt_outputs(self, ch, extras: dict[str, RequestExtras],
-                                logits: torch.Tensor) -> None:
-        """Teacher-forced logits [n, V] of one chunk's prompt rows, as its request asked."""
+                                logits: torch.Tensor, first_row: int = 0) -> None:
+        """Teacher-forced logits [n, V] of a chunk's prompt rows from `first_row` on, as its
+        request asked."""
         req: Request = ch.request
         ex = extras[req.request_id]
         n_lp = req.sampling_params.prompt_logprobs
-        end = ch.start + logits.shape[0]
+        start = ch.start + first_row
+        end = start + logits.shape[0]
         if ex.want_prompt_logits:
             ex.prompt_logits.append(logits.cpu())
         if n_lp is not None:
             # logits at position p predict prompt token p+1
-            nxt = req.prompt_token_ids[ch.start + 1:end + 1]
+            nxt = req.prompt_token_ids[start + 1:end + 1]
             logits = logits[: len(nxt)]
             vals, idx = compute_topn_logprobs(logits, n_lp)
             lsm = torch.log_softmax(logits, dim=-1)
