@@ -20,6 +20,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs of each generated token
     prompt_logprobs: int | None = None  # top-N logprobs at each prompt position (teacher forcing)
+    # logit adjustments before sampling (kvcap/sampling/penalties.py)
+    presence_penalty: float = 0.0  # [-2, 2], over the output so far
+    frequency_penalty: float = 0.0  # [-2, 2], times each token's count in the output
+    repetition_penalty: float = 1.0  # > 0, over prompt and output tokens (1 = off)
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,6 +53,24 @@ class SamplingParams:
                 bad(f"{name} must be a non-negative integer, got {v!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a list of non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                bad(f"{name} must be in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if not isinstance(r, (int, float)) or not 0.0 < r < float("inf"):
+            bad(f"repetition_penalty must be a positive number (1 = off), got {r!r}")
+        for tok, b in (self.logit_bias or {}).items():
+            if not isinstance(tok, int) or tok < 0:
+                bad(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
+            if not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0:
+                bad(f"logit_bias values must be in [-100, 100], got {b!r} for token {tok}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Any logit bias or penalty to apply before sampling."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 \
+            or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:

@@ -24,7 +24,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, t
 
 def _params(stop_tok: int | None) -> list[SamplingParams]:
     return [
-        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, frequency_penalty=0.5,
+                       repetition_penalty=1.1, logit_bias={13: 2.0}),
         SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=11, max_tokens=33,
                        ignore_eos=True, logprobs=2),
         SamplingParams(temperature=1.0, min_p=0.05, seed=5, max_tokens=50),

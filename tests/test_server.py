@@ -225,6 +225,18 @@ def test_token_texts_give_each_tokens_exact_bytes(offline):
     assert TokenTexts(None)(7) == ("token_id:7", list(b"token_id:7"))
 
 
+def test_penalties_and_logit_bias_match_offline(srv, offline):
+    kw = dict(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.1)
+    want = greedy(offline, "Once upon a time", 10, ignore_eos=True, **kw,
+                  logit_bias={262: 4.0})
+    r = srv.client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0,
+        presence_penalty=0.5, frequency_penalty=1.0, logit_bias={"262": 4.0},
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.1})
+    assert r.choices[0].text == want
+    assert want != greedy(offline, "Once upon a time", 10, ignore_eos=True)
+
+
 def test_n_choices_with_a_seed(srv):
     body = {"model": "tiny", "prompt": ["Hello", "Once upon"], "max_tokens": 6,
             "temperature": 1.0, "seed": 11, "ignore_eos": True}
@@ -270,6 +282,16 @@ CASES = [
      "prompt: at most 6 prompts x n choices per request"),
     (CMPL, {"model": "tiny", "prompt": "x", "best_of": 3}, 400, "best_of",
      "best_of: only the default value is supported"),
+    (CMPL, {"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty",
+     "presence_penalty: must be in [-2, 2], got 2.5"),
+    (CMPL, {"model": "tiny", "prompt": "x", "repetition_penalty": 0.0}, 400,
+     "repetition_penalty", "repetition_penalty: must be a positive number"),
+    (CMPL, {"model": "tiny", "prompt": "x", "logit_bias": {"abc": 1.0}}, 400, "logit_bias",
+     "logit_bias: keys must be token ids, got 'abc'"),
+    (CMPL, {"model": "tiny", "prompt": "x", "logit_bias": {"5": 300}}, 400, "logit_bias",
+     "logit_bias: values must be in [-100, 100], got 300"),
+    (CMPL, {"model": "tiny", "prompt": "x", "logit_bias": {"49152": 1}}, 400, "logit_bias",
+     "logit_bias: token ids must be in [0, 49152)"),
     (CMPL, {"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs",
      "logprobs: must be in [0, 20], got 21"),
     (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x"}],

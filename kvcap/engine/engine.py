@@ -78,6 +78,8 @@ class Engine:
         vocab = self.runner.model.spec.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.logit_bias or {}):
+            raise ConfigError(f"logit_bias token ids must be in [0, {vocab})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ConfigError(
                 f"prompt of {len(prompt_token_ids)} tokens does not fit the context: "
@@ -173,9 +175,12 @@ class Engine:
 
     def _may_look_ahead(self, out: SchedulerOutput) -> bool:
         # Logprobs are read back after this step's tokens, and that read would queue behind a
-        # step launched ahead, waiting for it: no overlap while a request asks for them.
+        # step launched ahead, waiting for it; penalties count every token generated before
+        # the step, which a step launched ahead does not know yet: no overlap while a request
+        # asks for either.
         return (self.overlap and self.runner.can_run_ahead() and not any(
-            c.request.sampling_params.logprobs is not None for c in out.chunks))
+            c.request.sampling_params.logprobs is not None
+            or c.request.sampling_params.adjusts_logits for c in out.chunks))
 
     def _drop_ahead(self) -> None:
         """Forget the step launched ahead: its device work finishes unread (stream order keeps

@@ -16,6 +16,7 @@ from kvcap.engine.input_batch import EagerInputs
 from kvcap.engine.request import Request
 from kvcap.kv_cache.pool import KVCachePool
 from kvcap.models.llama import ForwardContext, KVObserverFn, LlamaModel
+from kvcap.sampling.penalties import PenaltyState, adjust_logits
 from kvcap.sampling.sampler import Sampler, SamplingBatch, compute_topn_logprobs
 
 PromptLogitsFn = Callable[[int, torch.Tensor, int], None]
@@ -35,6 +36,7 @@ class RequestExtras:
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # CPU chunks [n, V]
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    penalties: PenaltyState | None = None  # token counts, for requests that adjust logits
 
 
 @dataclass
@@ -53,6 +55,9 @@ class PendingStep:
     logits: torch.Tensor | None
     tokens: torch.Tensor | None  # int64 [S] on the device; -1 rows are left to `finish`
     batch: SamplingBatch | None  # None when every row is greedy
+    # The model's logits where `logits` were adjusted (bias, penalties) for sampling:
+    # logprobs report the raw ones.
+    raw_logits: torch.Tensor | None = None
     # CUDA: the tokens' copy in pinned host memory and the event that marks it complete. A
     # plain .tolist() in `finish` would queue behind a step launched ahead since, and wait
     # for that step too.
@@ -282,9 +287,14 @@ class ModelRunner:
         reqs = [ch.request for ch in sampling]
         if logits is None:
             return PendingStep(reqs, None, None, None)
+        raw = None
+        adjust = [j for j, r in enumerate(reqs) if r.sampling_params.adjusts_logits]
+        if adjust:
+            raw, logits = logits, self._adjusted(logits, [reqs[j] for j in adjust], adjust,
+                                                 extras)
         if all(r.sampling_params.temperature == 0.0 for r in reqs):
             return PendingStep(reqs, logits, self.sampler.sample_greedy(logits),
-                               None).start_copy()
+                               None, raw_logits=raw).start_copy()
         batch = SamplingBatch.from_params(
             [r.sampling_params for r in reqs],
             seeds=[extras[r.request_id].seed for r in reqs],
@@ -293,7 +303,21 @@ class ModelRunner:
             device=self.device,
         )
         return PendingStep(reqs, logits, self.sampler.sample(logits, batch, resolve=False),
-                           batch).start_copy()
+                           batch, raw_logits=raw).start_copy()
+
+    @staticmethod
+    def _adjusted(logits: torch.Tensor, reqs: list[Request], rows: list[int],
+                  extras: dict[str, RequestExtras]) -> torch.Tensor:
+        """Logits with the listed rows' bias and penalties applied (a copy). The engine does
+        not launch ahead for such requests, so their outputs so far are all known."""
+        states = []
+        for r in reqs:
+            ex = extras[r.request_id]
+            if ex.penalties is None:
+                ex.penalties = PenaltyState()
+            ex.penalties.update(r.prompt_token_ids, r.output_token_ids)
+            states.append(ex.penalties)
+        return adjust_logits(logits, rows, [r.sampling_params for r in reqs], states)
 
     @torch.inference_mode()
     def finish(self, step: PendingStep, extras: dict[str, RequestExtras]) -> StepResult:
@@ -308,7 +332,8 @@ class ModelRunner:
                               strict=True):
                 tokens[i] = tok
             fixed = True
-        self._collect_logprobs(step.reqs, extras, step.logits, tokens)
+        raw = step.raw_logits if step.raw_logits is not None else step.logits
+        self._collect_logprobs(step.reqs, extras, raw, tokens)
         if self.timer is not None:
             self.timer.mark("sample")
         return StepResult({r.request_id: t for r, t in zip(step.reqs, tokens, strict=True)},

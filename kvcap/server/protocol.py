@@ -3,7 +3,8 @@
 Requests are parsed strictly (`"8"` is not an integer) and unknown fields are ignored, like the
 OpenAI API. Fields that kvcap does not implement are accepted only at their neutral value;
 anything else is refused with a 400 that names the field, never silently ignored.
-`top_k`, `min_p`, `ignore_eos` and `stop_token_ids` are accepted as extensions (vLLM style).
+`top_k`, `min_p`, `repetition_penalty`, `ignore_eos` and `stop_token_ids` are accepted as
+extensions (vLLM style); penalties and `logit_bias` as in kvcap/sampling/penalties.py.
 `n` choices per prompt run as n engine requests; with a `seed`, choice j samples with seed + j.
 Log-probabilities (`logprobs`, chat's `top_logprobs`, up to MAX_LOGPROBS alternatives) and
 completions' `echo` are formatted by `kvcap.server.logprobs`.
@@ -89,17 +90,12 @@ class _SamplingFields(BaseModel):
     # extensions
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
 
     def unsupported(self) -> list[str]:
-        bad = []
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                bad.append(name)
-        if self.logit_bias:
-            bad.append("logit_bias")
-        return bad
+        return []
 
     @property
     def include_usage(self) -> bool:
@@ -131,6 +127,14 @@ class _SamplingFields(BaseModel):
             ),
             ("stop", all(self.stop_list), "must be non-empty strings"),
             ("n", 1 <= self.n <= MAX_N, f"must be in [1, {MAX_N}], got {self.n}"),
+            *[(name, v is None or -2.0 <= v <= 2.0, f"must be in [-2, 2], got {v}")
+              for name, v in (("presence_penalty", self.presence_penalty),
+                              ("frequency_penalty", self.frequency_penalty))],
+            (
+                "repetition_penalty",
+                self.repetition_penalty is None or 0.0 < self.repetition_penalty < float("inf"),
+                f"must be a positive number (1 = off), got {self.repetition_penalty}",
+            ),
             *self.logprob_checks(),
         ]
         for name, ok, why in checks:
@@ -156,7 +160,26 @@ class _SamplingFields(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            presence_penalty=float(self.presence_penalty or 0.0),
+            frequency_penalty=float(self.frequency_penalty or 0.0),
+            repetition_penalty=float(self.repetition_penalty or 1.0),
+            logit_bias=self.token_biases(),
         )
+
+    def token_biases(self) -> dict[int, float] | None:
+        """logit_bias with its keys (token ids as strings, as OpenAI sends them) as integers."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.strip().isdigit():
+                raise APIError(400, f"logit_bias: keys must be token ids, got {key!r}",
+                               param="logit_bias")
+            if not -100.0 <= bias <= 100.0:
+                raise APIError(400, f"logit_bias: values must be in [-100, 100], got {bias} "
+                               f"for token {key}", param="logit_bias")
+            out[int(key)] = float(bias)
+        return out
 
     def logprob_checks(self) -> list[tuple[str, bool, str]]:
         return []

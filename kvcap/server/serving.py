@@ -193,6 +193,9 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
         params = req.sampling_params(ctx - n if max_tokens is None else max_tokens)
+        if any(t >= self.vocab_size for t in params.logit_bias or {}):
+            raise P.APIError(400, f"logit_bias: token ids must be in [0, {self.vocab_size})",
+                             param="logit_bias")
         total = n + params.max_tokens
         if total > ctx:
             raise P.APIError(
