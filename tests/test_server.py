@@ -237,6 +237,24 @@ def test_penalties_and_logit_bias_match_offline(srv, offline):
     assert want != greedy(offline, "Once upon a time", 10, ignore_eos=True)
 
 
+def test_tokenize_and_detokenize(srv, offline):
+    text = "The capital of France is"
+    r = srv.http.post("/tokenize", json={"model": "tiny", "prompt": text}).json()
+    assert r["tokens"] == offline.tokenizer.encode(text, add_special_tokens=False)
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+    msgs = [{"role": "user", "content": "Say hi"}]
+    r = srv.http.post("/tokenize", json={"model": "tiny", "messages": msgs}).json()
+    assert r["tokens"] == offline.apply_chat_template(msgs)
+    back = srv.http.post("/detokenize", json={"model": "tiny", "tokens": r["tokens"]}).json()
+    assert back["prompt"] == offline.tokenizer.decode(r["tokens"])
+    bad = srv.http.post("/tokenize", json={"model": "tiny", "prompt": "x", "messages": msgs})
+    assert bad.status_code == 400 and "exactly one of prompt and messages" in bad.text
+    bad = srv.http.post("/detokenize", json={"model": "tiny", "tokens": [10**7]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert httpx.post(f"{srv.url}/tokenize", json={"model": "tiny", "prompt": "x"}
+                      ).status_code == 401  # the API key guards it
+
+
 def test_n_choices_with_a_seed(srv):
     body = {"model": "tiny", "prompt": ["Hello", "Once upon"], "max_tokens": 6,
             "temperature": 1.0, "seed": 11, "ignore_eos": True}

@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
         default=os.environ.get("KVCAP_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/* "
+        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
         "(default: $KVCAP_API_KEY; unset = no check)",
     )
     p.add_argument(

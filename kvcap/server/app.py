@@ -1,5 +1,6 @@
-"""The FastAPI app: OpenAI `/v1/completions`, `/v1/chat/completions`, `/v1/models`, plus
-`/health` and Prometheus `/metrics`.
+"""The FastAPI app: OpenAI `/v1/completions`, `/v1/chat/completions`, `/v1/models`, vLLM's
+`/tokenize` and `/detokenize`, plus `/health` and Prometheus `/metrics` (the only routes an
+API key does not guard: probes and scrapers carry none).
 
 `create_app(llm, ...)` wraps an already-built LLM (the E4M3 gate has run by then). The engine
 loop starts with the app's lifespan and shuts down gracefully with it. Errors always use the
@@ -28,16 +29,18 @@ from kvcap.server.serving import OpenAIServing
 logger = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+OPEN_PATHS = ("/health", "/metrics")
 
 
 class GuardMiddleware:
-    """Pure ASGI (keeps streaming and disconnects intact): API key on /v1/*, status counts."""
+    """Pure ASGI (keeps streaming and disconnects intact): the API key on every route but
+    OPEN_PATHS, status counts."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics):
         self.app, self.api_key, self.metrics = app, api_key, metrics
 
     def _auth_error(self, scope: Scope) -> P.APIError | None:
-        if not self.api_key or not scope["path"].startswith("/v1/"):
+        if not self.api_key or scope["path"] in OPEN_PATHS:
             return None
         headers = dict(scope.get("headers") or [])
         auth = headers.get(b"authorization", b"").decode("latin-1")
@@ -265,6 +268,33 @@ def create_app(
                 usage=_usage(outs, req.n),
             ).model_dump()
         )
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        """vLLM's token counting route: a prompt or chat messages -> token ids."""
+        req = P.parse_request(await request.body(), P.TokenizeRequest)
+        serving.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise P.APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            ids = serving.render_chat(P.conversation(req.messages), req.add_generation_prompt)
+        elif serving.tokenizer is None:
+            raise P.APIError(400, "prompt: this model has no tokenizer", param="prompt")
+        else:
+            ids = list(serving.tokenizer.encode(req.prompt,
+                                                add_special_tokens=req.add_special_tokens))
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = P.parse_request(await request.body(), P.DetokenizeRequest)
+        serving.check_model(req.model)
+        if any(not 0 <= t < llm.spec.vocab_size for t in req.tokens):
+            raise P.APIError(400, f"tokens: token ids must be in [0, {llm.spec.vocab_size})",
+                             param="tokens")
+        if serving.tokenizer is None:
+            raise P.APIError(400, "tokens: this model has no tokenizer", param="tokens")
+        return {"prompt": serving.tokenizer.decode(req.tokens)}
 
     return app
 

@@ -266,15 +266,37 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None, None
 
     def conversation(self) -> list[dict[str, str]]:
-        if not self.messages:
-            raise APIError(400, "messages: must contain at least one message", param="messages")
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+        return conversation(self.messages)
 
 
-def parse_request(body: bytes, model: type[_SamplingFields]) -> Any:
+def conversation(messages: list[ChatMessage] | None) -> list[dict[str, str]]:
+    """Messages as the chat template takes them (OpenAI's `developer` role is a system one)."""
+    if not messages:
+        raise APIError(400, "messages: must contain at least one message", param="messages")
+    return [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for m in messages
+    ]
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str
+    tokens: list[int]
+
+
+def parse_request(body: bytes, model: type[BaseModel]) -> Any:
     """Parse a JSON body; invalid JSON -> 400, wrong types or missing fields -> 422."""
     try:
         return model.model_validate_json(body or b"", strict=True)

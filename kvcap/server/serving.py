@@ -160,7 +160,10 @@ class OpenAIServing:
                 for ids, params in pairs for j in range(n)]
 
     def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
-        conv = req.conversation()
+        return self.render_chat(req.conversation())
+
+    def render_chat(self, conv: list[dict[str, str]], add_generation_prompt: bool = True
+                    ) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise P.APIError(
                 400,
@@ -169,7 +172,7 @@ class OpenAIServing:
             )
         try:
             ids = self.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=True, tokenize=True
+                conv, add_generation_prompt=add_generation_prompt, tokenize=True
             )
         except Exception as e:  # jinja raises its own errors for unsupported conversations
             raise P.APIError(
