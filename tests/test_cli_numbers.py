@@ -123,6 +123,9 @@ def test_serving_bench_refuses_a_fraction_outside_0_1():
     ("generate", ["--kv-cache-memory-gib", "-1", "hi"], "--kv-cache-memory-gib"),
     ("generate", ["--max-num-seqs", "0", "hi"], "--max-num-seqs"),
     ("serve", ["--max-queue", "-1"], "--max-queue"),
+    ("serve", ["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+    ("serve", ["--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
+    ("generate", ["--block-size", "0", "hi"], "--block-size"),
 ])
 def test_commands_refuse_bad_numbers_before_loading(command, args, name):
     res = subprocess.run([sys.executable, "-m", "kvcap.cli", command, *args],
@@ -139,3 +142,32 @@ def test_negative_kv_budget_is_a_config_error():
         with pytest.raises(ConfigError, match="kv_cache_memory_gib must be a finite number > 0"):
             EngineConfig(kv_cache_memory_gib=bad).validate()
     EngineConfig(kv_cache_memory_gib=0.5).validate()
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_engine_options_reach_the_llm(command, monkeypatch):
+    import importlib
+
+    mod = importlib.import_module(f"kvcap.commands.{command}")
+    p = argparse.ArgumentParser()
+    mod.add_arguments(p)
+    args = p.parse_args([*(["--prompt", "hi"] if command == "generate" else []),
+                         "--gpu-memory-utilization", "0.5", "--block-size", "32",
+                         "--enforce-eager", "--no-prefix-caching", "--seed", "7",
+                         "--qsa", "every4"])
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(**kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr("kvcap.llm.LLM", fake_llm)
+    with pytest.raises(Stop):
+        mod.run(args)
+    assert {k: seen[k] for k in ("gpu_memory_utilization", "block_size", "enforce_eager",
+                                 "enable_prefix_caching", "seed", "qsa")} == {
+        "gpu_memory_utilization": 0.5, "block_size": 32, "enforce_eager": True,
+        "enable_prefix_caching": False, "seed": 7, "qsa": "every4"}

@@ -31,6 +31,7 @@ port_number = _number_type(int, lambda v: 0 <= v <= 65535, "a port number 0-6553
 non_negative_float = _number_type(float, lambda v: v >= 0 and math.isfinite(v),
                                   "a finite number >= 0", "non_negative_float")
 non_negative_int = _number_type(int, lambda v: v >= 0, "an integer >= 0", "non_negative_int")
+fraction = _number_type(float, lambda v: 0 < v <= 1, "a number in (0, 1]", "fraction")
 
 
 def require_cuda(parser: argparse.ArgumentParser, hint: str = "") -> None:
@@ -68,6 +69,21 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="ranks (GPUs, or CPU processes) to split the model over; rank 0 is "
                         "this process (KVCAP_ALLREDUCE=nccl|symm picks the all-reduce)")
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.90,
+                   help="share of the GPU's memory kvcap may use; the KV pool gets what the "
+                        "weights and a profiled warm-up leave of it (default 0.90)")
+    p.add_argument("--block-size", type=positive_int, default=16,
+                   help="tokens per KV block (a power of two)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no decode CUDA graphs (eager launches every step)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse the KV blocks of a shared prompt prefix")
+    p.add_argument("--seed", type=int, default=0,
+                   help="engine seed, from which requests that give no seed of their own "
+                        "draw theirs (the same --seed samples the same text)")
+    p.add_argument("--qsa", default=None, metavar="PRESET",
+                   help="query-aware sparse attention: every4, all-but-2, ... with an optional "
+                        ":TOKENS budget (default 2048), e.g. every4:1024 (docs/qsa.md)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -77,4 +93,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_gib=args.kv_cache_memory_gib, attention_backend=args.attention_backend,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
+        enforce_eager=args.enforce_eager, enable_prefix_caching=not args.no_prefix_caching,
+        seed=args.seed, qsa=args.qsa,
     )

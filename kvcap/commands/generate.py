@@ -24,15 +24,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=non_negative_float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="> 1 discourages tokens already in the prompt or output (1 = off)")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
-    p.add_argument("--qsa", default=None, metavar="PRESET",
-                   help="query-aware sparse attention: every4, all-but-2, ... with an optional "
-                        ":TOKENS budget (default 2048), e.g. every4:1024 (docs/qsa.md)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,11 +36,11 @@ def run(args: argparse.Namespace) -> int:
     from kvcap.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            seed=args.seed, max_tokens=args.max_tokens, min_p=args.min_p,
+                            max_tokens=args.max_tokens, min_p=args.min_p,
                             repetition_penalty=args.repetition_penalty,
                             presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty)
-    llm = LLM(**engine_kwargs(args), qsa=args.qsa)
+    llm = LLM(**engine_kwargs(args))
     if args.chat:
         ids = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:
