@@ -80,6 +80,7 @@ class LLM:
         seed: int = 0,
         tensor_parallel_size: int = 1,
         qsa: QSAConfig | str | None = None,
+        chat_template: str | os.PathLike | None = None,
     ):
         # What a tensor-parallel worker needs to build the same LLM (taken before any local).
         worker_args = {k: v for k, v in locals().items()
@@ -113,6 +114,10 @@ class LLM:
             # Tensor-parallel workers never detokenize: rank 0 does.
             self.tokenizer = (None if tensor_parallel_size > 1 and _in_tp_worker()
                               else loader.load_tokenizer(self.model_dir))
+        if chat_template is not None and self.tokenizer is not None:
+            self.tokenizer.chat_template = loader.read_chat_template(chat_template)
+        elif chat_template is not None and self.model_dir is None:
+            raise ConfigError("chat_template: dummy models have no tokenizer")
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
         self.max_model_len = min(max_model_len or self.spec.max_position_embeddings,

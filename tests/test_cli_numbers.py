@@ -154,7 +154,7 @@ def test_engine_options_reach_the_llm(command, monkeypatch):
     args = p.parse_args([*(["--prompt", "hi"] if command == "generate" else []),
                          "--gpu-memory-utilization", "0.5", "--block-size", "32",
                          "--enforce-eager", "--no-prefix-caching", "--seed", "7",
-                         "--qsa", "every4"])
+                         "--qsa", "every4", "--chat-template", "{{ x }}"])
     seen = {}
 
     class Stop(Exception):
@@ -168,6 +168,6 @@ def test_engine_options_reach_the_llm(command, monkeypatch):
     with pytest.raises(Stop):
         mod.run(args)
     assert {k: seen[k] for k in ("gpu_memory_utilization", "block_size", "enforce_eager",
-                                 "enable_prefix_caching", "seed", "qsa")} == {
+                                 "enable_prefix_caching", "seed", "qsa", "chat_template")} == {
         "gpu_memory_utilization": 0.5, "block_size": 32, "enforce_eager": True,
-        "enable_prefix_caching": False, "seed": 7, "qsa": "every4"}
+        "enable_prefix_caching": False, "seed": 7, "qsa": "every4", "chat_template": "{{ x }}"}

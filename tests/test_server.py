@@ -255,6 +255,29 @@ def test_tokenize_and_detokenize(srv, offline):
                       ).status_code == 401  # the API key guards it
 
 
+TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
+def test_chat_template_override(tiny_dir, tmp_path):
+    from kvcap.errors import ModelLoadError
+
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    msgs = [{"role": "user", "content": "Say hi"}]
+    for given in (TEMPLATE, str(tmp_path / "t.jinja")):
+        llm = LLM(model=str(tiny_dir), device="cpu", num_blocks=8, chat_template=given)
+        want = llm.tokenizer.encode("[user] Say hi\n[assistant]", add_special_tokens=False)
+        assert llm.apply_chat_template(msgs) == want
+    app = create_app(llm, served_model_name="tiny")
+    with ThreadedServer(app) as server:  # the server renders with the same template
+        r = httpx.post(f"{server.url}/tokenize", json={"model": "tiny", "messages": msgs})
+        assert r.json()["tokens"] == want
+    with pytest.raises(ModelLoadError, match="Jinja syntax error at line 1"):
+        LLM(model=str(tiny_dir), device="cpu", num_blocks=8, chat_template="{% for x %}")
+    with pytest.raises(ModelLoadError, match="neither a file nor a Jinja template"):
+        LLM(model=str(tiny_dir), device="cpu", num_blocks=8, chat_template="no-such.jinja")
+
+
 def test_n_choices_with_a_seed(srv):
     body = {"model": "tiny", "prompt": ["Hello", "Once upon"], "max_tokens": 6,
             "temperature": 1.0, "seed": 11, "ignore_eos": True}

@@ -81,6 +81,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="engine seed, from which requests that give no seed of their own "
                         "draw theirs (the same --seed samples the same text)")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) instead of the "
+                        "checkpoint's, or for a checkpoint without one")
     p.add_argument("--qsa", default=None, metavar="PRESET",
                    help="query-aware sparse attention: every4, all-but-2, ... with an optional "
                         ":TOKENS budget (default 2048), e.g. every4:1024 (docs/qsa.md)")
@@ -95,5 +98,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
         enforce_eager=args.enforce_eager, enable_prefix_caching=not args.no_prefix_caching,
-        seed=args.seed, qsa=args.qsa,
+        seed=args.seed, qsa=args.qsa, chat_template=args.chat_template,
     )

@@ -101,6 +101,29 @@ def load_tokenizer(model_dir: Path):
         raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {e}") from None
 
 
+def read_chat_template(template: str | os.PathLike) -> str:
+    """A Jinja chat template: `template` itself when it contains '{{' or '{%', else the text
+    of the file it names. Checked for Jinja syntax here, not at the first chat request."""
+    text = str(template)
+    if "{{" not in text and "{%" not in text:
+        path = Path(template).expanduser()
+        if not path.is_file():
+            raise ModelLoadError(f"chat template {text!r} is neither a file nor a Jinja "
+                                 "template ('{{ ... }}' / '{% ... %}')")
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"cannot read the chat template {str(path)!r}: {e}") from None
+    from jinja2 import Environment, TemplateSyntaxError
+
+    try:
+        Environment().parse(text)
+    except TemplateSyntaxError as e:
+        raise ModelLoadError(f"chat template: Jinja syntax error at line {e.lineno}: "
+                             f"{e.message}") from None
+    return text
+
+
 def dummy_config(arg: str) -> dict:
     """`dummy:/path/config.json` or `dummy:/path/dir` -> the HF config dict for random weights."""
     path = Path(arg[len(DUMMY_PREFIX):]).expanduser()

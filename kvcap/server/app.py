@@ -92,6 +92,8 @@ def create_app(
     aeng = AsyncEngine(llm.engine, max_pending=max_pending)
     # The engine thread detokenizes with llm.tokenizer; the event loop gets its own instance.
     tokenizer = load_tokenizer(llm.model_dir) if llm.model_dir is not None else None
+    if tokenizer is not None and llm.tokenizer is not None:  # e.g. set by --chat-template
+        tokenizer.chat_template = llm.tokenizer.chat_template
     serving = OpenAIServing(
         aeng, tokenizer, name, llm.max_model_len, llm.spec.vocab_size, poll_s=poll_s
     )
