@@ -1,0 +1,54 @@
+"""On a CUDA GPU: requests with penalties, logit bias, logprobs and prompt logprobs beside plain
+ones, through decode CUDA graphs with the engine's look-ahead on, give the tokens and logprobs of
+the eager serial loop (the adjusted rows skip the look-ahead; the plain ones keep it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcap import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+# the first two share a prompt (the second with penalties: its greedy text must differ)
+PROMPTS = ["The capital of France is", "The capital of France is", "Once upon a time,",
+           "List three primary colors:", "The history of computing spans centuries. " * 12]
+
+
+def _params() -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, frequency_penalty=0.6,
+                       presence_penalty=0.3, repetition_penalty=1.15, logit_bias={13: 3.0}),
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=7, max_tokens=40,
+                       ignore_eos=True, repetition_penalty=1.3, logprobs=3),
+        SamplingParams(temperature=0.7, seed=3, max_tokens=64, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=2, logprobs=0),
+    ]
+
+
+def _run(graphs: bool, overlap: bool):
+    llm = LLM(model="default", dtype="float16", kv_cache_memory_gib=2, max_num_seqs=8,
+              attention_backend="triton", enforce_eager=not graphs)
+    llm.engine.overlap = overlap
+    outs = llm.generate([llm.tokenizer.encode(p) for p in PROMPTS], _params(), use_tqdm=False)
+    return outs, llm.engine.num_steps_ahead
+
+
+def test_adjusted_and_logprob_requests_graphs_and_look_ahead_match_eager():
+    ref, none_ahead = _run(graphs=False, overlap=False)
+    got, ahead = _run(graphs=True, overlap=True)
+    assert none_ahead == 0 and ahead > 0  # the plain requests' last 24 tokens ran ahead
+    for a, b in zip(ref, got, strict=True):
+        assert a.token_ids == b.token_ids
+        for x, y in ((a.logprobs, b.logprobs), (a.prompt_logprobs, b.prompt_logprobs)):
+            assert (x is None) == (y is None)
+            for dx, dy in zip(x or [], y or [], strict=True):
+                assert (dx is None) == (dy is None)
+                if dx is not None:
+                    assert dx.keys() == dy.keys()
+                    assert max(abs(dx[k] - dy[k]) for k in dx) < 1e-3
+    assert ref[1].token_ids != ref[0].token_ids[:40]  # the penalties changed the text
+    assert len(ref[4].prompt_logprobs) == len(ref[4].prompt_token_ids)
