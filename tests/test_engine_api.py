@@ -71,6 +71,23 @@ def test_stop_strings_and_logprobs(llm):
     assert out.text.startswith(out2.text)
 
 
+def test_logprobs_of_a_batch_equal_each_request_alone(llm):
+    """Rows asking for different numbers of alternatives share one top-k pass per step
+    (values within FP32 batching noise: a batched matmul rounds differently)."""
+    prompts = ["Count: 1, 2, 3,", "The sky is", "Hello"]
+    params = [SamplingParams(temperature=0, max_tokens=6, logprobs=n, ignore_eos=True)
+              for n in (1, 4, 0)]
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    batch = llm.generate(prompts + ["No logprobs here"], params + [plain], use_tqdm=False)
+    for prompt, p, got in zip(prompts, params, batch, strict=False):
+        alone = llm.generate([prompt], p, use_tqdm=False)[0]
+        assert got.token_ids == alone.token_ids
+        for d, a, tok in zip(got.logprobs, alone.logprobs, got.token_ids, strict=True):
+            assert d.keys() == a.keys() and len(d) in (p.logprobs, p.logprobs + 1) and tok in d
+            assert list(d.values()) == pytest.approx(list(a.values()), abs=1e-4)
+    assert batch[3].logprobs is None
+
+
 def test_prompt_logits_in_row_blocks_equal_one_block(llm, monkeypatch):
     """Teacher-forced logits are computed PROMPT_LOGITS_ROWS rows at a time (memory beside the
     KV pool); blocks that split prefill chunks unevenly give the same logprobs and logits."""

@@ -364,21 +364,28 @@ class ModelRunner:
             vals, idx = compute_topn_logprobs(logits, n_lp)
             lsm = torch.log_softmax(logits, dim=-1)
             chosen = lsm[torch.arange(len(nxt)), torch.tensor(nxt, device=lsm.device)]
+            # one device->host copy each, not one per row
+            vals, idx, chosen = vals.tolist(), idx.tolist(), chosen.tolist()
             for r in range(len(nxt)):
-                d = dict(zip(idx[r].tolist(), vals[r].tolist(), strict=True))
-                d[nxt[r]] = float(chosen[r])
+                d = dict(zip(idx[r], vals[r], strict=True))
+                d[nxt[r]] = chosen[r]
                 ex.prompt_logprobs.append(d)
 
     def _collect_logprobs(self, reqs, extras, logits, tokens) -> None:
         want = [(j, r) for j, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
         if not want:
             return
-        lsm = torch.log_softmax(logits, dim=-1)
-        for j, r in want:
+        # The rows that ask, in one pass and three device->host copies (not three per row).
+        rows = [j for j, _ in want]
+        sel = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+        lsm = torch.log_softmax(logits.index_select(0, sel), dim=-1)
+        chosen_ids = torch.tensor([tokens[j] for j in rows], dtype=torch.int64)
+        chosen = lsm.gather(1, chosen_ids.to(lsm.device, non_blocking=True)[:, None])
+        most = max(r.sampling_params.logprobs for _, r in want)
+        vals, idx = torch.topk(lsm, most, dim=-1) if most else (lsm[:, :0], lsm[:, :0])
+        vals, idx, chosen = vals.tolist(), idx.tolist(), chosen.tolist()
+        for k, (j, r) in enumerate(want):
             n = r.sampling_params.logprobs
-            d: dict[int, float] = {}
-            if n:
-                vals, idx = torch.topk(lsm[j], n)
-                d = dict(zip(idx.tolist(), vals.tolist(), strict=True))
-            d[tokens[j]] = float(lsm[j, tokens[j]])
+            d = dict(zip(idx[k][:n], vals[k][:n], strict=True))
+            d[tokens[j]] = chosen[k][0]
             extras[r.request_id].logprobs.append(d)
