@@ -199,6 +199,7 @@ class LLM:
             eos.add(int(self.tokenizer.eos_token_id))
         self.config = dataclasses.replace(self.config, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(self.config, self.block_manager, eos_token_ids=eos)
+        self.runner.eos_token_ids = eos
         self.engine = Engine(self.runner, self.tokenizer, self.block_manager, self.scheduler,
                              self.max_model_len, seed=seed)
 

@@ -15,6 +15,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int = 16
+    min_tokens: int = 0  # no EOS, stop token or stop string before this many tokens
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -45,6 +46,9 @@ class SamplingParams:
             bad(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], got "
+                f"{self.min_tokens!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -71,6 +75,11 @@ class SamplingParams:
         """Any logit bias or penalty to apply before sampling."""
         return bool(self.logit_bias) or self.presence_penalty != 0.0 \
             or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def adjusts_logits_after(self, num_output_tokens: int) -> bool:
+        """Whether sampling the next token, after that many, adjusts logits: bias or
+        penalties, or stop tokens masked while under min_tokens."""
+        return self.adjusts_logits or num_output_tokens < self.min_tokens
 
     @property
     def greedy(self) -> bool:

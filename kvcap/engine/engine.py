@@ -176,11 +176,12 @@ class Engine:
     def _may_look_ahead(self, out: SchedulerOutput) -> bool:
         # Logprobs are read back after this step's tokens, and that read would queue behind a
         # step launched ahead, waiting for it; penalties count every token generated before
-        # the step, which a step launched ahead does not know yet: no overlap while a request
-        # asks for either.
+        # the step, which a step launched ahead does not know yet (min_tokens only needs the
+        # count, but is kept simple): no overlap while a request asks for either.
         return (self.overlap and self.runner.can_run_ahead() and not any(
             c.request.sampling_params.logprobs is not None
-            or c.request.sampling_params.adjusts_logits for c in out.chunks))
+            or c.request.sampling_params.adjusts_logits_after(len(c.request.output_token_ids) + 1)
+            for c in out.chunks))
 
     def _drop_ahead(self) -> None:
         """Forget the step launched ahead: its device work finishes unread (stream order keeps
@@ -192,7 +193,8 @@ class Engine:
                 if r.status == RequestStatus.FINISHED_ABORTED]
 
     def _check_stop_strings(self, req: Request) -> None:
-        if not req.sampling_params.stop:
+        if not req.sampling_params.stop or len(req.output_token_ids) < \
+                req.sampling_params.min_tokens:
             return
         text = self._decode(req)
         hits = [(text.find(s), s) for s in req.sampling_params.stop if s in text]

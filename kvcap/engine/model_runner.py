@@ -114,6 +114,7 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs()
         self.context_classes: list[int] | None = None  # set_context_classes (CUDA)
         self.timer = None  # kvcap.engine.timing.StepTimer while step timing is on (rank 0)
+        self.eos_token_ids: set[int] = set()  # masked under a request's min_tokens (LLM sets)
 
     def set_context_classes(self, max_model_len: int) -> None:
         """Eager decode steps on CUDA report the graph context class as their max_seq_len (it
@@ -288,7 +289,8 @@ class ModelRunner:
         if logits is None:
             return PendingStep(reqs, None, None, None)
         raw = None
-        adjust = [j for j, r in enumerate(reqs) if r.sampling_params.adjusts_logits]
+        adjust = [j for j, r in enumerate(reqs)
+                  if r.sampling_params.adjusts_logits_after(len(r.output_token_ids))]
         if adjust:
             raw, logits = logits, self._adjusted(logits, [reqs[j] for j in adjust], adjust,
                                                  extras)
@@ -305,8 +307,7 @@ class ModelRunner:
         return PendingStep(reqs, logits, self.sampler.sample(logits, batch, resolve=False),
                            batch, raw_logits=raw).start_copy()
 
-    @staticmethod
-    def _adjusted(logits: torch.Tensor, reqs: list[Request], rows: list[int],
+    def _adjusted(self, logits: torch.Tensor, reqs: list[Request], rows: list[int],
                   extras: dict[str, RequestExtras]) -> torch.Tensor:
         """Logits with the listed rows' bias and penalties applied (a copy). The engine does
         not launch ahead for such requests, so their outputs so far are all known."""
@@ -314,7 +315,9 @@ class ModelRunner:
         for r in reqs:
             ex = extras[r.request_id]
             if ex.penalties is None:
-                ex.penalties = PenaltyState()
+                sp = r.sampling_params
+                ex.penalties = PenaltyState(stops=sorted(set(sp.stop_token_ids) | (
+                    set() if sp.ignore_eos else self.eos_token_ids)))
             ex.penalties.update(r.prompt_token_ids, r.output_token_ids)
             states.append(ex.penalties)
         return adjust_logits(logits, rows, [r.sampling_params for r in reqs], states)

@@ -306,9 +306,10 @@ class Scheduler:
     def _check_stop(self, req: Request) -> tuple[RequestStatus, str | int | None] | None:
         params = req.sampling_params
         token = req.output_token_ids[-1]
-        if token in params.stop_token_ids:
+        may_stop = len(req.output_token_ids) > params.min_tokens  # (masked below it)
+        if may_stop and token in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED, token
-        if not params.ignore_eos and token in self.eos_token_ids:
+        if may_stop and not params.ignore_eos and token in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED, None
         if len(req.output_token_ids) >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH, None

@@ -7,6 +7,8 @@ Semantics (those of the OpenAI API and vLLM), applied in this order to a row's F
   far: a positive logit is divided by r, a negative one multiplied by r.
 - `presence_penalty` p and `frequency_penalty` f over the output so far, with c the number of
   times a token was generated: logit -= p * (c > 0) + f * c.
+- `min_tokens` m: while fewer than m tokens were generated, the stop tokens (`stop_token_ids`,
+  and EOS unless `ignore_eos`) get -inf.
 
 Only the rows that ask are touched and only their tokens' entries are written, from index
 lists built on the host (the counts are kept per request and grow by one token a step,
@@ -26,8 +28,10 @@ from kvcap.sampling_params import SamplingParams
 
 @dataclass
 class PenaltyState:
-    """One request's token counts: its outputs counted so far, the set of prompt tokens."""
+    """One request's token counts: its outputs counted so far, the set of prompt tokens, and
+    the tokens that stop it (masked under min_tokens)."""
 
+    stops: list[int] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)
     counted: int = 0
     prompt: set[int] | None = None
@@ -46,7 +50,11 @@ def adjust_logits(logits: torch.Tensor, rows: list[int], params: list[SamplingPa
     bias: tuple[list[int], list[int], list[float]] = ([], [], [])
     rep: tuple[list[int], list[int], list[float]] = ([], [], [])
     pen: tuple[list[int], list[int], list[float]] = ([], [], [])
+    mask: tuple[list[int], list[int], list[float]] = ([], [], [])
     for row, sp, st in zip(rows, params, states, strict=True):
+        if st.counted < sp.min_tokens:
+            for tok in st.stops:
+                _add(mask, row, tok, 0.0)
         for tok, b in (sp.logit_bias or {}).items():
             _add(bias, row, int(tok), float(b))
         if sp.repetition_penalty != 1.0:
@@ -65,6 +73,9 @@ def adjust_logits(logits: torch.Tensor, rows: list[int], params: list[SamplingPa
     if pen[0]:
         r, t, v = _tensors(pen, out.device)
         out[r, t] -= v  # (row, token) pairs are unique: each token counted once per row
+    if mask[0]:
+        r, t, _ = _tensors(mask, out.device)
+        out[r, t] = float("-inf")
     return out
 
 

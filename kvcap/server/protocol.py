@@ -3,8 +3,11 @@
 Requests are parsed strictly (`"8"` is not an integer) and unknown fields are ignored, like the
 OpenAI API. Fields that kvcap does not implement are accepted only at their neutral value;
 anything else is refused with a 400 that names the field, never silently ignored.
-`top_k`, `min_p`, `repetition_penalty`, `ignore_eos` and `stop_token_ids` are accepted as
-extensions (vLLM style); penalties and `logit_bias` as in kvcap/sampling/penalties.py.
+`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos` and `stop_token_ids` are
+accepted as extensions (vLLM style); penalties and `logit_bias` as in
+kvcap/sampling/penalties.py. vLLM extensions kvcap does not implement (beam search, guided
+decoding, ...) are named so that a request using them is refused rather than silently served
+without them.
 `n` choices per prompt run as n engine requests; with a `seed`, choice j samples with seed + j.
 Log-probabilities (`logprobs`, chat's `top_logprobs`, up to MAX_LOGPROBS alternatives) and
 completions' `echo` are formatted by `kvcap.server.logprobs`.
@@ -91,11 +94,28 @@ class _SamplingFields(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # vLLM extensions not implemented: refused unless neutral (see `unsupported`)
+    use_beam_search: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     def unsupported(self) -> list[str]:
-        return []
+        bad = [name for name in ("guided_json", "guided_regex", "guided_choice",
+                                 "guided_grammar") if getattr(self, name) is not None]
+        if self.use_beam_search:
+            bad.append("use_beam_search")
+        if self.include_stop_str_in_output:
+            bad.append("include_stop_str_in_output")
+        if not self.skip_special_tokens:
+            bad.append("skip_special_tokens")
+        return bad
 
     @property
     def include_usage(self) -> bool:
@@ -127,6 +147,8 @@ class _SamplingFields(BaseModel):
             ),
             ("stop", all(self.stop_list), "must be non-empty strings"),
             ("n", 1 <= self.n <= MAX_N, f"must be in [1, {MAX_N}], got {self.n}"),
+            ("min_tokens", 0 <= self.min_tokens <= max_tokens,
+             f"must be in [0, max_tokens = {max_tokens}], got {self.min_tokens}"),
             *[(name, v is None or -2.0 <= v <= 2.0, f"must be in [-2, 2], got {v}")
               for name, v in (("presence_penalty", self.presence_penalty),
                               ("frequency_penalty", self.frequency_penalty))],
@@ -155,6 +177,7 @@ class _SamplingFields(BaseModel):
             min_p=self.min_p or 0.0,
             seed=self.seed,
             max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
             stop=self.stop_list,
             ignore_eos=self.ignore_eos,
             stop_token_ids=list(self.stop_token_ids or []),
