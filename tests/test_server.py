@@ -278,6 +278,37 @@ def test_chat_template_override(tiny_dir, tmp_path):
         LLM(model=str(tiny_dir), device="cpu", num_blocks=8, chat_template="no-such.jinja")
 
 
+def test_checkpoint_sampling_defaults(tiny_dir, offline, tmp_path):
+    import shutil
+
+    from kvcap.errors import ModelLoadError
+    from kvcap.models.loader import read_sampling_defaults
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_dir, model)
+    cfg = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(
+        {**cfg, "temperature": 0.0, "top_p": 0.5, "do_sample": True}))
+    defaults = read_sampling_defaults(model)
+    assert defaults == {"temperature": 0.0, "top_p": 0.5}
+    llm = LLM(model=str(model), device="cpu", num_blocks=16)
+    with ThreadedServer(create_app(llm, served_model_name="tiny",
+                                   sampling_defaults=defaults)) as server:
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8,
+                "ignore_eos": True}
+        r = httpx.post(f"{server.url}/v1/completions", json=body).json()
+        assert r["choices"][0]["text"] == greedy(offline, "Once upon a time", 8,
+                                                 ignore_eos=True)  # the default: greedy
+        sampled = [httpx.post(f"{server.url}/v1/completions",
+                              json={**body, "temperature": 1.0, "seed": s}).json()
+                   for s in range(3)]  # a request's own value wins
+        assert len({o["choices"][0]["text"] for o in sampled}) > 1
+    (model / "generation_config.json").write_text(json.dumps({"top_p": 7}))
+    with pytest.raises(ModelLoadError, match="top_p = 7 is not a valid sampling value"):
+        read_sampling_defaults(model)
+    assert read_sampling_defaults(None) == {}
+
+
 def test_n_choices_with_a_seed(srv):
     body = {"model": "tiny", "prompt": ["Hello", "Once upon"], "max_tokens": 6,
             "temperature": 1.0, "seed": 11, "ignore_eos": True}

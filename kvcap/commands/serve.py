@@ -48,6 +48,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="model name clients must send (default: the --model value)",
     )
     p.add_argument(
+        "--generation-config",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto: the checkpoint's generation_config.json sampling values (temperature, "
+        "top_p, top_k, min_p, repetition_penalty) are the defaults of requests that leave them "
+        "out; none: OpenAI's defaults (temperature 1, no filtering)",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=non_negative_float,
         default=30.0,
@@ -65,12 +73,22 @@ def run(args: argparse.Namespace) -> int:
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
     llm = LLM(**engine_kwargs(args))  # runs the gate; raises before the port is bound
+    defaults = {}
+    if args.generation_config == "auto":
+        from kvcap.models.loader import read_sampling_defaults
+
+        defaults = read_sampling_defaults(llm.model_dir)
+        if defaults:
+            logger.info("sampling defaults from the checkpoint's generation_config.json: %s "
+                        "(requests override them; --generation-config none ignores them)",
+                        defaults)
     app = create_app(
         llm,
         served_model_name=args.served_model_name or args.model,
         api_key=args.api_key,
         max_pending=args.max_num_seqs + args.max_queue,
         shutdown_grace_s=args.shutdown_timeout,
+        sampling_defaults=defaults,
     )
     config = uvicorn.Config(
         app,

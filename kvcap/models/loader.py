@@ -101,6 +101,38 @@ def load_tokenizer(model_dir: Path):
         raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {e}") from None
 
 
+# generation_config.json keys a checkpoint may set as its sampling defaults, with the values
+# kvcap accepts for them (SamplingParams.validate has the same ranges).
+SAMPLING_DEFAULT_KEYS = {
+    "temperature": lambda v: isinstance(v, (int, float)) and v >= 0,
+    "top_p": lambda v: isinstance(v, (int, float)) and 0 < v <= 1,
+    "top_k": lambda v: isinstance(v, int) and v >= -1,
+    "min_p": lambda v: isinstance(v, (int, float)) and 0 <= v <= 1,
+    "repetition_penalty": lambda v: isinstance(v, (int, float)) and v > 0,
+}
+
+
+def read_sampling_defaults(model_dir: Path | None) -> dict[str, float]:
+    """The sampling defaults a checkpoint's generation_config.json sets (temperature, top_p,
+    top_k, min_p, repetition_penalty), as vLLM's `--generation-config auto` takes them; {}
+    without the file. A value out of range is an error naming the key, not a silent skip."""
+    path = None if model_dir is None else Path(model_dir) / "generation_config.json"
+    if path is None or not path.is_file():
+        return {}
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from None
+    out = {}
+    for key, ok in SAMPLING_DEFAULT_KEYS.items():
+        if key in cfg and cfg[key] is not None:
+            if not ok(cfg[key]):
+                raise ModelLoadError(f"{path}: {key} = {cfg[key]!r} is not a valid sampling "
+                                     "value; fix it or pass --generation-config none")
+            out[key] = cfg[key]
+    return out
+
+
 def read_chat_template(template: str | os.PathLike) -> str:
     """A Jinja chat template: `template` itself when it contains '{{' or '{%', else the text
     of the file it names. Checked for Jinja syntax here, not at the first chat request."""

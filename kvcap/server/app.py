@@ -84,8 +84,11 @@ def create_app(
     max_pending: int = 256,
     shutdown_grace_s: float = 30.0,
     poll_s: float = 1.0,
+    sampling_defaults: dict[str, Any] | None = None,
 ) -> FastAPI:
-    """`max_pending`: unfinished requests admitted at once (running + queued); more -> 429."""
+    """`max_pending`: unfinished requests admitted at once (running + queued); more -> 429.
+    `sampling_defaults`: temperature / top_p / top_k / min_p / repetition_penalty for requests
+    that leave them out (the checkpoint's generation config: loader.read_sampling_defaults)."""
     from kvcap.models.loader import load_tokenizer
 
     name = served_model_name or "default"
@@ -95,7 +98,8 @@ def create_app(
     if tokenizer is not None and llm.tokenizer is not None:  # e.g. set by --chat-template
         tokenizer.chat_template = llm.tokenizer.chat_template
     serving = OpenAIServing(
-        aeng, tokenizer, name, llm.max_model_len, llm.spec.vocab_size, poll_s=poll_s
+        aeng, tokenizer, name, llm.max_model_len, llm.spec.vocab_size, poll_s=poll_s,
+        sampling_defaults=sampling_defaults,
     )
     pool = llm.pool
     info = ServerInfo(

@@ -121,8 +121,11 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """Build SamplingParams; every bad value raises APIError(400) naming its field."""
+    def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None
+                        ) -> SamplingParams:
+        """Build SamplingParams; every bad value raises APIError(400) naming its field.
+        `defaults` (the checkpoint's generation config) fill the sampling fields the request
+        leaves out, before OpenAI's own defaults."""
         checks: list[tuple[str, bool, str]] = [
             ("max_tokens", max_tokens >= 1, f"must be at least 1, got {max_tokens}"),
             (
@@ -170,11 +173,16 @@ class _SamplingFields(BaseModel):
                 code="unsupported_parameter",
             )
         logprobs, prompt_logprobs = self.logprob_counts()
+        given = {**{"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                    "repetition_penalty": 1.0}, **(defaults or {})}
+        for name in given:
+            if getattr(self, name) is not None:
+                given[name] = getattr(self, name)
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else float(self.temperature),
-            top_p=1.0 if self.top_p is None else float(self.top_p),
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=float(given["temperature"]),
+            top_p=float(given["top_p"]),
+            top_k=int(given["top_k"]),
+            min_p=float(given["min_p"]),
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -185,7 +193,7 @@ class _SamplingFields(BaseModel):
             prompt_logprobs=prompt_logprobs,
             presence_penalty=float(self.presence_penalty or 0.0),
             frequency_penalty=float(self.frequency_penalty or 0.0),
-            repetition_penalty=float(self.repetition_penalty or 1.0),
+            repetition_penalty=float(given["repetition_penalty"]),
             logit_bias=self.token_biases(),
         )
 

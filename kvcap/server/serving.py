@@ -99,11 +99,13 @@ class OpenAIServing:
         max_model_len: int,
         vocab_size: int,
         poll_s: float = 1.0,
+        sampling_defaults: dict[str, Any] | None = None,
     ):
         self.aeng, self.tokenizer, self.model_name = aeng, tokenizer, model_name
         self.max_model_len, self.vocab_size, self.poll_s = max_model_len, vocab_size, poll_s
         self.bm = aeng.engine.block_manager
         self.token_texts = TokenTexts(tokenizer)
+        self.sampling_defaults = dict(sampling_defaults or {})
 
     # ----------------------------------------------------------------- validation
     def check_model(self, name: str) -> None:
@@ -195,7 +197,8 @@ class OpenAIServing:
                 param=prompt_field,
                 code="context_length_exceeded",
             )
-        params = req.sampling_params(ctx - n if max_tokens is None else max_tokens)
+        params = req.sampling_params(ctx - n if max_tokens is None else max_tokens,
+                                     self.sampling_defaults)
         if any(t >= self.vocab_size for t in params.logit_bias or {}):
             raise P.APIError(400, f"logit_bias: token ids must be in [0, {self.vocab_size})",
                              param="logit_bias")
