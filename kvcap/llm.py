@@ -200,6 +200,7 @@ class LLM:
         self.config = dataclasses.replace(self.config, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(self.config, self.block_manager, eos_token_ids=eos)
         self.runner.eos_token_ids = eos
+        self.runner.tokenizer = self.tokenizer
         self.engine = Engine(self.runner, self.tokenizer, self.block_manager, self.scheduler,
                              self.max_model_len, seed=seed)
 

@@ -26,6 +26,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # [-2, 2], times each token's count in the output
     repetition_penalty: float = 1.0  # > 0, over prompt and output tokens (1 = off)
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
+    json_object: bool = False  # output one JSON object, then stop (kvcap/engine/json_mode.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +65,9 @@ class SamplingParams:
         r = self.repetition_penalty
         if not isinstance(r, (int, float)) or not 0.0 < r < float("inf"):
             bad(f"repetition_penalty must be a positive number (1 = off), got {r!r}")
+        if self.json_object and (self.ignore_eos or self.min_tokens):
+            bad("json_object ends the output with EOS once the object is complete: it cannot "
+                "be combined with ignore_eos or min_tokens")
         for tok, b in (self.logit_bias or {}).items():
             if not isinstance(tok, int) or tok < 0:
                 bad(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")

@@ -1,6 +1,6 @@
-"""On a CUDA GPU: requests with penalties, logit bias, logprobs and prompt logprobs beside plain
-ones, through decode CUDA graphs with the engine's look-ahead on, give the tokens and logprobs of
-the eager serial loop (the adjusted rows skip the look-ahead; the plain ones keep it)."""
+"""On a CUDA GPU: requests with penalties, logit bias, logprobs, prompt logprobs and JSON mode
+beside plain ones, through decode CUDA graphs with the engine's look-ahead on, give the tokens
+and logprobs of the eager serial loop (those rows skip the look-ahead; the plain ones keep it)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ pytestmark = [pytest.mark.gpu,
 
 # the first two share a prompt (the second with penalties: its greedy text must differ)
 PROMPTS = ["The capital of France is", "The capital of France is", "Once upon a time,",
-           "List three primary colors:", "The history of computing spans centuries. " * 12]
+           "List three primary colors:", "The history of computing spans centuries. " * 12,
+           "A JSON object describing a cat:"]
 
 
 def _params() -> list[SamplingParams]:
@@ -26,6 +27,7 @@ def _params() -> list[SamplingParams]:
                        ignore_eos=True, repetition_penalty=1.3, logprobs=3),
         SamplingParams(temperature=0.7, seed=3, max_tokens=64, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=2, logprobs=0),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=40, json_object=True),
     ]
 
 

@@ -213,7 +213,7 @@ def test_chat_logprobs_through_the_openai_client(srv, offline):
 
 
 def test_token_texts_give_each_tokens_exact_bytes(offline):
-    from kvcap.server.logprobs import TokenTexts
+    from kvcap.engine.token_bytes import TokenTexts
 
     texts = TokenTexts(offline.tokenizer)
     assert texts.byte_level
@@ -309,6 +309,21 @@ def test_checkpoint_sampling_defaults(tiny_dir, offline, tmp_path):
     assert read_sampling_defaults(None) == {}
 
 
+def test_json_object_response_format(srv):
+    from kvcap.sampling.json_prefix import START, feed
+
+    msgs = [{"role": "user", "content": "Answer in JSON"}]
+    r = srv.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10,
+                                           temperature=0.9, seed=2,
+                                           response_format={"type": "json_object"})
+    text = r.choices[0].message.content  # a random model: at least a JSON object's start
+    assert text.lstrip().startswith("{") and feed(START, text.encode()) is not None
+    streamed = "".join(c.choices[0].delta.content or "" for c in srv.client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=10, temperature=0.9, seed=2, stream=True,
+        response_format={"type": "json_object"}) if c.choices)
+    assert streamed == text
+
+
 def test_n_choices_with_a_seed(srv):
     body = {"model": "tiny", "prompt": ["Hello", "Once upon"], "max_tokens": 6,
             "temperature": 1.0, "seed": 11, "ignore_eos": True}
@@ -371,6 +386,12 @@ CASES = [
     (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
             "guided_json": {"type": "object"}}, 400, "guided_json",
      "guided_json: only the default value is supported"),
+    (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
+     "response_format", "response_format: only the default value is supported"),
+    (CMPL, {"model": "tiny", "prompt": "x", "response_format": {"type": "json_object"},
+            "ignore_eos": True}, 400, "response_format",
+     "response_format: json_object cannot be combined with ignore_eos"),
     (CMPL, {"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs",
      "logprobs: must be in [0, 20], got 21"),
     (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x"}],

@@ -14,15 +14,16 @@ distribution, before temperature and top-k/top-p/min-p, as in vLLM.
   [N x {token, logprob, bytes}]}]}`.
 
 A token's text is its bytes decoded as UTF-8 (a token that ends inside a multi-byte character
-shows U+FFFD); `bytes` are the token's own bytes, so a client can join them exactly. JSON has no
+shows U+FFFD); `bytes` are the token's own bytes (`kvcap.engine.token_bytes`), so a client can
+join them exactly. JSON has no
 infinities: a log-probability of -inf (a masked logit) is sent as -9999.0, as vLLM does.
 """
 
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
+from kvcap.engine.token_bytes import TokenTexts
 from kvcap.server import protocol as P
 
 MIN_LOGPROB = -9999.0
@@ -30,52 +31,6 @@ MIN_LOGPROB = -9999.0
 
 def _finite(v: float) -> float:
     return v if math.isfinite(v) else MIN_LOGPROB
-
-
-@lru_cache(maxsize=1)
-def _byte_level_decoder() -> dict[str, int]:
-    """The byte-level BPE alphabet (GPT-2's): printable bytes stand for themselves, the others
-    are shifted to code points from 256 up, in byte order; this is its inverse."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
-class TokenTexts:
-    """Token id -> (text, bytes), cached. Byte-level BPE tokenizers give a token's exact bytes;
-    others fall back to decoding the token alone. Without a tokenizer a token is `token_id:N`."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        decoder = getattr(backend, "decoder", None)
-        self.byte_level = type(decoder).__name__ == "ByteLevel"
-        self._cache: dict[int, tuple[str, list[int]]] = {}
-
-    def __call__(self, tok: int) -> tuple[str, list[int]]:
-        hit = self._cache.get(tok)
-        if hit is None:
-            hit = self._cache[tok] = self._lookup(tok)
-        return hit
-
-    def _lookup(self, tok: int) -> tuple[str, list[int]]:
-        if self.tokenizer is None:
-            text = f"token_id:{tok}"
-            return text, list(text.encode())
-        if self.byte_level:
-            piece = self.tokenizer.convert_ids_to_tokens(tok)
-            table = _byte_level_decoder()
-            if isinstance(piece, str) and piece and all(c in table for c in piece):
-                raw = bytes(table[c] for c in piece)
-                return raw.decode("utf-8", errors="replace"), list(raw)
-        text = self.tokenizer.decode([tok])
-        return text, list(text.encode())
 
 
 def _top(d: dict[int, float], n: int) -> list[tuple[int, float]]:

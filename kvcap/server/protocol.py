@@ -94,6 +94,7 @@ class _SamplingFields(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object"}
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -115,7 +116,14 @@ class _SamplingFields(BaseModel):
             bad.append("include_stop_str_in_output")
         if not self.skip_special_tokens:
             bad.append("skip_special_tokens")
+        if self.response_format and self.response_format.get("type") not in ("text",
+                                                                             "json_object"):
+            bad.append("response_format")  # json_schema: not implemented
         return bad
+
+    @property
+    def json_object(self) -> bool:
+        return bool(self.response_format) and self.response_format.get("type") == "json_object"
 
     @property
     def include_usage(self) -> bool:
@@ -152,6 +160,8 @@ class _SamplingFields(BaseModel):
             ("n", 1 <= self.n <= MAX_N, f"must be in [1, {MAX_N}], got {self.n}"),
             ("min_tokens", 0 <= self.min_tokens <= max_tokens,
              f"must be in [0, max_tokens = {max_tokens}], got {self.min_tokens}"),
+            ("response_format", not (self.json_object and (self.ignore_eos or self.min_tokens)),
+             "json_object cannot be combined with ignore_eos or min_tokens"),
             *[(name, v is None or -2.0 <= v <= 2.0, f"must be in [-2, 2], got {v}")
               for name, v in (("presence_penalty", self.presence_penalty),
                               ("frequency_penalty", self.frequency_penalty))],
@@ -195,6 +205,7 @@ class _SamplingFields(BaseModel):
             frequency_penalty=float(self.frequency_penalty or 0.0),
             repetition_penalty=float(given["repetition_penalty"]),
             logit_bias=self.token_biases(),
+            json_object=self.json_object,
         )
 
     def token_biases(self) -> dict[int, float] | None:
@@ -277,14 +288,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
         if self.tools:
             bad.append("tools")
-        if self.response_format and self.response_format.get("type") != "text":
-            bad.append("response_format")
         return bad
 
     def logprob_checks(self) -> list[tuple[str, bool, str]]:

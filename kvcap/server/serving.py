@@ -21,6 +21,7 @@ from typing import Any
 from starlette.requests import Request
 
 from kvcap.engine.engine import RequestOutput
+from kvcap.engine.token_bytes import TokenTexts
 from kvcap.server import protocol as P
 from kvcap.server.async_engine import (
     AsyncEngine,
@@ -29,7 +30,6 @@ from kvcap.server.async_engine import (
     ServerBusy,
     ServiceUnavailable,
 )
-from kvcap.server.logprobs import TokenTexts
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +199,9 @@ class OpenAIServing:
             )
         params = req.sampling_params(ctx - n if max_tokens is None else max_tokens,
                                      self.sampling_defaults)
+        if params.json_object and self.tokenizer is None:
+            raise P.APIError(400, "response_format: json_object needs the model's tokenizer",
+                             param="response_format")
         if any(t >= self.vocab_size for t in params.logit_bias or {}):
             raise P.APIError(400, f"logit_bias: token ids must be in [0, {self.vocab_size})",
                              param="logit_bias")
