@@ -118,4 +118,5 @@ def test_min_tokens_holds_back_eos_and_stop_strings(llm):
     assert held.token_ids[:len(free.token_ids) - 1] == free.token_ids[:-1]  # same until EOS
     stop = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=64, min_tokens=n,
                                          stop=[free.text[:2]]), use_tqdm=False)[0]
-    assert len(stop.token_ids) >= n  # the stop string at the very start was not applied
+    assert len(stop.token_ids) >= n  # the stop string at the very start was not applied,
+    assert stop.text.startswith(free.text[:2])  # nor found there once min_tokens had passed

@@ -52,6 +52,7 @@ class Engine:
         self.extras: dict[str, RequestExtras] = {}
         self._rng = random.Random(seed)
         self._truncated: dict[str, str] = {}  # text cut at a stop string
+        self._stop_scanned: dict[str, int] = {}  # text length already searched for stops
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.timer = None  # kvcap.engine.timing.StepTimer while step timing is on
         # Queue the next decode step before reading this one's tokens (see the module doc), when
@@ -197,11 +198,20 @@ class Engine:
                 if r.status == RequestStatus.FINISHED_ABORTED]
 
     def _check_stop_strings(self, req: Request) -> None:
-        if not req.sampling_params.stop or len(req.output_token_ids) < \
-                req.sampling_params.min_tokens:
+        stops = req.sampling_params.stop
+        if not stops:
             return
         text = self._decode(req)
-        hits = [(text.find(s), s) for s in req.sampling_params.stop if s in text]
+        # Search only text that can hold a stop string not seen before: from where the last
+        # search ended, less the longest stop string (it may straddle the boundary) and a few
+        # characters the detokenizer may still rewrite. Linear in the output's length; text
+        # generated under min_tokens is passed over, as vLLM does.
+        rid = req.request_id
+        start = max(0, self._stop_scanned.get(rid, 0) - max(map(len, stops)) - 3)
+        self._stop_scanned[rid] = len(text)
+        if len(req.output_token_ids) < req.sampling_params.min_tokens:
+            return
+        hits = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
         if hits:
             idx, s = min(hits)
             self._truncated[req.request_id] = text[:idx]
@@ -245,6 +255,7 @@ class Engine:
         self.requests.pop(req.request_id, None)
         self.extras.pop(req.request_id, None)
         self._truncated.pop(req.request_id, None)
+        self._stop_scanned.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)
 
     def sync(self) -> None:
