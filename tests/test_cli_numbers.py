@@ -171,3 +171,24 @@ def test_engine_options_reach_the_llm(command, monkeypatch):
                                  "enable_prefix_caching", "seed", "qsa", "chat_template")} == {
         "gpu_memory_utilization": 0.5, "block_size": 32, "enforce_eager": True,
         "enable_prefix_caching": False, "seed": 7, "qsa": "every4", "chat_template": "{{ x }}"}
+
+
+def test_generate_sampling_options_reach_the_request(monkeypatch):
+    from types import SimpleNamespace
+
+    from kvcap.commands import generate
+
+    p = argparse.ArgumentParser()
+    generate.add_arguments(p)
+    args = p.parse_args(["--prompt", "hi", "--json", "--repetition-penalty", "1.2",
+                         "--presence-penalty", "0.5", "--frequency-penalty", "-0.5",
+                         "--min-p", "0.1", "--temperature", "0.7"])
+    seen = []
+    engine = SimpleNamespace(add_request=lambda rid, ids, params: seen.append(params),
+                             has_unfinished=lambda: False)
+    fake = SimpleNamespace(engine=engine, tokenizer=SimpleNamespace(encode=lambda *a, **k: [1]))
+    monkeypatch.setattr("kvcap.llm.LLM", lambda **kw: fake)
+    assert generate.run(args) == 0
+    sp = seen[0]
+    assert (sp.json_object, sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty,
+            sp.min_p, sp.temperature) == (True, 1.2, 0.5, -0.5, 0.1, 0.7)

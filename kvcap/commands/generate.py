@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="> 1 discourages tokens already in the prompt or output (1 = off)")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
+    p.add_argument("--json", action="store_true",
+                   help="JSON mode: the output is one JSON object (then it stops)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
                             max_tokens=args.max_tokens, min_p=args.min_p,
                             repetition_penalty=args.repetition_penalty,
                             presence_penalty=args.presence_penalty,
-                            frequency_penalty=args.frequency_penalty)
+                            frequency_penalty=args.frequency_penalty,
+                            json_object=args.json)
     llm = LLM(**engine_kwargs(args))
     if args.chat:
         ids = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
