@@ -2,7 +2,8 @@
 `/tokenize` and `/detokenize`, plus `/health` and Prometheus `/metrics` (the only routes an
 API key does not guard: probes and scrapers carry none).
 
-`create_app(llm, ...)` wraps an already-built LLM (the E4M3 gate has run by then). The engine
+The two completion routes' work is in `completions.py`. `create_app(llm, ...)` wraps an
+already-built LLM (the E4M3 gate has run by then). The engine
 loop starts with the app's lifespan and shuts down gracefully with it. Errors always use the
 OpenAI body `{"error": {"message", "type", "param", "code"}}`.
 """
@@ -15,20 +16,18 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvcap.engine.engine import RequestOutput
 from kvcap.server import protocol as P
 from kvcap.server.async_engine import AsyncEngine
-from kvcap.server.logprobs import chat_logprobs, completion_logprobs
+from kvcap.server.completions import chat_completion, completion
 from kvcap.server.metrics import CONTENT_TYPE, ServerInfo, ServerMetrics
 from kvcap.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 OPEN_PATHS = ("/health", "/metrics")
 
 
@@ -164,116 +163,12 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = P.parse_request(await request.body(), P.CompletionRequest)
-        serving.check_model(req.model)
-        prompts = serving.completion_prompts(req.prompt)
-        if len(prompts) * req.n > max_pending:
-            raise P.APIError(400, f"prompt: at most {max_pending} prompts x n choices per "
-                             "request", param="prompt")
-        params = [serving.params_for(req, ids, req.max_tokens, "prompt") for ids in prompts]
-        streams = serving.submit(serving.choices(list(zip(prompts, params, strict=True)), req.n))
-        echoes = serving.prompt_texts(req.prompt, prompts) if req.echo else None
-        rid, created = P.new_id("cmpl"), P.now()
-        texts = serving.token_texts
-        offsets = [0] * len(streams)  # where each choice's next token text starts
-
-        def logprobs(i: int, ids: list[int], lps: list) -> P.CompletionLogprobs | None:
-            if req.logprobs is None or not ids:
-                return None
-            lp = completion_logprobs(texts, ids, lps, offsets[i])
-            offsets[i] += sum(len(t) for t in lp.tokens)
-            return lp
-
-        def response(choices: list[P.CompletionChoice], usage: P.UsageInfo | None = None):
-            return P.CompletionResponse(id=rid, created=created, model=name, choices=choices,
-                                        usage=usage)
-
-        def opening(i: int, out: RequestOutput) -> P.CompletionResponse:
-            return response([P.CompletionChoice(
-                index=i, text=echoes[i // req.n],
-                logprobs=logprobs(i, out.prompt_token_ids, out.prompt_logprobs or []))])
-
-        def chunk(i: int | None, text: str = "", finish: str | None = None, role: bool = False,
-                  usage: P.UsageInfo | None = None, out: RequestOutput | None = None,
-                  span: tuple[int, int] = (0, 0)):
-            if role:
-                return None
-            if i is None:
-                return response([], usage)
-            lp = logprobs(i, out.token_ids[slice(*span)], out.logprobs[slice(*span)]) \
-                if out is not None and out.logprobs is not None else None
-            return response([P.CompletionChoice(index=i, text=text, finish_reason=finish,
-                                                logprobs=lp)])
-
-        if req.stream:
-            return _sse(serving, streams, req, chunk, opening if req.echo else None)
-        outs = await serving.collect(streams, request)
-        choices = []
-        for i, o in enumerate(outs):
-            echo = echoes[i // req.n] if req.echo else ""
-            lp = None
-            if req.logprobs is not None:
-                head = (o.prompt_token_ids, o.prompt_logprobs) if req.echo else ([], [])
-                lp = logprobs(i, head[0] + o.token_ids, head[1] + o.logprobs)
-            choices.append(P.CompletionChoice(index=i, text=echo + o.text, logprobs=lp,
-                                              finish_reason=o.finish_reason))
-        return JSONResponse(response(choices, _usage(outs, req.n)).model_dump())
+        return await completion(serving, name, max_pending, req, request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         req = P.parse_request(await request.body(), P.ChatCompletionRequest)
-        serving.check_model(req.model)
-        ids = serving.chat_prompt(req)
-        max_tokens = (
-            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        )
-        if req.n > max_pending:
-            raise P.APIError(400, f"n: at most {max_pending} choices per request", param="n")
-        params = serving.params_for(req, ids, max_tokens, "messages")
-        streams = serving.submit(serving.choices([(ids, params)], req.n))
-        rid, created = P.new_id("chatcmpl"), P.now()
-        top_n = req.top_logprobs or 0
-
-        def logprobs(out: RequestOutput, span: tuple[int, int]) -> P.ChatLogprobs | None:
-            if out.logprobs is None:
-                return None
-            return chat_logprobs(serving.token_texts, out.token_ids[slice(*span)],
-                                 out.logprobs[slice(*span)], top_n)
-
-        def chunk(i: int | None, text: str = "", finish: str | None = None, role: bool = False,
-                  usage: P.UsageInfo | None = None, out: RequestOutput | None = None,
-                  span: tuple[int, int] = (0, 0)):
-            delta = (
-                {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
-            )
-            lp = logprobs(out, span) if out is not None and span[0] < span[1] else None
-            choices = (
-                [] if i is None else
-                [P.ChunkChoice(index=i, delta=delta, finish_reason=finish, logprobs=lp)]
-            )
-            return P.ChatCompletionChunk(
-                id=rid, created=created, model=name, choices=choices, usage=usage
-            )
-
-        if req.stream:
-            return _sse(serving, streams, req, chunk)
-        outs = await serving.collect(streams, request)
-        return JSONResponse(
-            P.ChatCompletionResponse(
-                id=rid,
-                created=created,
-                model=name,
-                choices=[
-                    P.ChatChoice(
-                        index=i,
-                        message=P.ChatResponseMessage(content=o.text),
-                        finish_reason=o.finish_reason,
-                        logprobs=logprobs(o, (0, len(o.token_ids))),
-                    )
-                    for i, o in enumerate(outs)
-                ],
-                usage=_usage(outs, req.n),
-            ).model_dump()
-        )
+        return await chat_completion(serving, name, max_pending, req, request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -303,19 +198,3 @@ def create_app(
         return {"prompt": serving.tokenizer.decode(req.tokens)}
 
     return app
-
-
-def _sse(serving, streams, req, chunk, opening=None) -> StreamingResponse:
-    """The server-sent-events response both completion routes stream through."""
-    return StreamingResponse(
-        serving.stream(streams, req.stop_list, chunk, req.include_usage, opening, req.n),
-        media_type="text/event-stream",
-        headers=SSE_HEADERS,
-    )
-
-
-def _usage(outs, n: int) -> P.UsageInfo:
-    """Every n outputs share a prompt (n choices): its tokens count once."""
-    return P.UsageInfo.of(
-        sum(len(o.prompt_token_ids) for o in outs[::n]), sum(len(o.token_ids) for o in outs)
-    )
