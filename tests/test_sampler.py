@@ -22,7 +22,7 @@ from kvcap.sampling.reference import (  # noqa: E402
     reference_sample,
     scaled_logits,
 )
-from kvcap.sampling.sampler import Sampler, SamplingBatch, compute_topn_logprobs  # noqa: E402
+from kvcap.sampling.sampler import Sampler, SamplingBatch, logprob_dicts  # noqa: E402
 from kvcap.sampling_params import SamplingParams  # noqa: E402
 
 try:
@@ -190,13 +190,17 @@ def test_uniforms_look_uniform() -> None:
     assert chi2 < chi2_critical(99)
 
 
-def test_compute_topn_logprobs() -> None:
+def test_logprob_dicts() -> None:
     logits = torch.tensor([[1.0, 3.0, 2.0], [0.0, 0.0, 5.0]])
-    vals, ids = compute_topn_logprobs(logits, 2)
     ref = torch.log_softmax(logits, -1)
-    assert ids.tolist() == [[1, 2], [2, 0]] or ids.tolist() == [[1, 2], [2, 1]]
-    assert torch.allclose(vals, ref.gather(1, ids))
-    assert compute_topn_logprobs(logits, 0)[0].shape == (2, 0)
+    top2 = logprob_dicts(logits, [1, 2], [2, 2])  # chosen among the top 2: two entries
+    ids = [list(d) for d in top2]
+    assert ids == [[1, 2], [2, 0]] or ids == [[1, 2], [2, 1]]  # most likely first
+    for r, d in enumerate(top2):
+        assert all(abs(v - float(ref[r, t])) < 1e-6 for t, v in d.items())
+    assert logprob_dicts(logits, [0, 1], [0, 1]) == [
+        {0: pytest.approx(float(ref[0, 0]))},  # n = 0: the chosen token alone
+        {2: pytest.approx(float(ref[1, 2])), 1: pytest.approx(float(ref[1, 1]))}]
 
 
 # ----------------------------------------------------------------------------- fused kernel

@@ -19,7 +19,7 @@ from kvcap.models.llama import ForwardContext, KVObserverFn, LlamaModel
 from kvcap.sampling import json_prefix
 from kvcap.sampling.penalties import PenaltyState, adjust_logits
 from kvcap.sampling.reference import reference_sample
-from kvcap.sampling.sampler import Sampler, SamplingBatch, compute_topn_logprobs
+from kvcap.sampling.sampler import Sampler, SamplingBatch, logprob_dicts
 
 PromptLogitsFn = Callable[[int, torch.Tensor, int], None]
 # Teacher-forced logits are computed this many rows at a time: [rows, V] FP32 and its
@@ -402,32 +402,15 @@ class ModelRunner:
         if n_lp is not None:
             # logits at position p predict prompt token p+1
             nxt = req.prompt_token_ids[start + 1:end + 1]
-            logits = logits[: len(nxt)]
-            vals, idx = compute_topn_logprobs(logits, n_lp)
-            lsm = torch.log_softmax(logits, dim=-1)
-            chosen = lsm[torch.arange(len(nxt)), torch.tensor(nxt, device=lsm.device)]
-            # one device->host copy each, not one per row
-            vals, idx, chosen = vals.tolist(), idx.tolist(), chosen.tolist()
-            for r in range(len(nxt)):
-                d = dict(zip(idx[r], vals[r], strict=True))
-                d[nxt[r]] = chosen[r]
-                ex.prompt_logprobs.append(d)
+            ex.prompt_logprobs += logprob_dicts(logits[: len(nxt)], nxt, [n_lp] * len(nxt))
 
     def _collect_logprobs(self, reqs, extras, logits, tokens) -> None:
         want = [(j, r) for j, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
         if not want:
             return
-        # The rows that ask, in one pass and three device->host copies (not three per row).
         rows = [j for j, _ in want]
         sel = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
-        lsm = torch.log_softmax(logits.index_select(0, sel), dim=-1)
-        chosen_ids = torch.tensor([tokens[j] for j in rows], dtype=torch.int64)
-        chosen = lsm.gather(1, chosen_ids.to(lsm.device, non_blocking=True)[:, None])
-        most = max(r.sampling_params.logprobs for _, r in want)
-        vals, idx = torch.topk(lsm, most, dim=-1) if most else (lsm[:, :0], lsm[:, :0])
-        vals, idx, chosen = vals.tolist(), idx.tolist(), chosen.tolist()
-        for k, (j, r) in enumerate(want):
-            n = r.sampling_params.logprobs
-            d = dict(zip(idx[k][:n], vals[k][:n], strict=True))
-            d[tokens[j]] = chosen[k][0]
+        dicts = logprob_dicts(logits.index_select(0, sel), [tokens[j] for j in rows],
+                              [r.sampling_params.logprobs for _, r in want])
+        for (_, r), d in zip(want, dicts, strict=True):
             extras[r.request_id].logprobs.append(d)

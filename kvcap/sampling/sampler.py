@@ -190,12 +190,20 @@ class Sampler:
         return torch.argmax(torch.nan_to_num(logits.float(), nan=float("-inf")), dim=1)
 
 
-def compute_topn_logprobs(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-n of log_softmax(logits). logits [B, V] -> (values float32 [B, n], ids int64 [B, n]).
-
-    Values are in descending order; n = 0 gives empty [B, 0] tensors.
-    """
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    n = max(0, min(int(n), lp.shape[-1]))
-    values, ids = torch.topk(lp, n, dim=-1)
-    return values, ids
+def logprob_dicts(logits: torch.Tensor, chosen: list[int], top_n: list[int]
+                  ) -> list[dict[int, float]]:
+    """Row r of logits [B, V] -> {token: log-probability} holding the top_n[r] most likely
+    tokens (n = 0: none) and chosen[r]. One log_softmax, one top-k for every row and three
+    device->host copies, whatever B."""
+    lsm = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(chosen, dtype=torch.int64).to(lsm.device, non_blocking=True)
+    picked = lsm.gather(1, ids[:, None])[:, 0].tolist()
+    most = max(0, min(max(top_n, default=0), lsm.shape[-1]))
+    values, idx = torch.topk(lsm, most, dim=-1)
+    values, idx = values.tolist(), idx.tolist()
+    out = []
+    for r, n in enumerate(top_n):
+        d = dict(zip(idx[r][:n], values[r][:n], strict=True))
+        d[chosen[r]] = picked[r]
+        out.append(d)
+    return out
