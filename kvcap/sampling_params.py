@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from kvcap.errors import ConfigError
 
+# The fields a checkpoint's generation_config.json may give defaults for (kvcap serve
+# --generation-config auto; models.loader.read_sampling_defaults).
+CHECKPOINT_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
 
 @dataclass
 class SamplingParams:

@@ -101,17 +101,6 @@ def load_tokenizer(model_dir: Path):
         raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {e}") from None
 
 
-# generation_config.json keys a checkpoint may set as its sampling defaults, with the values
-# kvcap accepts for them (SamplingParams.validate has the same ranges).
-SAMPLING_DEFAULT_KEYS = {
-    "temperature": lambda v: isinstance(v, (int, float)) and v >= 0,
-    "top_p": lambda v: isinstance(v, (int, float)) and 0 < v <= 1,
-    "top_k": lambda v: isinstance(v, int) and v >= -1,
-    "min_p": lambda v: isinstance(v, (int, float)) and 0 <= v <= 1,
-    "repetition_penalty": lambda v: isinstance(v, (int, float)) and v > 0,
-}
-
-
 def read_sampling_defaults(model_dir: Path | None) -> dict[str, float]:
     """The sampling defaults a checkpoint's generation_config.json sets (temperature, top_p,
     top_k, min_p, repetition_penalty), as vLLM's `--generation-config auto` takes them; {}
@@ -123,12 +112,18 @@ def read_sampling_defaults(model_dir: Path | None) -> dict[str, float]:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read {path}: {e}") from None
+    from kvcap.errors import ConfigError
+    from kvcap.sampling_params import CHECKPOINT_SAMPLING_FIELDS, SamplingParams
+
     out = {}
-    for key, ok in SAMPLING_DEFAULT_KEYS.items():
+    for key in CHECKPOINT_SAMPLING_FIELDS:
         if key in cfg and cfg[key] is not None:
-            if not ok(cfg[key]):
+            try:  # SamplingParams' own checks: the values a request could give
+                SamplingParams(**{key: cfg[key]})
+            except ConfigError as e:
                 raise ModelLoadError(f"{path}: {key} = {cfg[key]!r} is not a valid sampling "
-                                     "value; fix it or pass --generation-config none")
+                                     f"value ({e}); fix it or pass --generation-config "
+                                     "none") from None
             out[key] = cfg[key]
     return out
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from kvcap.sampling_params import SamplingParams
+from kvcap.sampling_params import CHECKPOINT_SAMPLING_FIELDS, SamplingParams
 
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI: 5 for completions, 20 for chat)
 MAX_N = 128  # choices per prompt (also bounded by the server's admission limit)
@@ -183,16 +183,12 @@ class _SamplingFields(BaseModel):
                 code="unsupported_parameter",
             )
         logprobs, prompt_logprobs = self.logprob_counts()
-        given = {**{"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                    "repetition_penalty": 1.0}, **(defaults or {})}
-        for name in given:
-            if getattr(self, name) is not None:
-                given[name] = getattr(self, name)
+        # the request's value, else the checkpoint's, else SamplingParams' own default
+        sampling = {**(defaults or {}), **{
+            name: getattr(self, name) for name in CHECKPOINT_SAMPLING_FIELDS
+            if getattr(self, name) is not None}}
         return SamplingParams(
-            temperature=float(given["temperature"]),
-            top_p=float(given["top_p"]),
-            top_k=int(given["top_k"]),
-            min_p=float(given["min_p"]),
+            **sampling,
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -203,7 +199,6 @@ class _SamplingFields(BaseModel):
             prompt_logprobs=prompt_logprobs,
             presence_penalty=float(self.presence_penalty or 0.0),
             frequency_penalty=float(self.frequency_penalty or 0.0),
-            repetition_penalty=float(given["repetition_penalty"]),
             logit_bias=self.token_biases(),
             json_object=self.json_object,
         )
