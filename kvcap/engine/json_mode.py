@@ -34,7 +34,7 @@ class JsonMode:
     def __init__(self, texts: TokenTexts, vocab_size: int, eos_ids: set[int]):
         self.texts, self.vocab_size = texts, vocab_size
         self.eos = min(eos_ids) if eos_ids else None
-        self.never = set(eos_ids) | set(getattr(texts.tokenizer, "all_special_ids", []) or [])
+        self.never = set(eos_ids) | texts.special_ids
         self._masks: OrderedDict[json_prefix.State, torch.Tensor] = OrderedDict()
         self.num_rejections = 0  # tokens masked and sampled again, over the engine's life
         self.num_full_masks = 0  # steps that needed the whole-vocabulary mask

@@ -71,7 +71,7 @@ class TokenTexts:
             if isinstance(piece, str) and piece and all(c in table for c in piece):
                 raw = bytes(table[c] for c in piece)
                 return raw.decode("utf-8", errors="replace"), list(raw)
-        if self.sentencepiece and tok not in self._special():
+        if self.sentencepiece and tok not in self.special_ids:
             piece = self.tokenizer.convert_ids_to_tokens(tok)
             byte = _SPIECE_BYTE.fullmatch(piece or "")
             raw = bytes([int(byte.group(1), 16)]) if byte else \
@@ -80,7 +80,9 @@ class TokenTexts:
         text = self.tokenizer.decode([tok])
         return text, list(text.encode())
 
-    def _special(self) -> set[int]:
+    @property
+    def special_ids(self) -> set[int]:
+        """The tokenizer's special tokens (EOS, chat markers, ...)."""
         if self._specials is None:
             self._specials = set(getattr(self.tokenizer, "all_special_ids", []) or [])
         return self._specials
