@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvcap.errors import ConfigError
+from kvcap.sampling.json_grammar import Grammar
+from kvcap.sampling.json_schema import SchemaError, choice_grammar, compile_schema, object_grammar
 
 # The fields a checkpoint's generation_config.json may give defaults for (kvcap serve
 # --generation-config auto; models.loader.read_sampling_defaults).
@@ -30,7 +32,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # [-2, 2], times each token's count in the output
     repetition_penalty: float = 1.0  # > 0, over prompt and output tokens (1 = off)
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
-    json_object: bool = False  # output one JSON object, then stop (kvcap/engine/json_mode.py)
+    # structured output (kvcap/engine/structured.py), at most one of:
+    json_object: bool = False  # one JSON object, then EOS
+    json_schema: dict | bool | str | None = None  # one JSON value valid under this schema
+    choice: list[str] | None = None  # exactly one of these strings
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,9 +74,19 @@ class SamplingParams:
         r = self.repetition_penalty
         if not isinstance(r, (int, float)) or not 0.0 < r < float("inf"):
             bad(f"repetition_penalty must be a positive number (1 = off), got {r!r}")
-        if self.json_object and (self.ignore_eos or self.min_tokens):
-            bad("json_object ends the output with EOS once the object is complete: it cannot "
-                "be combined with ignore_eos or min_tokens")
+        asked = [n for n, on in (("json_object", self.json_object),
+                                 ("json_schema", self.json_schema is not None),
+                                 ("choice", self.choice is not None)) if on]
+        if len(asked) > 1:
+            bad(f"{' and '.join(asked)} are each a whole output format: give one")
+        if asked and (self.ignore_eos or self.min_tokens):
+            bad(f"{asked[0]} ends the output with EOS once it is complete: it cannot be "
+                f"combined with ignore_eos or min_tokens")
+        if asked:
+            try:
+                self.grammar()
+            except SchemaError as e:
+                bad(f"{asked[0]}: {e}")
         for tok, b in (self.logit_bias or {}).items():
             if not isinstance(tok, int) or tok < 0:
                 bad(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
@@ -88,6 +103,19 @@ class SamplingParams:
         """Whether sampling the next token, after that many, adjusts logits: bias or
         penalties, or stop tokens masked while under min_tokens."""
         return self.adjusts_logits or num_output_tokens < self.min_tokens
+
+    @property
+    def structured(self) -> bool:
+        """The output must follow a grammar (JSON object, JSON schema or choice)."""
+        return self.json_object or self.json_schema is not None or self.choice is not None
+
+    def grammar(self) -> Grammar | None:
+        """The grammar the output follows (compiled once per distinct schema), or None."""
+        if self.json_schema is not None:
+            return compile_schema(self.json_schema)
+        if self.choice is not None:
+            return choice_grammar(self.choice)
+        return object_grammar() if self.json_object else None
 
     @property
     def greedy(self) -> bool:

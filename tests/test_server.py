@@ -310,18 +310,74 @@ def test_checkpoint_sampling_defaults(tiny_dir, offline, tmp_path):
 
 
 def test_json_object_response_format(srv):
-    from kvcap.sampling.json_prefix import START, feed
+    from kvcap.sampling.json_schema import object_grammar
 
+    g = object_grammar()
     msgs = [{"role": "user", "content": "Answer in JSON"}]
     r = srv.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10,
                                            temperature=0.9, seed=2,
                                            response_format={"type": "json_object"})
     text = r.choices[0].message.content  # a random model: at least a JSON object's start
-    assert text.lstrip().startswith("{") and feed(START, text.encode()) is not None
+    assert text.lstrip().startswith("{") and g.feed(g.start, text.encode()) is not None
     streamed = "".join(c.choices[0].delta.content or "" for c in srv.client.chat.completions.create(
         model="tiny", messages=msgs, max_tokens=10, temperature=0.9, seed=2, stream=True,
         response_format={"type": "json_object"}) if c.choices)
     assert streamed == text
+
+
+PET = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                        "legs": {"type": "integer"}},
+       "required": ["name", "legs"]}
+
+
+def test_json_schema_and_choice_outputs(srv):
+    """OpenAI's response_format json_schema and vLLM's guided_json / guided_choice /
+    structured_outputs: a random model's output is a prefix the schema allows (streamed ==
+    not), and a choice ends, finished, on one of the strings."""
+    from kvcap.sampling.json_schema import compile_schema
+
+    g = compile_schema(PET)
+    msgs = [{"role": "user", "content": "A pet, as JSON"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}}
+    r = srv.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12,
+                                           temperature=1.0, seed=5, response_format=fmt)
+    text = r.choices[0].message.content
+    assert text.lstrip().startswith("{") and g.feed(g.start, text.encode()) is not None
+    streamed = "".join(c.choices[0].delta.content or "" for c in srv.client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=12, temperature=1.0, seed=5, stream=True,
+        response_format=fmt) if c.choices)
+    assert streamed == text
+    body = {"model": "tiny", "prompt": "Pick:", "max_tokens": 12, "temperature": 1.0, "seed": 5}
+    as_text = srv.http.post(CMPL, json={**body, "guided_json": json.dumps(PET)}).json()
+    assert g.feed(g.start, as_text["choices"][0]["text"].encode()) is not None
+    for extra in ({"guided_choice": ["alpha", "beta gamma"]},
+                  {"structured_outputs": {"choice": ["alpha", "beta gamma"]}}):
+        for seed in range(3):
+            c = srv.http.post(CMPL, json={**body, **extra, "seed": seed}).json()["choices"][0]
+            assert c["text"] in ("alpha", "beta gamma") and c["finish_reason"] == "stop", c
+
+
+@pytest.mark.parametrize("extra, param, message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": "a+"}}}}, "response_format",
+     "response_format: schema: 'pattern' not supported"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format", "needs json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "type must be text"),
+    ({"guided_json": "{broken"}, "guided_json", "not valid JSON"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "response_format",
+     "give one structured output format"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs", "not supported by kvcap"),
+    ({"guided_regex": "a+"}, "guided_regex", "only the default value"),
+    ({"guided_choice": ["a"], "ignore_eos": True}, "guided_choice", "ends with EOS"),
+])
+def test_structured_output_errors_name_their_field(srv, extra, param, message):
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 4, **extra}
+    r = srv.http.post(CMPL, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and message in err["message"], err
 
 
 def test_n_choices_with_a_seed(srv):
@@ -384,14 +440,14 @@ CASES = [
     (CMPL, {"model": "tiny", "prompt": "x", "use_beam_search": True}, 400, "use_beam_search",
      "use_beam_search: only the default value is supported"),
     (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-            "guided_json": {"type": "object"}}, 400, "guided_json",
-     "guided_json: only the default value is supported"),
+            "guided_grammar": "root ::= x"}, 400, "guided_grammar",
+     "guided_grammar: only the default value is supported"),
     (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
             "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
-     "response_format", "response_format: only the default value is supported"),
+     "response_format", "response_format: type json_schema needs json_schema.schema"),
     (CMPL, {"model": "tiny", "prompt": "x", "response_format": {"type": "json_object"},
             "ignore_eos": True}, 400, "response_format",
-     "response_format: json_object cannot be combined with ignore_eos"),
+     "response_format: structured output ends with EOS once complete"),
     (CMPL, {"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs",
      "logprobs: must be in [0, 20], got 21"),
     (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x"}],

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import uuid
+from pathlib import Path
 
 from kvcap.commands.common import (
     add_engine_arguments,
@@ -12,6 +14,7 @@ from kvcap.commands.common import (
     non_negative_float,
     positive_int,
 )
+from kvcap.errors import ConfigError
 
 HELP = "generate text for one prompt, streaming it to stdout"
 
@@ -29,8 +32,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="> 1 discourages tokens already in the prompt or output (1 = off)")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
-    p.add_argument("--json", action="store_true",
-                   help="JSON mode: the output is one JSON object (then it stops)")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true",
+                     help="JSON mode: the output is one JSON object (then it stops)")
+    fmt.add_argument("--json-schema", metavar="FILE_OR_JSON",
+                     help="the output is one JSON value valid under this JSON Schema (a .json "
+                          "file, or the schema itself)")
+    fmt.add_argument("--choice", nargs="+", metavar="TEXT",
+                     help="the output is exactly one of these strings")
+
+
+def read_schema(arg: str | None):
+    """--json-schema's value: the schema's text, or a file holding it."""
+    if arg is None:
+        return None
+    if arg.lstrip().startswith("{"):
+        text = arg
+    else:
+        try:
+            text = Path(arg).read_text()
+        except OSError as e:
+            raise ConfigError(f"--json-schema: cannot read {arg}: {e.strerror}") from None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"--json-schema: {arg if text is not arg else 'the text'} is not "
+                          f"valid JSON: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
                             repetition_penalty=args.repetition_penalty,
                             presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty,
-                            json_object=args.json)
+                            json_object=args.json, json_schema=read_schema(args.json_schema),
+                            choice=args.choice)
     llm = LLM(**engine_kwargs(args))
     if args.chat:
         ids = llm.apply_chat_template([{"role": "user", "content": args.prompt}])

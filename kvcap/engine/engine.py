@@ -87,8 +87,9 @@ class Engine:
                 f"max_model_len is {self.max_model_len} (prompt + at least 1 new token)"
             )
         params.validate()
-        if params.json_object and self.tokenizer is None:
-            raise ConfigError("json_object needs the model's tokenizer (dummy weights have none)")
+        if params.structured and self.tokenizer is None:
+            raise ConfigError("structured output (json_object, json_schema, choice) needs the "
+                              "model's tokenizer (dummy weights have none)")
         req = Request(request_id, list(prompt_token_ids), params,
                       needs_all_prompt_rows=want_prompt_logits)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
@@ -180,11 +181,11 @@ class Engine:
         # Logprobs are read back after this step's tokens, and that read would queue behind a
         # step launched ahead, waiting for it; penalties count every token generated before
         # the step, which a step launched ahead does not know yet (min_tokens only needs the
-        # count, but is kept simple), and JSON mode may replace a token on the host: no
+        # count, but is kept simple), and structured output may replace a token on the host: no
         # overlap while a request asks for any of them.
         return (self.overlap and self.runner.can_run_ahead() and not any(
             c.request.sampling_params.logprobs is not None
-            or c.request.sampling_params.json_object
+            or c.request.sampling_params.structured
             or c.request.sampling_params.adjusts_logits_after(len(c.request.output_token_ids) + 1)
             for c in out.chunks))
 

@@ -16,7 +16,7 @@ from kvcap.engine.input_batch import EagerInputs
 from kvcap.engine.request import Request
 from kvcap.kv_cache.pool import KVCachePool
 from kvcap.models.llama import ForwardContext, KVObserverFn, LlamaModel
-from kvcap.sampling import json_prefix
+from kvcap.sampling.json_grammar import State as GrammarState
 from kvcap.sampling.penalties import PenaltyState, adjust_logits
 from kvcap.sampling.reference import reference_sample
 from kvcap.sampling.sampler import Sampler, SamplingBatch, logprob_dicts
@@ -39,7 +39,7 @@ class RequestExtras:
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     penalties: PenaltyState | None = None  # token counts, for requests that adjust logits
-    json_state: json_prefix.State = json_prefix.START  # JSON mode: the output so far
+    grammar_state: GrammarState | None = None  # structured output: the output so far
 
 
 @dataclass
@@ -119,7 +119,7 @@ class ModelRunner:
         self.timer = None  # kvcap.engine.timing.StepTimer while step timing is on (rank 0)
         self.eos_token_ids: set[int] = set()  # masked under a request's min_tokens (LLM sets)
         self.tokenizer = None  # for JSON mode's token bytes (LLM sets it on rank 0)
-        self._json_mode = None  # kvcap.engine.json_mode.JsonMode, built on first use
+        self._structured = None  # kvcap.engine.structured.StructuredOutput, built on first use
 
     def set_context_classes(self, max_model_len: int) -> None:
         """Eager decode steps on CUDA report the graph context class as their max_seq_len (it
@@ -340,8 +340,8 @@ class ModelRunner:
                               strict=True):
                 tokens[i] = tok
             fixed = True
-        json_rows = [j for j, r in enumerate(step.reqs) if r.sampling_params.json_object]
-        if json_rows and self._constrain_json(step, extras, tokens, json_rows):
+        grammar_rows = [j for j, r in enumerate(step.reqs) if r.sampling_params.structured]
+        if grammar_rows and self._constrain(step, extras, tokens, grammar_rows):
             fixed = True
         raw = step.raw_logits if step.raw_logits is not None else step.logits
         self._collect_logprobs(step.reqs, extras, raw, tokens)
@@ -350,21 +350,23 @@ class ModelRunner:
         return StepResult({r.request_id: t for r, t in zip(step.reqs, tokens, strict=True)},
                           host_fixed=fixed)
 
-    def _constrain_json(self, step: PendingStep, extras: dict[str, RequestExtras],
-                        tokens: list[int], rows: list[int]) -> bool:
-        """JSON mode's rows: each token that does not continue its request's JSON object is
-        replaced (kvcap/engine/json_mode.py); True when any was."""
-        if self._json_mode is None:
-            from kvcap.engine.json_mode import JsonMode
+    def _constrain(self, step: PendingStep, extras: dict[str, RequestExtras],
+                   tokens: list[int], rows: list[int]) -> bool:
+        """Structured output's rows: each token that does not continue its request's grammar
+        is replaced (kvcap/engine/structured.py); True when any was."""
+        if self._structured is None:
+            from kvcap.engine.structured import StructuredOutput
             from kvcap.engine.token_bytes import TokenTexts
 
-            self._json_mode = JsonMode(TokenTexts(self.tokenizer), self.model.spec.vocab_size,
-                                       self.eos_token_ids)
+            self._structured = StructuredOutput(
+                TokenTexts(self.tokenizer), self.model.spec.vocab_size, self.eos_token_ids)
         changed = False
         for j in rows:
             ex = extras[step.reqs[j].request_id]
-            tok, ex.json_state = self._json_mode.choose(
-                ex.json_state, tokens[j], step.logits[j],
+            grammar = step.reqs[j].sampling_params.grammar()
+            state = grammar.start if ex.grammar_state is None else ex.grammar_state
+            tok, ex.grammar_state = self._structured.choose(
+                grammar, state, tokens[j], step.logits[j],
                 lambda row, j=j: self._resample(step, j, row))
             changed |= tok != tokens[j]
             tokens[j] = tok

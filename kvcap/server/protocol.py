@@ -5,9 +5,11 @@ OpenAI API. Fields that kvcap does not implement are accepted only at their neut
 anything else is refused with a 400 that names the field, never silently ignored.
 `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos` and `stop_token_ids` are
 accepted as extensions (vLLM style); penalties and `logit_bias` as in
-kvcap/sampling/penalties.py. vLLM extensions kvcap does not implement (beam search, guided
-decoding, ...) are named so that a request using them is refused rather than silently served
-without them.
+kvcap/sampling/penalties.py. Structured output (`response_format` json_object / json_schema,
+vLLM's `guided_json` / `guided_choice` / `structured_outputs`) as in
+kvcap/server/structured_request.py. vLLM extensions kvcap does not implement (beam search,
+regex and grammar guidance, ...) are named so that a request using them is refused rather than
+silently served without them.
 `n` choices per prompt run as n engine requests; with a `seed`, choice j samples with seed + j.
 Log-probabilities (`logprobs`, chat's `top_logprobs`, up to MAX_LOGPROBS alternatives) and
 completions' `echo` are formatted by `kvcap.server.logprobs`.
@@ -22,6 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kvcap.sampling_params import CHECKPOINT_SAMPLING_FIELDS, SamplingParams
+from kvcap.server.structured_request import StructuredRequestError, structured_request
 
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI: 5 for completions, 20 for chat)
 MAX_N = 128  # choices per prompt (also bounded by the server's admission limit)
@@ -94,36 +97,32 @@ class _SamplingFields(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object"}
+    # {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}
+    response_format: dict[str, Any] | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # structured output, vLLM style (kvcap.server.structured_request)
+    guided_json: Any = None
+    guided_choice: Any = None
+    structured_outputs: dict[str, Any] | None = None  # {"json": ...} | {"choice": [...]}
     # vLLM extensions not implemented: refused unless neutral (see `unsupported`)
     use_beam_search: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    guided_json: Any = None
     guided_regex: Any = None
-    guided_choice: Any = None
     guided_grammar: Any = None
 
     def unsupported(self) -> list[str]:
-        bad = [name for name in ("guided_json", "guided_regex", "guided_choice",
-                                 "guided_grammar") if getattr(self, name) is not None]
+        bad = [name for name in ("guided_regex", "guided_grammar")
+               if getattr(self, name) is not None]
         if self.use_beam_search:
             bad.append("use_beam_search")
         if self.include_stop_str_in_output:
             bad.append("include_stop_str_in_output")
         if not self.skip_special_tokens:
             bad.append("skip_special_tokens")
-        if self.response_format and self.response_format.get("type") not in ("text",
-                                                                             "json_object"):
-            bad.append("response_format")  # json_schema: not implemented
         return bad
-
-    @property
-    def json_object(self) -> bool:
-        return bool(self.response_format) and self.response_format.get("type") == "json_object"
 
     @property
     def include_usage(self) -> bool:
@@ -160,8 +159,6 @@ class _SamplingFields(BaseModel):
             ("n", 1 <= self.n <= MAX_N, f"must be in [1, {MAX_N}], got {self.n}"),
             ("min_tokens", 0 <= self.min_tokens <= max_tokens,
              f"must be in [0, max_tokens = {max_tokens}], got {self.min_tokens}"),
-            ("response_format", not (self.json_object and (self.ignore_eos or self.min_tokens)),
-             "json_object cannot be combined with ignore_eos or min_tokens"),
             *[(name, v is None or -2.0 <= v <= 2.0, f"must be in [-2, 2], got {v}")
               for name, v in (("presence_penalty", self.presence_penalty),
                               ("frequency_penalty", self.frequency_penalty))],
@@ -182,6 +179,16 @@ class _SamplingFields(BaseModel):
                 param=name,
                 code="unsupported_parameter",
             )
+        try:
+            structured = structured_request(self)
+        except StructuredRequestError as e:
+            raise APIError(400, e.message, param=e.param, code=e.code) from None
+        if structured and (self.ignore_eos or self.min_tokens):
+            field = structured.pop("field")
+            raise APIError(400, f"{field}: structured output ends with EOS once complete: it "
+                                f"cannot be combined with ignore_eos or min_tokens",
+                           param=field)
+        structured.pop("field", None)
         logprobs, prompt_logprobs = self.logprob_counts()
         # the request's value, else the checkpoint's, else SamplingParams' own default
         sampling = {**(defaults or {}), **{
@@ -200,7 +207,7 @@ class _SamplingFields(BaseModel):
             presence_penalty=float(self.presence_penalty or 0.0),
             frequency_penalty=float(self.frequency_penalty or 0.0),
             logit_bias=self.token_biases(),
-            json_object=self.json_object,
+            **structured,
         )
 
     def token_biases(self) -> dict[int, float] | None:

@@ -199,8 +199,9 @@ class OpenAIServing:
             )
         params = req.sampling_params(ctx - n if max_tokens is None else max_tokens,
                                      self.sampling_defaults)
-        if params.json_object and self.tokenizer is None:
-            raise P.APIError(400, "response_format: json_object needs the model's tokenizer",
+        if params.structured and self.tokenizer is None:
+            raise P.APIError(400, "structured output (response_format, guided_json, "
+                                  "guided_choice) needs the model's tokenizer",
                              param="response_format")
         if any(t >= self.vocab_size for t in params.logit_bias or {}):
             raise P.APIError(400, f"logit_bias: token ids must be in [0, {self.vocab_size})",

@@ -1,0 +1,296 @@
+"""Is this byte string the start of a JSON value that a grammar allows? The incremental
+recogniser behind structured output (JSON mode, JSON schemas, fixed choices).
+
+A `Grammar` is a list of nodes (built by `kvcap.sampling.json_schema`) and a root. Reading a
+byte maps a state to the next one, or to None when no allowed output starts with the bytes so
+far. A state is a frozenset of configurations, because a schema may allow several readings of
+the same prefix (`anyOf`, enums, `1` against `12`); a configuration is (frames, ws): a stack of
+immutable frames and the current whitespace run. States are hashable, so the engine keeps one
+per request and memoises masks per state, and the grammar memoises its own steps.
+
+Nodes (tuples, ids index `Grammar.nodes`):
+    ("alt", ids)                            any of these nodes
+    ("str", min_len, max_len | None)        a JSON string, its length in characters
+    ("num", integer)                        a JSON number (integer: no fraction, no exponent)
+    ("lit", bytes)                          exactly these bytes (true, an enum member, a choice)
+    ("obj", props, required, extra, names)  props: raw key bytes -> node; extra: the node of
+                                            other keys' values, or None when only props may
+                                            appear; each key at most once, in any order
+    ("arr", items, min_items, max_items | None)
+
+kvcap's own limits, as in any JSON mode: at most MAX_WHITESPACE consecutive whitespace bytes
+outside strings (a model that keeps emitting blanks would otherwise run to max_tokens inside a
+valid prefix) and containers nested at most MAX_DEPTH deep. Strings take UTF-8 a byte at a time
+(a token may end inside a character) and only well-formed UTF-8 (RFC 3629); control bytes are
+refused. A `raw` grammar (fixed choices) has no whitespace rule: its
+literals are the whole output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+MAX_WHITESPACE = 16
+MAX_DEPTH = 64
+STEP_CACHE_ENTRIES = 1 << 18
+
+Frames = tuple[tuple, ...]
+Config = tuple[Frames, int]
+State = frozenset  # of Config
+
+WS = frozenset(b" \t\n\r")
+DIGITS = frozenset(b"0123456789")
+HEX = frozenset(b"0123456789abcdefABCDEF")
+ESCAPES = frozenset(b'"\\/bfnrt')
+NUMBER_ENDS = frozenset(["zero", "int", "frac", "exp"])  # a number may stop here
+QUOTE, BACKSLASH = ord('"'), ord("\\")
+
+
+class Grammar:
+    def __init__(self, nodes: list[tuple], root: int, raw: bool = False,
+                 description: str = "JSON"):
+        self.nodes, self.root, self.raw, self.description = nodes, root, raw, description
+        self.alternatives = [self._flatten(i, ()) for i in range(len(nodes))]
+        self.start: State = frozenset({((("V", root),), 0)})
+        self._steps: dict[tuple[Config, int], tuple[Config, ...]] = {}
+
+    def __repr__(self) -> str:
+        return f"Grammar({self.description}, {len(self.nodes)} nodes)"
+
+    # -- public ---------------------------------------------------------------------------
+    def feed(self, state: State | None, data: Iterable[int]) -> State | None:
+        """The state after `data`, or None when no allowed output starts with it."""
+        for b in data:
+            if state is None:
+                return None
+            nxt: set[Config] = set()
+            for cfg in state:
+                nxt.update(self._step_config(cfg, b))
+            state = frozenset(nxt) if nxt else None
+        return state
+
+    def complete(self, state: State | None) -> bool:
+        """The bytes so far are a whole allowed output (trailing whitespace aside)."""
+        return state is not None and any(self._can_end(frames) for frames, _ in state)
+
+    def must_end(self, state: State | None) -> bool:
+        """Complete, and nothing but whitespace may follow."""
+        return state is not None and all(not frames for frames, _ in state)
+
+    # -- structure ------------------------------------------------------------------------
+    def _flatten(self, i: int, seen: tuple[int, ...]) -> tuple[int, ...]:
+        """The concrete (non-"alt") nodes node i stands for."""
+        node = self.nodes[i]
+        if node[0] != "alt":
+            return (i,)
+        if i in seen:
+            raise ValueError("a schema that only refers to itself ($ref / anyOf loop) allows "
+                             "no value")
+        out: list[int] = []
+        for j in node[1]:
+            out += [k for k in self._flatten(j, seen + (i,)) if k not in out]
+        return tuple(out)
+
+    @staticmethod
+    def _can_end(frames: Frames) -> bool:
+        return not frames or (len(frames) == 1 and frames[0][0] == "N"
+                              and frames[0][2] in NUMBER_ENDS)
+
+    # -- one byte -------------------------------------------------------------------------
+    def _step_config(self, cfg: Config, b: int) -> tuple[Config, ...]:
+        key = (cfg, b)
+        hit = self._steps.get(key)
+        if hit is None:
+            if len(self._steps) >= STEP_CACHE_ENTRIES:
+                self._steps.clear()
+            hit = self._steps[key] = self._step_uncached(cfg, b)
+        return hit
+
+    def _step_uncached(self, cfg: Config, b: int) -> tuple[Config, ...]:
+        frames, ws = cfg
+        top = frames[-1] if frames else None
+        if b in WS and not self.raw:
+            if top is None or top[0] in ("V", "O", "A"):
+                return ((frames, ws + 1),) if ws < MAX_WHITESPACE else ()
+            if top[0] == "N" and top[2] in NUMBER_ENDS:  # the blank ends the number
+                return ((frames[:-1], 1),)
+        if top is None:
+            return ()
+        return tuple((f, 0) for f in set(self._step(frames, b)))
+
+    def _step(self, frames: Frames, b: int) -> list[Frames]:
+        top, rest = frames[-1], frames[:-1]
+        kind = top[0]
+        if kind == "S":
+            nxt = _string_char(top, b)
+            return [rest] if nxt == "end" else [rest + (nxt,)] if nxt else []
+        if kind == "N":
+            sub = _number(top[2], b, top[1])
+            if sub is not None:
+                return [rest + (("N", top[1], sub),)]
+            if top[2] in NUMBER_ENDS and rest:  # the byte ends the number: the container's
+                return self._step(rest, b)
+            return []
+        if kind == "L":
+            lit, pos = top[1], top[2]
+            if lit[pos] != b:
+                return []
+            return [rest] if pos + 1 == len(lit) else [rest + (("L", lit, pos + 1),)]
+        if kind == "V":
+            return self._start(rest, top[1], b)
+        if kind == "O":
+            return self._object(rest, top, b)
+        if kind == "K":
+            return self._key(frames, b)
+        if kind == "A":
+            return self._array(rest, top, b)
+        raise AssertionError(f"unknown frame {top!r}")
+
+    def _start(self, rest: Frames, node_id: int, b: int) -> list[Frames]:
+        """The first byte of a value of node `node_id` (over its alternatives)."""
+        out: list[Frames] = []
+        for c in self.alternatives[node_id]:
+            node = self.nodes[c]
+            kind = node[0]
+            if kind == "str" and b == QUOTE:
+                out.append(rest + (("S", node[1], node[2], 0, 0),))
+            elif kind == "num" and (b in DIGITS or b == ord("-")):
+                sub = "minus" if b == ord("-") else "zero" if b == ord("0") else "int"
+                out.append(rest + (("N", node[1], sub),))
+            elif kind == "lit" and node[1][0] == b:
+                out.append(rest if len(node[1]) == 1 else rest + (("L", node[1], 1),))
+            elif kind == "obj" and b == ord("{") and len(rest) < 2 * MAX_DEPTH:
+                out.append(rest + (("O", c, frozenset(), "{", None),))
+            elif kind == "arr" and b == ord("[") and len(rest) < 2 * MAX_DEPTH:
+                out.append(rest + (("A", c, 0, "["),))
+        return out
+
+    def _object(self, rest: Frames, top: tuple, b: int) -> list[Frames]:
+        _, c, seen, phase, key = top
+        _, props, required, extra, names = self.nodes[c]
+        if phase == ":":
+            if b != ord(":"):
+                return []
+            value = props[key] if key is not None else extra
+            seen = seen | {key} if key is not None else seen
+            return [rest + (("O", c, seen, ",", None), ("V", value))]
+        can_add = extra is not None or len(seen) < len(names)
+        if phase in ("{", "k") and b == QUOTE and can_add:
+            return [rest + (top, ("K", b"", 0))]
+        if phase in ("{", ",") and b == ord("}") and required <= seen:
+            return [rest]
+        if phase == "," and b == ord(",") and can_add:
+            return [rest + (("O", c, seen, "k", None),)]
+        return []
+
+    def _key(self, frames: Frames, b: int) -> list[Frames]:
+        """A byte of an object key. `raw` holds the key's bytes while they may still spell a
+        declared property (None once they cannot: a key of `extra`)."""
+        _, raw, esc = frames[-1]
+        obj = frames[-2]
+        _, c, seen, _, _ = obj
+        _, props, _, extra, names = self.nodes[c]
+        if b == QUOTE and esc == 0:
+            if raw is not None and raw in props:
+                if raw in seen:
+                    return []
+                return [frames[:-2] + (("O", c, seen, ":", raw),)]
+            return [frames[:-2] + (("O", c, seen, ":", None),)] if extra is not None else []
+        grown = raw + bytes([b]) if raw is not None else None
+        if extra is None:  # only declared keys: their spelt forms are valid string bodies
+            if not any(n.startswith(grown) for n in names if n not in seen):
+                return []
+            return [frames[:-1] + (("K", grown, 1 if b == BACKSLASH and esc == 0 else 0),)]
+        nxt = _string_char(("S", 0, None, esc, 0), b)
+        if not nxt or nxt == "end":
+            return []
+        if grown is not None and not any(n.startswith(grown) for n in names):
+            grown = None
+        return [frames[:-1] + (("K", grown, nxt[3]),)]
+
+    def _array(self, rest: Frames, top: tuple, b: int) -> list[Frames]:
+        _, c, count, phase = top
+        _, items, lo, hi = self.nodes[c]
+        if phase == ",":
+            if b == ord(",") and (hi is None or count < hi):
+                return [rest + (("A", c, count, "v"),)]
+            return [rest] if b == ord("]") and count >= lo else []
+        if b == ord("]") and phase == "[":
+            return [rest] if count >= lo else []
+        if hi is not None and count >= hi:
+            return []
+        # count only as far as the bounds need, so unbounded arrays share states
+        count = count + 1 if hi is not None else min(count + 1, lo)
+        return self._start(rest + (("A", c, count, ","),), items, b)
+
+
+def _string_char(top: tuple, b: int):
+    """A byte inside a string frame ("S", min_len, max_len, esc, count): the next frame,
+    "end" at the closing quote, or None. esc: 0; -1 after a backslash; 1-4 hex digits left in
+    a \\u escape; or (continuation bytes left, lowest, highest next byte) inside a UTF-8
+    character. The length counts a character at its first byte; unbounded strings do not
+    count, so that their states repeat."""
+    _, lo, hi, esc, n = top
+    if isinstance(esc, tuple):
+        left, low, high = esc
+        if not low <= b <= high:
+            return None
+        return ("S", lo, hi, (left - 1, 0x80, 0xBF) if left > 1 else 0, n)
+    if esc == -1:
+        if b in ESCAPES:
+            return ("S", lo, hi, 0, n)
+        return ("S", lo, hi, 4, n) if b == ord("u") else None
+    if esc:
+        return ("S", lo, hi, esc - 1, n) if b in HEX else None
+    if b == QUOTE:
+        return "end" if n >= lo else None
+    if b < 0x20:
+        return None
+    nxt = 0
+    if b >= 0x80:
+        nxt = UTF8_LEADS.get(b)
+        if nxt is None:  # a stray continuation byte, or one that never occurs in UTF-8
+            return None
+    elif b == BACKSLASH:
+        nxt = -1
+    grown = min(n + 1, lo) if hi is None else n + 1
+    if hi is not None and grown > hi:
+        return None
+    return ("S", lo, hi, nxt, grown)
+
+
+def _utf8_leads() -> dict[int, tuple[int, int, int]]:
+    """Lead byte -> (continuation bytes, range of the next byte): RFC 3629's table, which
+    also rules out overlong forms and surrogates."""
+    out = {b: (1, 0x80, 0xBF) for b in range(0xC2, 0xE0)}
+    out.update({b: (2, 0x80, 0xBF) for b in range(0xE1, 0xF0)})
+    out.update({0xE0: (2, 0xA0, 0xBF), 0xED: (2, 0x80, 0x9F)})
+    out.update({b: (3, 0x80, 0xBF) for b in range(0xF1, 0xF4)})
+    out.update({0xF0: (3, 0x90, 0xBF), 0xF4: (3, 0x80, 0x8F)})
+    return out
+
+
+UTF8_LEADS = _utf8_leads()
+
+
+def _number(sub: str, b: int, integer: bool) -> str | None:
+    """A number's next sub-state (RFC 8259: -? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?;
+    an integer stops before the fraction), or None when `b` does not continue it."""
+    digit = b in DIGITS
+    if sub == "minus":
+        return ("zero" if b == ord("0") else "int") if digit else None
+    if sub in ("zero", "int"):
+        if digit:
+            return "int" if sub == "int" else None
+        if integer:
+            return None
+        return "dot" if b == ord(".") else "e" if b in b"eE" else None
+    if sub in ("dot", "frac"):
+        if digit:
+            return "frac"
+        return "e" if sub == "frac" and b in b"eE" else None
+    if sub == "e":
+        return "esign" if b in b"+-" else "exp" if digit else None
+    if sub in ("esign", "exp"):
+        return "exp" if digit else None
+    raise AssertionError(f"unknown number state {sub!r}")

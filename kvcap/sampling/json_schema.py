@@ -1,0 +1,244 @@
+"""JSON Schema -> `json_grammar.Grammar`: what structured output (`response_format:
+json_schema`, vLLM's `guided_json`, `SamplingParams(json_schema=...)`) generates against.
+
+The generated text always validates against the schema. Where a schema leaves a choice to the
+writer, the grammar takes the stricter reading, so the output stays valid under it:
+  - an object with `properties` and no `additionalProperties` gets only its declared keys
+    (what OpenAI's strict mode asks anyway); `additionalProperties: true` or a schema opens it;
+  - `enum` / `const` values are written in one spelling (json.dumps with ensure_ascii=False
+    and no blanks, e.g. "\u00e9" as the character itself);
+  - `oneOf` is read as `anyOf` (an output may match more than one branch).
+Keywords that bound a value in ways this recogniser does not track (`pattern`, `format`,
+`minimum`, `multipleOf`, `uniqueItems`, ...) are refused by name rather than ignored: a schema
+is compiled exactly or not at all. Annotations (`title`, `description`, `default`, `examples`,
+...) are ignored, as JSON Schema says they may be.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any
+
+from kvcap.sampling.json_grammar import Grammar
+
+ANNOTATIONS = frozenset(["title", "description", "default", "examples", "$schema", "$id",
+                         "$comment", "deprecated", "readOnly", "writeOnly", "discriminator",
+                         "$defs", "definitions"])
+BY_TYPE = {
+    "string": {"minLength", "maxLength"},
+    "number": set(),
+    "integer": set(),
+    "boolean": set(),
+    "null": set(),
+    "object": {"properties", "required", "additionalProperties"},
+    "array": {"items", "minItems", "maxItems"},
+}
+GENERAL = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"}
+SUPPORTED = GENERAL | set().union(*BY_TYPE.values())
+COMPILED_SCHEMAS = 64
+
+
+class SchemaError(ValueError):
+    """A schema kvcap cannot compile exactly; the message names where and why."""
+
+
+def json_dumps(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+@lru_cache(maxsize=COMPILED_SCHEMAS)
+def _compile_text(text: str) -> Grammar:
+    return _Compiler(json.loads(text)).grammar()
+
+
+def compile_schema(schema: Any) -> Grammar:
+    """The grammar of `schema` (a dict, or True for any JSON value); compiled once per
+    distinct schema. Raises SchemaError."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise SchemaError(f"the schema is not valid JSON: {e}") from None
+    try:
+        text = json.dumps(schema, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise SchemaError(f"the schema is not JSON data: {e}") from None
+    return _compile_text(text)
+
+
+@lru_cache(maxsize=1)
+def object_grammar() -> Grammar:
+    """JSON mode (`response_format: json_object`): any one JSON object."""
+    return _compile_text('{"type": "object"}')
+
+
+@lru_cache(maxsize=COMPILED_SCHEMAS)
+def _choice_grammar(choices: tuple[str, ...]) -> Grammar:
+    nodes = [("lit", c.encode()) for c in choices]
+    nodes.append(("alt", tuple(range(len(choices)))))
+    return Grammar(nodes, len(choices), raw=True, description=f"one of {len(choices)} choices")
+
+
+def choice_grammar(choices: list[str]) -> Grammar:
+    """Exactly one of these strings, as plain text (vLLM's `guided_choice`)."""
+    if not choices or any(not isinstance(c, str) or not c for c in choices):
+        raise SchemaError("choices must be a non-empty list of non-empty strings")
+    return _choice_grammar(tuple(dict.fromkeys(choices)))
+
+
+class _Compiler:
+    def __init__(self, root: Any):
+        self.root = root
+        self.nodes: list[tuple] = []
+        self.refs: dict[str, int] = {}
+        self._any: int | None = None
+
+    def grammar(self) -> Grammar:
+        root = self.compile(self.root, "schema")
+        try:
+            return Grammar(self.nodes, root, description=_describe(self.root))
+        except ValueError as e:
+            raise SchemaError(str(e)) from None
+
+    def add(self, node: tuple | None) -> int:
+        self.nodes.append(node)
+        return len(self.nodes) - 1
+
+    def any_value(self) -> int:
+        """Any JSON value (a schema of `true` or `{}`)."""
+        if self._any is None:
+            self._any = self.add(None)
+            obj = self.add(("obj", {}, frozenset(), self._any, ()))
+            arr = self.add(("arr", self._any, 0, None))
+            kinds = [self.add(("str", 0, None)), self.add(("num", False)),
+                     *[self.add(("lit", w)) for w in (b"true", b"false", b"null")], obj, arr]
+            self.nodes[self._any] = ("alt", tuple(kinds))
+        return self._any
+
+    def compile(self, s: Any, path: str) -> int:
+        if s is True or s == {}:
+            return self.any_value()
+        if not isinstance(s, dict):
+            raise SchemaError(f"{path}: a schema must be an object or true, got {s!r}")
+        unknown = sorted(set(s) - SUPPORTED - ANNOTATIONS)
+        if unknown:
+            raise SchemaError(
+                f"{path}: {', '.join(map(repr, unknown))} not supported by kvcap's structured "
+                f"output (supported: {', '.join(sorted(SUPPORTED))}); remove it, or check the "
+                f"output yourself")
+        keys = set(s) - ANNOTATIONS
+        if "$ref" in s:
+            self._only("$ref", keys, path)
+            return self.ref(s["$ref"], path)
+        for word in ("anyOf", "oneOf", "allOf"):
+            if word in s:
+                self._only(word, keys, path)
+                branches = s[word]
+                if not isinstance(branches, list) or not branches:
+                    raise SchemaError(f"{path}.{word}: must be a non-empty list of schemas")
+                if word == "allOf":
+                    if len(branches) != 1:
+                        raise SchemaError(f"{path}.allOf: only a single schema is supported "
+                                          f"(got {len(branches)}); merge them into one")
+                    return self.compile(branches[0], f"{path}.allOf[0]")
+                ids = [self.compile(b, f"{path}.{word}[{i}]") for i, b in enumerate(branches)]
+                return self.add(("alt", tuple(ids)))
+        if "const" in s or "enum" in s:
+            values = [s["const"]] if "const" in s else s["enum"]
+            if not isinstance(values, list) or not values:
+                raise SchemaError(f"{path}.enum: must be a non-empty list")
+            lits = [self.add(("lit", json_dumps(v))) for v in values]
+            return lits[0] if len(lits) == 1 else self.add(("alt", tuple(lits)))
+        types = s.get("type", sorted(BY_TYPE) if keys <= {"type"} else None)
+        if types is None:  # no type: infer it from the keywords present
+            types = sorted(t for t, words in BY_TYPE.items() if words & keys)
+        if isinstance(types, str):
+            types = [types]
+        if not isinstance(types, list) or not types or any(t not in BY_TYPE for t in types):
+            raise SchemaError(f"{path}.type: must be one of {sorted(BY_TYPE)} or a list of "
+                              f"them, got {s.get('type')!r}")
+        stray = keys - GENERAL - set().union(*(BY_TYPE[t] for t in types))
+        if stray:
+            raise SchemaError(f"{path}: {sorted(stray)} do not apply to type {types}")
+        ids = [self.typed(t, s, path) for t in types]
+        return ids[0] if len(ids) == 1 else self.add(("alt", tuple(ids)))
+
+    def _only(self, word: str, keys: set[str], path: str) -> None:
+        others = sorted(keys - {word})
+        if others:
+            raise SchemaError(f"{path}: {word} cannot be combined with {others} here; move "
+                              f"them inside {word}")
+
+    def typed(self, t: str, s: dict, path: str) -> int:
+        if t == "string":
+            lo = _count(s, "minLength", path, 0)
+            hi = _count(s, "maxLength", path, None)
+            _check_bounds(lo, hi, "minLength", "maxLength", path)
+            return self.add(("str", lo, hi))
+        if t in ("number", "integer"):
+            return self.add(("num", t == "integer"))
+        if t in ("boolean", "null"):
+            words = (b"true", b"false") if t == "boolean" else (b"null",)
+            lits = [self.add(("lit", w)) for w in words]
+            return lits[0] if len(lits) == 1 else self.add(("alt", tuple(lits)))
+        if t == "array":
+            items = self.compile(s.get("items", True), f"{path}.items")
+            lo = _count(s, "minItems", path, 0)
+            hi = _count(s, "maxItems", path, None)
+            _check_bounds(lo, hi, "minItems", "maxItems", path)
+            return self.add(("arr", items, lo, hi))
+        return self.object(s, path)
+
+    def object(self, s: dict, path: str) -> int:
+        props = s.get("properties", {})
+        if not isinstance(props, dict):
+            raise SchemaError(f"{path}.properties: must be an object of schemas")
+        required = s.get("required", [])
+        if not isinstance(required, list) or any(not isinstance(r, str) for r in required):
+            raise SchemaError(f"{path}.required: must be a list of property names")
+        extra_schema = s.get("additionalProperties", None if props else True)
+        node = self.add(None)  # reserved first: a property may refer back to this object
+        spelt = {json_dumps(name)[1:-1]: self.compile(sub, f"{path}.properties.{name}")
+                 for name, sub in props.items()}
+        extra = None if extra_schema in (None, False) else \
+            self.compile(extra_schema, f"{path}.additionalProperties")
+        missing = [r for r in required if r not in props]
+        if missing:
+            raise SchemaError(f"{path}.required: {missing} are not among the properties; "
+                              f"declare them")
+        req = frozenset(json_dumps(r)[1:-1] for r in required)
+        self.nodes[node] = ("obj", spelt, req, extra, tuple(spelt))
+        return node
+
+    def ref(self, ref: Any, path: str) -> int:
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise SchemaError(f"{path}.$ref: only references inside the schema ('#/$defs/Name'"
+                              f") are supported, got {ref!r}")
+        if ref not in self.refs:
+            target: Any = self.root
+            for part in filter(None, ref[1:].split("/")):
+                part = part.replace("~1", "/").replace("~0", "~")
+                if not isinstance(target, dict) or part not in target:
+                    raise SchemaError(f"{path}.$ref: {ref!r} does not point into the schema")
+                target = target[part]
+            slot = self.refs[ref] = self.add(None)
+            self.nodes[slot] = ("alt", (self.compile(target, ref),))
+        return self.refs[ref]
+
+
+def _count(s: dict, word: str, path: str, default: int | None) -> int | None:
+    v = s.get(word, default)
+    if v is not default and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+        raise SchemaError(f"{path}.{word}: must be a non-negative integer, got {v!r}")
+    return v
+
+
+def _check_bounds(lo: int, hi: int | None, lo_word: str, hi_word: str, path: str) -> None:
+    if hi is not None and hi < lo:
+        raise SchemaError(f"{path}: {hi_word} {hi} is below {lo_word} {lo}")
+
+
+def _describe(schema: Any) -> str:
+    title = schema.get("title") if isinstance(schema, dict) else None
+    return f"schema {title!r}" if isinstance(title, str) else "schema"

@@ -1,0 +1,350 @@
+"""Structured output: the byte-level grammar against Python's json module and the `jsonschema`
+validator, the schema compiler's refusals, the vocabulary mask against a token-by-token check,
+the token choice with masking and the whole-vocabulary fallback, and generation on the embedded
+model (JSON object, JSON schema, choice)."""
+
+from __future__ import annotations
+
+import json
+import random
+from enum import Enum
+from typing import Literal
+
+import jsonschema
+import pydantic
+import pytest
+import torch
+
+from kvcap import LLM, SamplingParams
+from kvcap.engine.structured import MAX_REJECTIONS, StructuredOutput
+from kvcap.engine.token_bytes import TokenTexts
+from kvcap.errors import ConfigError
+from kvcap.sampling.json_grammar import MAX_WHITESPACE, Grammar
+from kvcap.sampling.json_schema import SchemaError, choice_grammar, compile_schema, object_grammar
+
+OBJ = object_grammar()
+
+
+def _random_value(rng: random.Random, depth: int = 0):
+    kind = rng.choice(["obj", "arr", "str", "num", "lit"] if depth < 3 else ["str", "num", "lit"])
+    if kind == "obj":
+        return {f"k{rng.randint(0, 99)}\u00e9\"\\": _random_value(rng, depth + 1)
+                for _ in range(rng.randint(0, 3))}
+    if kind == "arr":
+        return [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    if kind == "str":
+        return rng.choice(["", "plain", "tab\t\nnew", "\u4e16\u754c", "quote\"back\\slash",
+                           "\u0001ctl"])
+    if kind == "num":
+        return rng.choice([0, -0.5, 12, 3.25e-7, -1e21, 1.5e300, 7])
+    return rng.choice([True, False, None])
+
+
+def _dumps(rng: random.Random, doc, i: int) -> bytes:
+    return json.dumps(doc, indent=rng.choice([None, 2]), ensure_ascii=i % 3 == 0,
+                      separators=rng.choice([None, (",", ":"), (" , ", " : ")])).encode()
+
+
+def test_every_prefix_of_valid_objects_is_accepted_and_only_the_end_is_complete():
+    rng = random.Random(0)
+    for i in range(200):
+        doc = {"root": _random_value(rng)} if i % 2 else dict(a=_random_value(rng))
+        data = _dumps(rng, doc, i)
+        state = OBJ.start
+        for k, b in enumerate(data):
+            state = OBJ.feed(state, [b])
+            assert state is not None, (data, k)
+            assert OBJ.complete(state) == (k == len(data) - 1), (data, k)
+            assert OBJ.must_end(state) == (k == len(data) - 1), (data, k)
+
+
+@pytest.mark.parametrize("text", [
+    "[1]", '"s"', "1", '{"a" 1}', '{"a":01}', '{"a":1,}', '{"a":tru}', "{a:1}",
+    '{"a":"\x01"}', '{"a":1}}', '{"a":-}', '{"a":1.}', '{"a":1e}', '{"a":.5}', '{"a":+1}',
+    '{"a":"\\x"}', '{"a":"\\u12g4"}', '{,}', '{"a":[1,]}', '{"a":[,1]}', '{"a":1 2}',
+    '{"a":nul}', '{"a":truex}', "{" + " " * (MAX_WHITESPACE + 1) + "}", '{"a":"\xff"}',
+])
+def test_invalid_json_is_refused(text):
+    assert OBJ.feed(OBJ.start, text.encode("latin-1")) is None
+
+
+def test_recogniser_never_completes_what_json_rejects():
+    rng = random.Random(1)
+    alphabet = b'{}[]:,"\\ 0123456789.eE+-truefalsnul\tabc'
+    for _ in range(3000):
+        data = bytes(rng.choice(alphabet) for _ in range(rng.randint(2, 16)))
+        if OBJ.complete(OBJ.feed(OBJ.start, data)):
+            assert isinstance(json.loads(data), dict), data
+
+
+class Colour(Enum):
+    RED = "red"
+    GREEN = "green"
+
+
+class Pet(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=12)
+    kind: Literal["cat", "dog"]
+    age: int | None = None
+    colours: list[Colour] = pydantic.Field(default_factory=list, max_length=3)
+
+
+class Household(pydantic.BaseModel):
+    address: str
+    pets: list[Pet]
+    rating: float
+    verified: bool
+
+
+TREE = {"$defs": {"node": {"type": "object", "properties": {
+    "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"},
+                                       "maxItems": 2}}, "required": ["v"]}},
+        "$ref": "#/$defs/node"}
+SCHEMAS = {
+    "pydantic": Household.model_json_schema(),
+    "tree": TREE,
+    "bounds": {"type": "object", "properties": {
+        "s": {"type": "string", "minLength": 2, "maxLength": 4},
+        "a": {"type": "array", "items": {"type": ["integer", "null"]}, "minItems": 1,
+              "maxItems": 3},
+        "c": {"const": "\u00e9t\u00e9"}}, "required": ["s", "a", "c"]},
+    "open": {"type": "object", "properties": {"id": {"type": "integer"}},
+             "additionalProperties": {"type": "boolean"}},
+    "any_of": {"anyOf": [{"type": "number"}, {"type": "string", "maxLength": 3},
+                         {"enum": [1, 10, "ab", None, [True]]}]},
+    "anything": {},
+}
+
+
+def _random_walk(g: Grammar, rng: random.Random, limit: int = 400) -> bytes | None:
+    """Random bytes the grammar allows, until it is complete (None if not within `limit`).
+    Closing bytes grow likelier with length, so most walks end."""
+    alphabet = bytes(range(0x20, 0x7F)) + b"\n\xc3\xa9\xe4\xb8\x96"
+    state, out = g.start, bytearray()
+    while len(out) < limit:
+        if g.must_end(state) or (g.complete(state) and rng.random() < 0.3):
+            return bytes(out)
+        options = [(b, nxt) for b in alphabet if (nxt := g.feed(state, [b])) is not None]
+        if not options:
+            return None
+        weights = [1 + len(out) / 8 if b in b'}]"' else 1 for b, _ in options]
+        b, state = rng.choices(options, weights)[0]
+        out.append(b)
+    return None
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_whatever_the_grammar_completes_is_valid_under_the_schema(name):
+    """The generation guarantee: random paths through the grammar, checked by an independent
+    validator (jsonschema, Draft 2020-12)."""
+    schema = SCHEMAS[name]
+    g, rng = compile_schema(schema), random.Random(name)
+    validator = jsonschema.Draft202012Validator(schema)
+    done = [d for d in (_random_walk(g, rng) for _ in range(60)) if d is not None]
+    assert len(done) >= 20, f"only {len(done)} of 60 walks completed"
+    for data in done:
+        validator.validate(json.loads(data))
+
+
+@pytest.mark.parametrize("name, doc", [
+    ("pydantic", {"address": "x", "pets": [{"name": "Tom", "kind": "cat", "age": None,
+                                            "colours": ["red"]}], "rating": -1.5e3,
+                  "verified": False}),
+    ("pydantic", {"verified": True, "rating": 0, "pets": [], "address": ""}),
+    ("tree", {"v": 1, "kids": [{"v": 2}, {"kids": [], "v": -3}]}),
+    ("bounds", {"s": "\u00e9\u00e9", "a": [None, 3], "c": "\u00e9t\u00e9"}),
+    ("open", {"flag": True, "id": 4, "other": False}), ("open", {}),
+    ("any_of", 2.5), ("any_of", "abc"), ("any_of", None),
+    ("anything", [{"a": [1, {}]}, "x"]),
+])
+def test_valid_documents_are_accepted(name, doc):
+    g = compile_schema(SCHEMAS[name])
+    rng = random.Random(0)
+    for i in range(3):
+        data = _dumps(rng, doc, i) if i else json.dumps(doc, ensure_ascii=False).encode()
+        assert g.complete(g.feed(g.start, data)), data
+
+
+@pytest.mark.parametrize("name, text", [
+    ("pydantic", '{"address": "x", "pets": [], "rating": 1}'),  # verified missing
+    ("pydantic", '{"address": 1'),
+    ("pydantic", '{"pets": [{"name": "Tom", "kind": "co'),
+    ("pydantic", '{"pets": [{"name": "a-name-too-lo'),
+    ("pydantic", '{"rating": 1, "e'),
+    ("pydantic", '{"rating": 1, "r'),  # a key once
+    ("tree", '{"v": 1.'), ("tree", '{"kids": [{"v": 1}, {"v": 2},'),
+    ("bounds", '{"s": "a"'), ("bounds", '{"s": "abcde'), ("bounds", '{"a": []'),
+    ("bounds", '{"c": "\\'),  # const: one spelling
+    ("open", '{"id": 1, "x": 1'), ("open", '{"id": t'), ("open", '{"id": 1, "id"'),
+    ("any_of", '"abcd'), ("any_of", "[f"),
+    ("any_of", "[ "),
+])
+def test_invalid_documents_are_refused(name, text):
+    """(An enum member is one spelling: `[true]`, not `[ true ]`.)"""
+    g = compile_schema(SCHEMAS[name])
+    assert g.feed(g.start, text.encode()) is None  # refused at the byte that breaks it
+    assert g.feed(g.start, text[:-1].encode()) is not None
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "string", "pattern": "a+"}, "schema: 'pattern' not supported"),
+    ({"type": "object", "properties": {"d": {"type": "string", "format": "date"}}},
+     r"schema.properties.d: 'format' not supported"),
+    ({"type": "integer", "minimum": 0}, "'minimum' not supported"),
+    ({"type": "array", "uniqueItems": True}, "'uniqueItems' not supported"),
+    ({"type": "thing"}, "type: must be one of"),
+    ({"type": "string", "maxItems": 2}, "do not apply to type"),
+    ({"$ref": "#/$defs/missing"}, "does not point into the schema"),
+    ({"$ref": "https://example.com/s.json"}, "only references inside the schema"),
+    ({"allOf": [{"type": "string"}, {"maxLength": 2}]}, "allOf: only a single schema"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "not among the properties"),
+    ({"type": "string", "minLength": 3, "maxLength": 2}, "maxLength 2 is below minLength 3"),
+    ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "only refers to itself"),
+    ({"anyOf": []}, "non-empty list"),
+    ([1], "a schema must be an object or true"),
+    ("{not json", "not valid JSON"),
+])
+def test_unsupported_or_broken_schemas_are_refused_by_name(schema, message):
+    with pytest.raises(SchemaError, match=message):
+        compile_schema(schema)
+
+
+def test_choice_grammar_is_exactly_one_of_the_strings():
+    g = choice_grammar(["yes", "yes please", "no"])
+    for text, complete, must_end in [("yes", True, False), ("yes please", True, True),
+                                     ("no", True, True), ("yes ", False, False)]:
+        state = g.feed(g.start, text.encode())
+        assert (g.complete(state), g.must_end(state)) == (complete, must_end), text
+    assert g.feed(g.start, b"no ") is None and g.feed(g.start, b" no") is None
+    with pytest.raises(SchemaError, match="non-empty list of non-empty strings"):
+        choice_grammar(["a", ""])
+
+
+def test_sampling_params_take_one_format_and_name_schema_errors():
+    with pytest.raises(ConfigError, match="json_object and choice are each a whole output"):
+        SamplingParams(json_object=True, choice=["a"])
+    with pytest.raises(ConfigError, match="json_schema: schema: 'pattern' not supported"):
+        SamplingParams(json_schema={"type": "string", "pattern": "x"})
+    with pytest.raises(ConfigError, match="json_object ends the output with EOS"):
+        SamplingParams(json_object=True, ignore_eos=True)
+    with pytest.raises(ConfigError, match="choice ends the output with EOS"):
+        SamplingParams(choice=["a"], min_tokens=2, max_tokens=4)
+    assert SamplingParams(json_schema=TREE).grammar() is compile_schema(TREE)  # compiled once
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir):
+    return LLM(model=str(default_model_dir), device="cpu", max_model_len=512, num_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def structured(llm):
+    return StructuredOutput(TokenTexts(llm.tokenizer), llm.spec.vocab_size,
+                            llm.runner.eos_token_ids)
+
+
+@pytest.mark.parametrize("grammar, prefix", [
+    (OBJ, b""), (OBJ, b'{"a'), (OBJ, b'{"a": [1'), (OBJ, b"{}"),
+    (compile_schema(SCHEMAS["pydantic"]), b'{"pets": [{"kind": "'),
+    (compile_schema(SCHEMAS["bounds"]), b'{"s": "ab'),
+    (choice_grammar(["yes", "no"]), b"y"),
+])
+def test_mask_is_the_tokens_that_fit(structured, grammar, prefix):
+    """The sorted-vocabulary walk that shares leading bytes == feeding every token alone."""
+    state = grammar.feed(grammar.start, prefix)
+    mask = structured.mask(grammar, state)
+    expect = [structured.next_state(grammar, state, t) is not None
+              for t in range(structured.vocab_size)]
+    assert mask.tolist() == expect
+    assert 0 < int(mask.sum()) < structured.vocab_size
+
+
+def test_choose_masks_a_misfit_and_falls_back_to_the_full_mask(llm, structured):
+    v = llm.spec.vocab_size
+    brace = llm.tokenizer.convert_tokens_to_ids("{")
+    logits = torch.zeros(v)
+    logits[brace] = 5.0
+    start, seen = OBJ.start, structured.num_rejections
+    # greedy: a non-fitting token first, then the brace
+    tok, state = structured.choose(OBJ, start, 30, logits, lambda row: int(torch.argmax(row)))
+    assert tok == brace and state is not None and structured.num_rejections == seen + 1
+    # the best MAX_REJECTIONS + 3 tokens all misfit: the step takes the full mask
+    bad = [t for t in range(200, 2000)
+           if structured.next_state(OBJ, start, t) is None][:MAX_REJECTIONS + 3]
+    logits = torch.zeros(v)
+    logits[bad] = torch.arange(len(bad), 0, -1, dtype=torch.float32) + 10
+    logits[brace] = 1.0
+    full = structured.num_full_masks
+    tok, _ = structured.choose(OBJ, start, bad[0], logits, lambda row: int(torch.argmax(row)))
+    assert tok == brace and structured.num_full_masks == full + 1
+    done = OBJ.feed(start, b"{}")
+    assert structured.choose(OBJ, done, brace, logits, lambda row: 0)[0] in \
+        llm.runner.eos_token_ids
+    eos = min(llm.runner.eos_token_ids)
+    assert structured.next_state(OBJ, start, eos) is None  # EOS never ends an open object
+    yes = choice_grammar(["yes", "yes please"])
+    state = yes.feed(yes.start, b"yes")
+    assert structured.next_state(yes, state, eos) == state  # complete, may still continue
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_generation_is_one_json_object(llm, temperature):
+    msgs = [{"role": "user", "content": "Describe a cat as a JSON object with the keys name, "
+                                        "age and colour. Answer with JSON only."}]
+    p = SamplingParams(temperature=temperature, seed=4, max_tokens=120, json_object=True)
+    out = llm.chat(msgs, p, use_tqdm=False)[0]
+    assert out.finish_reason == "stop", out.text
+    assert isinstance(json.loads(out.text), dict)
+    free = llm.chat(msgs, SamplingParams(temperature=temperature, seed=4, max_tokens=120),
+                    use_tqdm=False)[0]
+    if free.text.lstrip().startswith("{"):  # where the model wrote JSON anyway: same text
+        try:
+            json.loads(free.text)
+        except ValueError:
+            return
+        assert out.text.strip() == free.text.strip()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_generation_follows_a_schema_and_a_choice(llm, temperature):
+    schema = Pet.model_json_schema()
+    msgs = [{"role": "user", "content": "Describe a pet as JSON: name, kind, age, colours."}]
+    out = llm.chat(msgs, SamplingParams(temperature=temperature, seed=3, max_tokens=150,
+                                        json_schema=schema), use_tqdm=False)[0]
+    assert out.finish_reason == "stop", out.text
+    Pet.model_validate_json(out.text)
+    jsonschema.validate(json.loads(out.text), schema)
+    msgs = [{"role": "user", "content": "Is fire hot? Answer yes or no."}]
+    outs = llm.chat([msgs] * 4, [SamplingParams(temperature=temperature, seed=s, max_tokens=8,
+                                                choice=["yes", "no", "maybe"])
+                                 for s in range(4)], use_tqdm=False)
+    assert all(o.text in ("yes", "no", "maybe") and o.finish_reason == "stop" for o in outs)
+
+
+def test_sentencepiece_token_bytes():
+    """U+2581 is a space and <0xNN> a raw byte (Llama 2 / Mistral 7B tokenizers)."""
+
+    class Decoder:
+        def __getstate__(self):
+            return '{"type":"Sequence","decoders":[{"type":"Replace","content":" ",' \
+                   '"pattern":{"String":"\u2581"}},{"type":"ByteFallback"}]}'.encode()
+
+    class Backend:
+        decoder = Decoder()
+
+    class Tok:
+        backend_tokenizer = Backend()
+        all_special_ids = [2]
+        pieces = {5: "\u2581hello", 6: "<0xE4>", 7: "{", 2: "</s>"}
+
+        def convert_ids_to_tokens(self, i):
+            return self.pieces[i]
+
+        def decode(self, ids):
+            return "</s>"
+
+    texts = TokenTexts(Tok())
+    assert texts.sentencepiece and not texts.byte_level
+    assert texts(5) == (" hello", list(b" hello"))
+    assert texts(6)[1] == [0xE4] and texts(7)[1] == list(b"{")
+    assert texts(2) == ("</s>", list(b"</s>"))  # a special token: its text
