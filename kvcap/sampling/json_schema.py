@@ -3,8 +3,9 @@ json_schema`, vLLM's `guided_json`, `SamplingParams(json_schema=...)`) generates
 
 The generated text always validates against the schema. Where a schema leaves a choice to the
 writer, the grammar takes the stricter reading, so the output stays valid under it:
-  - an object with `properties` and no `additionalProperties` gets only its declared keys
-    (what OpenAI's strict mode asks anyway); `additionalProperties: true` or a schema opens it;
+  - an object with `properties` (even `{}`) and no `additionalProperties` gets only its
+    declared keys (what OpenAI's strict mode asks anyway); `additionalProperties: true` or a
+    schema opens it;
   - `enum` / `const` values are written in one spelling (json.dumps with ensure_ascii=False
     and no blanks, e.g. "\u00e9" as the character itself);
   - `oneOf` is read as `anyOf` (an output may match more than one branch).
@@ -197,7 +198,7 @@ class _Compiler:
         required = s.get("required", [])
         if not isinstance(required, list) or any(not isinstance(r, str) for r in required):
             raise SchemaError(f"{path}.required: must be a list of property names")
-        extra_schema = s.get("additionalProperties", None if props else True)
+        extra_schema = s.get("additionalProperties", None if "properties" in s else True)
         node = self.add(None)  # reserved first: a property may refer back to this object
         spelt = {json_dumps(name)[1:-1]: self.compile(sub, f"{path}.properties.{name}")
                  for name, sub in props.items()}

@@ -178,7 +178,8 @@ def create_app(
         if (req.prompt is None) == (req.messages is None):
             raise P.APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            ids = serving.render_chat(P.conversation(req.messages), req.add_generation_prompt)
+            ids = serving.render_chat(P.conversation(req.messages), req.add_generation_prompt,
+                                      tools=req.tools)
         elif serving.tokenizer is None:
             raise P.APIError(400, "prompt: this model has no tokenizer", param="prompt")
         else:

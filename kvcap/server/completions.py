@@ -11,6 +11,7 @@ from kvcap.engine.engine import RequestOutput
 from kvcap.server import protocol as P
 from kvcap.server.logprobs import chat_logprobs, completion_logprobs
 from kvcap.server.serving import OpenAIServing
+from kvcap.server.tools import ToolPlan, ToolStream
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -83,9 +84,12 @@ async def chat_completion(serving: OpenAIServing, name: str, max_pending: int,
     if req.n > max_pending:
         raise P.APIError(400, f"n: at most {max_pending} choices per request", param="n")
     params = serving.params_for(req, ids, max_tokens, "messages")
+    plan = req.tool_plan()
+    calls = plan if plan is not None and plan.constrains else None
     streams = serving.submit(serving.choices([(ids, params)], req.n))
     rid, created = P.new_id("chatcmpl"), P.now()
     top_n = req.top_logprobs or 0
+    held: dict[int, ToolStream] = {}
 
     def logprobs(out: RequestOutput, span: tuple[int, int]) -> P.ChatLogprobs | None:
         if out.logprobs is None:
@@ -99,6 +103,11 @@ async def chat_completion(serving: OpenAIServing, name: str, max_pending: int,
         delta = (
             {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
         )
+        if calls is not None and i is not None and not role:
+            tool = held.setdefault(i, ToolStream(calls, span[0]))
+            delta, finish, span = tool.event(text, finish, span)
+            if delta is None:
+                return None
         lp = logprobs(out, span) if out is not None and span[0] < span[1] else None
         choices = (
             [] if i is None else
@@ -117,17 +126,25 @@ async def chat_completion(serving: OpenAIServing, name: str, max_pending: int,
             created=created,
             model=name,
             choices=[
-                P.ChatChoice(
-                    index=i,
-                    message=P.ChatResponseMessage(content=o.text),
-                    finish_reason=o.finish_reason,
-                    logprobs=logprobs(o, (0, len(o.token_ids))),
-                )
+                P.ChatChoice(index=i, **_message(o, calls),
+                             logprobs=logprobs(o, (0, len(o.token_ids))))
                 for i, o in enumerate(outs)
             ],
             usage=_usage(outs, req.n),
         ).model_dump()
     )
+
+
+def _message(out: RequestOutput, calls: ToolPlan | None) -> dict:
+    """A chat choice's message and finish_reason: tool calls where the request asked for
+    them and the output parses (an output cut by max_tokens stays text)."""
+    parsed = calls.calls(out.text) if calls is not None and out.finish_reason == "stop" \
+        else None
+    if parsed is None:
+        return {"message": P.ChatResponseMessage(content=out.text),
+                "finish_reason": out.finish_reason}
+    return {"message": P.ChatResponseMessage(content=None, tool_calls=parsed),
+            "finish_reason": calls.finish_reason}
 
 
 def _sse(serving, streams, req, chunk, opening=None) -> StreamingResponse:

@@ -17,14 +17,16 @@ completions' `echo` are formatted by `kvcap.server.logprobs`.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvcap.sampling_params import CHECKPOINT_SAMPLING_FIELDS, SamplingParams
 from kvcap.server.structured_request import StructuredRequestError, structured_request
+from kvcap.server.tools import ToolPlan, ToolRequestError, plan_tools
 
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI: 5 for completions, 20 for chat)
 MAX_N = 128  # choices per prompt (also bounded by the server's admission limit)
@@ -228,6 +230,10 @@ class _SamplingFields(BaseModel):
     def logprob_checks(self) -> list[tuple[str, bool, str]]:
         return []
 
+    def tool_structured(self) -> dict[str, Any] | None:
+        """The output format tool calling asks for (chat only)."""
+        return None
+
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """(alternatives per generated token, per prompt token); None: not asked for."""
         return None, None
@@ -271,9 +277,11 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -289,13 +297,22 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
-    def unsupported(self) -> list[str]:
-        bad = super().unsupported()
-        if self.tools:
-            bad.append("tools")
-        return bad
+    def tool_plan(self) -> ToolPlan | None:
+        """tools / tool_choice checked (kvcap/server/tools.py); None without tools."""
+        try:
+            return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ToolRequestError as e:
+            raise APIError(400, e.message, param=e.param, code=e.code) from None
+
+    def tool_structured(self) -> dict[str, Any] | None:
+        plan = self.tool_plan()
+        if plan is None or not plan.constrains:
+            return None
+        return {"field": "tool_choice", "json_schema": plan.schema}
 
     def logprob_checks(self) -> list[tuple[str, bool, str]]:
         n = self.top_logprobs
@@ -306,18 +323,45 @@ class ChatCompletionRequest(_SamplingFields):
     def logprob_counts(self) -> tuple[int | None, int | None]:
         return (self.top_logprobs or 0) if self.logprobs else None, None
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         return conversation(self.messages)
 
 
-def conversation(messages: list[ChatMessage] | None) -> list[dict[str, str]]:
-    """Messages as the chat template takes them (OpenAI's `developer` role is a system one)."""
+def conversation(messages: list[ChatMessage] | None) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: OpenAI's `developer` role is a system one;
+    an assistant turn's tool calls carry their arguments as a dict (what chat templates
+    iterate over), a tool turn its call id."""
     if not messages:
         raise APIError(400, "messages: must contain at least one message", param="messages")
-    return [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in messages
-    ]
+    out = []
+    for i, m in enumerate(messages):
+        turn: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                "content": m.text()}
+        if m.tool_calls:
+            turn["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]")
+                                  for j, c in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            turn["tool_call_id"] = m.tool_call_id
+        if m.name is not None and m.role == "tool":
+            turn["name"] = m.name
+        out.append(turn)
+    return out
+
+
+def _template_call(call: dict[str, Any], where: str) -> dict[str, Any]:
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise APIError(400, f"{where}: must have function.name and function.arguments",
+                       param="messages")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise APIError(400, f"{where}.function.arguments: not valid JSON",
+                           param="messages") from None
+    return {"id": call.get("id"), "type": "function",
+            "function": {"name": fn["name"], "arguments": args}}
 
 
 class TokenizeRequest(BaseModel):
@@ -327,6 +371,7 @@ class TokenizeRequest(BaseModel):
     model: str
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Any] | None = None  # shown to the chat template, as on the chat route
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
 
@@ -416,7 +461,8 @@ class CompletionResponse(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -437,7 +483,7 @@ class ChatCompletionResponse(BaseModel):
 
 class ChunkChoice(BaseModel):
     index: int
-    delta: dict[str, str]
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 

@@ -162,10 +162,10 @@ class OpenAIServing:
                 for ids, params in pairs for j in range(n)]
 
     def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
-        return self.render_chat(req.conversation())
+        return self.render_chat(req.conversation(), tools=req.tools)
 
-    def render_chat(self, conv: list[dict[str, str]], add_generation_prompt: bool = True
-                    ) -> list[int]:
+    def render_chat(self, conv: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[Any] | None = None) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise P.APIError(
                 400,
@@ -174,8 +174,8 @@ class OpenAIServing:
             )
         try:
             ids = self.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, tokenize=True
-            )
+                conv, tools=tools or None, add_generation_prompt=add_generation_prompt,
+                tokenize=True)
         except Exception as e:  # jinja raises its own errors for unsupported conversations
             raise P.APIError(
                 400, f"messages: the chat template refused them: {e}", param="messages"
@@ -290,7 +290,9 @@ class OpenAIServing:
                     sent[i] += delta
                     span = (sent_tokens[i], len(out.token_ids))
                     if delta:
-                        yield sse(chunk(i, text=delta, out=out, span=span))
+                        event = chunk(i, text=delta, out=out, span=span)
+                        if event is not None:  # None: held back by the route (tool calls)
+                            yield sse(event)
                         sent_tokens[i] = span[1]
                     if out.finished:
                         span = (sent_tokens[i], len(out.token_ids))

@@ -62,6 +62,9 @@ def structured_request(req: Any) -> dict[str, Any]:
         for key, value in so.items():
             name = {"json": "json_schema", "choice": "choice"}.get(key, "json_object")
             asked.append({"field": "structured_outputs", name: value})
+    tools = req.tool_structured()
+    if tools is not None:
+        asked.append(tools)
     if len(asked) > 1:
         fields = sorted({a["field"] for a in asked})
         raise StructuredRequestError(f"{' and '.join(fields)}: give one structured output "

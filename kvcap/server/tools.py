@@ -1,0 +1,201 @@
+"""Tool calling on the chat route: `tools` + `tool_choice`, through structured output.
+
+  - `tool_choice: {"type": "function", "function": {"name": F}}` (named): the output is F's
+    arguments, one JSON value valid under F's `parameters` schema; the reply is one tool call
+    and finish_reason "stop" (as OpenAI answers a named choice).
+  - `"required"`: the output is a JSON array of one or more `{"name": ..., "parameters": ...}`
+    objects, each valid under its tool's schema (at most one with `parallel_tool_calls: false`);
+    the reply lists them as tool calls, finish_reason "tool_calls".
+  - `"none"`: plain text; the tools are still shown to the model through the chat template.
+  - `"auto"` (OpenAI's default when tools are given) would need a parser for each model
+    family's own tool-call syntax; kvcap has none, so it is refused with a 400 that says to use
+    "required" or a named function, rather than answered as text that silently ignores tools.
+The tools always reach the chat template (`tools=`), so a model trained on tool use sees them.
+An output cut by max_tokens cannot be parsed: it is returned as content, finish_reason "length".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcap.sampling.json_schema import SchemaError, compile_schema
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+class ToolRequestError(ValueError):
+    """A bad tools / tool_choice field; answered as a 400 naming `param`."""
+
+    def __init__(self, message: str, param: str, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+@dataclass
+class ToolPlan:
+    mode: str  # "none" | "named" | "required"
+    tools: list[dict[str, Any]]  # as the chat template takes them (OpenAI's form)
+    name: str | None = None  # the named function
+    schema: dict[str, Any] | None = None  # what the output must follow
+    parameters: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def constrains(self) -> bool:
+        return self.mode in ("named", "required")
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.mode == "named" else "tool_calls"
+
+    def calls(self, text: str) -> list[dict[str, Any]] | None:
+        """The tool calls an output spells, or None when it does not parse (cut short)."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if self.mode == "named":  # the arguments as the model wrote them (as streamed)
+            pairs = [(self.name, text.strip())]
+        else:
+            pairs = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                     for c in value]
+        return [{"id": new_call_id(), "type": "function",
+                 "function": {"name": name, "arguments": args}} for name, args in pairs]
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool) -> ToolPlan | None:
+    """Check `tools` and `tool_choice`; None when the request has neither."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise ToolRequestError("tool_choice: needs tools", param="tool_choice")
+        return None
+    params: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or \
+                not isinstance(fn, dict):
+            raise ToolRequestError(f"{where}: must be {{\"type\": \"function\", \"function\": "
+                                   f"{{\"name\", \"parameters\", ...}}}}", param="tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise ToolRequestError(f"{where}.function.name: must be 1-64 letters, digits, _ or "
+                                   f"-, got {name!r}", param="tools")
+        if name in params:
+            raise ToolRequestError(f"{where}.function.name: {name!r} is given twice",
+                                   param="tools")
+        schema = fn.get("parameters", EMPTY_PARAMETERS)
+        try:
+            compile_schema(schema)
+        except SchemaError as e:
+            raise ToolRequestError(f"{where}.function.parameters: {e}", param="tools") from None
+        params[name] = schema
+    choice = "auto" if tool_choice is None else tool_choice
+    if choice == "auto":
+        raise ToolRequestError(
+            "tool_choice: 'auto' (the default with tools) needs a parser of the model's own "
+            "tool-call syntax, which kvcap does not have; send tool_choice 'required' or "
+            "{\"type\": \"function\", \"function\": {\"name\": ...}} (the output is then "
+            "constrained to the tools' schemas), or 'none'",
+            param="tool_choice", code="unsupported_parameter")
+    if choice == "none":
+        return ToolPlan("none", tools, parameters=params)
+    if choice == "required":
+        return ToolPlan("required", tools, schema=calls_schema(params, parallel),
+                        parameters=params)
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or name is None:
+        raise ToolRequestError(f"tool_choice: must be 'none', 'auto', 'required' or {{\"type\":"
+                               f" \"function\", \"function\": {{\"name\": ...}}}}, got "
+                               f"{tool_choice!r}", param="tool_choice")
+    if name not in params:
+        raise ToolRequestError(f"tool_choice: no tool named {name!r} (tools: {sorted(params)})",
+                               param="tool_choice")
+    return ToolPlan("named", tools, name=name, schema=params[name], parameters=params)
+
+
+def calls_schema(params: dict[str, dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """A JSON array of {"name", "parameters"} calls, each under its tool's schema. Each
+    tool's schema moves under $defs ("tool<i>") with its own $defs and references renamed,
+    so that references inside one tool still resolve once it is nested in the array."""
+    defs: dict[str, Any] = {}
+    branches = []
+    for i, (name, schema) in enumerate(params.items()):
+        key = f"tool{i}"
+        inner = schema.get("$defs", schema.get("definitions", {})) \
+            if isinstance(schema, dict) else {}
+        for sub, s in inner.items():
+            defs[f"{key}.{sub}"] = _renamed(s, key)
+        if isinstance(schema, dict):
+            schema = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+        defs[key] = _renamed(schema, key)
+        branches.append({"type": "object", "properties": {
+            "name": {"const": name}, "parameters": {"$ref": f"#/$defs/{key}"}},
+            "required": ["name", "parameters"]})
+    array: dict[str, Any] = {"type": "array", "minItems": 1,
+                             "items": {"anyOf": branches} if len(branches) > 1 else branches[0]}
+    if not parallel:
+        array["maxItems"] = 1
+    return {"$defs": defs, **array}
+
+
+def _renamed(schema: Any, key: str) -> Any:
+    """`schema` with its references ("#", "#/$defs/X", "#/definitions/X") pointing to where
+    calls_schema puts them."""
+    if isinstance(schema, list):
+        return [_renamed(s, key) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str):
+            parts = v.split("/")
+            if v == "#":
+                v = f"#/$defs/{key}"
+            elif len(parts) == 3 and parts[0] == "#" and parts[1] in ("$defs", "definitions"):
+                v = f"#/$defs/{key}.{parts[2]}"
+            out[k] = v
+        else:
+            out[k] = _renamed(v, key)
+    return out
+
+
+class ToolStream:
+    """One streamed choice's tool calls, as OpenAI streams them. A named function's arguments
+    go out as the model writes them (the first delta carries the call's id and name); a
+    "required" array is held back and sent whole with the finish (its calls are only known
+    once it parses). The logprobs of held-back tokens go with the event that sends them."""
+
+    def __init__(self, plan: ToolPlan, first_token: int):
+        self.plan, self.first_token = plan, first_token
+        self.text, self.call_id = "", None
+
+    def event(self, text: str, finish: str | None, span: tuple[int, int]
+              ) -> tuple[dict[str, Any] | None, str | None, tuple[int, int]]:
+        """(delta or None to send nothing yet, finish_reason, token span) of one event."""
+        self.text += text
+        if self.plan.mode == "named":
+            if finish is not None:
+                return {}, self.plan.finish_reason if finish == "stop" else finish, span
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            if self.call_id is None:
+                self.call_id = new_call_id()
+                call.update(id=self.call_id, type="function")
+                call["function"] = {"name": self.plan.name, "arguments": text}
+            return {"tool_calls": [call]}, None, span
+        if finish is None:
+            return None, None, span
+        span = (self.first_token, span[1])
+        calls = self.plan.calls(self.text) if finish == "stop" else None
+        if calls is None:
+            return {"content": self.text}, finish, span
+        return {"tool_calls": [dict(c, index=k) for k, c in enumerate(calls)]}, \
+            self.plan.finish_reason, span
