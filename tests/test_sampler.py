@@ -21,6 +21,7 @@ from kvcap.sampling.reference import (  # noqa: E402
     keep_mask,
     reference_sample,
     scaled_logits,
+    uniform_from_hash,
 )
 from kvcap.sampling.sampler import Sampler, SamplingBatch, logprob_dicts  # noqa: E402
 from kvcap.sampling_params import SamplingParams  # noqa: E402
@@ -179,6 +180,16 @@ def test_compact_twin_equals_the_full_one() -> None:
         assert torch.equal(keep_mask(z, k, p, mp, compact=True), keep_mask(z, k, p, mp)), trial
         assert torch.equal(reference_sample(x, t, k, p, mp, rng, compact=True),
                            reference_sample(x, t, k, p, mp, rng, compact=False)), trial
+
+
+def test_uniforms_stay_inside_zero_one() -> None:
+    """The extreme hashes give finite noise: the top one used to round to u = 1.0 (noise
+    +inf: that token won regardless of its probability; NaN on a masked -inf logit)."""
+    h = torch.tensor([0, 0x1FF, 0xFFFFFE00, 0xFFFFFFFF, -1, -(2**31)], dtype=torch.int64)
+    u = uniform_from_hash(h)
+    assert bool(((u > 0) & (u < 1)).all()), u
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
+    assert u[3] == u[4] == 1 - 2.0**-24 and u[0] == 2.0**-24
 
 
 def test_uniforms_look_uniform() -> None:

@@ -88,7 +88,8 @@ def _row_keys(ip_ptr, row):
 def _gumbel(idx, k0, k1):
     """float32 Gumbel noise of token indices idx (int32) for row keys k0, k1."""
     h = _fmix32(_fmix32(idx.to(tl.uint32, bitcast=True) ^ k0) ^ k1)
-    u = ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08
+    # 23 bits + half a step: exact in float32 and < 1 (reference.uniform_from_hash)
+    u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
     return -tl.log(-tl.log(u))
 
 

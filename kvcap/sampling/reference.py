@@ -22,7 +22,10 @@ All arithmetic is float32; B = batch rows, V = vocabulary size.
    Kept set: ``z >= max(t_k, t_p)`` and ``e >= min_p``; the arg-max token is always kept.
 5. Sampling (Gumbel-max with counter-based uniforms): for token ``i`` of a row with
    ``seed`` (taken mod 2**64) and ``step`` (mod 2**32), ``h = hash(seed, step, i)`` (32 bits,
-   :func:`token_hash`), ``u = ((h >> 8) + 0.5) * 2**-24`` in (0, 1),
+   :func:`token_hash`), ``u = ((h >> 9) + 0.5) * 2**-23``: 23 random bits, every value exact
+   in float32 and strictly inside (0, 1) (the 24-bit form rounded its top value to 1.0, whose
+   noise is +inf: that token won whatever its probability, about once in 340 steps at a 49K
+   vocabulary, and a masked token's -inf + inf was NaN, which arg-max picks),
    ``score = z - log(-log(u))`` on kept tokens; the token with the largest score wins, the
    lowest index on ties. A token's random number depends only on its own (seed, step, index),
    never on the other rows of the batch. Greedy rows take ``argmax(z)`` (lowest index on
@@ -82,9 +85,12 @@ def token_hash(rng: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 def gumbel_noise(rng: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """float32 Gumbel noise ``-log(-log(u))`` for each (row, token index); shape of idx/[B, N]."""
-    h = token_hash(rng, idx)
-    u = ((h >> 8).to(torch.float32) + 0.5) * (2.0**-24)
-    return -torch.log(-torch.log(u))
+    return -torch.log(-torch.log(uniform_from_hash(token_hash(rng, idx))))
+
+
+def uniform_from_hash(h: torch.Tensor) -> torch.Tensor:
+    """float32 in (0, 1) from a 32-bit hash: 23 bits plus a half step, exact in float32."""
+    return ((h >> 9) & 0x7FFFFF).to(torch.float32).add_(0.5).mul_(2.0**-23)
 
 
 def scaled_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
