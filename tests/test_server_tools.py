@@ -42,6 +42,18 @@ def srv(default_model_dir, tmp_path_factory):
         yield server
 
 
+@pytest.fixture(scope="module", params=["hermes", "llama3_json"])
+def auto_srv(default_model_dir, tmp_path_factory, request):
+    tiny = make_tiny_model(default_model_dir, tmp_path_factory.mktemp("tiny") / "model",
+                           max_position_embeddings=1024)
+    llm = LLM(model=str(tiny), device="cpu", num_blocks=96, max_num_seqs=4)
+    app = create_app(llm, served_model_name="tiny", tool_call_parser=request.param)
+    with ThreadedServer(app) as server:
+        server.parser = request.param
+        server.client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        yield server
+
+
 def _check(call, schemas) -> None:
     assert call.type == "function" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
@@ -108,9 +120,46 @@ def test_none_is_text_and_tool_turns_reach_the_template(srv):
     assert r.status_code == 200, r.text
 
 
+REPLIES = {
+    "hermes": ("Let me look.\n", '<tool_call>\n{"name": "get_weather", "arguments": '
+               '{"unit": "c"}}\n</tool_call>\n<tool_call>{"name": "ping", "arguments": {}}'
+               '</tool_call>'),
+    "llama3_json": ("", '<|python_tag|>{"name": "get_weather", "parameters": {"unit": "c"}}; '
+                    '{"name": "ping", "parameters": {}}'),
+}
+
+
+@pytest.mark.parametrize("calls", [True, False])
+def test_auto_tool_calls_are_parsed_from_the_reply(auto_srv, calls):
+    """tool_choice auto with --tool-call-parser: guided_choice makes the random model write
+    exactly a reply in the family's syntax; the server returns its calls (or, for a reply
+    without any, its text), streamed and not."""
+    content, tail = REPLIES[auto_srv.parser]
+    reply = content + tail if calls else "Just text, no <tool"
+    kw = dict(model="tiny", messages=MSGS, tools=TOOLS, max_tokens=200,
+              extra_body={"guided_choice": [reply]})
+    c = auto_srv.client.chat.completions.create(**kw).choices[0]
+    events = [ev.choices[0] for ev in auto_srv.client.chat.completions.create(**kw, stream=True)
+              if ev.choices]
+    streamed_text = "".join(e.delta.content or "" for e in events)
+    streamed_calls = [t for e in events for t in e.delta.tool_calls or []]
+    if not calls:
+        assert c.message.content == reply and not c.message.tool_calls
+        assert c.finish_reason == "stop" and streamed_text == reply
+        return
+    assert c.finish_reason == "tool_calls" == events[-1].finish_reason
+    assert (c.message.content or "") == content.strip() and streamed_text == content
+    got = [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls]
+    assert got == [("get_weather", {"unit": "c"}), ("ping", {})]
+    assert [(t.index, t.function.name, json.loads(t.function.arguments))
+            for t in streamed_calls] == [(k, *g) for k, g in enumerate(got)]
+    # nothing of the call was sent as content before the finish
+    assert all(not e.delta.content or e.delta.content in content for e in events)
+
+
 @pytest.mark.parametrize("extra, message", [
     ({"tools": TOOLS}, "tool_choice: 'auto' (the default with tools)"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "needs a parser"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "needs the server started with --tool-call-parser"),
     ({"tool_choice": "required"}, "tool_choice: needs tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "no tool named 'nope'"),

@@ -20,6 +20,7 @@ from kvcap.commands.common import (
     non_negative_int,
     port_number,
 )
+from kvcap.server.tool_parsers import PARSERS
 
 HELP = "serve the OpenAI-compatible HTTP API (completions, chat, models, health, metrics)"
 
@@ -56,6 +57,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "out; none: OpenAI's defaults (temperature 1, no filtering)",
     )
     p.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        default=None,
+        help="the syntax the model writes tool calls in, for tool_choice 'auto' (OpenAI's "
+        "default with tools): hermes (<tool_call> blocks: Qwen2.5/3, Hermes) or llama3_json "
+        "(Llama 3.x); unset: 'auto' is refused, 'required' and named tools still work",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=non_negative_float,
         default=30.0,
@@ -89,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         max_pending=args.max_num_seqs + args.max_queue,
         shutdown_grace_s=args.shutdown_timeout,
         sampling_defaults=defaults,
+        tool_call_parser=args.tool_call_parser,
     )
     config = uvicorn.Config(
         app,

@@ -16,6 +16,7 @@ from kvcap.engine.input_batch import EagerInputs
 from kvcap.engine.request import Request
 from kvcap.kv_cache.pool import KVCachePool
 from kvcap.models.llama import ForwardContext, KVObserverFn, LlamaModel
+from kvcap.sampling.json_grammar import Grammar
 from kvcap.sampling.json_grammar import State as GrammarState
 from kvcap.sampling.penalties import PenaltyState, adjust_logits
 from kvcap.sampling.reference import reference_sample
@@ -39,7 +40,9 @@ class RequestExtras:
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     penalties: PenaltyState | None = None  # token counts, for requests that adjust logits
-    grammar_state: GrammarState | None = None  # structured output: the output so far
+    # structured output: the request's grammar (compiled once) and the output so far
+    grammar: Grammar | None = None
+    grammar_state: GrammarState | None = None
 
 
 @dataclass
@@ -363,10 +366,11 @@ class ModelRunner:
         changed = False
         for j in rows:
             ex = extras[step.reqs[j].request_id]
-            grammar = step.reqs[j].sampling_params.grammar()
-            state = grammar.start if ex.grammar_state is None else ex.grammar_state
+            if ex.grammar is None:
+                ex.grammar = step.reqs[j].sampling_params.grammar()
+                ex.grammar_state = ex.grammar.start
             tok, ex.grammar_state = self._structured.choose(
-                grammar, state, tokens[j], step.logits[j],
+                ex.grammar, ex.grammar_state, tokens[j], step.logits[j],
                 lambda row, j=j: self._resample(step, j, row))
             changed |= tok != tokens[j]
             tokens[j] = tok

@@ -84,10 +84,12 @@ def create_app(
     shutdown_grace_s: float = 30.0,
     poll_s: float = 1.0,
     sampling_defaults: dict[str, Any] | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """`max_pending`: unfinished requests admitted at once (running + queued); more -> 429.
     `sampling_defaults`: temperature / top_p / top_k / min_p / repetition_penalty for requests
-    that leave them out (the checkpoint's generation config: loader.read_sampling_defaults)."""
+    that leave them out (the checkpoint's generation config: loader.read_sampling_defaults).
+    `tool_call_parser`: the syntax tool_choice "auto" parses (kvcap/server/tool_parsers.py)."""
     from kvcap.models.loader import load_tokenizer
 
     name = served_model_name or "default"
@@ -98,7 +100,7 @@ def create_app(
         tokenizer.chat_template = llm.tokenizer.chat_template
     serving = OpenAIServing(
         aeng, tokenizer, name, llm.max_model_len, llm.spec.vocab_size, poll_s=poll_s,
-        sampling_defaults=sampling_defaults,
+        sampling_defaults=sampling_defaults, tool_parser=tool_call_parser,
     )
     pool = llm.pool
     info = ServerInfo(

@@ -11,7 +11,8 @@ from kvcap.engine.engine import RequestOutput
 from kvcap.server import protocol as P
 from kvcap.server.logprobs import chat_logprobs, completion_logprobs
 from kvcap.server.serving import OpenAIServing
-from kvcap.server.tools import ToolPlan, ToolStream
+from kvcap.server.tool_parsers import PARSERS
+from kvcap.server.tools import ToolPlan, ToolStream, parsed_reply
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -77,6 +78,14 @@ async def completion(serving: OpenAIServing, name: str, max_pending: int,
 async def chat_completion(serving: OpenAIServing, name: str, max_pending: int,
                           req: P.ChatCompletionRequest, request: Request) -> Response:
     serving.check_model(req.model)
+    if req.tool_plan() is not None and req.tool_plan().mode == "auto" \
+            and serving.tool_parser is None:
+        raise P.APIError(
+            400, "tool_choice: 'auto' (the default with tools) needs the server started with "
+            f"--tool-call-parser ({' | '.join(PARSERS)}: the syntax the model writes calls in); "
+            "or send tool_choice 'required' or {\"type\": \"function\", \"function\": "
+            "{\"name\": ...}} (the output is then constrained to the tools' schemas), or 'none'",
+            param="tool_choice", code="unsupported_parameter")
     ids = serving.chat_prompt(req)
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -85,7 +94,7 @@ async def chat_completion(serving: OpenAIServing, name: str, max_pending: int,
         raise P.APIError(400, f"n: at most {max_pending} choices per request", param="n")
     params = serving.params_for(req, ids, max_tokens, "messages")
     plan = req.tool_plan()
-    calls = plan if plan is not None and plan.constrains else None
+    calls = plan if plan is not None and plan.mode != "none" else None
     streams = serving.submit(serving.choices([(ids, params)], req.n))
     rid, created = P.new_id("chatcmpl"), P.now()
     top_n = req.top_logprobs or 0
@@ -104,7 +113,7 @@ async def chat_completion(serving: OpenAIServing, name: str, max_pending: int,
             {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
         )
         if calls is not None and i is not None and not role:
-            tool = held.setdefault(i, ToolStream(calls, span[0]))
+            tool = held.setdefault(i, ToolStream(calls, serving.tool_parser))
             delta, finish, span = tool.event(text, finish, span)
             if delta is None:
                 return None
@@ -126,7 +135,7 @@ async def chat_completion(serving: OpenAIServing, name: str, max_pending: int,
             created=created,
             model=name,
             choices=[
-                P.ChatChoice(index=i, **_message(o, calls),
+                P.ChatChoice(index=i, **_message(o, calls, serving.tool_parser),
                              logprobs=logprobs(o, (0, len(o.token_ids))))
                 for i, o in enumerate(outs)
             ],
@@ -135,14 +144,22 @@ async def chat_completion(serving: OpenAIServing, name: str, max_pending: int,
     )
 
 
-def _message(out: RequestOutput, calls: ToolPlan | None) -> dict:
+def _message(out: RequestOutput, calls: ToolPlan | None, parser: str | None) -> dict:
     """A chat choice's message and finish_reason: tool calls where the request asked for
     them and the output parses (an output cut by max_tokens stays text)."""
-    parsed = calls.calls(out.text) if calls is not None and out.finish_reason == "stop" \
-        else None
+    plain = {"message": P.ChatResponseMessage(content=out.text),
+             "finish_reason": out.finish_reason}
+    if calls is None or out.finish_reason != "stop":
+        return plain
+    if calls.mode == "auto":
+        content, found = parsed_reply(parser, out.text)
+        if not found:
+            return plain
+        return {"message": P.ChatResponseMessage(content=content, tool_calls=found),
+                "finish_reason": "tool_calls"}
+    parsed = calls.calls(out.text)
     if parsed is None:
-        return {"message": P.ChatResponseMessage(content=out.text),
-                "finish_reason": out.finish_reason}
+        return plain
     return {"message": P.ChatResponseMessage(content=None, tool_calls=parsed),
             "finish_reason": calls.finish_reason}
 

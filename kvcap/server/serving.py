@@ -30,6 +30,7 @@ from kvcap.server.async_engine import (
     ServerBusy,
     ServiceUnavailable,
 )
+from kvcap.server.tool_parsers import PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -100,12 +101,16 @@ class OpenAIServing:
         vocab_size: int,
         poll_s: float = 1.0,
         sampling_defaults: dict[str, Any] | None = None,
+        tool_parser: str | None = None,
     ):
         self.aeng, self.tokenizer, self.model_name = aeng, tokenizer, model_name
         self.max_model_len, self.vocab_size, self.poll_s = max_model_len, vocab_size, poll_s
         self.bm = aeng.engine.block_manager
         self.token_texts = TokenTexts(tokenizer)
         self.sampling_defaults = dict(sampling_defaults or {})
+        if tool_parser is not None and tool_parser not in PARSERS:
+            raise ValueError(f"unknown tool-call parser {tool_parser!r} (known: {PARSERS})")
+        self.tool_parser = tool_parser
 
     # ----------------------------------------------------------------- validation
     def check_model(self, name: str) -> None:

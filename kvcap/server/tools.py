@@ -7,9 +7,10 @@
     objects, each valid under its tool's schema (at most one with `parallel_tool_calls: false`);
     the reply lists them as tool calls, finish_reason "tool_calls".
   - `"none"`: plain text; the tools are still shown to the model through the chat template.
-  - `"auto"` (OpenAI's default when tools are given) would need a parser for each model
-    family's own tool-call syntax; kvcap has none, so it is refused with a 400 that says to use
-    "required" or a named function, rather than answered as text that silently ignores tools.
+  - `"auto"` (OpenAI's default when tools are given): the model writes text or calls in its
+    own syntax, parsed by the server's `--tool-call-parser` (kvcap/server/tool_parsers.py);
+    without one the request is refused with a 400 that says so, rather than answered as text
+    that silently ignores the tools.
 The tools always reach the chat template (`tools=`), so a model trained on tool use sees them.
 An output cut by max_tokens cannot be parsed: it is returned as content, finish_reason "length".
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcap.sampling.json_schema import SchemaError, compile_schema
+from kvcap.server.tool_parsers import parse_tool_calls, tool_call_start
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -38,7 +40,7 @@ class ToolRequestError(ValueError):
 
 @dataclass
 class ToolPlan:
-    mode: str  # "none" | "named" | "required"
+    mode: str  # "none" | "auto" | "named" | "required"
     tools: list[dict[str, Any]]  # as the chat template takes them (OpenAI's form)
     name: str | None = None  # the named function
     schema: dict[str, Any] | None = None  # what the output must follow
@@ -99,15 +101,8 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool) -> Too
             raise ToolRequestError(f"{where}.function.parameters: {e}", param="tools") from None
         params[name] = schema
     choice = "auto" if tool_choice is None else tool_choice
-    if choice == "auto":
-        raise ToolRequestError(
-            "tool_choice: 'auto' (the default with tools) needs a parser of the model's own "
-            "tool-call syntax, which kvcap does not have; send tool_choice 'required' or "
-            "{\"type\": \"function\", \"function\": {\"name\": ...}} (the output is then "
-            "constrained to the tools' schemas), or 'none'",
-            param="tool_choice", code="unsupported_parameter")
-    if choice == "none":
-        return ToolPlan("none", tools, parameters=params)
+    if choice in ("none", "auto"):
+        return ToolPlan(choice, tools, parameters=params)
     if choice == "required":
         return ToolPlan("required", tools, schema=calls_schema(params, parallel),
                         parameters=params)
@@ -168,34 +163,71 @@ def _renamed(schema: Any, key: str) -> Any:
     return out
 
 
+def parsed_reply(parser: str, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """tool_choice "auto": (content, tool calls) of a finished reply, by `parser`."""
+    end, calls = parse_tool_calls(parser, text)
+    if not calls:
+        return text, []
+    return text[:end].strip() or None, [
+        {"id": new_call_id(), "type": "function", "function": {"name": n, "arguments": a}}
+        for n, a in calls]
+
+
 class ToolStream:
     """One streamed choice's tool calls, as OpenAI streams them. A named function's arguments
     go out as the model writes them (the first delta carries the call's id and name); a
     "required" array is held back and sent whole with the finish (its calls are only known
-    once it parses). The logprobs of held-back tokens go with the event that sends them."""
+    once it parses); with "auto", content goes out until a call may have begun
+    (`tool_call_start`) and the rest with the finish, as calls if it parses. The logprobs of
+    held-back tokens go with the event that sends them."""
 
-    def __init__(self, plan: ToolPlan, first_token: int):
-        self.plan, self.first_token = plan, first_token
-        self.text, self.call_id = "", None
+    def __init__(self, plan: ToolPlan, parser: str | None = None):
+        self.plan, self.parser = plan, parser
+        self.text, self.call_id, self.sent = "", None, 0
+        self.held_from: int | None = None  # first token of events not sent yet
 
     def event(self, text: str, finish: str | None, span: tuple[int, int]
               ) -> tuple[dict[str, Any] | None, str | None, tuple[int, int]]:
         """(delta or None to send nothing yet, finish_reason, token span) of one event."""
         self.text += text
+        delta, finish = self._delta(text, finish)
+        if delta is None:
+            if self.held_from is None:
+                self.held_from = span[0]
+            return None, None, span
+        if self.held_from is not None:
+            span, self.held_from = (self.held_from, span[1]), None
+        return delta, finish, span
+
+    def _delta(self, text: str, finish: str | None) -> tuple[dict[str, Any] | None, str | None]:
         if self.plan.mode == "named":
             if finish is not None:
-                return {}, self.plan.finish_reason if finish == "stop" else finish, span
+                return {}, self.plan.finish_reason if finish == "stop" else finish
             call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
             if self.call_id is None:
                 self.call_id = new_call_id()
                 call.update(id=self.call_id, type="function")
                 call["function"] = {"name": self.plan.name, "arguments": text}
-            return {"tool_calls": [call]}, None, span
+            return {"tool_calls": [call]}, None
+        if self.plan.mode == "auto" and finish is None:
+            cut = max(self.sent, tool_call_start(self.parser, self.text))
+            out, self.sent = self.text[self.sent:cut], cut
+            return ({"content": out} if out else None), None
         if finish is None:
-            return None, None, span
-        span = (self.first_token, span[1])
-        calls = self.plan.calls(self.text) if finish == "stop" else None
-        if calls is None:
-            return {"content": self.text}, finish, span
-        return {"tool_calls": [dict(c, index=k) for k, c in enumerate(calls)]}, \
-            self.plan.finish_reason, span
+            return None, None
+        if self.plan.mode == "auto":
+            end, calls = parse_tool_calls(self.parser, self.text) if finish == "stop" \
+                else (len(self.text), [])
+            found = [{"id": new_call_id(), "type": "function",
+                      "function": {"name": n, "arguments": a}} for n, a in calls]
+            reason = "tool_calls" if found else finish
+        else:
+            found = self.plan.calls(self.text) if finish == "stop" else None
+            end = 0 if found else len(self.text)
+            reason = self.plan.finish_reason if found else finish
+        delta: dict[str, Any] = {}
+        if self.text[self.sent:end]:
+            delta["content"] = self.text[self.sent:end]
+        if found:
+            delta["tool_calls"] = [dict(c, index=k) for k, c in enumerate(found)]
+        return delta, reason
