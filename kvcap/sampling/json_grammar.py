@@ -32,7 +32,7 @@ from collections.abc import Iterable
 
 MAX_WHITESPACE = 16
 MAX_DEPTH = 64
-STEP_CACHE_ENTRIES = 1 << 18
+STEP_CACHE_ENTRIES = 1 << 16  # per grammar; cleared when full
 
 Frames = tuple[tuple, ...]
 Config = tuple[Frames, int]

@@ -37,7 +37,7 @@ BY_TYPE = {
 }
 GENERAL = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"}
 SUPPORTED = GENERAL | set().union(*BY_TYPE.values())
-COMPILED_SCHEMAS = 64
+COMPILED_SCHEMAS = 32
 
 
 class SchemaError(ValueError):
