@@ -348,3 +348,20 @@ def test_sentencepiece_token_bytes():
     assert texts(5) == (" hello", list(b" hello"))
     assert texts(6)[1] == [0xE4] and texts(7)[1] == list(b"{")
     assert texts(2) == ("</s>", list(b"</s>"))  # a special token: its text
+
+
+def test_structured_bench_writes_its_json(tmp_path):
+    """`kvcap bench structured` on a few documents: every grammar's documents check out (the
+    bench asserts each is accepted and complete) and the JSON holds each measurement."""
+    from kvcap.bench.structured import main
+
+    out = tmp_path / "s.json"
+    assert main(["--docs", "3", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["grammar"] for r in result["rows"]] == ["json_object", "pet_schema",
+                                                      "tree_schema"]
+    for r in result["rows"]:
+        assert r["tokens_checked"] > 0 and r["check_us_warm_median"] > 0
+        assert set(r["mask"]) == {"before_key", "in_string", "in_number"}
+        assert all(0 < m["tokens_allowed"] < result["vocab"] for m in r["mask"].values())
+    assert result["commit"] and result["vocab"] == 49152

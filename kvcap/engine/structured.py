@@ -87,7 +87,7 @@ class StructuredOutput:
         if hit is not None:
             self._masks.move_to_end(key)
             return hit
-        ok = torch.zeros(self.vocab_size, dtype=torch.bool)
+        fits: list[int] = []
         order, data, shared = self._vocab_walk()
         # Tokens in byte order: each shares `shared[i]` leading bytes with the one before, so
         # the states after those bytes are reused (depth d's state in `path[d]`); once a
@@ -104,7 +104,9 @@ class StructuredOutput:
                     break
                 path.append(cur)
             if cur is not None:
-                ok[tok] = True
+                fits.append(tok)
+        ok = torch.zeros(self.vocab_size, dtype=torch.bool)
+        ok[torch.tensor(fits, dtype=torch.long)] = True  # one indexed write, not one per token
         for t in self.eos_ids:
             if t < self.vocab_size:
                 ok[t] = grammar.complete(state)

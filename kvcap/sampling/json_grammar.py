@@ -42,6 +42,7 @@ WS = frozenset(b" \t\n\r")
 DIGITS = frozenset(b"0123456789")
 HEX = frozenset(b"0123456789abcdefABCDEF")
 ESCAPES = frozenset(b'"\\/bfnrt')
+MISSING = object()
 NUMBER_ENDS = frozenset(["zero", "int", "frac", "exp"])  # a number may stop here
 QUOTE, BACKSLASH = ord('"'), ord("\\")
 
@@ -52,7 +53,9 @@ class Grammar:
         self.nodes, self.root, self.raw, self.description = nodes, root, raw, description
         self.alternatives = [self._flatten(i, ()) for i in range(len(nodes))]
         self.start: State = frozenset({((("V", root),), 0)})
+        # memoised steps, per configuration and per whole state (a frozenset caches its hash)
         self._steps: dict[tuple[Config, int], tuple[Config, ...]] = {}
+        self._state_steps: dict[tuple[State, int], State | None] = {}
 
     def __repr__(self) -> str:
         return f"Grammar({self.description}, {len(self.nodes)} nodes)"
@@ -63,10 +66,17 @@ class Grammar:
         for b in data:
             if state is None:
                 return None
-            nxt: set[Config] = set()
-            for cfg in state:
-                nxt.update(self._step_config(cfg, b))
-            state = frozenset(nxt) if nxt else None
+            key = (state, b)
+            hit = self._state_steps.get(key, MISSING)
+            if hit is MISSING:
+                nxt: set[Config] = set()
+                for cfg in state:
+                    nxt.update(self._step_config(cfg, b))
+                hit = frozenset(nxt) if nxt else None
+                if len(self._state_steps) >= STEP_CACHE_ENTRIES:
+                    self._state_steps.clear()
+                self._state_steps[key] = hit
+            state = hit
         return state
 
     def complete(self, state: State | None) -> bool:
