@@ -6,7 +6,13 @@ from dataclasses import dataclass, field
 
 from kvcap.errors import ConfigError
 from kvcap.sampling.json_grammar import Grammar
-from kvcap.sampling.json_schema import SchemaError, choice_grammar, compile_schema, object_grammar
+from kvcap.sampling.json_schema import (
+    SchemaError,
+    choice_grammar,
+    compile_schema,
+    object_grammar,
+    regex_grammar,
+)
 
 # The fields a checkpoint's generation_config.json may give defaults for (kvcap serve
 # --generation-config auto; models.loader.read_sampling_defaults).
@@ -36,6 +42,7 @@ class SamplingParams:
     json_object: bool = False  # one JSON object, then EOS
     json_schema: dict | bool | str | None = None  # one JSON value valid under this schema
     choice: list[str] | None = None  # exactly one of these strings
+    regex: str | None = None  # text the regular expression matches whole
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,7 +83,8 @@ class SamplingParams:
             bad(f"repetition_penalty must be a positive number (1 = off), got {r!r}")
         asked = [n for n, on in (("json_object", self.json_object),
                                  ("json_schema", self.json_schema is not None),
-                                 ("choice", self.choice is not None)) if on]
+                                 ("choice", self.choice is not None),
+                                 ("regex", self.regex is not None)) if on]
         if len(asked) > 1:
             bad(f"{' and '.join(asked)} are each a whole output format: give one")
         if asked and (self.ignore_eos or self.min_tokens):
@@ -106,8 +114,9 @@ class SamplingParams:
 
     @property
     def structured(self) -> bool:
-        """The output must follow a grammar (JSON object, JSON schema or choice)."""
-        return self.json_object or self.json_schema is not None or self.choice is not None
+        """The output must follow a grammar (JSON object, JSON schema, choice or regex)."""
+        return self.json_object or self.json_schema is not None or self.choice is not None \
+            or self.regex is not None
 
     def grammar(self) -> Grammar | None:
         """The grammar the output follows (compiled once per distinct schema), or None."""
@@ -115,6 +124,8 @@ class SamplingParams:
             return compile_schema(self.json_schema)
         if self.choice is not None:
             return choice_grammar(self.choice)
+        if self.regex is not None:
+            return regex_grammar(self.regex)
         return object_grammar() if self.json_object else None
 
     @property

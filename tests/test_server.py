@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -355,12 +356,16 @@ def test_json_schema_and_choice_outputs(srv):
         for seed in range(3):
             c = srv.http.post(CMPL, json={**body, **extra, "seed": seed}).json()["choices"][0]
             assert c["text"] in ("alpha", "beta gamma") and c["finish_reason"] == "stop", c
+    for extra in ({"guided_regex": "[0-9]{3}-[a-c]{2}"},
+                  {"structured_outputs": {"regex": "[0-9]{3}-[a-c]{2}"}}):
+        c = srv.http.post(CMPL, json={**body, **extra}).json()["choices"][0]
+        assert re.fullmatch("[0-9]{3}-[a-c]{2}", c["text"]) and c["finish_reason"] == "stop", c
 
 
 @pytest.mark.parametrize("extra, param, message", [
     ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "string", "pattern": "a+"}}}}, "response_format",
-     "response_format: schema: 'pattern' not supported"),
+        "name": "x", "schema": {"type": "integer", "minimum": 0}}}}, "response_format",
+     "response_format: schema: 'minimum' not supported"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format", "needs json_schema.schema"),
     ({"response_format": {"type": "yaml"}}, "response_format", "type must be text"),
@@ -368,8 +373,9 @@ def test_json_schema_and_choice_outputs(srv):
     ({"guided_choice": []}, "guided_choice", "non-empty list"),
     ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "response_format",
      "give one structured output format"),
-    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs", "not supported by kvcap"),
-    ({"guided_regex": "a+"}, "guided_regex", "only the default value"),
+    ({"guided_grammar": "root ::= x"}, "guided_grammar", "only the default value"),
+    ({"guided_regex": "(?=a)"}, "guided_regex", "guided_regex: pattern '(?=a)': look-around"),
+    ({"structured_outputs": {"grammar": "x"}}, "structured_outputs", "not supported"),
     ({"guided_choice": ["a"], "ignore_eos": True}, "guided_choice", "ends with EOS"),
 ])
 def test_structured_output_errors_name_their_field(srv, extra, param, message):

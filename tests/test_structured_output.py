@@ -20,7 +20,15 @@ from kvcap.engine.structured import MAX_REJECTIONS, StructuredOutput
 from kvcap.engine.token_bytes import TokenTexts
 from kvcap.errors import ConfigError
 from kvcap.sampling.json_grammar import MAX_WHITESPACE, Grammar
-from kvcap.sampling.json_schema import SchemaError, choice_grammar, compile_schema, object_grammar
+from kvcap.sampling.json_schema import (
+    FORMATS,
+    SchemaError,
+    choice_grammar,
+    compile_schema,
+    object_grammar,
+    regex_grammar,
+)
+from kvcap.sampling.regex import RegexError, compile_regex
 
 OBJ = object_grammar()
 
@@ -187,9 +195,10 @@ def test_invalid_documents_are_refused(name, text):
 
 
 @pytest.mark.parametrize("schema, message", [
-    ({"type": "string", "pattern": "a+"}, "schema: 'pattern' not supported"),
-    ({"type": "object", "properties": {"d": {"type": "string", "format": "date"}}},
-     r"schema.properties.d: 'format' not supported"),
+    ({"type": "string", "pattern": "(?<=a)b"}, "schema: pattern '\\(\\?<=a\\)b': look-around"),
+    ({"type": "object", "properties": {"d": {"type": "string", "format": "hostname"}}},
+     r"schema.properties.d.format: 'hostname' is not supported"),
+    ({"type": "string", "format": "date", "pattern": "x"}, "pattern and format together"),
     ({"type": "integer", "minimum": 0}, "'minimum' not supported"),
     ({"type": "array", "uniqueItems": True}, "'uniqueItems' not supported"),
     ({"type": "thing"}, "type: must be one of"),
@@ -223,8 +232,10 @@ def test_choice_grammar_is_exactly_one_of_the_strings():
 def test_sampling_params_take_one_format_and_name_schema_errors():
     with pytest.raises(ConfigError, match="json_object and choice are each a whole output"):
         SamplingParams(json_object=True, choice=["a"])
-    with pytest.raises(ConfigError, match="json_schema: schema: 'pattern' not supported"):
-        SamplingParams(json_schema={"type": "string", "pattern": "x"})
+    with pytest.raises(ConfigError, match="json_schema: schema: 'minimum' not supported"):
+        SamplingParams(json_schema={"type": "integer", "minimum": 0})
+    with pytest.raises(ConfigError, match=r"regex: pattern 'a\(': unbalanced"):
+        SamplingParams(regex="a(")
     with pytest.raises(ConfigError, match="json_object ends the output with EOS"):
         SamplingParams(json_object=True, ignore_eos=True)
     with pytest.raises(ConfigError, match="choice ends the output with EOS"):
@@ -365,3 +376,104 @@ def test_structured_bench_writes_its_json(tmp_path):
         assert set(r["mask"]) == {"before_key", "in_string", "in_number"}
         assert all(0 < m["tokens_allowed"] < result["vocab"] for m in r["mask"].values())
     assert result["commit"] and result["vocab"] == 49152
+
+
+PATTERNS = ["a+b?c*", "(?:ab|c)+d", "[a-c][^a-c]?", "\\d{2,3}x", "x{2}y{0,2}z{1,}",
+            "[\\w.]+@\\w+", "(a|b|)c", ".b", "[-a]\\-?", "(?:a{1,2}){2}", "\\s*\\S",
+            "[\\u00e9\\x41]+", "a.*?b"]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_regex_matches_as_pythons_re(pattern):
+    """The NFA against re.fullmatch (ASCII classes, as ECMA-262's) on every string of up to
+    3 characters over a small alphabet plus random longer ones."""
+    import itertools
+    import re
+
+    nfa, rng = compile_regex(pattern), random.Random(pattern)
+    alphabet = "abcdxyz1@. -\u00e9A\n"
+    words = ["".join(w) for n in range(4) for w in itertools.product(alphabet[:8], repeat=n)]
+    words += ["".join(rng.choice(alphabet) for _ in range(rng.randint(4, 9)))
+              for _ in range(2000)]
+    for w in words:
+        states = nfa.start
+        for ch in w:
+            states = nfa.step(states, ord(ch))
+        assert (bool(states) and nfa.accepts(states)) == bool(re.fullmatch(pattern, w, re.ASCII)), w
+
+
+@pytest.mark.parametrize("pattern, why", [
+    ("a(?=b)", "look-around"), ("(a)\\1", "back-references"), ("a^b", "only at the ends"),
+    ("(ab", "unbalanced"), ("[b-a]", "runs backwards"), ("*a", "nothing to repeat"),
+    ("\\bword", "back-references, word boundaries"), ("a{3,1}", "maximum below"),
+    ("(?P<n>a)", "named groups"), ("a{99999}", "more than"),
+])
+def test_unsupported_regex_is_refused_by_name(pattern, why):
+    with pytest.raises(RegexError, match=why):
+        compile_regex(pattern)
+
+
+def test_regex_grammar_walks_match_and_end():
+    import re
+
+    rng = random.Random(5)
+    for pattern in ["(yes|no)!?", "\\d{3}-\\d{4}", "[A-Z][a-z]{2,6}( [A-Z][a-z]{2,6})?"]:
+        g = regex_grammar(pattern)
+        done = [d for d in (_random_walk(g, rng, 40) for _ in range(40)) if d is not None]
+        assert len(done) >= 20, pattern
+        assert all(re.fullmatch(pattern, d.decode()) for d in done), done
+    assert regex_grammar("ab").must_end(regex_grammar("ab").feed(regex_grammar("ab").start, b"ab"))
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_formats_generate_what_the_format_allows(fmt):
+    """Random paths through each format's grammar: jsonschema's format checker (and
+    datetime for the times) accepts every completed string."""
+    import datetime as dt
+
+    g, rng = compile_schema({"type": "string", "format": fmt}), random.Random(fmt)
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER  # the 2020-12 formats
+    done = [d for d in (_random_walk(g, rng, 300) for _ in range(40)) if d is not None]
+    assert len(done) >= 15, f"{len(done)} walks completed"
+    for data in done:
+        value = json.loads(data)
+        jsonschema.validate(value, {"type": "string", "format": fmt}, format_checker=checker)
+        if fmt in ("date", "date-time"):
+            (dt.date if fmt == "date" else dt.datetime).fromisoformat(value)
+        if fmt == "time":
+            dt.time.fromisoformat(value)
+
+
+def test_pattern_is_a_search_unless_anchored_and_sees_decoded_escapes():
+    free, anchored = (compile_schema({"type": "string", "pattern": p})
+                      for p in ("\u00e9+", "^[a-z]+$"))
+    for g, text, ok in [(free, '"x\u00e9\u00e9y"', True), (free, '"x\\u00e9y"', True),
+                        (free, '"xy"', False), (anchored, '"abc"', True),
+                        (anchored, '"ab1"', False), (anchored, '"\\u0061b"', True)]:
+        assert g.complete(g.feed(g.start, text.encode())) == ok, text
+
+
+def test_generation_follows_a_regex(llm):
+    import re
+
+    msgs = [{"role": "user", "content": "Give me a phone number."}]
+    out = llm.chat(msgs, SamplingParams(temperature=0.7, seed=1, max_tokens=20,
+                                        regex="\\d{3}-\\d{4}"), use_tqdm=False)[0]
+    assert re.fullmatch("\\d{3}-\\d{4}", out.text) and out.finish_reason == "stop", out.text
+
+
+def test_a_character_is_refused_at_its_first_byte_when_no_completion_matches():
+    """A UTF-8 lead byte or a \\u escape's first digits only pass if some character they
+    can still become matches: otherwise a token ending mid-character could be sampled and
+    leave no token that continues the output."""
+    yes = regex_grammar("(yes|no)!?")
+    assert yes.feed(yes.start, b"\xc3") is None
+    e = regex_grammar("\u00e9+")
+    assert e.feed(e.start, b"\xc3") is not None and e.feed(e.start, b"\xc4") is None
+    assert e.feed(e.start, b"\xc3\xa9") is not None and e.feed(e.start, b"\xc3\xa8") is None
+    az = compile_schema({"type": "string", "pattern": "^[a-z]+$"})
+    assert az.feed(az.start, b'"\\u00') is not None and az.feed(az.start, b'"\\u01') is None
+    assert az.feed(az.start, b'"\\u0061') is not None and az.feed(az.start, b'"\\u0041') is None
+    cjk = regex_grammar("\u4e16")  # a 3-byte character: E4 B8 96
+    assert cjk.feed(cjk.start, b"\xe4\xb8") is not None and cjk.feed(cjk.start, b"\xe4\xb9") \
+        is None

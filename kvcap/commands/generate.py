@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "file, or the schema itself)")
     fmt.add_argument("--choice", nargs="+", metavar="TEXT",
                      help="the output is exactly one of these strings")
+    fmt.add_argument("--regex", metavar="PATTERN",
+                     help="the output is text this regular expression matches whole")
 
 
 def read_schema(arg: str | None):
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
                             presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty,
                             json_object=args.json, json_schema=read_schema(args.json_schema),
-                            choice=args.choice)
+                            choice=args.choice, regex=args.regex)
     llm = LLM(**engine_kwargs(args))
     if args.chat:
         ids = llm.apply_chat_template([{"role": "user", "content": args.prompt}])

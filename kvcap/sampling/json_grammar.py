@@ -17,6 +17,10 @@ Nodes (tuples, ids index `Grammar.nodes`):
                                             other keys' values, or None when only props may
                                             appear; each key at most once, in any order
     ("arr", items, min_items, max_items | None)
+    ("pat", nfa, min_len, max_len | None)   a JSON string whose characters (escapes decoded)
+                                            match a regular expression (kvcap.sampling.regex)
+    ("re", nfa)                             raw text matching a regular expression (the root
+                                            of a `raw` grammar: vLLM's guided_regex)
 
 kvcap's own limits, as in any JSON mode: at most MAX_WHITESPACE consecutive whitespace bytes
 outside strings (a model that keeps emitting blanks would otherwise run to max_tokens inside a
@@ -45,6 +49,8 @@ ESCAPES = frozenset(b'"\\/bfnrt')
 MISSING = object()
 NUMBER_ENDS = frozenset(["zero", "int", "frac", "exp"])  # a number may stop here
 QUOTE, BACKSLASH = ord('"'), ord("\\")
+JSON_ESCAPES = {ord('"'): 0x22, ord("\\"): 0x5C, ord("/"): 0x2F, ord("b"): 0x08,
+                ord("f"): 0x0C, ord("n"): 0x0A, ord("r"): 0x0D, ord("t"): 0x09}
 
 
 class Grammar:
@@ -101,10 +107,15 @@ class Grammar:
             out += [k for k in self._flatten(j, seen + (i,)) if k not in out]
         return tuple(out)
 
-    @staticmethod
-    def _can_end(frames: Frames) -> bool:
-        return not frames or (len(frames) == 1 and frames[0][0] == "N"
-                              and frames[0][2] in NUMBER_ENDS)
+    def _can_end(self, frames: Frames) -> bool:
+        if not frames:
+            return True
+        if len(frames) != 1:
+            return False
+        top = frames[0]
+        if top[0] == "N":
+            return top[2] in NUMBER_ENDS
+        return top[0] == "T" and top[3] is None and self.nodes[top[1]][1].accepts(top[2])
 
     # -- one byte -------------------------------------------------------------------------
     def _step_config(self, cfg: Config, b: int) -> tuple[Config, ...]:
@@ -154,7 +165,75 @@ class Grammar:
             return self._key(frames, b)
         if kind == "A":
             return self._array(rest, top, b)
+        if kind == "P":
+            return self._pattern_string(rest, top, b)
+        if kind == "T":
+            return self._text(rest, top, b)
         raise AssertionError(f"unknown frame {top!r}")
+
+    def _pattern_string(self, rest: Frames, top: tuple, b: int) -> list[Frames]:
+        """A byte of a string frame ("P", node, nfa states, esc, count, utf8): JSON escapes
+        and UTF-8 are decoded to characters, which run through the node's NFA. esc: 0, -1
+        after a backslash, or (code so far, hex digits left) in a \\u escape; utf8: None or
+        (code so far, continuation bytes left, lowest, highest next byte)."""
+        _, c, states, esc, n, utf8 = top
+        _, nfa, lo, hi = self.nodes[c]
+        if utf8 is not None or (b >= 0x80 and esc == 0):
+            ch, utf8 = _utf8_step(nfa, states, utf8, b)
+            if utf8 is not None:
+                return [rest + (("P", c, states, 0, n, utf8),)]
+            if ch is None:
+                return []
+        elif esc == -1:
+            if b == ord("u"):
+                return [rest + (("P", c, states, (0, 4), n, None),)]
+            ch = JSON_ESCAPES.get(b)
+            if ch is None:
+                return []
+        elif esc:
+            code, left = esc
+            if b not in HEX:
+                return []
+            code = code * 16 + int(chr(b), 16)
+            if left > 1:
+                lo_code, hi_code = code << 4 * (left - 1), ((code + 1) << 4 * (left - 1)) - 1
+                if not any(nfa.any_in(states, a, z) for a, z in
+                           _without_surrogates(lo_code, hi_code)):
+                    return []
+                return [rest + (("P", c, states, (code, left - 1), n, None),)]
+            if 0xD800 <= code <= 0xDFFF:  # surrogate halves: write the character itself
+                return []
+            ch = code
+        elif b == QUOTE:
+            return [rest] if nfa.accepts(states) and n >= lo else []
+        elif b == BACKSLASH:
+            return [rest + (("P", c, states, -1, n, None),)]
+        elif b < 0x20:
+            return []
+        else:
+            ch = b
+        states = nfa.step(states, ch)
+        n = n + 1 if hi is not None else min(n + 1, lo)
+        if not states or (hi is not None and n > hi):
+            return []
+        return [rest + (("P", c, states, 0, n, None),)]
+
+    def _text(self, rest: Frames, top: tuple, b: int) -> list[Frames]:
+        """A byte of raw text matched by a regex ("T", node, nfa states, utf8); the frame
+        ends once the NFA accepts and can go no further."""
+        _, c, states, utf8 = top
+        nfa = self.nodes[c][1]
+        ch, utf8 = _utf8_step(nfa, states, utf8, b)
+        if utf8 is not None:
+            return [rest + (("T", c, states, utf8),)]
+        if ch is None:
+            return []
+        states = nfa.step(states, ch)
+        if not states:
+            return []
+        if nfa.accepts(states) and not nfa.can_continue(states):
+            return [rest]
+        return [rest + (("T", c, states, None),)]
 
     def _start(self, rest: Frames, node_id: int, b: int) -> list[Frames]:
         """The first byte of a value of node `node_id` (over its alternatives)."""
@@ -173,6 +252,10 @@ class Grammar:
                 out.append(rest + (("O", c, frozenset(), "{", None),))
             elif kind == "arr" and b == ord("[") and len(rest) < 2 * MAX_DEPTH:
                 out.append(rest + (("A", c, 0, "["),))
+            elif kind == "pat" and b == QUOTE:
+                out.append(rest + (("P", c, node[1].start, 0, 0, None),))
+            elif kind == "re":
+                out += self._text(rest, ("T", c, node[1].start, None), b)
         return out
 
     def _object(self, rest: Frames, top: tuple, b: int) -> list[Frames]:
@@ -267,6 +350,51 @@ def _string_char(top: tuple, b: int):
     if hi is not None and grown > hi:
         return None
     return ("S", lo, hi, nxt, grown)
+
+
+def _utf8_step(nfa, states, utf8: tuple | None, b: int) -> tuple[int | None, tuple | None]:
+    """One byte of a character read as UTF-8 for an NFA: (the character, None) once whole,
+    (None, pending) while bytes are to come, (None, None) when refused. `pending` is (code so
+    far, continuation bytes left, lowest, highest next byte); a byte passes only if some
+    character it can still become continues a match."""
+    if utf8 is None:
+        if b < 0x80:
+            return b, None
+        lead = UTF8_LEADS.get(b)
+        if lead is None:
+            return None, None
+        left, low, high = lead
+        code = b & (0x3F >> left)
+        if not nfa.any_in(states, *_utf8_codes(code, left, lead_byte=b)):
+            return None, None
+        return None, (code, left, low, high)
+    code, left, low, high = utf8
+    if not low <= b <= high:
+        return None, None
+    code = (code << 6) | (b & 0x3F)
+    if left == 1:
+        return code, None
+    if not nfa.any_in(states, *_utf8_codes(code, left - 1)):
+        return None, None
+    return None, (code, left - 1, 0x80, 0xBF)
+
+
+def _utf8_codes(code: int, left: int, lead_byte: int | None = None) -> tuple[int, int]:
+    """The code points a UTF-8 character can still become: `code` its bits so far, `left`
+    continuation bytes to come. RFC 3629's byte ranges keep the real set inside this span
+    (overlong forms and surrogates are cut by the next byte's range), so the span is exact
+    at the lead byte with its own limits and after that."""
+    lo, hi = code << 6 * left, ((code + 1) << 6 * left) - 1
+    if lead_byte is not None:
+        _, low, high = UTF8_LEADS[lead_byte]
+        lo = max(lo, (code << 6 * left) | ((low & 0x3F) << 6 * (left - 1)))
+        hi = min(hi, (code << 6 * left) | (((high & 0x3F) + 1) << 6 * (left - 1)) - 1)
+    return lo, min(hi, 0x10FFFF)
+
+
+def _without_surrogates(lo: int, hi: int) -> list[tuple[int, int]]:
+    parts = [(lo, min(hi, 0xD7FF)), (max(lo, 0xE000), hi)]
+    return [(a, z) for a, z in parts if a <= z]
 
 
 def _utf8_leads() -> dict[int, tuple[int, int, int]]:

@@ -9,9 +9,12 @@ writer, the grammar takes the stricter reading, so the output stays valid under 
   - `enum` / `const` values are written in one spelling (json.dumps with ensure_ascii=False
     and no blanks, e.g. "\u00e9" as the character itself);
   - `oneOf` is read as `anyOf` (an output may match more than one branch).
-Keywords that bound a value in ways this recogniser does not track (`pattern`, `format`,
-`minimum`, `multipleOf`, `uniqueItems`, ...) are refused by name rather than ignored: a schema
-is compiled exactly or not at all. Annotations (`title`, `description`, `default`, `examples`,
+`pattern` is a regular expression (kvcap/sampling/regex.py's subset) matched anywhere in the
+string unless anchored; `format` is one of FORMATS (date, time, date-time, uuid, email, ipv4),
+each generated as a regular expression whose strings the format allows. Keywords that bound a
+value in ways this recogniser does not track (`minimum`, `multipleOf`, `uniqueItems`, other
+formats, ...) are refused by name rather than ignored: a schema is compiled exactly or not at
+all. Annotations (`title`, `description`, `default`, `examples`,
 ...) are ignored, as JSON Schema says they may be.
 """
 
@@ -22,12 +25,13 @@ from functools import lru_cache
 from typing import Any
 
 from kvcap.sampling.json_grammar import Grammar
+from kvcap.sampling.regex import Nfa, RegexError, compile_regex
 
 ANNOTATIONS = frozenset(["title", "description", "default", "examples", "$schema", "$id",
                          "$comment", "deprecated", "readOnly", "writeOnly", "discriminator",
                          "$defs", "definitions"])
 BY_TYPE = {
-    "string": {"minLength", "maxLength"},
+    "string": {"minLength", "maxLength", "pattern", "format"},
     "number": set(),
     "integer": set(),
     "boolean": set(),
@@ -38,6 +42,24 @@ BY_TYPE = {
 GENERAL = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"}
 SUPPORTED = GENERAL | set().union(*BY_TYPE.values())
 COMPILED_SCHEMAS = 32
+
+# `format` values and the strings generated for them: each a subset of what the format allows
+# (a date never 29 February, a time always with its offset), so that the output validates.
+_DAY = ("(?:(?:01|03|05|07|08|10|12)-(?:0[1-9]|[12][0-9]|3[01])|(?:04|06|09|11)-"
+        "(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))")
+_DATE = f"[0-9]{{4}}-{_DAY}"
+_HOUR = "(?:[01][0-9]|2[0-3])"
+_TIME = f"{_HOUR}:[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{{1,6}})?(?:Z|[+-]{_HOUR}:[0-5][0-9])"
+_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+FORMATS = {
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": f"{_DATE}T{_TIME}",
+    "uuid": "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+    "email": ("[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(?:\\.[A-Za-z0-9-]{1,63})*"
+              "\\.[A-Za-z]{2,24}"),
+    "ipv4": f"{_OCTET}(?:\\.{_OCTET}){{3}}",
+}
 
 
 class SchemaError(ValueError):
@@ -79,6 +101,18 @@ def _choice_grammar(choices: tuple[str, ...]) -> Grammar:
     nodes = [("lit", c.encode()) for c in choices]
     nodes.append(("alt", tuple(range(len(choices)))))
     return Grammar(nodes, len(choices), raw=True, description=f"one of {len(choices)} choices")
+
+
+@lru_cache(maxsize=COMPILED_SCHEMAS)
+def regex_grammar(pattern: str) -> Grammar:
+    """Text that the regular expression matches whole (vLLM's `guided_regex`)."""
+    if not isinstance(pattern, str) or not pattern:
+        raise SchemaError("the regex must be a non-empty string")
+    try:
+        nfa = compile_regex(pattern)
+    except RegexError as e:
+        raise SchemaError(str(e)) from None
+    return Grammar([("re", nfa)], 0, raw=True, description=f"regex {pattern!r}")
 
 
 def choice_grammar(choices: list[str]) -> Grammar:
@@ -176,6 +210,9 @@ class _Compiler:
             lo = _count(s, "minLength", path, 0)
             hi = _count(s, "maxLength", path, None)
             _check_bounds(lo, hi, "minLength", "maxLength", path)
+            regex = self.string_regex(s, path)
+            if regex is not None:
+                return self.add(("pat", regex, lo, hi))
             return self.add(("str", lo, hi))
         if t in ("number", "integer"):
             return self.add(("num", t == "integer"))
@@ -190,6 +227,27 @@ class _Compiler:
             _check_bounds(lo, hi, "minItems", "maxItems", path)
             return self.add(("arr", items, lo, hi))
         return self.object(s, path)
+
+    def string_regex(self, s: dict, path: str) -> Nfa | None:
+        """The NFA of a string's `pattern` (matched anywhere, as JSON Schema says, unless
+        anchored) or `format`, or None when it has neither."""
+        if "pattern" in s and "format" in s:
+            raise SchemaError(f"{path}: pattern and format together are not supported; keep "
+                              f"one")
+        try:
+            if "pattern" in s:
+                if not isinstance(s["pattern"], str):
+                    raise SchemaError(f"{path}.pattern: must be a string")
+                return compile_regex(s["pattern"], search=True)
+            if "format" in s:
+                fmt = s["format"]
+                if fmt not in FORMATS:
+                    raise SchemaError(f"{path}.format: {fmt!r} is not supported (supported: "
+                                      f"{', '.join(sorted(FORMATS))}); use a pattern")
+                return compile_regex(FORMATS[fmt])
+        except RegexError as e:
+            raise SchemaError(f"{path}: {e}") from None
+        return None
 
     def object(self, s: dict, path: str) -> int:
         props = s.get("properties", {})

@@ -107,17 +107,16 @@ class _SamplingFields(BaseModel):
     # structured output, vLLM style (kvcap.server.structured_request)
     guided_json: Any = None
     guided_choice: Any = None
-    structured_outputs: dict[str, Any] | None = None  # {"json": ...} | {"choice": [...]}
+    guided_regex: Any = None
+    structured_outputs: dict[str, Any] | None = None  # {"json": ...} | {"choice": [...]} ...
     # vLLM extensions not implemented: refused unless neutral (see `unsupported`)
     use_beam_search: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    guided_regex: Any = None
     guided_grammar: Any = None
 
     def unsupported(self) -> list[str]:
-        bad = [name for name in ("guided_regex", "guided_grammar")
-               if getattr(self, name) is not None]
+        bad = ["guided_grammar"] if self.guided_grammar is not None else []
         if self.use_beam_search:
             bad.append("use_beam_search")
         if self.include_stop_str_in_output:

@@ -5,9 +5,11 @@ Accepted spellings:
   - OpenAI: `response_format: {"type": "json_object"}` and
     `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`
     (the schema is enforced whether or not `strict` is set);
-  - vLLM: `guided_json` (a schema, or its JSON text), `guided_choice` (a list of strings), and
-    the newer `structured_outputs: {"json": ... | "choice": [...] | "json_object": true}`.
-A request gives at most one. Regex and grammar guidance are refused (`unsupported_parameter`).
+  - vLLM: `guided_json` (a schema, or its JSON text), `guided_choice` (a list of strings),
+    `guided_regex` (text the expression matches whole), and the newer
+    `structured_outputs: {"json": ... | "choice": [...] | "regex": ... | "json_object": true}`.
+A request gives at most one. Grammar guidance (`guided_grammar`) is refused
+(`unsupported_parameter`).
 """
 
 from __future__ import annotations
@@ -15,9 +17,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvcap.sampling.json_schema import SchemaError, choice_grammar, compile_schema
+from kvcap.sampling.json_schema import (
+    SchemaError,
+    choice_grammar,
+    compile_schema,
+    regex_grammar,
+)
 
-SUPPORTED_STRUCTURED_KEYS = ("json", "choice", "json_object")
+SUPPORTED_STRUCTURED_KEYS = ("json", "choice", "regex", "json_object")
 
 
 class StructuredRequestError(ValueError):
@@ -51,6 +58,8 @@ def structured_request(req: Any) -> dict[str, Any]:
         asked.append({"field": "guided_json", "json_schema": req.guided_json})
     if req.guided_choice is not None:
         asked.append({"field": "guided_choice", "choice": req.guided_choice})
+    if req.guided_regex is not None:
+        asked.append({"field": "guided_regex", "regex": req.guided_regex})
     if req.structured_outputs:
         so = {k: v for k, v in req.structured_outputs.items() if v not in (None, False)}
         other = sorted(set(so) - set(SUPPORTED_STRUCTURED_KEYS))
@@ -60,7 +69,8 @@ def structured_request(req: Any) -> dict[str, Any]:
                 f"{list(SUPPORTED_STRUCTURED_KEYS)})", param="structured_outputs",
                 code="unsupported_parameter")
         for key, value in so.items():
-            name = {"json": "json_schema", "choice": "choice"}.get(key, "json_object")
+            name = {"json": "json_schema", "choice": "choice", "regex": "regex"}.get(
+                key, "json_object")
             asked.append({"field": "structured_outputs", name: value})
     tools = req.tool_structured()
     if tools is not None:
@@ -79,6 +89,8 @@ def structured_request(req: Any) -> dict[str, Any]:
                 out["json_schema"] = json.loads(out["json_schema"])
         elif "choice" in out:
             choice_grammar(out["choice"])
+        elif "regex" in out:
+            regex_grammar(out["regex"])
     except SchemaError as e:
         raise StructuredRequestError(f"{out['field']}: {e}", param=out["field"]) from None
     return out

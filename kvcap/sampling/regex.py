@@ -1,0 +1,345 @@
+"""Regular expressions -> an NFA over Unicode code points, for structured output (`pattern`
+and `format` in JSON schemas, vLLM's `guided_regex`).
+
+The dialect is ECMA-262's (what JSON Schema names), where `\\d` and `\\w` are ASCII. The subset
+is the one schemas and guided decoding use: literals, `.` (any character but a
+newline), classes `[a-z0-9_]` / `[^...]`, escapes (`\\d \\w \\s` and their negations, `\\n \\t
+\\r \\f \\v`, `\\xHH`, `\\uHHHH`, escaped punctuation), groups `( )` / `(?: )`, alternation `|`,
+and quantifiers `* + ? {n} {n,} {n,m}` (lazy forms match the same language). `^` and `$` are
+accepted only at the two ends. Back-references, look-around, named groups and flags are
+refused with a RegexError that names them: a pattern is compiled exactly or not at all.
+
+An `Nfa` runs as a set of states (`start`, `step`, `accepts`); sets are frozensets, so the
+grammar's states that hold them stay hashable.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+MAX_CODE = 0x10FFFF
+MAX_STATES = 20_000  # a pattern larger than this (e.g. a{1000}{1000}) is refused
+Ranges = tuple[tuple[int, int], ...]
+
+DIGIT: Ranges = ((0x30, 0x39),)
+WORD: Ranges = ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
+# ECMA-262's \s (what JSON Schema patterns use): ASCII blanks and Unicode spaces
+SPACE: Ranges = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
+                 (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000),
+                 (0xFEFF, 0xFEFF))
+CONTROL_ESCAPES = {"n": 0x0A, "t": 0x09, "r": 0x0D, "f": 0x0C, "v": 0x0B, "0": 0x00}
+
+
+class RegexError(ValueError):
+    """A pattern kvcap cannot compile exactly; the message says where and why."""
+
+
+def complement(r: Ranges) -> Ranges:
+    out, nxt = [], 0
+    for lo, hi in sorted(r):
+        if lo > nxt:
+            out.append((nxt, lo - 1))
+        nxt = max(nxt, hi + 1)
+    if nxt <= MAX_CODE:
+        out.append((nxt, MAX_CODE))
+    return tuple(out)
+
+
+def union(*parts: Ranges) -> Ranges:
+    merged: list[list[int]] = []
+    for lo, hi in sorted(x for p in parts for x in p):
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return tuple((lo, hi) for lo, hi in merged)
+
+
+class Nfa:
+    """Thompson NFA: `moves[s]` = ((ranges, target), ...), `eps[s]` = epsilon targets."""
+
+    def __init__(self) -> None:
+        self.moves: list[list[tuple[Ranges, int]]] = []
+        self.eps: list[list[int]] = []
+        self.start_state = self.accept_state = 0
+        self._closure: dict[frozenset[int], frozenset[int]] = {}
+        self._steps: dict[tuple[frozenset[int], int], frozenset[int]] = {}
+
+    def new(self) -> int:
+        if len(self.moves) >= MAX_STATES:
+            raise RegexError(f"the pattern needs more than {MAX_STATES} states; simplify its "
+                             f"repetition counts")
+        self.moves.append([])
+        self.eps.append([])
+        return len(self.moves) - 1
+
+    # -- running --------------------------------------------------------------------------
+    @property
+    def start(self) -> frozenset[int]:
+        return self.closure(frozenset([self.start_state]))
+
+    def closure(self, states: frozenset[int]) -> frozenset[int]:
+        hit = self._closure.get(states)
+        if hit is None:
+            seen, todo = set(states), list(states)
+            while todo:
+                for t in self.eps[todo.pop()]:
+                    if t not in seen:
+                        seen.add(t)
+                        todo.append(t)
+            hit = self._closure[states] = frozenset(seen)
+        return hit
+
+    def step(self, states: frozenset[int], ch: int) -> frozenset[int]:
+        """The states after character `ch` (empty: no match can continue)."""
+        key = (states, ch)
+        hit = self._steps.get(key)
+        if hit is None:
+            nxt = {t for s in states for ranges, t in self.moves[s]
+                   if any(lo <= ch <= hi for lo, hi in ranges)}
+            hit = self.closure(frozenset(nxt)) if nxt else frozenset()
+            if len(self._steps) > 1 << 16:
+                self._steps.clear()
+            self._steps[key] = hit
+        return hit
+
+    def any_in(self, states: frozenset[int], lo: int, hi: int) -> bool:
+        """Some character in [lo, hi] continues a match (for a character still being read:
+        a UTF-8 lead byte, a \\u escape's first digits)."""
+        return any(a <= hi and lo <= b for s in states for ranges, _ in self.moves[s]
+                   for a, b in ranges)
+
+    def accepts(self, states: frozenset[int]) -> bool:
+        return self.accept_state in states
+
+    def can_continue(self, states: frozenset[int]) -> bool:
+        return any(self.moves[s] for s in states)
+
+
+@lru_cache(maxsize=64)
+def compile_regex(pattern: str, search: bool = False) -> Nfa:
+    """The NFA of `pattern` matched whole (search=True: JSON Schema's `pattern`, which may
+    match anywhere in the string unless anchored by ^ and $)."""
+    body, anchored_start, anchored_end = pattern, False, False
+    if body.startswith("^"):
+        body, anchored_start = body[1:], True
+    if body.endswith("$") and not _escaped_at(body, len(body) - 1):
+        body, anchored_end = body[:-1], True
+    if search:
+        body = ("" if anchored_start else "[\\s\\S]*") + f"(?:{body})" + \
+            ("" if anchored_end else "[\\s\\S]*")
+    parser = _Parser(body, pattern)
+    nfa = Nfa()
+    start, end = parser.parse(nfa)
+    nfa.start_state, nfa.accept_state = start, end
+    return nfa
+
+
+def _escaped_at(s: str, i: int) -> bool:
+    n = 0
+    while i - 1 - n >= 0 and s[i - 1 - n] == "\\":
+        n += 1
+    return n % 2 == 1
+
+
+class _Parser:
+    """Recursive descent: alternation -> concatenation -> repeated atoms. Each piece is kept
+    as a small syntax tree first, so that a counted repeat can build its copies."""
+
+    def __init__(self, body: str, original: str):
+        self.s, self.i, self.original = body, 0, original
+
+    def fail(self, why: str) -> RegexError:
+        return RegexError(f"pattern {self.original!r}: {why} (at offset {self.i})")
+
+    def parse(self, nfa: Nfa) -> tuple[int, int]:
+        tree = self.alternation()
+        if self.i != len(self.s):
+            raise self.fail(f"unexpected {self.s[self.i]!r}")
+        return _build(tree, nfa)
+
+    def peek(self) -> str | None:
+        return self.s[self.i] if self.i < len(self.s) else None
+
+    def alternation(self):
+        branches = [self.concatenation()]
+        while self.peek() == "|":
+            self.i += 1
+            branches.append(self.concatenation())
+        return ("alt", branches) if len(branches) > 1 else branches[0]
+
+    def concatenation(self):
+        items = []
+        while self.peek() is not None and self.peek() not in "|)":
+            items.append(self.repeat())
+        return ("seq", items)
+
+    def repeat(self):
+        atom = self.atom()
+        while True:
+            c = self.peek()
+            if c in ("*", "+", "?"):
+                self.i += 1
+                lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+            elif c == "{" and self._counted():
+                lo, hi = self._counts()
+            else:
+                return atom
+            if self.peek() == "?":  # lazy: the same set of strings
+                self.i += 1
+            elif self.peek() == "+":
+                raise self.fail("possessive quantifiers are not supported")
+            atom = ("rep", atom, lo, hi)
+
+    def _counted(self) -> bool:
+        j = self.s.find("}", self.i)
+        inner = self.s[self.i + 1:j] if j > 0 else ""
+        return bool(inner) and all(p.isdigit() for p in inner.split(",", 1) if p) and \
+            inner.count(",") <= 1 and inner[0].isdigit()
+
+    def _counts(self) -> tuple[int, int | None]:
+        j = self.s.index("}", self.i)
+        lo_s, _, hi_s = self.s[self.i + 1:j].partition(",")
+        lo = int(lo_s)
+        hi = lo if "," not in self.s[self.i + 1:j] else (int(hi_s) if hi_s else None)
+        if hi is not None and hi < lo:
+            raise self.fail(f"repeat {{{lo},{hi}}} has its maximum below its minimum")
+        self.i = j + 1
+        return lo, hi
+
+    def atom(self):
+        c = self.peek()
+        if c == "(":
+            self.i += 1
+            if self.s.startswith("?:", self.i):
+                self.i += 2
+            elif self.peek() == "?":
+                raise self.fail("look-around, named groups and inline flags are not "
+                                "supported")
+            inner = self.alternation()
+            if self.peek() != ")":
+                raise self.fail("unbalanced parenthesis")
+            self.i += 1
+            return inner
+        if c == "[":
+            return ("set", self.klass())
+        if c == ".":
+            self.i += 1
+            return ("set", complement(((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029))))
+        if c in ("*", "+", "?") or (c == "{" and self._counted()):
+            raise self.fail(f"nothing to repeat before {c!r}")
+        if c in ("^", "$"):
+            raise self.fail(f"{c!r} is supported only at the ends of the pattern")
+        if c == "\\":
+            return ("set", self.escape(in_class=False))
+        self.i += 1
+        return ("set", ((ord(c), ord(c)),))
+
+    def escape(self, in_class: bool) -> Ranges:
+        self.i += 1
+        c = self.peek()
+        if c is None:
+            raise self.fail("a pattern cannot end with a backslash")
+        self.i += 1
+        classes = {"d": DIGIT, "w": WORD, "s": SPACE}
+        if c.lower() in classes:
+            r = classes[c.lower()]
+            return complement(r) if c.isupper() else r
+        if c in CONTROL_ESCAPES:
+            return ((CONTROL_ESCAPES[c],) * 2,)
+        if c in ("x", "u"):
+            n = 2 if c == "x" else 4
+            digits = self.s[self.i:self.i + n]
+            if len(digits) != n or any(d not in "0123456789abcdefABCDEF" for d in digits):
+                raise self.fail(f"\\{c} needs {n} hex digits")
+            self.i += n
+            code = int(digits, 16)
+            return ((code, code),)
+        if c == "b" and in_class:
+            return ((0x08, 0x08),)
+        if c.isalnum():
+            raise self.fail(f"\\{c} is not supported (back-references, word boundaries and "
+                            f"other assertions)")
+        return ((ord(c), ord(c)),)
+
+    def klass(self) -> Ranges:
+        self.i += 1
+        negate = self.peek() == "^"
+        if negate:
+            self.i += 1
+        parts: list[Ranges] = []
+        first = True
+        while True:
+            c = self.peek()
+            if c is None:
+                raise self.fail("unterminated character class")
+            if c == "]" and not first:
+                self.i += 1
+                break
+            first = False
+            lo = self._class_item()
+            if self.peek() == "-" and self.s[self.i + 1:self.i + 2] not in ("]", ""):
+                self.i += 1
+                hi = self._class_item()
+                if len(lo) != 1 or len(hi) != 1 or lo[0][0] != lo[0][1] or \
+                        hi[0][0] != hi[0][1]:
+                    raise self.fail("a class range needs single characters at both ends")
+                if hi[0][0] < lo[0][0]:
+                    raise self.fail("a class range runs backwards")
+                parts.append(((lo[0][0], hi[0][0]),))
+            else:
+                parts.append(lo)
+        r = union(*parts)
+        return complement(r) if negate else r
+
+    def _class_item(self) -> Ranges:
+        c = self.peek()
+        if c == "\\":
+            return self.escape(in_class=True)
+        self.i += 1
+        return ((ord(c), ord(c)),)
+
+
+def _build(tree, nfa: Nfa) -> tuple[int, int]:
+    """Thompson construction of a syntax tree: its (entry, exit) states."""
+    kind = tree[0]
+    if kind == "set":
+        a, b = nfa.new(), nfa.new()
+        nfa.moves[a].append((tree[1], b))
+        return a, b
+    if kind == "seq":
+        a = b = nfa.new()
+        for item in tree[1]:
+            s, e = _build(item, nfa)
+            nfa.eps[b].append(s)
+            b = e
+        return a, b
+    if kind == "alt":
+        a, b = nfa.new(), nfa.new()
+        for branch in tree[1]:
+            s, e = _build(branch, nfa)
+            nfa.eps[a].append(s)
+            nfa.eps[e].append(b)
+        return a, b
+    _, item, lo, hi = tree  # "rep"
+    a = b = nfa.new()
+    for _ in range(lo):
+        s, e = _build(item, nfa)
+        nfa.eps[b].append(s)
+        b = e
+    if hi is None:  # then any number more
+        s, e = _build(item, nfa)
+        nfa.eps[b].append(s)
+        nfa.eps[e].append(s)
+        end = nfa.new()
+        nfa.eps[b].append(end)
+        nfa.eps[e].append(end)
+        return a, end
+    end = nfa.new()
+    nfa.eps[b].append(end)
+    for _ in range(hi - lo):  # each optional copy may be the last
+        s, e = _build(item, nfa)
+        nfa.eps[b].append(s)
+        nfa.eps[e].append(end)
+        b = e
+    return a, end
