@@ -20,6 +20,7 @@ from kvcap.commands.common import (
     non_negative_int,
     port_number,
 )
+from kvcap.server.reasoning import PARSERS as REASONING_PARSERS
 from kvcap.server.tool_parsers import PARSERS
 
 HELP = "serve the OpenAI-compatible HTTP API (completions, chat, models, health, metrics)"
@@ -65,6 +66,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(Llama 3.x); unset: 'auto' is refused, 'required' and named tools still work",
     )
     p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="split a reasoning model's <think> ... </think> into the reply's "
+        "reasoning_content: qwen3 (the reply may open <think>) or deepseek_r1 (the template "
+        "opens it in the prompt)",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=non_negative_float,
         default=30.0,
@@ -99,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         shutdown_grace_s=args.shutdown_timeout,
         sampling_defaults=defaults,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     config = uvicorn.Config(
         app,

@@ -85,11 +85,13 @@ def create_app(
     poll_s: float = 1.0,
     sampling_defaults: dict[str, Any] | None = None,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """`max_pending`: unfinished requests admitted at once (running + queued); more -> 429.
     `sampling_defaults`: temperature / top_p / top_k / min_p / repetition_penalty for requests
     that leave them out (the checkpoint's generation config: loader.read_sampling_defaults).
-    `tool_call_parser`: the syntax tool_choice "auto" parses (kvcap/server/tool_parsers.py)."""
+    `tool_call_parser`: the syntax tool_choice "auto" parses (kvcap/server/tool_parsers.py);
+    `reasoning_parser`: how a reply's thinking is split off (kvcap/server/reasoning.py)."""
     from kvcap.models.loader import load_tokenizer
 
     name = served_model_name or "default"
@@ -101,6 +103,7 @@ def create_app(
     serving = OpenAIServing(
         aeng, tokenizer, name, llm.max_model_len, llm.spec.vocab_size, poll_s=poll_s,
         sampling_defaults=sampling_defaults, tool_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
     )
     pool = llm.pool
     info = ServerInfo(
@@ -180,8 +183,7 @@ def create_app(
         if (req.prompt is None) == (req.messages is None):
             raise P.APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            ids = serving.render_chat(P.conversation(req.messages), req.add_generation_prompt,
-                                      tools=req.tools)
+            ids = serving.chat_prompt(req)
         elif serving.tokenizer is None:
             raise P.APIError(400, "prompt: this model has no tokenizer", param="prompt")
         else:

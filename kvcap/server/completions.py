@@ -9,10 +9,10 @@ from starlette.requests import Request
 
 from kvcap.engine.engine import RequestOutput
 from kvcap.server import protocol as P
+from kvcap.server.chat_reply import ChoiceStream, chat_message
 from kvcap.server.logprobs import chat_logprobs, completion_logprobs
 from kvcap.server.serving import OpenAIServing
 from kvcap.server.tool_parsers import PARSERS
-from kvcap.server.tools import ToolPlan, ToolStream, parsed_reply
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -98,7 +98,8 @@ async def chat_completion(serving: OpenAIServing, name: str, max_pending: int,
     streams = serving.submit(serving.choices([(ids, params)], req.n))
     rid, created = P.new_id("chatcmpl"), P.now()
     top_n = req.top_logprobs or 0
-    held: dict[int, ToolStream] = {}
+    shaped = calls is not None or serving.reasoning_parser is not None
+    held: dict[int, ChoiceStream] = {}
 
     def logprobs(out: RequestOutput, span: tuple[int, int]) -> P.ChatLogprobs | None:
         if out.logprobs is None:
@@ -112,9 +113,10 @@ async def chat_completion(serving: OpenAIServing, name: str, max_pending: int,
         delta = (
             {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
         )
-        if calls is not None and i is not None and not role:
-            tool = held.setdefault(i, ToolStream(calls, serving.tool_parser))
-            delta, finish, span = tool.event(text, finish, span)
+        if shaped and i is not None and not role:
+            shaper = held.setdefault(i, ChoiceStream(calls, serving.tool_parser,
+                                                     serving.reasoning_parser))
+            delta, finish, span = shaper.event(text, finish, span)
             if delta is None:
                 return None
         lp = logprobs(out, span) if out is not None and span[0] < span[1] else None
@@ -135,33 +137,15 @@ async def chat_completion(serving: OpenAIServing, name: str, max_pending: int,
             created=created,
             model=name,
             choices=[
-                P.ChatChoice(index=i, **_message(o, calls, serving.tool_parser),
+                P.ChatChoice(index=i, **chat_message(o.text, o.finish_reason, calls,
+                                                     serving.tool_parser,
+                                                     serving.reasoning_parser),
                              logprobs=logprobs(o, (0, len(o.token_ids))))
                 for i, o in enumerate(outs)
             ],
             usage=_usage(outs, req.n),
         ).model_dump()
     )
-
-
-def _message(out: RequestOutput, calls: ToolPlan | None, parser: str | None) -> dict:
-    """A chat choice's message and finish_reason: tool calls where the request asked for
-    them and the output parses (an output cut by max_tokens stays text)."""
-    plain = {"message": P.ChatResponseMessage(content=out.text),
-             "finish_reason": out.finish_reason}
-    if calls is None or out.finish_reason != "stop":
-        return plain
-    if calls.mode == "auto":
-        content, found = parsed_reply(parser, out.text)
-        if not found:
-            return plain
-        return {"message": P.ChatResponseMessage(content=content, tool_calls=found),
-                "finish_reason": "tool_calls"}
-    parsed = calls.calls(out.text)
-    if parsed is None:
-        return plain
-    return {"message": P.ChatResponseMessage(content=None, tool_calls=parsed),
-            "finish_reason": calls.finish_reason}
 
 
 def _sse(serving, streams, req, chunk, opening=None) -> StreamingResponse:

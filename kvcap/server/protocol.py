@@ -299,6 +299,10 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    # chat template controls, as vLLM has them
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # extend the last (assistant) message
 
     def tool_plan(self) -> ToolPlan | None:
         """tools / tool_choice checked (kvcap/server/tools.py); None without tools."""
@@ -373,6 +377,8 @@ class TokenizeRequest(BaseModel):
     tools: list[Any] | None = None  # shown to the chat template, as on the chat route
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(BaseModel):
@@ -462,6 +468,7 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    reasoning_content: str | None = None  # with kvcap serve --reasoning-parser
 
 
 class ChatChoice(BaseModel):

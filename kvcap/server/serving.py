@@ -30,6 +30,7 @@ from kvcap.server.async_engine import (
     ServerBusy,
     ServiceUnavailable,
 )
+from kvcap.server.reasoning import PARSERS as REASONING_PARSERS
 from kvcap.server.tool_parsers import PARSERS
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,34 @@ def sse(obj: Any) -> str:
     return f"data: {data}\n\n"
 
 
+# apply_chat_template's own arguments: not to be set through chat_template_kwargs
+TEMPLATE_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_template",
+                      "add_generation_prompt", "continue_final_message", "tokenize",
+                      "padding", "truncation", "max_length", "return_tensors", "return_dict"}
+
+
+def check_template_controls(conv: list[dict[str, Any]], add_generation_prompt: bool,
+                            continue_final: bool, template_kwargs: dict[str, Any] | None
+                            ) -> dict[str, Any]:
+    """The extra apply_chat_template arguments of a request, each bad one a 400."""
+    extra = dict(template_kwargs or {})
+    clash = sorted(set(extra) & TEMPLATE_ARGUMENTS)
+    if clash:
+        raise P.APIError(400, f"chat_template_kwargs: {clash} are set by the request itself, "
+                              f"not through the template's variables",
+                         param="chat_template_kwargs")
+    if continue_final:
+        if add_generation_prompt:
+            raise P.APIError(400, "continue_final_message: needs add_generation_prompt: false "
+                                  "(the reply continues the last message instead of opening a "
+                                  "new one)", param="continue_final_message")
+        if conv[-1]["role"] != "assistant":
+            raise P.APIError(400, "continue_final_message: the last message must be the "
+                                  "assistant's, to be continued", param="continue_final_message")
+        extra["continue_final_message"] = True
+    return extra
+
+
 class OpenAIServing:
     def __init__(
         self,
@@ -102,6 +131,7 @@ class OpenAIServing:
         poll_s: float = 1.0,
         sampling_defaults: dict[str, Any] | None = None,
         tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ):
         self.aeng, self.tokenizer, self.model_name = aeng, tokenizer, model_name
         self.max_model_len, self.vocab_size, self.poll_s = max_model_len, vocab_size, poll_s
@@ -111,6 +141,10 @@ class OpenAIServing:
         if tool_parser is not None and tool_parser not in PARSERS:
             raise ValueError(f"unknown tool-call parser {tool_parser!r} (known: {PARSERS})")
         self.tool_parser = tool_parser
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r} (known: "
+                             f"{REASONING_PARSERS})")
+        self.reasoning_parser = reasoning_parser
 
     # ----------------------------------------------------------------- validation
     def check_model(self, name: str) -> None:
@@ -166,21 +200,30 @@ class OpenAIServing:
                  if j and params.seed is not None else params)
                 for ids, params in pairs for j in range(n)]
 
-    def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
-        return self.render_chat(req.conversation(), tools=req.tools)
+    def chat_prompt(self, req: P.ChatCompletionRequest | P.TokenizeRequest) -> list[int]:
+        """The chat request's messages (and tools) through the chat template, with its
+        template controls."""
+        conv = req.conversation() if hasattr(req, "conversation") else \
+            P.conversation(req.messages)
+        return self.render_chat(conv, req.add_generation_prompt, tools=req.tools,
+                                continue_final=req.continue_final_message,
+                                template_kwargs=req.chat_template_kwargs)
 
     def render_chat(self, conv: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[Any] | None = None) -> list[int]:
+                    tools: list[Any] | None = None, continue_final: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise P.APIError(
                 400,
                 "messages: this model has no chat template; use /v1/completions",
                 param="messages",
             )
+        extra = check_template_controls(conv, add_generation_prompt, continue_final,
+                                        template_kwargs)
         try:
             ids = self.tokenizer.apply_chat_template(
                 conv, tools=tools or None, add_generation_prompt=add_generation_prompt,
-                tokenize=True)
+                tokenize=True, **extra)
         except Exception as e:  # jinja raises its own errors for unsupported conversations
             raise P.APIError(
                 400, f"messages: the chat template refused them: {e}", param="messages"
