@@ -477,3 +477,13 @@ def test_a_character_is_refused_at_its_first_byte_when_no_completion_matches():
     cjk = regex_grammar("\u4e16")  # a 3-byte character: E4 B8 96
     assert cjk.feed(cjk.start, b"\xe4\xb8") is not None and cjk.feed(cjk.start, b"\xe4\xb9") \
         is None
+
+
+def test_regex_error_offsets_point_into_the_pattern_as_written():
+    """A schema pattern is searched (wrapped in the compiler); its errors still point at the
+    pattern's own characters."""
+    for search in (False, True):
+        with pytest.raises(RegexError, match=r"at offset 2\)"):
+            compile_regex("x(?=a)", search=search)
+        with pytest.raises(RegexError, match=r"at offset 3\)"):
+            compile_regex("^a(?=b)$", search=search)

@@ -125,10 +125,12 @@ def compile_regex(pattern: str, search: bool = False) -> Nfa:
         body, anchored_start = body[1:], True
     if body.endswith("$") and not _escaped_at(body, len(body) - 1):
         body, anchored_end = body[:-1], True
+    shift = int(anchored_start)  # where `body` starts in the pattern, for error offsets
     if search:
-        body = ("" if anchored_start else "[\\s\\S]*") + f"(?:{body})" + \
-            ("" if anchored_end else "[\\s\\S]*")
-    parser = _Parser(body, pattern)
+        head = ("" if anchored_start else "[\\s\\S]*") + "(?:"
+        body = head + body + ")" + ("" if anchored_end else "[\\s\\S]*")
+        shift -= len(head)
+    parser = _Parser(body, pattern, shift)
     nfa = Nfa()
     start, end = parser.parse(nfa)
     nfa.start_state, nfa.accept_state = start, end
@@ -146,11 +148,12 @@ class _Parser:
     """Recursive descent: alternation -> concatenation -> repeated atoms. Each piece is kept
     as a small syntax tree first, so that a counted repeat can build its copies."""
 
-    def __init__(self, body: str, original: str):
-        self.s, self.i, self.original = body, 0, original
+    def __init__(self, body: str, original: str, shift: int):
+        self.s, self.i, self.original, self.shift = body, 0, original, shift
 
     def fail(self, why: str) -> RegexError:
-        return RegexError(f"pattern {self.original!r}: {why} (at offset {self.i})")
+        at = min(max(self.i + self.shift, 0), len(self.original))
+        return RegexError(f"pattern {self.original!r}: {why} (at offset {at})")
 
     def parse(self, nfa: Nfa) -> tuple[int, int]:
         tree = self.alternation()
