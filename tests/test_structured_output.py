@@ -126,15 +126,17 @@ SCHEMAS = {
 
 def _random_walk(g: Grammar, rng: random.Random, limit: int = 400) -> bytes | None:
     """Random bytes the grammar allows, until it is complete (None if not within `limit`).
-    Closing bytes grow likelier with length, so most walks end."""
+    Closing bytes grow likelier with length, so most walks end. A state that is neither
+    complete nor continued by any byte fails the test."""
     alphabet = bytes(range(0x20, 0x7F)) + b"\n\xc3\xa9\xe4\xb8\x96"
     state, out = g.start, bytearray()
     while len(out) < limit:
         if g.must_end(state) or (g.complete(state) and rng.random() < 0.3):
             return bytes(out)
         options = [(b, nxt) for b in alphabet if (nxt := g.feed(state, [b])) is not None]
-        if not options:
-            return None
+        if not options:  # a dead end: no byte continues what the grammar accepted so far
+            assert g.complete(state), f"dead end after {bytes(out)!r}"
+            return bytes(out)
         weights = [1 + len(out) / 8 if b in b'}]"' else 1 for b, _ in options]
         b, state = rng.choices(options, weights)[0]
         out.append(b)
@@ -487,3 +489,17 @@ def test_regex_error_offsets_point_into_the_pattern_as_written():
             compile_regex("x(?=a)", search=search)
         with pytest.raises(RegexError, match=r"at offset 3\)"):
             compile_regex("^a(?=b)$", search=search)
+
+
+def test_no_dead_end_after_a_complete_pattern_or_at_max_length():
+    """Once a format's match is complete, or a string is at its maxLength, a backslash or a
+    UTF-8 lead byte is refused at once (it used to pass, leaving no token to continue with:
+    seen as a date followed by \\u on the embedded model)."""
+    g = compile_schema({"type": "string", "format": "date"})
+    done = g.feed(g.start, b'"1969-07-20')
+    assert done is not None and g.feed(done, b"\\") is None and g.feed(done, b"\xc3") is None
+    assert g.complete(g.feed(done, b'"'))
+    short = compile_schema({"type": "string", "pattern": "^.*$", "maxLength": 2})
+    full = short.feed(short.start, b'"ab')
+    assert short.feed(full, b"\\") is None and short.feed(full, b"\xc3") is None
+    assert short.feed(short.start, b'"a\xc3\xa9"') is not None

@@ -178,6 +178,9 @@ class Grammar:
         (code so far, continuation bytes left, lowest, highest next byte)."""
         _, c, states, esc, n, utf8 = top
         _, nfa, lo, hi = self.nodes[c]
+        starts_char = esc == 0 and utf8 is None and (b >= 0x80 or b == BACKSLASH)
+        if starts_char and hi is not None and n >= hi:  # no room for another character
+            return []
         if utf8 is not None or (b >= 0x80 and esc == 0):
             ch, utf8 = _utf8_step(nfa, states, utf8, b)
             if utf8 is not None:
@@ -206,7 +209,9 @@ class Grammar:
             ch = code
         elif b == QUOTE:
             return [rest] if nfa.accepts(states) and n >= lo else []
-        elif b == BACKSLASH:
+        elif b == BACKSLASH:  # some character an escape can write must continue the match
+            if not any(nfa.any_in(states, a, z) for a, z in _without_surrogates(0, 0xFFFF)):
+                return []
             return [rest + (("P", c, states, -1, n, None),)]
         elif b < 0x20:
             return []
