@@ -503,3 +503,25 @@ def test_no_dead_end_after_a_complete_pattern_or_at_max_length():
     full = short.feed(short.start, b'"ab')
     assert short.feed(full, b"\\") is None and short.feed(full, b"\xc3") is None
     assert short.feed(short.start, b'"a\xc3\xa9"') is not None
+
+
+def test_a_request_nothing_continues_ends_alone(llm, monkeypatch):
+    """If no token could continue one request's output (a grammar without any way on), that
+    request ends as aborted and the rest of the batch goes on (it used to fail the step)."""
+    from kvcap.engine.structured import NoContinuation
+
+    real = StructuredOutput.choose
+
+    def choose(self, grammar, state, tok, logits, resample):
+        if grammar.description.startswith("one of"):  # the choice request: stuck at once
+            raise NoContinuation("structured output (test): nothing continues")
+        return real(self, grammar, state, tok, logits, resample)
+
+    monkeypatch.setattr(StructuredOutput, "choose", choose)
+    params = [SamplingParams(temperature=0, max_tokens=6, choice=["yes"]),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, json_object=True)]
+    outs = llm.generate(["Hello"] * 3, params, use_tqdm=False)
+    assert outs[0].finish_reason == "abort" and outs[0].token_ids == []
+    assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 6
+    assert outs[2].text.lstrip().startswith("{")

@@ -6,6 +6,7 @@ gathers the rows that sample, and collects teacher-forced prompt logits/logprobs
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ import torch
 from kvcap.attention.base import AttentionBackend
 from kvcap.engine.input_batch import EagerInputs
 from kvcap.engine.request import Request
+from kvcap.engine.structured import NoContinuation
 from kvcap.kv_cache.pool import KVCachePool
 from kvcap.models.llama import ForwardContext, KVObserverFn, LlamaModel
 from kvcap.sampling.json_grammar import Grammar
@@ -28,6 +30,8 @@ PromptLogitsFn = Callable[[int, torch.Tensor, int], None]
 # logits for max_num_seqs rows only (a 2,048-row prefill chunk of a 128K vocabulary would be
 # 1 GiB each).
 PROMPT_LOGITS_ROWS = 256
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,6 +55,9 @@ class StepResult:
     # Some row's token came from the host-side fallback (see `Sampler.sample`): the device
     # tokens a step scheduled ahead was fed differ from these, so that step must be dropped.
     host_fixed: bool = False
+    # Requests that cannot go on (structured output with no token that fits): request id ->
+    # why. The engine ends each alone, as aborted; their entries in `sampled` are not used.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -344,19 +351,21 @@ class ModelRunner:
                 tokens[i] = tok
             fixed = True
         grammar_rows = [j for j, r in enumerate(step.reqs) if r.sampling_params.structured]
-        if grammar_rows and self._constrain(step, extras, tokens, grammar_rows):
+        failed: dict[str, str] = {}
+        if grammar_rows and self._constrain(step, extras, tokens, grammar_rows, failed):
             fixed = True
         raw = step.raw_logits if step.raw_logits is not None else step.logits
         self._collect_logprobs(step.reqs, extras, raw, tokens)
         if self.timer is not None:
             self.timer.mark("sample")
         return StepResult({r.request_id: t for r, t in zip(step.reqs, tokens, strict=True)},
-                          host_fixed=fixed)
+                          host_fixed=fixed, failed=failed)
 
     def _constrain(self, step: PendingStep, extras: dict[str, RequestExtras],
-                   tokens: list[int], rows: list[int]) -> bool:
+                   tokens: list[int], rows: list[int], failed: dict[str, str]) -> bool:
         """Structured output's rows: each token that does not continue its request's grammar
-        is replaced (kvcap/engine/structured.py); True when any was."""
+        is replaced (kvcap/engine/structured.py); True when any was. A row that nothing
+        continues goes into `failed` instead of failing the whole step."""
         if self._structured is None:
             from kvcap.engine.structured import StructuredOutput
             from kvcap.engine.token_bytes import TokenTexts
@@ -369,9 +378,15 @@ class ModelRunner:
             if ex.grammar is None:
                 ex.grammar = step.reqs[j].sampling_params.grammar()
                 ex.grammar_state = ex.grammar.start
-            tok, ex.grammar_state = self._structured.choose(
-                ex.grammar, ex.grammar_state, tokens[j], step.logits[j],
-                lambda row, j=j: self._resample(step, j, row))
+            try:
+                tok, ex.grammar_state = self._structured.choose(
+                    ex.grammar, ex.grammar_state, tokens[j], step.logits[j],
+                    lambda row, j=j: self._resample(step, j, row))
+            except NoContinuation as e:
+                rid = step.reqs[j].request_id
+                logger.error("request %s ended: %s", rid, e)
+                failed[rid] = str(e)
+                continue
             changed |= tok != tokens[j]
             tokens[j] = tok
         return changed

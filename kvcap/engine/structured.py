@@ -29,6 +29,11 @@ MASK_CACHE_STATES = 512
 Resample = Callable[[torch.Tensor], int]  # masked logits row [V] -> token
 
 
+class NoContinuation(RuntimeError):
+    """No token of the vocabulary continues the output (the engine ends that request alone,
+    as aborted)."""
+
+
 class StructuredOutput:
     """Per-engine helper: token bytes of the vocabulary and masks by (grammar, state)."""
 
@@ -75,9 +80,9 @@ class StructuredOutput:
         allowed = self.mask(grammar, state).to(logits.device)
         tok = resample(torch.where(allowed, logits.detach().float(), float("-inf")))
         nxt = self.next_state(grammar, state, tok)
-        if nxt is None:  # a row whose logits are all -inf under the mask
-            raise RuntimeError(f"structured output ({grammar.description}): no token of the "
-                               f"vocabulary continues the output")
+        if nxt is None:  # no token fits, or a row whose logits are all -inf under the mask
+            raise NoContinuation(f"structured output ({grammar.description}): no token of the "
+                                 f"vocabulary continues the output")
         return tok, nxt
 
     def mask(self, grammar: Grammar, state: State) -> torch.Tensor:
