@@ -4,6 +4,9 @@ and logprobs of the eager serial loop (those rows skip the look-ahead; the plain
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
@@ -15,7 +18,7 @@ pytestmark = [pytest.mark.gpu,
 # the first two share a prompt (the second with penalties: its greedy text must differ)
 PROMPTS = ["The capital of France is", "The capital of France is", "Once upon a time,",
            "List three primary colors:", "The history of computing spans centuries. " * 12,
-           "A JSON object describing a cat:"]
+           "A JSON object describing a cat:", "A date and a phone number:"]
 
 
 def _params() -> list[SamplingParams]:
@@ -28,6 +31,11 @@ def _params() -> list[SamplingParams]:
         SamplingParams(temperature=0.7, seed=3, max_tokens=64, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=2, logprobs=0),
         SamplingParams(temperature=0.9, seed=5, max_tokens=40, json_object=True),
+        SamplingParams(temperature=0.8, seed=6, max_tokens=40, json_schema={
+            "type": "object", "properties": {"day": {"type": "string", "format": "date"},
+                                             "phone": {"type": "string",
+                                                       "pattern": "^[0-9]{3}-[0-9]{4}$"}},
+            "required": ["day", "phone"]}),
     ]
 
 
@@ -54,3 +62,6 @@ def test_adjusted_and_logprob_requests_graphs_and_look_ahead_match_eager():
                     assert max(abs(dx[k] - dy[k]) for k in dx) < 1e-3
     assert ref[1].token_ids != ref[0].token_ids[:40]  # the penalties changed the text
     assert len(ref[4].prompt_logprobs) == len(ref[4].prompt_token_ids)
+    if ref[6].finish_reason == "stop":  # the schema's output, complete: it validates
+        doc = json.loads(ref[6].text)
+        assert re.fullmatch("[0-9]{3}-[0-9]{4}", doc["phone"]), doc
