@@ -507,7 +507,8 @@ def test_no_dead_end_after_a_complete_pattern_or_at_max_length():
 
 def test_a_request_nothing_continues_ends_alone(llm, monkeypatch):
     """If no token could continue one request's output (a grammar without any way on), that
-    request ends as aborted and the rest of the batch goes on (it used to fail the step)."""
+    request ends as aborted with the reason as its error (the server answers it with that
+    error) and the rest of the batch goes on (it used to fail the whole step)."""
     from kvcap.engine.structured import NoContinuation
 
     real = StructuredOutput.choose
@@ -523,5 +524,6 @@ def test_a_request_nothing_continues_ends_alone(llm, monkeypatch):
               SamplingParams(temperature=0, max_tokens=30, json_object=True)]
     outs = llm.generate(["Hello"] * 3, params, use_tqdm=False)
     assert outs[0].finish_reason == "abort" and outs[0].token_ids == []
+    assert outs[0].error == "error: structured output (test): nothing continues"
     assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 6
     assert outs[2].text.lstrip().startswith("{")

@@ -148,9 +148,10 @@ class Engine:
             if result.host_fixed and self._ahead is not None:
                 self._drop_ahead()  # it was fed a placeholder for a host-sampled token
                 self.num_ahead_dropped += 1
-            for rid in result.failed:  # ended alone; update_from_output passes over them
-                req = self.requests[rid]
-                self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED, "abort")
+            for rid, why in result.failed.items():  # ended alone, with the reason as error
+                req = self.requests[rid]  # (update_from_output passes over them)
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED,
+                                              f"error: {why}")
                 finished.append(req)
             finished += self.scheduler.update_from_output(out, result.sampled)
             if timer is not None:

@@ -56,7 +56,8 @@ class StepResult:
     # tokens a step scheduled ahead was fed differ from these, so that step must be dropped.
     host_fixed: bool = False
     # Requests that cannot go on (structured output with no token that fits): request id ->
-    # why. The engine ends each alone, as aborted; their entries in `sampled` are not used.
+    # why. The engine ends each alone, aborted with the reason as its error; their entries in
+    # `sampled` are not used.
     failed: dict[str, str] = field(default_factory=dict)
 
 

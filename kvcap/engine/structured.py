@@ -31,7 +31,7 @@ Resample = Callable[[torch.Tensor], int]  # masked logits row [V] -> token
 
 class NoContinuation(RuntimeError):
     """No token of the vocabulary continues the output (the engine ends that request alone,
-    as aborted)."""
+    aborted with this as its error)."""
 
 
 class StructuredOutput:
