@@ -13,6 +13,7 @@ from kvcap.sampling.json_schema import (
     object_grammar,
     regex_grammar,
 )
+from kvcap.sampling.reasoning_gate import REASONING_STYLES
 
 # The fields a checkpoint's generation_config.json may give defaults for (kvcap serve
 # --generation-config auto; models.loader.read_sampling_defaults).
@@ -43,6 +44,9 @@ class SamplingParams:
     json_schema: dict | bool | str | None = None  # one JSON value valid under this schema
     choice: list[str] | None = None  # exactly one of these strings
     regex: str | None = None  # text the regular expression matches whole
+    # a reasoning model's style ("qwen3" | "deepseek_r1"): the format above applies to the
+    # answer after its <think> ... </think> (kvcap/sampling/reasoning_gate.py)
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,6 +94,9 @@ class SamplingParams:
         if asked and (self.ignore_eos or self.min_tokens):
             bad(f"{asked[0]} ends the output with EOS once it is complete: it cannot be "
                 f"combined with ignore_eos or min_tokens")
+        if self.reasoning is not None and self.reasoning not in REASONING_STYLES:
+            bad(f"reasoning must be one of {', '.join(REASONING_STYLES)}, got "
+                f"{self.reasoning!r}")
         if asked:
             try:
                 self.grammar()

@@ -111,3 +111,19 @@ def _tokenizers(srv):
     """The engine's tokenizer and the server's own copy (create_app loads one for the event
     loop)."""
     return [srv.llm.tokenizer, srv.serving.tokenizer]
+
+
+def test_structured_requests_think_first_with_a_reasoning_parser(srv, monkeypatch):
+    """With --reasoning-parser, a structured chat request's format applies after the thinking
+    (SamplingParams.reasoning); a plain one is left as it is."""
+    seen = []
+    real = srv.llm.engine.add_request
+
+    def add_request(rid, ids, params, *a, **kw):
+        seen.append(params)
+        return real(rid, ids, params, *a, **kw)
+
+    monkeypatch.setattr(srv.llm.engine, "add_request", add_request)
+    _ask(srv, "yes")
+    srv.client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2)
+    assert [p.reasoning for p in seen] == ["qwen3", "qwen3", None]

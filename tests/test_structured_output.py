@@ -527,3 +527,38 @@ def test_a_request_nothing_continues_ends_alone(llm, monkeypatch):
     assert outs[0].error == "error: structured output (test): nothing continues"
     assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 6
     assert outs[2].text.lstrip().startswith("{")
+
+
+def test_reasoning_gate_frees_the_thinking_only():
+    from kvcap.sampling.reasoning_gate import ReasoningGate
+
+    g = ReasoningGate("qwen3")  # opens with <think>: free until the token completing </think>
+    assert [g.admit(t) for t in [b"\n<think>", b"weigh </th", b"ink>", b"\n\n{", b"}"]] == \
+        [False, False, False, True, True]
+    g = ReasoningGate("qwen3")  # no <think>: all answer
+    assert g.admit(b"{") and g.admit(b"<think>")
+    g = ReasoningGate("deepseek_r1")  # thinking from the first token
+    assert [g.admit(t) for t in [b"hmm", b"</think>", b"yes"]] == [False, False, True]
+    with pytest.raises(ValueError, match="unknown reasoning style 'o1'"):
+        ReasoningGate("o1")
+    with pytest.raises(ConfigError, match="reasoning must be one of qwen3, deepseek_r1"):
+        SamplingParams(choice=["a"], reasoning="o1")
+
+
+def test_structured_output_waits_for_the_thinking_to_end(llm):
+    """deepseek_r1 style: the reply thinks from its first token, so until </think> the tokens
+    are the model's own (greedy: those of an unconstrained run); qwen3 style without <think>:
+    the choice applies at once."""
+    free = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0]
+    assert b"</think>" not in free.text.encode()
+    thinking = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8,
+                                                      choice=["yes", "no"],
+                                                      reasoning="deepseek_r1"),
+                            use_tqdm=False)[0]
+    assert thinking.token_ids == free.token_ids[:len(thinking.token_ids)]
+    assert thinking.finish_reason == "length" and thinking.text not in ("yes", "no")
+    answer = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8,
+                                                    choice=["yes", "no"], reasoning="qwen3"),
+                          use_tqdm=False)[0]
+    assert answer.text in ("yes", "no") and answer.finish_reason == "stop"

@@ -21,6 +21,7 @@ from kvcap.models.llama import ForwardContext, KVObserverFn, LlamaModel
 from kvcap.sampling.json_grammar import Grammar
 from kvcap.sampling.json_grammar import State as GrammarState
 from kvcap.sampling.penalties import PenaltyState, adjust_logits
+from kvcap.sampling.reasoning_gate import ReasoningGate
 from kvcap.sampling.reference import reference_sample
 from kvcap.sampling.sampler import Sampler, SamplingBatch, logprob_dicts
 
@@ -47,6 +48,7 @@ class RequestExtras:
     # structured output: the request's grammar (compiled once) and the output so far
     grammar: Grammar | None = None
     grammar_state: GrammarState | None = None
+    reasoning_gate: ReasoningGate | None = None  # structured output after the thinking
 
 
 @dataclass
@@ -376,9 +378,15 @@ class ModelRunner:
         changed = False
         for j in rows:
             ex = extras[step.reqs[j].request_id]
+            sp = step.reqs[j].sampling_params
             if ex.grammar is None:
-                ex.grammar = step.reqs[j].sampling_params.grammar()
+                ex.grammar = sp.grammar()
                 ex.grammar_state = ex.grammar.start
+                if sp.reasoning is not None:
+                    ex.reasoning_gate = ReasoningGate(sp.reasoning)
+            if ex.reasoning_gate is not None and not ex.reasoning_gate.admit(
+                    bytes(self._structured.texts(tokens[j])[1])):
+                continue  # still thinking: free text
             try:
                 tok, ex.grammar_state = self._structured.choose(
                     ex.grammar, ex.grammar_state, tokens[j], step.logits[j],

@@ -4,6 +4,8 @@ and `/v1/chat/completions`, each answered as one JSON response or as server-sent
 
 from __future__ import annotations
 
+import dataclasses
+
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
@@ -93,6 +95,8 @@ async def chat_completion(serving: OpenAIServing, name: str, max_pending: int,
     if req.n > max_pending:
         raise P.APIError(400, f"n: at most {max_pending} choices per request", param="n")
     params = serving.params_for(req, ids, max_tokens, "messages")
+    if serving.reasoning_parser is not None and params.structured:  # think first, then the
+        params = dataclasses.replace(params, reasoning=serving.reasoning_parser)  # format
     plan = req.tool_plan()
     calls = plan if plan is not None and plan.mode != "none" else None
     streams = serving.submit(serving.choices([(ids, params)], req.n))

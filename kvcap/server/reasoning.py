@@ -10,12 +10,14 @@ rest, as vLLM's reasoning parsers answer.
 
 Streaming sends thinking as `reasoning_content` deltas and the rest as `content`; the text of a
 tag that may be starting is held back until it is known. The answer part is what tool-call
-parsing and stop strings see.
+parsing sees; a structured-output format (schema, regex, tool arguments) applies to it alone
+(kvcap/sampling/reasoning_gate.py).
 """
 
 from __future__ import annotations
 
-PARSERS = ("qwen3", "deepseek_r1")
+from kvcap.sampling.reasoning_gate import REASONING_STYLES as PARSERS
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
