@@ -56,7 +56,7 @@ class ChoiceStream:
         if self.tools is None:
             delta = {"content": text} if text else ({} if finish is not None else None)
         elif text or finish is not None:
-            delta, finish, span = self.tools.event(text, finish, span)
+            delta, finish = self.tools.event(text, finish)
         else:
             delta = None
         if thought:
@@ -66,8 +66,5 @@ class ChoiceStream:
                 self.held_from = span[0]
             return None, None, span
         if self.held_from is not None:  # the held tokens' logprobs go with this event
-            span = (min(self.held_from, span[0]), span[1])
-        self.held_from = None
-        if self.tools is not None:
-            self.tools.held_from = None
+            span, self.held_from = (self.held_from, span[1]), None
         return delta, finish, span

@@ -178,26 +178,17 @@ class ToolStream:
     go out as the model writes them (the first delta carries the call's id and name); a
     "required" array is held back and sent whole with the finish (its calls are only known
     once it parses); with "auto", content goes out until a call may have begun
-    (`tool_call_start`) and the rest with the finish, as calls if it parses. The logprobs of
-    held-back tokens go with the event that sends them."""
+    (`tool_call_start`) and the rest with the finish, as calls if it parses. (The logprobs of
+    held-back tokens: kvcap.server.chat_reply.ChoiceStream, its one user.)"""
 
     def __init__(self, plan: ToolPlan, parser: str | None = None):
         self.plan, self.parser = plan, parser
         self.text, self.call_id, self.sent = "", None, 0
-        self.held_from: int | None = None  # first token of events not sent yet
 
-    def event(self, text: str, finish: str | None, span: tuple[int, int]
-              ) -> tuple[dict[str, Any] | None, str | None, tuple[int, int]]:
-        """(delta or None to send nothing yet, finish_reason, token span) of one event."""
+    def event(self, text: str, finish: str | None) -> tuple[dict[str, Any] | None, str | None]:
+        """(delta or None to send nothing yet, finish_reason) of one event."""
         self.text += text
-        delta, finish = self._delta(text, finish)
-        if delta is None:
-            if self.held_from is None:
-                self.held_from = span[0]
-            return None, None, span
-        if self.held_from is not None:
-            span, self.held_from = (self.held_from, span[1]), None
-        return delta, finish, span
+        return self._delta(text, finish)
 
     def _delta(self, text: str, finish: str | None) -> tuple[dict[str, Any] | None, str | None]:
         if self.plan.mode == "named":
