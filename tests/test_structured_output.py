@@ -104,6 +104,15 @@ class Household(pydantic.BaseModel):
     verified: bool
 
 
+class Reading(pydantic.BaseModel):
+    count: int = pydantic.Field(ge=0, le=500)
+    ratio: float = pydantic.Field(gt=0, lt=1)
+    celsius: float = pydantic.Field(ge=-40.5, le=60)
+    offset: int = pydantic.Field(gt=-10)
+    pair: tuple[int, str]
+    ids: tuple[int, ...] = ()
+
+
 TREE = {"$defs": {"node": {"type": "object", "properties": {
     "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"},
                                        "maxItems": 2}}, "required": ["v"]}},
@@ -121,6 +130,9 @@ SCHEMAS = {
     "any_of": {"anyOf": [{"type": "number"}, {"type": "string", "maxLength": 3},
                          {"enum": [1, 10, "ab", None, [True]]}]},
     "anything": {},
+    "numeric": Reading.model_json_schema(),
+    "tuple": {"type": "array", "prefixItems": [{"const": "a"}, {"type": "boolean"}],
+              "items": {"type": "integer", "maximum": -1}, "maxItems": 4},
 }
 
 
@@ -166,6 +178,11 @@ def test_whatever_the_grammar_completes_is_valid_under_the_schema(name):
     ("open", {"flag": True, "id": 4, "other": False}), ("open", {}),
     ("any_of", 2.5), ("any_of", "abc"), ("any_of", None),
     ("anything", [{"a": [1, {}]}, "x"]),
+    ("numeric", {"count": 500, "ratio": 0.001, "celsius": -40.5, "offset": -9,
+                 "pair": [1, "x"], "ids": [3, -4]}),
+    ("numeric", {"count": 0, "ratio": 0.999, "celsius": 60, "offset": 12345678901234567890,
+                 "pair": [-7, ""]}),
+    ("tuple", ["a", True, -1, -20]), ("tuple", ["a"]), ("tuple", []),
 ])
 def test_valid_documents_are_accepted(name, doc):
     g = compile_schema(SCHEMAS[name])
@@ -188,6 +205,13 @@ def test_valid_documents_are_accepted(name, doc):
     ("open", '{"id": 1, "x": 1'), ("open", '{"id": t'), ("open", '{"id": 1, "id"'),
     ("any_of", '"abcd'), ("any_of", "[f"),
     ("any_of", "[ "),
+    ("numeric", '{"count": 501'), ("numeric", '{"count": -'), ("numeric", '{"count": 1.'),
+    ("numeric", '{"ratio": 1'), ("numeric", '{"ratio": 0}'), ("numeric", '{"ratio": 0.0 '),
+    ("numeric", '{"ratio": 0.5e'), ("numeric", '{"celsius": -40.51'), ("numeric", '{"celsius": 61'),
+    ("numeric", '{"celsius": 60.01'), ("numeric", '{"offset": -10'), ("numeric", '{"pair": [1]'),
+    ("numeric", '{"pair": [1, "a",'), ("numeric", '{"count": 0.'),
+    ("tuple", '["b'), ("tuple", '["a", 1'), ("tuple", '["a", true, 0'),
+    ("tuple", '["a", true, -1, -1,'),
 ])
 def test_invalid_documents_are_refused(name, text):
     """(An enum member is one spelling: `[true]`, not `[ true ]`.)"""
@@ -201,7 +225,15 @@ def test_invalid_documents_are_refused(name, text):
     ({"type": "object", "properties": {"d": {"type": "string", "format": "hostname"}}},
      r"schema.properties.d.format: 'hostname' is not supported"),
     ({"type": "string", "format": "date", "pattern": "x"}, "pattern and format together"),
-    ({"type": "integer", "minimum": 0}, "'minimum' not supported"),
+    ({"type": "integer", "multipleOf": 2}, "'multipleOf' not supported"),
+    ({"type": "integer", "minimum": 2.5, "maximum": 2.9}, "no integer lies within its bounds"),
+    ({"type": "number", "minimum": 1, "exclusiveMaximum": 1}, "no number lies within"),
+    ({"type": "number", "exclusiveMinimum": True}, "draft 4's boolean form is not supported"),
+    ({"type": "number", "maximum": "5"}, "maximum: must be a number"),
+    ({"type": "number", "exclusiveMinimum": 1e-300}, "needs more than 40 digits written out"),
+    ({"type": "array", "prefixItems": [{}], "items": False, "minItems": 2},
+     "needs more items than prefixItems gives"),
+    ({"type": "array", "prefixItems": {}}, "prefixItems: must be a list"),
     ({"type": "array", "uniqueItems": True}, "'uniqueItems' not supported"),
     ({"type": "thing"}, "type: must be one of"),
     ({"type": "string", "maxItems": 2}, "do not apply to type"),
@@ -234,8 +266,8 @@ def test_choice_grammar_is_exactly_one_of_the_strings():
 def test_sampling_params_take_one_format_and_name_schema_errors():
     with pytest.raises(ConfigError, match="json_object and choice are each a whole output"):
         SamplingParams(json_object=True, choice=["a"])
-    with pytest.raises(ConfigError, match="json_schema: schema: 'minimum' not supported"):
-        SamplingParams(json_schema={"type": "integer", "minimum": 0})
+    with pytest.raises(ConfigError, match="json_schema: schema: 'multipleOf' not supported"):
+        SamplingParams(json_schema={"type": "integer", "multipleOf": 2})
     with pytest.raises(ConfigError, match=r"regex: pattern 'a\(': unbalanced"):
         SamplingParams(regex="a(")
     with pytest.raises(ConfigError, match="json_object ends the output with EOS"):

@@ -16,11 +16,17 @@ Nodes (tuples, ids index `Grammar.nodes`):
     ("obj", props, required, extra, names)  props: raw key bytes -> node; extra: the node of
                                             other keys' values, or None when only props may
                                             appear; each key at most once, in any order
-    ("arr", items, min_items, max_items | None)
+    ("arr", items, min_items, max_items | None, prefix)
+                                            prefix: the nodes of the first items, one each
+                                            (JSON Schema's prefixItems); items: the rest's
     ("pat", nfa, min_len, max_len | None)   a JSON string whose characters (escapes decoded)
                                             match a regular expression (kvcap.sampling.regex)
-    ("re", nfa)                             raw text matching a regular expression (the root
-                                            of a `raw` grammar: vLLM's guided_regex)
+    ("re", nfa)                             raw text matching a regular expression: the root
+                                            of a `raw` grammar (vLLM's guided_regex), or a
+                                            JSON value spelt by one (a number inside bounds,
+                                            kvcap.sampling.number_range), which like a
+                                            number ends at the first byte that cannot
+                                            continue it
 
 kvcap's own limits, as in any JSON mode: at most MAX_WHITESPACE consecutive whitespace bytes
 outside strings (a model that keeps emitting blanks would otherwise run to max_tokens inside a
@@ -107,15 +113,18 @@ class Grammar:
             out += [k for k in self._flatten(j, seen + (i,)) if k not in out]
         return tuple(out)
 
+    def _number_ends(self, top: tuple) -> bool:
+        """A number (or a regex-spelt value) may stop at this frame."""
+        if top[0] == "N":
+            return top[2] in NUMBER_ENDS
+        return top[0] == "T" and top[3] is None and self.nodes[top[1]][1].accepts(top[2])
+
     def _can_end(self, frames: Frames) -> bool:
         if not frames:
             return True
         if len(frames) != 1:
             return False
-        top = frames[0]
-        if top[0] == "N":
-            return top[2] in NUMBER_ENDS
-        return top[0] == "T" and top[3] is None and self.nodes[top[1]][1].accepts(top[2])
+        return self._number_ends(frames[0])
 
     # -- one byte -------------------------------------------------------------------------
     def _step_config(self, cfg: Config, b: int) -> tuple[Config, ...]:
@@ -133,7 +142,7 @@ class Grammar:
         if b in WS and not self.raw:
             if top is None or top[0] in ("V", "O", "A"):
                 return ((frames, ws + 1),) if ws < MAX_WHITESPACE else ()
-            if top[0] == "N" and top[2] in NUMBER_ENDS:  # the blank ends the number
+            if self._number_ends(top):  # the blank ends the number
                 return ((frames[:-1], 1),)
         if top is None:
             return ()
@@ -168,7 +177,10 @@ class Grammar:
         if kind == "P":
             return self._pattern_string(rest, top, b)
         if kind == "T":
-            return self._text(rest, top, b)
+            out = self._text(rest, top, b)
+            if not out and rest and self._number_ends(top):  # the byte ends the number
+                return self._step(rest, b)
+            return out
         raise AssertionError(f"unknown frame {top!r}")
 
     def _pattern_string(self, rest: Frames, top: tuple, b: int) -> list[Frames]:
@@ -308,7 +320,7 @@ class Grammar:
 
     def _array(self, rest: Frames, top: tuple, b: int) -> list[Frames]:
         _, c, count, phase = top
-        _, items, lo, hi = self.nodes[c]
+        _, items, lo, hi, prefix = self.nodes[c]
         if phase == ",":
             if b == ord(",") and (hi is None or count < hi):
                 return [rest + (("A", c, count, "v"),)]
@@ -317,9 +329,10 @@ class Grammar:
             return [rest] if count >= lo else []
         if hi is not None and count >= hi:
             return []
-        # count only as far as the bounds need, so unbounded arrays share states
-        count = count + 1 if hi is not None else min(count + 1, lo)
-        return self._start(rest + (("A", c, count, ","),), items, b)
+        item = prefix[count] if count < len(prefix) else items
+        # count only as far as the bounds and prefix need, so unbounded arrays share states
+        count = count + 1 if hi is not None else min(count + 1, max(lo, len(prefix)))
+        return self._start(rest + (("A", c, count, ","),), item, b)
 
 
 def _string_char(top: tuple, b: int):

@@ -8,23 +8,30 @@ writer, the grammar takes the stricter reading, so the output stays valid under 
     schema opens it;
   - `enum` / `const` values are written in one spelling (json.dumps with ensure_ascii=False
     and no blanks, e.g. "\u00e9" as the character itself);
-  - `oneOf` is read as `anyOf` (an output may match more than one branch).
+  - `oneOf` is read as `anyOf` (an output may match more than one branch);
+  - a number with `minimum` / `maximum` / `exclusiveMinimum` / `exclusiveMaximum` is written
+    in plain decimal (no exponent, never -0) and compared as the decimal it spells
+    (kvcap/sampling/number_range.py);
+  - `prefixItems` give the first items their own schemas; `items` then covers the rest
+    (`items: false`: no more).
 `pattern` is a regular expression (kvcap/sampling/regex.py's subset) matched anywhere in the
 string unless anchored; `format` is one of FORMATS (date, time, date-time, uuid, email, ipv4),
 each generated as a regular expression whose strings the format allows. Keywords that bound a
-value in ways this recogniser does not track (`minimum`, `multipleOf`, `uniqueItems`, other
-formats, ...) are refused by name rather than ignored: a schema is compiled exactly or not at
-all. Annotations (`title`, `description`, `default`, `examples`,
-...) are ignored, as JSON Schema says they may be.
+value in ways this recogniser does not track (`multipleOf`, `uniqueItems`, other formats, ...)
+are refused by name rather than ignored: a schema is compiled exactly or not at all.
+Annotations (`title`, `description`, `default`, `examples`, ...) are ignored, as JSON Schema
+says they may be.
 """
 
 from __future__ import annotations
 
 import json
+from decimal import Decimal
 from functools import lru_cache
 from typing import Any
 
 from kvcap.sampling.json_grammar import Grammar
+from kvcap.sampling.number_range import Bound, number_regex
 from kvcap.sampling.regex import Nfa, RegexError, compile_regex
 
 ANNOTATIONS = frozenset(["title", "description", "default", "examples", "$schema", "$id",
@@ -32,16 +39,17 @@ ANNOTATIONS = frozenset(["title", "description", "default", "examples", "$schema
                          "$defs", "definitions"])
 BY_TYPE = {
     "string": {"minLength", "maxLength", "pattern", "format"},
-    "number": set(),
-    "integer": set(),
+    "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
+    "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
     "boolean": set(),
     "null": set(),
     "object": {"properties", "required", "additionalProperties"},
-    "array": {"items", "minItems", "maxItems"},
+    "array": {"items", "prefixItems", "minItems", "maxItems"},
 }
 GENERAL = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"}
 SUPPORTED = GENERAL | set().union(*BY_TYPE.values())
 COMPILED_SCHEMAS = 32
+BOUND_DIGITS = 40  # a numeric bound's digits (whole and fraction); its regex grows with them
 
 # `format` values and the strings generated for them: each a subset of what the format allows
 # (a date never 29 February, a time always with its offset), so that the output validates.
@@ -145,7 +153,7 @@ class _Compiler:
         if self._any is None:
             self._any = self.add(None)
             obj = self.add(("obj", {}, frozenset(), self._any, ()))
-            arr = self.add(("arr", self._any, 0, None))
+            arr = self.add(("arr", self._any, 0, None, ()))
             kinds = [self.add(("str", 0, None)), self.add(("num", False)),
                      *[self.add(("lit", w)) for w in (b"true", b"false", b"null")], obj, arr]
             self.nodes[self._any] = ("alt", tuple(kinds))
@@ -215,18 +223,50 @@ class _Compiler:
                 return self.add(("pat", regex, lo, hi))
             return self.add(("str", lo, hi))
         if t in ("number", "integer"):
-            return self.add(("num", t == "integer"))
+            return self.number(s, t == "integer", path)
         if t in ("boolean", "null"):
             words = (b"true", b"false") if t == "boolean" else (b"null",)
             lits = [self.add(("lit", w)) for w in words]
             return lits[0] if len(lits) == 1 else self.add(("alt", tuple(lits)))
         if t == "array":
-            items = self.compile(s.get("items", True), f"{path}.items")
-            lo = _count(s, "minItems", path, 0)
-            hi = _count(s, "maxItems", path, None)
-            _check_bounds(lo, hi, "minItems", "maxItems", path)
-            return self.add(("arr", items, lo, hi))
+            return self.array(s, path)
         return self.object(s, path)
+
+    def number(self, s: dict, integer: bool, path: str) -> int:
+        low = _tighter(_bound(s, "minimum", False, path), _bound(s, "exclusiveMinimum", True,
+                                                                   path), low=True)
+        high = _tighter(_bound(s, "maximum", False, path), _bound(s, "exclusiveMaximum", True,
+                                                                    path), low=False)
+        if low is None and high is None:
+            return self.add(("num", integer))
+        pattern = number_regex(low, high, integer)
+        if pattern is None:
+            kind = "integer" if integer else "number"
+            raise SchemaError(f"{path}: no {kind} lies within its bounds")
+        try:
+            return self.add(("re", compile_regex(pattern)))
+        except RegexError as e:
+            raise SchemaError(f"{path}: the bounds make too large a grammar ({e})") from None
+
+    def array(self, s: dict, path: str) -> int:
+        prefix_schemas = s.get("prefixItems", [])
+        if not isinstance(prefix_schemas, list):
+            raise SchemaError(f"{path}.prefixItems: must be a list of schemas")
+        prefix = tuple(self.compile(p, f"{path}.prefixItems[{i}]")
+                       for i, p in enumerate(prefix_schemas))
+        lo = _count(s, "minItems", path, 0)
+        hi = _count(s, "maxItems", path, None)
+        _check_bounds(lo, hi, "minItems", "maxItems", path)
+        items_schema = s.get("items", True)
+        if items_schema is False:  # nothing after the prefix
+            hi = len(prefix) if hi is None else min(hi, len(prefix))
+            if lo > hi:
+                raise SchemaError(f"{path}: minItems {lo} needs more items than prefixItems "
+                                  f"gives ({len(prefix)}) with items: false")
+            items = self.any_value()  # never reached: hi stops at the prefix
+        else:
+            items = self.compile(items_schema, f"{path}.items")
+        return self.add(("arr", items, lo, hi, prefix))
 
     def string_regex(self, s: dict, path: str) -> Nfa | None:
         """The NFA of a string's `pattern` (matched anywhere, as JSON Schema says, unless
@@ -291,6 +331,31 @@ def _count(s: dict, word: str, path: str, default: int | None) -> int | None:
     if v is not default and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
         raise SchemaError(f"{path}.{word}: must be a non-negative integer, got {v!r}")
     return v
+
+
+def _bound(s: dict, word: str, exclusive: bool, path: str) -> Bound:
+    if word not in s:
+        return None
+    v = s[word]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        hint = (f" (draft 4's boolean form is not supported: give the bound itself, "
+                f"e.g. {word}: 0)" if isinstance(v, bool) else "")
+        raise SchemaError(f"{path}.{word}: must be a number, got {v!r}{hint}")
+    value = Decimal(v) if isinstance(v, int) else Decimal(repr(v))
+    _, digits, exponent = value.as_tuple()
+    if max(len(digits), len(digits) + exponent, -exponent) > BOUND_DIGITS:
+        raise SchemaError(f"{path}.{word}: {v!r} needs more than {BOUND_DIGITS} digits "
+                          f"written out; use a shorter bound")
+    return value, exclusive
+
+
+def _tighter(a: Bound, b: Bound, low: bool) -> Bound:
+    """The stricter of two bounds on the same side."""
+    if a is None or b is None:
+        return a or b
+    if a[0] != b[0]:
+        return max(a, b) if low else min(a, b)
+    return a if a[1] else b  # the same value: exclusive is stricter
 
 
 def _check_bounds(lo: int, hi: int | None, lo_word: str, hi_word: str, path: str) -> None:
