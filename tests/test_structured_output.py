@@ -131,6 +131,13 @@ SCHEMAS = {
                          {"enum": [1, 10, "ab", None, [True]]}]},
     "anything": {},
     "numeric": Reading.model_json_schema(),
+    # a pattern must still be able to end within the length bounds (no dead ends)
+    "lengths": {"type": "object", "properties": {
+        "ip": {"type": "string", "format": "ipv4", "maxLength": 9},
+        "p": {"type": "string", "pattern": "(ab|cd)", "maxLength": 3},
+        "m": {"type": "string", "pattern": "^a+b$", "minLength": 4},
+        "u": {"type": "string", "pattern": "\u00e9", "maxLength": 2}},
+        "required": ["ip", "p", "m"]},
     "tuple": {"type": "array", "prefixItems": [{"const": "a"}, {"type": "boolean"}],
               "items": {"type": "integer", "maximum": -1}, "maxItems": 4},
 }
@@ -242,6 +249,8 @@ def test_invalid_documents_are_refused(name, text):
     ({"allOf": [{"type": "string"}, {"maxLength": 2}]}, "allOf: only a single schema"),
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "not among the properties"),
     ({"type": "string", "minLength": 3, "maxLength": 2}, "maxLength 2 is below minLength 3"),
+    ({"type": "string", "format": "date", "maxLength": 9}, "no string of the pattern / format"),
+    ({"type": "string", "pattern": "^(ab|cde)$", "minLength": 4}, "has a length within"),
     ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "only refers to itself"),
     ({"anyOf": []}, "non-empty list"),
     ([1], "a schema must be an object or true"),
@@ -404,10 +413,11 @@ def test_structured_bench_writes_its_json(tmp_path):
     assert main(["--docs", "3", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [r["grammar"] for r in result["rows"]] == ["json_object", "pet_schema",
-                                                      "tree_schema"]
+                                                      "tree_schema", "record_schema"]
     for r in result["rows"]:
         assert r["tokens_checked"] > 0 and r["check_us_warm_median"] > 0
-        assert set(r["mask"]) == {"before_key", "in_string", "in_number"}
+        kinds = {"before_key", "in_string", "in_number", "in_value"}
+        assert set(r["mask"]) == kinds - ({"in_value"} if r["grammar"] == "tree_schema" else set())
         assert all(0 < m["tokens_allowed"] < result["vocab"] for m in r["mask"].values())
     assert result["commit"] and result["vocab"] == 49152
 

@@ -4,11 +4,13 @@ Structured output (kvcap/engine/structured.py) checks each sampled token of a co
 on the host, and only after MAX_REJECTIONS misses builds a whole-vocabulary mask. This
 measures, with the model's real tokenizer (default: the embedded model's 49,152 tokens):
   * `check_us`: microseconds to check one token, over the tokens of documents that follow
-    each grammar (JSON mode, a nested schema with enums and bounds, a recursive schema),
+    each grammar (JSON mode, a nested schema with enums and bounds, a recursive schema, a
+    record of patterns, formats, bounded numbers and a tuple),
     the grammar's step cache cold (first document) and warm (later ones);
   * `mask_ms`: milliseconds for a full mask at states of each kind (before a key, inside a
-    string, inside a number; after a gc.collect(), so that a full collection the growth of
-    the grammar's caches sets off is not counted), and the one-off sort of the vocabulary;
+    key, inside a number, inside a string value; after a gc.collect(), so that a full
+    collection the growth of the grammar's caches sets off is not counted), and the one-off
+    sort of the vocabulary;
   * `compile_ms`: compiling each schema.
 Pure host work: no model weights are loaded; CPU time on this machine is what a GPU server's
 host thread pays per constrained row per step. JSON (with date, commit, CPU) to
@@ -23,6 +25,7 @@ import gc
 import json
 import platform
 import random
+import re
 import statistics
 import time
 from pathlib import Path
@@ -45,6 +48,15 @@ PET = {"type": "object", "properties": {
 TREE = {"$defs": {"n": {"type": "object", "properties": {
     "value": {"type": "number"}, "children": {"type": "array", "items": {"$ref": "#/$defs/n"}}},
     "required": ["value"]}}, "$ref": "#/$defs/n"}
+RECORD = {"type": "object", "properties": {
+    "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{4}$"},
+    "note": {"type": "string", "pattern": "(ok|late)", "maxLength": 24},
+    "day": {"type": "string", "format": "date"},
+    "score": {"type": "number", "exclusiveMinimum": 0, "maximum": 100},
+    "count": {"type": "integer", "minimum": 1, "maximum": 999},
+    "pair": {"type": "array", "prefixItems": [{"type": "integer", "minimum": -50},
+                                              {"type": "boolean"}], "items": False}},
+    "required": ["code", "note", "day", "score", "count", "pair"]}
 WORDS = ["Tom", "Whiskers", "a very old cat", "\u00e9t\u00e9", "fluffy", "indoor", "likes fish"]
 
 
@@ -60,14 +72,23 @@ def _tree(rng: random.Random, depth: int = 0) -> dict:
     return {"value": round(rng.uniform(-100, 100), rng.randint(0, 4)), "children": kids}
 
 
+def _record(rng: random.Random) -> dict:
+    return {"code": f"{rng.choice(['AB', 'XY', 'QZ'])}-{rng.randint(0, 9999):04d}",
+            "note": f"{rng.choice(['was ', 'all ', ''])}{rng.choice(['ok', 'late'])}",
+            "day": f"20{rng.randint(10, 29)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}",
+            "score": round(rng.uniform(0.5, 100), rng.randint(0, 3)),
+            "count": rng.randint(1, 999), "pair": [rng.randint(-50, 500), rng.random() < 0.5]}
+
+
 def documents(n: int, seed: int = 0) -> dict[str, tuple[object, list[str]]]:
     """name -> (schema, documents valid under it), generated deterministically."""
     rng = random.Random(seed)
     pets = [json.dumps(_pet(rng), ensure_ascii=False, indent=rng.choice([None, 2]))
             for _ in range(n)]
     trees = [json.dumps(_tree(rng)) for _ in range(n)]
+    records = [json.dumps(_record(rng), indent=rng.choice([None, 2])) for _ in range(n)]
     return {"json_object": ({"type": "object"}, pets), "pet_schema": (PET, pets),
-            "tree_schema": (TREE, trees)}
+            "tree_schema": (TREE, trees), "record_schema": (RECORD, records)}
 
 
 def time_checks(so: StructuredOutput, grammar, ids: list[int]) -> tuple[float, int]:
@@ -113,8 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         masks = {}
         for label, cut in (("before_key", lambda d: d.index('"')),
                            ("in_string", lambda d: d.index('"') + 2),
-                           ("in_number", _number_cut)):
-            doc = next(d for d in docs if cut(d) is not None)
+                           ("in_number", _number_cut),
+                           ("in_value", _value_cut)):
+            doc = next((d for d in docs if cut(d) is not None), None)
+            if doc is None:  # no state of this kind in these documents (a tree's values)
+                continue
             prefix = doc[:cut(doc)].encode()
             state = grammar.feed(grammar.start, prefix)
             so._masks.clear()
@@ -136,23 +160,29 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_text(out, json.dumps(result, indent=1, ensure_ascii=False) + "\n")
     print(f"structured output host cost, {args.model} tokenizer ({vocab} tokens); vocabulary "
           f"sort {walk_s:.2f} s once")
-    print(f"{'grammar':>12} {'compile ms':>10} {'check us cold':>13} {'warm':>7} "
-          f"{'mask ms: key':>12} {'string':>7} {'number':>7}")
+    print(f"{'grammar':>13} {'compile ms':>10} {'check us cold':>13} {'warm':>7} "
+          f"{'mask ms: key':>12} {'in key':>7} {'number':>7} {'value':>7}")
     for r in rows:
-        m = r["mask"]
-        print(f"{r['grammar']:>12} {r['compile_ms']:>10.2f} {r['check_us_cold']:>13.1f} "
+        m = {k: {"ms": float("nan")} for k in ("in_number", "in_value")} | r["mask"]
+        print(f"{r['grammar']:>13} {r['compile_ms']:>10.2f} {r['check_us_cold']:>13.1f} "
               f"{r['check_us_warm_median']:>7.1f} {m['before_key']['ms']:>12.1f} "
-              f"{m['in_string']['ms']:>7.1f} {m['in_number']['ms']:>7.1f}")
+              f"{m['in_string']['ms']:>7.1f} {m['in_number']['ms']:>7.1f} "
+              f"{m['in_value']['ms']:>7.1f}")
     print(f"wrote {out}")
     return 0
 
 
+def _value_cut(doc: str) -> int | None:
+    """Two characters into the document's first string value (None: none)."""
+    at = doc.find(': "')
+    return None if at < 0 else at + 5
+
+
 def _number_cut(doc: str) -> int | None:
-    """Just after the first digit of the document's first number (None: no number)."""
-    for i, c in enumerate(doc):
-        if c.isdigit() and doc[i - 1] in ": -[":
-            return i + 1
-    return None
+    """Just after the first digit of the document's first number, a value or an array item
+    (None: no number)."""
+    hit = re.search(r"[:\[,]\s*-?[0-9]", doc)
+    return None if hit is None else hit.end()
 
 
 if __name__ == "__main__":

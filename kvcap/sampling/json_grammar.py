@@ -193,8 +193,14 @@ class Grammar:
         starts_char = esc == 0 and utf8 is None and (b >= 0x80 or b == BACKSLASH)
         if starts_char and hi is not None and n >= hi:  # no room for another character
             return []
+        # after the next character, the match must still be able to end within the bounds
+        at_least, at_most = max(lo - n - 1, 0), None if hi is None else hi - n - 1
+
+        def can(a: int, z: int) -> bool:
+            return nfa.continues_within(states, a, z, at_least, at_most)
+
         if utf8 is not None or (b >= 0x80 and esc == 0):
-            ch, utf8 = _utf8_step(nfa, states, utf8, b)
+            ch, utf8 = _utf8_step(can, utf8, b)
             if utf8 is not None:
                 return [rest + (("P", c, states, 0, n, utf8),)]
             if ch is None:
@@ -212,8 +218,7 @@ class Grammar:
             code = code * 16 + int(chr(b), 16)
             if left > 1:
                 lo_code, hi_code = code << 4 * (left - 1), ((code + 1) << 4 * (left - 1)) - 1
-                if not any(nfa.any_in(states, a, z) for a, z in
-                           _without_surrogates(lo_code, hi_code)):
+                if not any(can(a, z) for a, z in _without_surrogates(lo_code, hi_code)):
                     return []
                 return [rest + (("P", c, states, (code, left - 1), n, None),)]
             if 0xD800 <= code <= 0xDFFF:  # surrogate halves: write the character itself
@@ -222,7 +227,7 @@ class Grammar:
         elif b == QUOTE:
             return [rest] if nfa.accepts(states) and n >= lo else []
         elif b == BACKSLASH:  # some character an escape can write must continue the match
-            if not any(nfa.any_in(states, a, z) for a, z in _without_surrogates(0, 0xFFFF)):
+            if not any(can(a, z) for a, z in _without_surrogates(0, 0xFFFF)):
                 return []
             return [rest + (("P", c, states, -1, n, None),)]
         elif b < 0x20:
@@ -230,9 +235,9 @@ class Grammar:
         else:
             ch = b
         states = nfa.step(states, ch)
-        n = n + 1 if hi is not None else min(n + 1, lo)
-        if not states or (hi is not None and n > hi):
+        if not states or not nfa.fits(states, at_least, at_most):
             return []
+        n = n + 1 if hi is not None else min(n + 1, lo)
         return [rest + (("P", c, states, 0, n, None),)]
 
     def _text(self, rest: Frames, top: tuple, b: int) -> list[Frames]:
@@ -240,7 +245,7 @@ class Grammar:
         ends once the NFA accepts and can go no further."""
         _, c, states, utf8 = top
         nfa = self.nodes[c][1]
-        ch, utf8 = _utf8_step(nfa, states, utf8, b)
+        ch, utf8 = _utf8_step(lambda a, z: nfa.any_in(states, a, z), utf8, b)
         if utf8 is not None:
             return [rest + (("T", c, states, utf8),)]
         if ch is None:
@@ -370,11 +375,11 @@ def _string_char(top: tuple, b: int):
     return ("S", lo, hi, nxt, grown)
 
 
-def _utf8_step(nfa, states, utf8: tuple | None, b: int) -> tuple[int | None, tuple | None]:
+def _utf8_step(can, utf8: tuple | None, b: int) -> tuple[int | None, tuple | None]:
     """One byte of a character read as UTF-8 for an NFA: (the character, None) once whole,
     (None, pending) while bytes are to come, (None, None) when refused. `pending` is (code so
     far, continuation bytes left, lowest, highest next byte); a byte passes only if some
-    character it can still become continues a match."""
+    character it can still become continues a match (`can(lo, hi)`: one in [lo, hi] does)."""
     if utf8 is None:
         if b < 0x80:
             return b, None
@@ -383,7 +388,7 @@ def _utf8_step(nfa, states, utf8: tuple | None, b: int) -> tuple[int | None, tup
             return None, None
         left, low, high = lead
         code = b & (0x3F >> left)
-        if not nfa.any_in(states, *_utf8_codes(code, left, lead_byte=b)):
+        if not can(*_utf8_codes(code, left, lead_byte=b)):
             return None, None
         return None, (code, left, low, high)
     code, left, low, high = utf8
@@ -392,7 +397,7 @@ def _utf8_step(nfa, states, utf8: tuple | None, b: int) -> tuple[int | None, tup
     code = (code << 6) | (b & 0x3F)
     if left == 1:
         return code, None
-    if not nfa.any_in(states, *_utf8_codes(code, left - 1)):
+    if not can(*_utf8_codes(code, left - 1)):
         return None, None
     return None, (code, left - 1, 0x80, 0xBF)
 

@@ -220,6 +220,9 @@ class _Compiler:
             _check_bounds(lo, hi, "minLength", "maxLength", path)
             regex = self.string_regex(s, path)
             if regex is not None:
+                if not regex.fits(regex.start, lo, hi):
+                    raise SchemaError(f"{path}: no string of the pattern / format has a length "
+                                      f"within minLength {lo} and maxLength {hi}")
                 return self.add(("pat", regex, lo, hi))
             return self.add(("str", lo, hi))
         if t in ("number", "integer"):

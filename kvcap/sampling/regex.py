@@ -64,6 +64,8 @@ class Nfa:
         self.start_state = self.accept_state = 0
         self._closure: dict[frozenset[int], frozenset[int]] = {}
         self._steps: dict[tuple[frozenset[int], int], frozenset[int]] = {}
+        self._any_steps: dict[frozenset[int], frozenset[int]] = {}
+        self._fits: dict[tuple[frozenset[int], int, int | None], bool] = {}
 
     def new(self) -> int:
         if len(self.moves) >= MAX_STATES:
@@ -108,6 +110,50 @@ class Nfa:
         a UTF-8 lead byte, a \\u escape's first digits)."""
         return any(a <= hi and lo <= b for s in states for ranges, _ in self.moves[s]
                    for a, b in ranges)
+
+    def step_any(self, states: frozenset[int]) -> frozenset[int]:
+        """The states after any one character a JSON string can hold (every code point but
+        the surrogate halves)."""
+        hit = self._any_steps.get(states)
+        if hit is None:
+            nxt = {t for s in states for ranges, t in self.moves[s]
+                   if any(not (0xD800 <= a and b <= 0xDFFF) for a, b in ranges)}
+            hit = self.closure(frozenset(nxt)) if nxt else frozenset()
+            if len(self._any_steps) > 1 << 16:
+                self._any_steps.clear()
+            self._any_steps[states] = hit
+        return hit
+
+    def fits(self, states: frozenset[int], at_least: int, at_most: int | None) -> bool:
+        """Some match goes on from `states` to its end in at_least..at_most more characters
+        (at_most None: no upper limit): what a string's minLength / maxLength leave a
+        pattern. The sets reached after i characters follow one another deterministically,
+        so past at_least a set seen twice means no end lies ahead."""
+        key = (states, at_least, at_most)
+        hit = self._fits.get(key)
+        if hit is None:
+            hit, seen, i = False, set(), 0
+            while states and (at_most is None or i <= at_most):
+                if i >= at_least:
+                    if self.accepts(states):
+                        hit = True
+                        break
+                    if states in seen:
+                        break
+                    seen.add(states)
+                states, i = self.step_any(states), i + 1
+            if len(self._fits) > 1 << 16:
+                self._fits.clear()
+            self._fits[key] = hit
+        return hit
+
+    def continues_within(self, states: frozenset[int], lo: int, hi: int, at_least: int,
+                         at_most: int | None) -> bool:
+        """Some character in [lo, hi] continues a match that can then end in at_least..at_most
+        more characters (any_in, with a string's length bounds)."""
+        return any(a <= hi and lo <= b and self.fits(self.closure(frozenset([t])), at_least,
+                                                     at_most)
+                   for s in states for ranges, t in self.moves[s] for a, b in ranges)
 
     def accepts(self, states: frozenset[int]) -> bool:
         return self.accept_state in states
