@@ -19,7 +19,8 @@ collect_ignore = (["test_server.py", "test_server_load.py", "test_serve_cli.py",
 _MISSING_SCHEMA_PACKAGES = [m for m in ("jsonschema", "pydantic")
                             if importlib.util.find_spec(m) is None]
 if _MISSING_SCHEMA_PACKAGES:
-    collect_ignore += ["test_structured_output.py", "test_server_tools.py"]
+    collect_ignore += ["test_structured_output.py", "test_structured_fuzz.py",
+                       "test_server_tools.py"]
 
 
 def pytest_report_header(config):
