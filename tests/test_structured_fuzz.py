@@ -1,7 +1,7 @@
 """Random schemas x random walks: whatever the grammar lets a model write, jsonschema accepts,
 and no walk reaches a state that no byte continues and that is not complete. The schemas mix
 the keywords kvcap compiles (bounds on numbers, strings and arrays, patterns and formats with
-lengths, tuples, enums, anyOf, nested objects) at random, seeded."""
+lengths, tuples, sets of enum values, enums, anyOf, nested objects) at random, seeded."""
 
 from __future__ import annotations
 
@@ -49,7 +49,9 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
             s["prefixItems"] = [random_schema(rng, depth + 1) for _ in range(rng.randint(1, 3))]
             if rng.random() < 0.4:
                 s["items"] = False
-        if "items" not in s and rng.random() < 0.7:
+        if "items" not in s and rng.random() < 0.2:
+            s["items"], s["uniqueItems"] = {"enum": rng.sample(ENUMS, rng.randint(1, 4))}, True
+        elif "items" not in s and rng.random() < 0.7:
             s["items"] = random_schema(rng, depth + 1)
         if rng.random() < 0.3:
             s["minItems"] = rng.randint(0, 2)

@@ -113,6 +113,11 @@ class Reading(pydantic.BaseModel):
     ids: tuple[int, ...] = ()
 
 
+class Tags(pydantic.BaseModel):
+    colours: set[Colour]
+    sizes: frozenset[Literal[1, 2, 3]] = pydantic.Field(default=frozenset(), max_length=2)
+
+
 TREE = {"$defs": {"node": {"type": "object", "properties": {
     "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"},
                                        "maxItems": 2}}, "required": ["v"]}},
@@ -131,6 +136,9 @@ SCHEMAS = {
                          {"enum": [1, 10, "ab", None, [True]]}]},
     "anything": {},
     "numeric": Reading.model_json_schema(),
+    "sets": Tags.model_json_schema(),
+    "same_values": {"type": "array", "items": {"enum": [1, 1.0, True, "1", None]},
+                    "uniqueItems": True, "minItems": 1},
     # a pattern must still be able to end within the length bounds (no dead ends)
     "lengths": {"type": "object", "properties": {
         "ip": {"type": "string", "format": "ipv4", "maxLength": 9},
@@ -190,6 +198,8 @@ def test_whatever_the_grammar_completes_is_valid_under_the_schema(name):
     ("numeric", {"count": 0, "ratio": 0.999, "celsius": 60, "offset": 12345678901234567890,
                  "pair": [-7, ""]}),
     ("tuple", ["a", True, -1, -20]), ("tuple", ["a"]), ("tuple", []),
+    ("sets", {"colours": ["green", "red"], "sizes": [3, 1]}), ("sets", {"colours": []}),
+    ("same_values", [1.0, True, "1", None]),
 ])
 def test_valid_documents_are_accepted(name, doc):
     g = compile_schema(SCHEMAS[name])
@@ -217,6 +227,9 @@ def test_valid_documents_are_accepted(name, doc):
     ("numeric", '{"ratio": 0.5e'), ("numeric", '{"celsius": -40.51'), ("numeric", '{"celsius": 61'),
     ("numeric", '{"celsius": 60.01'), ("numeric", '{"offset": -10'), ("numeric", '{"pair": [1]'),
     ("numeric", '{"pair": [1, "a",'), ("numeric", '{"count": 0.'),
+    ("sets", '{"colours": ["red", "r'), ("sets", '{"colours": ["red",]'),
+    ("sets", '{"colours": [], "sizes": [1, 2,'), ("sets", '{"colours": [], "sizes": [1, 1'),
+    ("same_values", "[true, t"), ("same_values", "[1.0, 1"), ("same_values", "[]"),
     ("tuple", '["b'), ("tuple", '["a", 1'), ("tuple", '["a", true, 0'),
     ("tuple", '["a", true, -1, -1,'),
 ])
@@ -241,7 +254,11 @@ def test_invalid_documents_are_refused(name, text):
     ({"type": "array", "prefixItems": [{}], "items": False, "minItems": 2},
      "needs more items than prefixItems gives"),
     ({"type": "array", "prefixItems": {}}, "prefixItems: must be a list"),
-    ({"type": "array", "uniqueItems": True}, "'uniqueItems' not supported"),
+    ({"type": "array", "uniqueItems": True}, "uniqueItems: supported only for items from a "
+                                              "fixed set"),
+    ({"type": "array", "items": {"enum": [1, 1.0]}, "uniqueItems": True, "minItems": 2},
+     "needs more distinct items than the 1 values"),
+    ({"type": "array", "prefixItems": [{}], "uniqueItems": True}, "with prefixItems"),
     ({"type": "thing"}, "type: must be one of"),
     ({"type": "string", "maxItems": 2}, "do not apply to type"),
     ({"$ref": "#/$defs/missing"}, "does not point into the schema"),

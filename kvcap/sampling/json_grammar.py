@@ -19,6 +19,11 @@ Nodes (tuples, ids index `Grammar.nodes`):
     ("arr", items, min_items, max_items | None, prefix)
                                             prefix: the nodes of the first items, one each
                                             (JSON Schema's prefixItems); items: the rest's
+    ("set", literals, groups, min_items, max_items | None)
+                                            an array of distinct values from a fixed set
+                                            (uniqueItems over enum items): literals' bytes,
+                                            and per literal the id of its value (1 and 1.0
+                                            are one value)
     ("pat", nfa, min_len, max_len | None)   a JSON string whose characters (escapes decoded)
                                             match a regular expression (kvcap.sampling.regex)
     ("re", nfa)                             raw text matching a regular expression: the root
@@ -140,7 +145,7 @@ class Grammar:
         frames, ws = cfg
         top = frames[-1] if frames else None
         if b in WS and not self.raw:
-            if top is None or top[0] in ("V", "O", "A"):
+            if top is None or top[0] in ("V", "O", "A") or (top[0] == "U" and top[3] != "lit"):
                 return ((frames, ws + 1),) if ws < MAX_WHITESPACE else ()
             if self._number_ends(top):  # the blank ends the number
                 return ((frames[:-1], 1),)
@@ -174,6 +179,8 @@ class Grammar:
             return self._key(frames, b)
         if kind == "A":
             return self._array(rest, top, b)
+        if kind == "U":
+            return self._set(rest, top, b)
         if kind == "P":
             return self._pattern_string(rest, top, b)
         if kind == "T":
@@ -274,6 +281,8 @@ class Grammar:
                 out.append(rest + (("O", c, frozenset(), "{", None),))
             elif kind == "arr" and b == ord("[") and len(rest) < 2 * MAX_DEPTH:
                 out.append(rest + (("A", c, 0, "["),))
+            elif kind == "set" and b == ord("[") and len(rest) < 2 * MAX_DEPTH:
+                out.append(rest + (("U", c, frozenset(), "[", (), 0),))
             elif kind == "pat" and b == QUOTE:
                 out.append(rest + (("P", c, node[1].start, 0, 0, None),))
             elif kind == "re":
@@ -338,6 +347,31 @@ class Grammar:
         # count only as far as the bounds and prefix need, so unbounded arrays share states
         count = count + 1 if hi is not None else min(count + 1, max(lo, len(prefix)))
         return self._start(rest + (("A", c, count, ","),), item, b)
+
+
+    def _set(self, rest: Frames, top: tuple, b: int) -> list[Frames]:
+        """A byte of an array of distinct fixed values ("U", node, values used, phase,
+        literals still matching, bytes matched). phase: "[" (opened), "," (after an item),
+        "v" (after a comma), "lit" (inside an item)."""
+        _, c, used, phase, cand, pos = top
+        _, lits, groups, lo, hi = self.nodes[c]
+        if phase == ",":
+            if b == ord(",") and (hi is None or len(used) < hi):
+                return [rest + (("U", c, used, "v", (), 0),)]
+            return [rest] if b == ord("]") and len(used) >= lo else []
+        if phase == "[" and b == ord("]"):
+            return [rest] if len(used) >= lo else []
+        if phase != "lit":
+            if hi is not None and len(used) >= hi:
+                return []
+            cand = tuple(i for i in range(len(lits)) if groups[i] not in used)
+        cand = tuple(i for i in cand if lits[i][pos] == b)
+        out = [rest + (("U", c, used | {groups[i]}, ",", (), 0),)
+               for i in cand if len(lits[i]) == pos + 1]
+        longer = tuple(i for i in cand if len(lits[i]) > pos + 1)
+        if longer:
+            out.append(rest + (("U", c, used, "lit", longer, pos + 1),))
+        return out
 
 
 def _string_char(top: tuple, b: int):

@@ -13,12 +13,15 @@ writer, the grammar takes the stricter reading, so the output stays valid under 
     in plain decimal (no exponent, never -0) and compared as the decimal it spells
     (kvcap/sampling/number_range.py);
   - `prefixItems` give the first items their own schemas; `items` then covers the rest
-    (`items: false`: no more).
+    (`items: false`: no more);
+  - `uniqueItems` is compiled where the items come from a fixed set of values (enum /
+    const / boolean / null, e.g. pydantic's set[Enum]): each value at most once.
 `pattern` is a regular expression (kvcap/sampling/regex.py's subset) matched anywhere in the
 string unless anchored; `format` is one of FORMATS (date, time, date-time, uuid, email, ipv4),
 each generated as a regular expression whose strings the format allows. Keywords that bound a
-value in ways this recogniser does not track (`multipleOf`, `uniqueItems`, other formats, ...)
-are refused by name rather than ignored: a schema is compiled exactly or not at all.
+value in ways this recogniser does not track (`multipleOf`, `uniqueItems` over open-ended
+items, other formats, ...) are refused by name rather than ignored: a schema is compiled
+exactly or not at all.
 Annotations (`title`, `description`, `default`, `examples`, ...) are ignored, as JSON Schema
 says they may be.
 """
@@ -44,7 +47,7 @@ BY_TYPE = {
     "boolean": set(),
     "null": set(),
     "object": {"properties", "required", "additionalProperties"},
-    "array": {"items", "prefixItems", "minItems", "maxItems"},
+    "array": {"items", "prefixItems", "minItems", "maxItems", "uniqueItems"},
 }
 GENERAL = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"}
 SUPPORTED = GENERAL | set().union(*BY_TYPE.values())
@@ -261,6 +264,13 @@ class _Compiler:
         hi = _count(s, "maxItems", path, None)
         _check_bounds(lo, hi, "minItems", "maxItems", path)
         items_schema = s.get("items", True)
+        unique = s.get("uniqueItems", False)
+        if not isinstance(unique, bool):
+            raise SchemaError(f"{path}.uniqueItems: must be true or false, got {unique!r}")
+        if unique:
+            if prefix:
+                raise SchemaError(f"{path}: uniqueItems with prefixItems is not supported")
+            return self.distinct(self.compile(items_schema, f"{path}.items"), lo, hi, path)
         if items_schema is False:  # nothing after the prefix
             hi = len(prefix) if hi is None else min(hi, len(prefix))
             if lo > hi:
@@ -291,6 +301,39 @@ class _Compiler:
         except RegexError as e:
             raise SchemaError(f"{path}: {e}") from None
         return None
+
+    def distinct(self, items: int, lo: int, hi: int | None, path: str) -> int:
+        """An array of distinct values, its items drawn from a fixed set of literals."""
+        lits = self._literals(items, ())
+        if lits is None:
+            raise SchemaError(f"{path}.uniqueItems: supported only for items from a fixed set of "
+                              f"values (enum / const / boolean / null); remove it, or check "
+                              f"the output yourself")
+        lits = list(dict.fromkeys(lits))
+        keys = [_value_key(json.loads(lit)) for lit in lits]
+        group_of = {k: g for g, k in enumerate(dict.fromkeys(keys))}
+        if lo > len(group_of):
+            raise SchemaError(f"{path}: minItems {lo} needs more distinct items than the "
+                              f"{len(group_of)} values there are")
+        hi = len(group_of) if hi is None else min(hi, len(group_of))  # no comma past the last
+        return self.add(("set", tuple(lits), tuple(group_of[k] for k in keys), lo, hi))
+
+    def _literals(self, node_id: int, seen: tuple[int, ...]) -> list[bytes] | None:
+        """The literals a node stands for, or None when it allows anything else."""
+        node = self.nodes[node_id]
+        if node is None or node_id in seen:
+            return None
+        if node[0] == "lit":
+            return [node[1]]
+        if node[0] != "alt":
+            return None
+        out: list[bytes] = []
+        for i in node[1]:
+            sub = self._literals(i, seen + (node_id,))
+            if sub is None:
+                return None
+            out += sub
+        return out
 
     def object(self, s: dict, path: str) -> int:
         props = s.get("properties", {})
@@ -364,6 +407,18 @@ def _tighter(a: Bound, b: Bound, low: bool) -> Bound:
 def _check_bounds(lo: int, hi: int | None, lo_word: str, hi_word: str, path: str) -> None:
     if hi is not None and hi < lo:
         raise SchemaError(f"{path}: {hi_word} {hi} is below {lo_word} {lo}")
+
+
+def _value_key(v: Any) -> Any:
+    """A key equal for values JSON Schema calls equal (1 and 1.0; objects in any key order;
+    true is not 1)."""
+    if isinstance(v, bool) or v is None or isinstance(v, str):
+        return (type(v).__name__, v)
+    if isinstance(v, (int, float)):
+        return ("number", Decimal(v) if isinstance(v, int) else Decimal(repr(v)))
+    if isinstance(v, list):
+        return ("array", tuple(_value_key(x) for x in v))
+    return ("object", tuple(sorted((k, _value_key(x)) for k, x in v.items())))
 
 
 def _describe(schema: Any) -> str:
