@@ -31,6 +31,10 @@ class SamplingParams:
     min_tokens: int = 0  # no EOS, stop token or stop string before this many tokens
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # the text: a stop string or stop token's own text kept at its end (vLLM's
+    # include_stop_str_in_output), special tokens' text kept (skip_special_tokens=False)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs of each generated token
     prompt_logprobs: int | None = None  # top-N logprobs at each prompt position (teacher forcing)
@@ -72,6 +76,9 @@ class SamplingParams:
                 f"{self.min_tokens!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}")
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0):

@@ -128,6 +128,43 @@ def test_stop_string_is_never_streamed(srv, offline):
     streamed = "".join(c.choices[0].text for c in srv.client.completions.create(**kw,
                                                                                 stream=True))
     assert streamed == expected
+    kw["extra_body"]["include_stop_str_in_output"] = True  # vLLM's: the stop string kept
+    assert srv.client.completions.create(**kw).choices[0].text == expected + stop
+    streamed = "".join(c.choices[0].text for c in srv.client.completions.create(**kw,
+                                                                                stream=True))
+    assert streamed == expected + stop
+
+
+def test_stop_tokens_and_special_tokens_text(srv, offline):
+    """A stop token ends the text without its own text unless include_stop_str_in_output
+    (as vLLM); skip_special_tokens: false keeps special tokens' text (here EOS and a token
+    forced by logit_bias)."""
+    tok = offline.tokenizer
+    want = offline.generate("Hello", SamplingParams(temperature=1.0, seed=7, max_tokens=8,
+                                                    ignore_eos=True), use_tqdm=False)[0]
+    # the last new token of a seeded run (greedy, the tiny model repeats one token)
+    stop_at = max(k for k in range(8) if want.token_ids[k] not in want.token_ids[:k])
+    assert stop_at > 0
+    stop_tok = want.token_ids[stop_at]
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 1.0,
+            "seed": 7, "ignore_eos": True, "stop_token_ids": [stop_tok]}
+
+    def text(**extra) -> str:
+        r = srv.http.post(CMPL, json={**body, **extra}).json()
+        return r["choices"][0]["text"]
+
+    assert text() == tok.decode(want.token_ids[:stop_at])
+    assert text(include_stop_str_in_output=True) == tok.decode(want.token_ids[:stop_at + 1])
+    eos, special = tok.eos_token_id, tok.convert_tokens_to_ids(tok.all_special_tokens[0])
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0,
+            "logit_bias": {str(special): 100}}
+    assert text() == ""
+    assert text(skip_special_tokens=False) == tok.decode([special, special])
+    body["logit_bias"] = {str(eos): 100}
+    assert text(skip_special_tokens=False) == ""  # EOS: a stop token
+    assert text(skip_special_tokens=False, include_stop_str_in_output=True) == \
+        tok.decode([eos])
+    assert text(include_stop_str_in_output=True) == ""  # its text is special: skipped
 
 
 def test_models_health_batch(srv):

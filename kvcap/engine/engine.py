@@ -220,17 +220,27 @@ class Engine:
         hits = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
         if hits:
             idx, s = min(hits)
-            self._truncated[req.request_id] = text[:idx]
+            keep = len(s) if req.sampling_params.include_stop_str_in_output else 0
+            self._truncated[req.request_id] = text[:idx + keep]
             self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, s)
 
     def _decode(self, req: Request) -> str:
         if self.tokenizer is None:  # token ids only: the text stays empty
             return ""
+        p = req.sampling_params
         detok = self._detok.get(req.request_id)
         if detok is None:
-            detok = self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer)
+            detok = self._detok[req.request_id] = IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens=p.skip_special_tokens)
         if req.is_finished:
-            return detok.finish(req.output_token_ids)
+            ids = req.output_token_ids
+            # a stop token (EOS or stop_token_ids) ends the output without its text, as a stop
+            # string does, unless asked for (as vLLM does; OpenAI's stop never shows)
+            stopped_by_token = (req.status == RequestStatus.FINISHED_STOPPED
+                                and not isinstance(req.stop_reason, str))
+            if stopped_by_token and not p.include_stop_str_in_output:
+                ids = ids[:-1]
+            return detok.finish(ids)
         return detok.update(req.output_token_ids)
 
     def _output(self, req: Request) -> RequestOutput:

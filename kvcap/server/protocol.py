@@ -109,20 +109,16 @@ class _SamplingFields(BaseModel):
     guided_choice: Any = None
     guided_regex: Any = None
     structured_outputs: dict[str, Any] | None = None  # {"json": ...} | {"choice": [...]} ...
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string / token's text kept
+    skip_special_tokens: bool = True  # vLLM's: False keeps special tokens' text
     # vLLM extensions not implemented: refused unless neutral (see `unsupported`)
     use_beam_search: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
     guided_grammar: Any = None
 
     def unsupported(self) -> list[str]:
         bad = ["guided_grammar"] if self.guided_grammar is not None else []
         if self.use_beam_search:
             bad.append("use_beam_search")
-        if self.include_stop_str_in_output:
-            bad.append("include_stop_str_in_output")
-        if not self.skip_special_tokens:
-            bad.append("skip_special_tokens")
         return bad
 
     @property
@@ -201,6 +197,8 @@ class _SamplingFields(BaseModel):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             stop=self.stop_list,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             ignore_eos=self.ignore_eos,
             stop_token_ids=list(self.stop_token_ids or []),
             logprobs=logprobs,
