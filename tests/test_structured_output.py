@@ -144,7 +144,10 @@ SCHEMAS = {
         "ip": {"type": "string", "format": "ipv4", "maxLength": 9},
         "p": {"type": "string", "pattern": "(ab|cd)", "maxLength": 3},
         "m": {"type": "string", "pattern": "^a+b$", "minLength": 4},
-        "u": {"type": "string", "pattern": "\u00e9", "maxLength": 2}},
+        "u": {"type": "string", "pattern": "\u00e9", "maxLength": 2},
+        # pattern and format together: what both allow
+        "mail": {"type": "string", "format": "email", "pattern": "@example\\.(com|org)$",
+                 "maxLength": 20}},
         "required": ["ip", "p", "m"]},
     "tuple": {"type": "array", "prefixItems": [{"const": "a"}, {"type": "boolean"}],
               "items": {"type": "integer", "maximum": -1}, "maxItems": 4},
@@ -200,6 +203,7 @@ def test_whatever_the_grammar_completes_is_valid_under_the_schema(name):
     ("tuple", ["a", True, -1, -20]), ("tuple", ["a"]), ("tuple", []),
     ("sets", {"colours": ["green", "red"], "sizes": [3, 1]}), ("sets", {"colours": []}),
     ("same_values", [1.0, True, "1", None]),
+    ("lengths", {"ip": "10.0.0.1", "p": "xab", "m": "aaab", "mail": "jo@example.org"}),
 ])
 def test_valid_documents_are_accepted(name, doc):
     g = compile_schema(SCHEMAS[name])
@@ -229,6 +233,7 @@ def test_valid_documents_are_accepted(name, doc):
     ("numeric", '{"pair": [1, "a",'), ("numeric", '{"count": 0.'),
     ("sets", '{"colours": ["red", "r'), ("sets", '{"colours": ["red",]'),
     ("sets", '{"colours": [], "sizes": [1, 2,'), ("sets", '{"colours": [], "sizes": [1, 1'),
+    ("lengths", '{"mail": "jo@example.n'), ("lengths", '{"mail": "jo.x@example.com.'),
     ("same_values", "[true, t"), ("same_values", "[1.0, 1"), ("same_values", "[]"),
     ("tuple", '["b'), ("tuple", '["a", 1'), ("tuple", '["a", true, 0'),
     ("tuple", '["a", true, -1, -1,'),
@@ -244,7 +249,7 @@ def test_invalid_documents_are_refused(name, text):
     ({"type": "string", "pattern": "(?<=a)b"}, "schema: pattern '\\(\\?<=a\\)b': look-around"),
     ({"type": "object", "properties": {"d": {"type": "string", "format": "hostname"}}},
      r"schema.properties.d.format: 'hostname' is not supported"),
-    ({"type": "string", "format": "date", "pattern": "x"}, "pattern and format together"),
+    ({"type": "string", "format": "date", "pattern": "x"}, "matches both the pattern and the"),
     ({"type": "integer", "multipleOf": 2}, "'multipleOf' not supported"),
     ({"type": "integer", "minimum": 2.5, "maximum": 2.9}, "no integer lies within its bounds"),
     ({"type": "number", "minimum": 1, "exclusiveMaximum": 1}, "no number lies within"),

@@ -18,7 +18,8 @@ writer, the grammar takes the stricter reading, so the output stays valid under 
     const / boolean / null, e.g. pydantic's set[Enum]): each value at most once.
 `pattern` is a regular expression (kvcap/sampling/regex.py's subset) matched anywhere in the
 string unless anchored; `format` is one of FORMATS (date, time, date-time, uuid, email, ipv4),
-each generated as a regular expression whose strings the format allows. Keywords that bound a
+each generated as a regular expression whose strings the format allows; a string with both
+takes what both allow (the product of the two NFAs). Keywords that bound a
 value in ways this recogniser does not track (`multipleOf`, `uniqueItems` over open-ended
 items, other formats, ...) are refused by name rather than ignored: a schema is compiled
 exactly or not at all.
@@ -35,7 +36,7 @@ from typing import Any
 
 from kvcap.sampling.json_grammar import Grammar
 from kvcap.sampling.number_range import Bound, number_regex
-from kvcap.sampling.regex import Nfa, RegexError, compile_regex
+from kvcap.sampling.regex import Nfa, RegexError, compile_regex, intersect
 
 ANNOTATIONS = frozenset(["title", "description", "default", "examples", "$schema", "$id",
                          "$comment", "deprecated", "readOnly", "writeOnly", "discriminator",
@@ -133,6 +134,17 @@ def choice_grammar(choices: list[str]) -> Grammar:
     return _choice_grammar(tuple(dict.fromkeys(choices)))
 
 
+@lru_cache(maxsize=COMPILED_SCHEMAS)
+def _string_nfa(pattern: str | None, fmt: str | None) -> Nfa | None:
+    """A string's pattern (searched), its format, both (the strings matching each), or
+    None."""
+    nfas = ([compile_regex(pattern, search=True)] if pattern is not None else []) + \
+        ([compile_regex(FORMATS[fmt])] if fmt is not None else [])
+    if not nfas:
+        return None
+    return nfas[0] if len(nfas) == 1 else intersect(*nfas)
+
+
 class _Compiler:
     def __init__(self, root: Any):
         self.root = root
@@ -224,8 +236,10 @@ class _Compiler:
             regex = self.string_regex(s, path)
             if regex is not None:
                 if not regex.fits(regex.start, lo, hi):
-                    raise SchemaError(f"{path}: no string of the pattern / format has a length "
-                                      f"within minLength {lo} and maxLength {hi}")
+                    why = "matches both the pattern and the format" if lo == 0 and hi is None \
+                        else f"of the pattern / format has a length within minLength {lo} " \
+                             f"and maxLength {hi}"
+                    raise SchemaError(f"{path}: no string {why}")
                 return self.add(("pat", regex, lo, hi))
             return self.add(("str", lo, hi))
         if t in ("number", "integer"):
@@ -284,23 +298,16 @@ class _Compiler:
     def string_regex(self, s: dict, path: str) -> Nfa | None:
         """The NFA of a string's `pattern` (matched anywhere, as JSON Schema says, unless
         anchored) or `format`, or None when it has neither."""
-        if "pattern" in s and "format" in s:
-            raise SchemaError(f"{path}: pattern and format together are not supported; keep "
-                              f"one")
+        if "pattern" in s and not isinstance(s["pattern"], str):
+            raise SchemaError(f"{path}.pattern: must be a string")
+        fmt = s.get("format")
+        if fmt is not None and fmt not in FORMATS:
+            raise SchemaError(f"{path}.format: {fmt!r} is not supported (supported: "
+                              f"{', '.join(sorted(FORMATS))}); use a pattern")
         try:
-            if "pattern" in s:
-                if not isinstance(s["pattern"], str):
-                    raise SchemaError(f"{path}.pattern: must be a string")
-                return compile_regex(s["pattern"], search=True)
-            if "format" in s:
-                fmt = s["format"]
-                if fmt not in FORMATS:
-                    raise SchemaError(f"{path}.format: {fmt!r} is not supported (supported: "
-                                      f"{', '.join(sorted(FORMATS))}); use a pattern")
-                return compile_regex(FORMATS[fmt])
+            return _string_nfa(s.get("pattern"), fmt)
         except RegexError as e:
             raise SchemaError(f"{path}: {e}") from None
-        return None
 
     def distinct(self, items: int, lo: int, hi: int | None, path: str) -> int:
         """An array of distinct values, its items drawn from a fixed set of literals."""

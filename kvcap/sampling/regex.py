@@ -183,6 +183,35 @@ def compile_regex(pattern: str, search: bool = False) -> Nfa:
     return nfa
 
 
+def intersect(a: Nfa, b: Nfa) -> Nfa:
+    """An NFA of the strings both match (a schema string's `pattern` and its `format`): the
+    product of their reachable state pairs, a move wherever both move on a common character."""
+    out = Nfa()
+    ids: dict[tuple[int, int], int] = {}
+    todo: list[tuple[int, int]] = []
+
+    def state(pair: tuple[int, int]) -> int:
+        if pair not in ids:
+            ids[pair] = out.new()
+            todo.append(pair)
+        return ids[pair]
+
+    out.start_state = state((a.start_state, b.start_state))
+    while todo:
+        p, q = pair = todo.pop()
+        s = ids[pair]
+        out.eps[s] += [state((p2, q)) for p2 in a.eps[p]] + [state((p, q2)) for q2 in b.eps[q]]
+        for ranges_a, p2 in a.moves[p]:
+            for ranges_b, q2 in b.moves[q]:
+                common = complement(union(complement(ranges_a), complement(ranges_b)))
+                if common:
+                    out.moves[s].append((common, state((p2, q2))))
+    out.accept_state = ids.get((a.accept_state, b.accept_state), None)
+    if out.accept_state is None:  # never both at their ends: no string matches both
+        out.accept_state = out.new()
+    return out
+
+
 def _escaped_at(s: str, i: int) -> bool:
     n = 0
     while i - 1 - n >= 0 and s[i - 1 - n] == "\\":
