@@ -12,7 +12,7 @@ from decimal import Decimal
 
 import pytest
 
-from kvcap.sampling.number_range import _int_range, number_regex
+from kvcap.sampling.number_range import int_range, number_regex
 from kvcap.sampling.regex import compile_regex
 
 INTS = ["0", "1", "2", "9", "10", "11", "19", "20", "99", "100", "123", "1000"]
@@ -53,7 +53,7 @@ def test_number_regex_matches_exactly_the_spellings_within_bounds(integer):
 def test_int_range_is_every_canonical_integer_between():
     for lo in range(0, 240, 3):
         for hi in [None, *range(lo, 1100, 37)]:
-            rx = re.compile(_int_range(lo, hi))
+            rx = re.compile(int_range(lo, hi))
             for x in range(0, 1300):
                 assert bool(rx.fullmatch(str(x))) == (lo <= x and (hi is None or x <= hi))
             assert not any(rx.fullmatch(s) for s in ("01", "00", "007", ""))

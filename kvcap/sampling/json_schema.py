@@ -17,8 +17,9 @@ writer, the grammar takes the stricter reading, so the output stays valid under 
   - `uniqueItems` is compiled where the items come from a fixed set of values (enum /
     const / boolean / null, e.g. pydantic's set[Enum]): each value at most once.
 `pattern` is a regular expression (kvcap/sampling/regex.py's subset) matched anywhere in the
-string unless anchored; `format` is one of FORMATS (date, time, date-time, uuid, email, ipv4),
-each generated as a regular expression whose strings the format allows; a string with both
+string unless anchored; `format` is one of FORMATS (kvcap/sampling/formats.py: date, time,
+date-time, uuid, email, ipv4, ipv6, hostname, uri), each generated as a regular expression
+whose strings the format allows; a string with both
 takes what both allow (the product of the two NFAs). Keywords that bound a
 value in ways this recogniser does not track (`multipleOf`, `uniqueItems` over open-ended
 items, other formats, ...) are refused by name rather than ignored: a schema is compiled
@@ -34,6 +35,7 @@ from decimal import Decimal
 from functools import lru_cache
 from typing import Any
 
+from kvcap.sampling.formats import FORMATS
 from kvcap.sampling.json_grammar import Grammar
 from kvcap.sampling.number_range import Bound, number_regex
 from kvcap.sampling.regex import Nfa, RegexError, compile_regex, intersect
@@ -55,23 +57,6 @@ SUPPORTED = GENERAL | set().union(*BY_TYPE.values())
 COMPILED_SCHEMAS = 32
 BOUND_DIGITS = 40  # a numeric bound's digits (whole and fraction); its regex grows with them
 
-# `format` values and the strings generated for them: each a subset of what the format allows
-# (a date never 29 February, a time always with its offset), so that the output validates.
-_DAY = ("(?:(?:01|03|05|07|08|10|12)-(?:0[1-9]|[12][0-9]|3[01])|(?:04|06|09|11)-"
-        "(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))")
-_DATE = f"[0-9]{{4}}-{_DAY}"
-_HOUR = "(?:[01][0-9]|2[0-3])"
-_TIME = f"{_HOUR}:[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{{1,6}})?(?:Z|[+-]{_HOUR}:[0-5][0-9])"
-_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
-FORMATS = {
-    "date": _DATE,
-    "time": _TIME,
-    "date-time": f"{_DATE}T{_TIME}",
-    "uuid": "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
-    "email": ("[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(?:\\.[A-Za-z0-9-]{1,63})*"
-              "\\.[A-Za-z]{2,24}"),
-    "ipv4": f"{_OCTET}(?:\\.{_OCTET}){{3}}",
-}
 
 
 class SchemaError(ValueError):

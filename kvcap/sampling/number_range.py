@@ -68,14 +68,14 @@ def _magnitude(low: tuple[Decimal, bool], high: Bound, integer: bool) -> str | N
         hi_tail: _Tail = (hi_frac, high[1])
     pieces = []
     if high is not None and hi_int == lo_int:
-        pieces.append((_int_range(lo_int, lo_int), _fraction(lo_tail, hi_tail, integer)))
+        pieces.append((int_range(lo_int, lo_int), _fraction(lo_tail, hi_tail, integer)))
     else:
-        pieces.append((_int_range(lo_int, lo_int), _fraction(lo_tail, None, integer)))
+        pieces.append((int_range(lo_int, lo_int), _fraction(lo_tail, None, integer)))
         middle_hi = None if high is None else hi_int - 1
         if middle_hi is None or middle_hi >= lo_int + 1:
-            pieces.append((_int_range(lo_int + 1, middle_hi), _fraction(None, None, integer)))
+            pieces.append((int_range(lo_int + 1, middle_hi), _fraction(None, None, integer)))
         if high is not None:
-            pieces.append((_int_range(hi_int, hi_int), _fraction(None, hi_tail, integer)))
+            pieces.append((int_range(hi_int, hi_int), _fraction(None, hi_tail, integer)))
     out = []
     for int_part, frac in pieces:
         if frac is None:
@@ -178,7 +178,7 @@ def _digit_class(digits: list[int]) -> str:
     return "[" + "".join(map(str, digits)) + "]"
 
 
-def _int_range(lo: int, hi: int | None) -> str:
+def int_range(lo: int, hi: int | None) -> str:
     """Regex of the canonical decimals (no leading zeros) of the integers in [lo, hi]
     (0 <= lo; hi None = no upper end)."""
     parts = []
