@@ -2,7 +2,7 @@
 grid is matched exactly when its decimal value lies within the bounds, checked against
 Python's Decimal comparisons, for integer and fractional, inclusive and exclusive, one- and
 two-sided, negative and positive bounds; and kvcap's own regex engine agrees with Python's re
-on the generated patterns."""
+on the generated patterns; multipleOf's automaton against Decimal remainders."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from decimal import Decimal
 
 import pytest
 
-from kvcap.sampling.number_range import int_range, number_regex
-from kvcap.sampling.regex import compile_regex
+from kvcap.sampling.number_range import int_range, multiple_nfa, number_regex
+from kvcap.sampling.regex import compile_regex, intersect
 
 INTS = ["0", "1", "2", "9", "10", "11", "19", "20", "99", "100", "123", "1000"]
 FRACS = [None, "0", "00", "5", "05", "1", "25", "3", "33", "9", "99", "001", "50"]
@@ -76,3 +76,17 @@ def test_large_bounds_and_kvcaps_regex_engine_agree_with_python_re():
             for ch in s:
                 states = nfa.step(states, ord(ch))
             assert nfa.accepts(states) == want, s
+
+
+@pytest.mark.parametrize("integer", [False, True])
+def test_multiples_are_exactly_the_decimal_multiples(integer):
+    spelling = compile_regex(number_regex(None, None, integer))
+    for step in ["1", "2", "3", "7", "0.5", "0.25", "0.01", "2.5", "0.1", "10", "1.5", "0.002"]:
+        nfa = intersect(spelling, multiple_nfa(Decimal(step), integer))
+        for s in SPELLINGS:
+            x = Decimal(s)
+            spelt = not (s.startswith("-") and x == 0) and not (integer and "." in s)
+            states = nfa.start
+            for ch in s:
+                states = nfa.step(states, ord(ch))
+            assert nfa.accepts(states) == (spelt and x % Decimal(step) == 0), (step, s)

@@ -112,6 +112,9 @@ class Reading(pydantic.BaseModel):
     offset: int = pydantic.Field(gt=-10)
     pair: tuple[int, str]
     ids: tuple[int, ...] = ()
+    # steps exact in binary, so that jsonschema's float division agrees with the decimals
+    step: float = pydantic.Field(multiple_of=0.25, ge=-3)
+    even: int = pydantic.Field(multiple_of=2, lt=100)
 
 
 class Tags(pydantic.BaseModel):
@@ -198,9 +201,9 @@ def test_whatever_the_grammar_completes_is_valid_under_the_schema(name):
     ("any_of", 2.5), ("any_of", "abc"), ("any_of", None),
     ("anything", [{"a": [1, {}]}, "x"]),
     ("numeric", {"count": 500, "ratio": 0.001, "celsius": -40.5, "offset": -9,
-                 "pair": [1, "x"], "ids": [3, -4]}),
+                 "pair": [1, "x"], "ids": [3, -4], "step": -2.75, "even": -8}),
     ("numeric", {"count": 0, "ratio": 0.999, "celsius": 60, "offset": 12345678901234567890,
-                 "pair": [-7, ""]}),
+                 "pair": [-7, ""], "step": 0.5, "even": 98}),
     ("tuple", ["a", True, -1, -20]), ("tuple", ["a"]), ("tuple", []),
     ("sets", {"colours": ["green", "red"], "sizes": [3, 1]}), ("sets", {"colours": []}),
     ("same_values", [1.0, True, "1", None]),
@@ -232,6 +235,8 @@ def test_valid_documents_are_accepted(name, doc):
     ("numeric", '{"ratio": 0.5e'), ("numeric", '{"celsius": -40.51'), ("numeric", '{"celsius": 61'),
     ("numeric", '{"celsius": 60.01'), ("numeric", '{"offset": -10'), ("numeric", '{"pair": [1]'),
     ("numeric", '{"pair": [1, "a",'), ("numeric", '{"count": 0.'),
+    ("numeric", '{"step": 0.3'), ("numeric", '{"step": -3.2'), ("numeric", '{"even": 7,'),
+    ("numeric", '{"even": 100'),
     ("sets", '{"colours": ["red", "r'), ("sets", '{"colours": ["red",]'),
     ("sets", '{"colours": [], "sizes": [1, 2,'), ("sets", '{"colours": [], "sizes": [1, 1'),
     ("lengths", '{"mail": "jo@example.n'), ("lengths", '{"mail": "jo.x@example.com.'),
@@ -251,7 +256,10 @@ def test_invalid_documents_are_refused(name, text):
     ({"type": "object", "properties": {"d": {"type": "string", "format": "idn-hostname"}}},
      r"schema.properties.d.format: 'idn-hostname' is not supported"),
     ({"type": "string", "format": "date", "pattern": "x"}, "matches both the pattern and the"),
-    ({"type": "integer", "multipleOf": 2}, "'multipleOf' not supported"),
+    ({"type": "object", "minProperties": 1}, "'minProperties' not supported"),
+    ({"type": "integer", "multipleOf": 4, "minimum": 1, "maximum": 3}, "is a multiple of 4"),
+    ({"type": "number", "multipleOf": 0}, "multipleOf: must be above 0"),
+    ({"type": "integer", "multipleOf": 1e30}, "need more than 20000 automaton states"),
     ({"type": "integer", "minimum": 2.5, "maximum": 2.9}, "no integer lies within its bounds"),
     ({"type": "number", "minimum": 1, "exclusiveMaximum": 1}, "no number lies within"),
     ({"type": "number", "exclusiveMinimum": True}, "draft 4's boolean form is not supported"),
@@ -298,8 +306,8 @@ def test_choice_grammar_is_exactly_one_of_the_strings():
 def test_sampling_params_take_one_format_and_name_schema_errors():
     with pytest.raises(ConfigError, match="json_object and choice are each a whole output"):
         SamplingParams(json_object=True, choice=["a"])
-    with pytest.raises(ConfigError, match="json_schema: schema: 'multipleOf' not supported"):
-        SamplingParams(json_schema={"type": "integer", "multipleOf": 2})
+    with pytest.raises(ConfigError, match="json_schema: schema: 'minProperties' not supported"):
+        SamplingParams(json_schema={"type": "object", "minProperties": 2})
     with pytest.raises(ConfigError, match=r"regex: pattern 'a\(': unbalanced"):
         SamplingParams(regex="a(")
     with pytest.raises(ConfigError, match="json_object ends the output with EOS"):

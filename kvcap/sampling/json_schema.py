@@ -9,9 +9,9 @@ writer, the grammar takes the stricter reading, so the output stays valid under 
   - `enum` / `const` values are written in one spelling (json.dumps with ensure_ascii=False
     and no blanks, e.g. "\u00e9" as the character itself);
   - `oneOf` is read as `anyOf` (an output may match more than one branch);
-  - a number with `minimum` / `maximum` / `exclusiveMinimum` / `exclusiveMaximum` is written
-    in plain decimal (no exponent, never -0) and compared as the decimal it spells
-    (kvcap/sampling/number_range.py);
+  - a number with `minimum` / `maximum` / `exclusiveMinimum` / `exclusiveMaximum` /
+    `multipleOf` is written in plain decimal (no exponent, never -0) and compared as the
+    decimal it spells (kvcap/sampling/number_range.py);
   - `prefixItems` give the first items their own schemas; `items` then covers the rest
     (`items: false`: no more);
   - `uniqueItems` is compiled where the items come from a fixed set of values (enum /
@@ -21,8 +21,8 @@ string unless anchored; `format` is one of FORMATS (kvcap/sampling/formats.py: d
 date-time, uuid, email, ipv4, ipv6, hostname, uri), each generated as a regular expression
 whose strings the format allows; a string with both
 takes what both allow (the product of the two NFAs). Keywords that bound a
-value in ways this recogniser does not track (`multipleOf`, `uniqueItems` over open-ended
-items, other formats, ...) are refused by name rather than ignored: a schema is compiled
+value in ways this recogniser does not track (`uniqueItems` over open-ended items,
+`minProperties`, other formats, ...) are refused by name rather than ignored: a schema is compiled
 exactly or not at all.
 Annotations (`title`, `description`, `default`, `examples`, ...) are ignored, as JSON Schema
 says they may be.
@@ -37,16 +37,16 @@ from typing import Any
 
 from kvcap.sampling.formats import FORMATS
 from kvcap.sampling.json_grammar import Grammar
-from kvcap.sampling.number_range import Bound, number_regex
-from kvcap.sampling.regex import Nfa, RegexError, compile_regex, intersect
+from kvcap.sampling.number_range import Bound, multiple_nfa, number_regex
+from kvcap.sampling.regex import MAX_STATES, Nfa, RegexError, compile_regex, intersect
 
 ANNOTATIONS = frozenset(["title", "description", "default", "examples", "$schema", "$id",
                          "$comment", "deprecated", "readOnly", "writeOnly", "discriminator",
                          "$defs", "definitions"])
 BY_TYPE = {
     "string": {"minLength", "maxLength", "pattern", "format"},
-    "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
-    "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
+    "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
+    "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
     "boolean": set(),
     "null": set(),
     "object": {"properties", "required", "additionalProperties"},
@@ -242,16 +242,26 @@ class _Compiler:
                                                                    path), low=True)
         high = _tighter(_bound(s, "maximum", False, path), _bound(s, "exclusiveMaximum", True,
                                                                     path), low=False)
-        if low is None and high is None:
+        step = _bound(s, "multipleOf", False, path)
+        if step is not None and step[0] <= 0:
+            raise SchemaError(f"{path}.multipleOf: must be above 0, got {s['multipleOf']!r}")
+        if low is None and high is None and step is None:
             return self.add(("num", integer))
         pattern = number_regex(low, high, integer)
+        kind = "integer" if integer else "number"
         if pattern is None:
-            kind = "integer" if integer else "number"
             raise SchemaError(f"{path}: no {kind} lies within its bounds")
         try:
-            return self.add(("re", compile_regex(pattern)))
-        except RegexError as e:
-            raise SchemaError(f"{path}: the bounds make too large a grammar ({e})") from None
+            nfa = compile_regex(pattern)
+            if step is not None:
+                nfa = intersect(nfa, multiple_nfa(step[0], integer))
+        except RegexError:
+            raise SchemaError(f"{path}: the bounds and multipleOf need more than "
+                              f"{MAX_STATES} automaton states; loosen them") from None
+        if not nfa.fits(nfa.start, 0, None):
+            raise SchemaError(f"{path}: no {kind} within its bounds is a multiple of "
+                              f"{s['multipleOf']!r}")
+        return self.add(("re", nfa))
 
     def array(self, s: dict, path: str) -> int:
         prefix_schemas = s.get("prefixItems", [])

@@ -11,12 +11,19 @@ How: a number splits into its sign, integer part I and fraction digits F. For ea
 bounds become an interval of magnitudes; I strictly inside the interval's integer parts takes
 any fraction, and I equal to an end's integer part takes the fractions that keep the value on
 the right side of that end (`_fraction`, digit by digit).
+
+`multipleOf` is an automaton rather than an expression (`multiple_nfa`): with the step
+m = p / 10^s, a number is a multiple of m when its digits up to s places after the point, read
+as an integer, are divisible by p and any further digits are zeros; the states keep that
+integer's remainder mod p. The schema compiler intersects it with the bounds' expression.
 """
 
 from __future__ import annotations
 
 from decimal import Decimal
 from math import ceil, floor
+
+from kvcap.sampling.regex import Nfa
 
 # A bound: (value, exclusive), or None when that side is open.
 Bound = tuple[Decimal, bool] | None
@@ -215,3 +222,54 @@ def _same_length(a: str, z: str) -> str:
     if not high_full:
         parts.append(f"{z[0]}(?:{_same_length('0' * n, z[1:])})")
     return "|".join(parts)
+
+
+
+def multiple_nfa(step: Decimal, integer: bool) -> Nfa:
+    """The decimal numbers, optionally signed, that are multiples of `step` > 0 (spelling
+    left to the bounds' expression it is intersected with)."""
+    places = max(0, -step.normalize().as_tuple().exponent)  # s
+    p = int(step.scaleb(places))
+    nfa = Nfa()
+    accept, start, first = nfa.new(), nfa.new(), nfa.new()
+    nfa.start_state, nfa.accept_state = start, accept
+
+    def move(src: int, ch: str, dst: int) -> None:
+        nfa.moves[src].append((((ord(ch), ord(ch)),), dst))
+
+    def layer() -> list[int]:  # one state per remainder mod p
+        return [nfa.new() for _ in range(p)]
+
+    def digits(src: int, r: int, targets: list[int]) -> None:
+        for d in range(10):
+            move(src, str(d), targets[(10 * r + d) % p])
+
+    def may_end(state: int, r: int, places_left: int) -> None:
+        if r * 10 ** places_left % p == 0:  # the missing places read as zeros
+            nfa.eps[state].append(accept)
+
+    move(start, "-", first)
+    nfa.eps[start].append(first)
+    ints = layer()
+    digits(first, 0, ints)
+    for r in range(p):
+        digits(ints[r], r, ints)
+        may_end(ints[r], r, places)
+    if integer:
+        return nfa
+    dots, fracs, zeros = layer(), [layer() for _ in range(places)], layer()
+    for r in range(p):
+        move(ints[r], ".", dots[r])
+        if places:
+            digits(dots[r], r, fracs[0])
+        else:
+            move(dots[r], "0", zeros[r])
+        for j in range(places):
+            if j + 1 < places:
+                digits(fracs[j][r], r, fracs[j + 1])
+            else:  # past s places only zeros, which leave the remainder as it is
+                move(fracs[j][r], "0", zeros[r])
+            may_end(fracs[j][r], r, places - j - 1)
+        move(zeros[r], "0", zeros[r])
+        may_end(zeros[r], r, 0)
+    return nfa

@@ -209,7 +209,26 @@ def intersect(a: Nfa, b: Nfa) -> Nfa:
     out.accept_state = ids.get((a.accept_state, b.accept_state), None)
     if out.accept_state is None:  # never both at their ends: no string matches both
         out.accept_state = out.new()
+    _prune(out)
     return out
+
+
+def _prune(nfa: Nfa) -> None:
+    """Drop the edges into states from which the accept state cannot be reached. A product
+    has such states (one side still matching, the other not), and a grammar must never let a
+    character into one: no byte would then continue the output and it could not end."""
+    back: list[list[int]] = [[] for _ in nfa.moves]
+    for s, (moves, eps) in enumerate(zip(nfa.moves, nfa.eps, strict=True)):
+        for t in [t for _, t in moves] + eps:
+            back[t].append(s)
+    live, todo = {nfa.accept_state}, [nfa.accept_state]
+    while todo:
+        for s in back[todo.pop()]:
+            if s not in live:
+                live.add(s)
+                todo.append(s)
+    nfa.moves = [[(r, t) for r, t in moves if t in live] for moves in nfa.moves]
+    nfa.eps = [[t for t in eps if t in live] for eps in nfa.eps]
 
 
 def _escaped_at(s: str, i: int) -> bool:
