@@ -371,7 +371,8 @@ class LLM:
             raise ConfigError(f"{len(ids)} prompts but {len(plist)} SamplingParams")
         rids = [f"gen-{uuid.uuid4().hex[:12]}" for _ in ids]
         for rid, tok, p in zip(rids, ids, plist, strict=True):
-            self.engine.add_request(rid, tok, p, want_prompt_logits=want_prompt_logits)
+            self.engine.add_request(rid, tok, p, want_prompt_logits=want_prompt_logits,
+                                    stream=False)  # only the final outputs are read
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2)
         try:

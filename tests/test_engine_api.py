@@ -71,6 +71,28 @@ def test_stop_strings_and_logprobs(llm):
     assert out.text.startswith(out2.text)
 
 
+def test_unstreamed_requests_give_one_final_output_equal_to_the_streamed(llm):
+    """add_request(stream=False) (LLM.generate, a server reply sent whole): no output until
+    the request ends, and then the same tokens, text, logprobs and reason as streamed."""
+    ids = llm.tokenizer.encode("Count: 1, 2, 3, 4,")
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=20, stop=[" 7"],
+                             ignore_eos=True)]
+    seen: dict[str, list] = {}
+    for i, p in enumerate(params):
+        for stream in (True, False):
+            llm.engine.add_request(f"s{i}-{stream}", ids, p, stream=stream)
+    while llm.engine.has_unfinished():
+        for o in llm.engine.step():
+            seen.setdefault(o.request_id, []).append(o)
+    for i in range(len(params)):
+        streamed, whole = seen[f"s{i}-True"], seen[f"s{i}-False"]
+        assert len(streamed) > 1 and len(whole) == 1 and whole[0].finished
+        a, b = streamed[-1], whole[0]
+        assert (a.token_ids, a.text, a.logprobs, a.finish_reason) == \
+            (b.token_ids, b.text, b.logprobs, b.finish_reason)
+
+
 def test_logprobs_of_a_batch_equal_each_request_alone(llm):
     """Rows asking for different numbers of alternatives share one top-k pass per step
     (values within FP32 batching noise: a batched matmul rounds differently)."""

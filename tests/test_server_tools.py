@@ -168,8 +168,8 @@ def test_auto_tool_calls_are_parsed_from_the_reply(auto_srv, calls):
      "tools[0].function.name"),
     ({"tools": [TOOLS[1], TOOLS[1]], "tool_choice": "none"}, "'ping' is given twice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "string", "format": "hostname"}}}], "tool_choice": "none"},
-     "tools[0].function.parameters: schema.format: 'hostname' is not supported"),
+        "type": "string", "format": "idn-hostname"}}}], "tool_choice": "none"},
+     "tools[0].function.parameters: schema.format: 'idn-hostname' is not supported"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "give one structured output format"),
     ({"messages": [{"role": "assistant", "tool_calls": [

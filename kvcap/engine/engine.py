@@ -71,7 +71,11 @@ class Engine:
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, want_prompt_logits: bool = False) -> None:
+                    params: SamplingParams, want_prompt_logits: bool = False,
+                    stream: bool = True) -> None:
+        """Queue a request. `stream`: `step()` returns its output after every step it takes
+        part in; False, only once it has finished (no per-step copy of a long output and no
+        detokenizing along the way: what a caller that waits for the end wants)."""
         if request_id in self.requests:
             raise ConfigError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -93,7 +97,8 @@ class Engine:
         req = Request(request_id, list(prompt_token_ids), params,
                       needs_all_prompt_rows=want_prompt_logits)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        self.extras[request_id] = RequestExtras(seed=seed, want_prompt_logits=want_prompt_logits)
+        self.extras[request_id] = RequestExtras(seed=seed, want_prompt_logits=want_prompt_logits,
+                                                stream=stream)
         self.requests[request_id] = req
         self.scheduler.add_request(req)
 
@@ -165,7 +170,8 @@ class Engine:
                     finished.append(req)
         if self._ahead is not None and all(c.request.is_finished for c in self._ahead[0].chunks):
             self._drop_ahead()  # every request it ran ahead for has stopped
-        outputs = {r.request_id: self._output(r) for r in touched}
+        outputs = {r.request_id: self._output(r) for r in touched
+                   if r.is_finished or self.extras[r.request_id].stream}
         for r in finished:
             if r.request_id not in outputs:  # touched ones were output in their final state
                 outputs[r.request_id] = self._output(r)

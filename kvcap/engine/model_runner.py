@@ -41,6 +41,7 @@ class RequestExtras:
 
     seed: int
     want_prompt_logits: bool = False
+    stream: bool = True  # an output every step; False: only the final one
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # CPU chunks [n, V]
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)

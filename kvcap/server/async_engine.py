@@ -147,8 +147,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
-    def submit(self, requests: list[tuple[list[int], SamplingParams]]) -> list[RequestStream]:
-        """Queue requests all-or-nothing; raises ServerBusy / ServiceUnavailable."""
+    def submit(self, requests: list[tuple[list[int], SamplingParams]], stream: bool = True
+               ) -> list[RequestStream]:
+        """Queue requests all-or-nothing; raises ServerBusy / ServiceUnavailable. stream=False:
+        only each request's final output comes (a reply sent whole)."""
         if not self.healthy:
             raise ServiceUnavailable(self._dead or "the server is shutting down")
         with self._lock:
@@ -162,7 +164,7 @@ class AsyncEngine:
                 self._streams[s.request_id] = s
             self._unadded += len(streams)
         for s, (ids, params) in zip(streams, requests, strict=True):
-            self._cmds.put(("add", s.request_id, ids, params))
+            self._cmds.put(("add", s.request_id, ids, params, stream))
         self._wake.set()
         return streams
 
@@ -220,11 +222,11 @@ class AsyncEngine:
                 if self.engine.abort_request(cmd[1]):
                     self._needs_cleanup = True
                 continue
-            _, rid, ids, params = cmd
+            _, rid, ids, params, stream = cmd
             with self._lock:
                 self._unadded -= 1
             try:
-                self.engine.add_request(rid, ids, params)
+                self.engine.add_request(rid, ids, params, stream=stream)
             except KvcapError as e:
                 self._finish(rid, RequestFailed(str(e), 400), "error")
             except Exception as e:

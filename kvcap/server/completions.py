@@ -28,7 +28,8 @@ async def completion(serving: OpenAIServing, name: str, max_pending: int,
         raise P.APIError(400, f"prompt: at most {max_pending} prompts x n choices per "
                          "request", param="prompt")
     params = [serving.params_for(req, ids, req.max_tokens, "prompt") for ids in prompts]
-    streams = serving.submit(serving.choices(list(zip(prompts, params, strict=True)), req.n))
+    streams = serving.submit(serving.choices(list(zip(prompts, params, strict=True)), req.n),
+                             stream=req.stream)
     echoes = serving.prompt_texts(req.prompt, prompts) if req.echo else None
     rid, created = P.new_id("cmpl"), P.now()
     texts = serving.token_texts
@@ -99,7 +100,7 @@ async def chat_completion(serving: OpenAIServing, name: str, max_pending: int,
         params = dataclasses.replace(params, reasoning=serving.reasoning_parser)  # format
     plan = req.tool_plan()
     calls = plan if plan is not None and plan.mode != "none" else None
-    streams = serving.submit(serving.choices([(ids, params)], req.n))
+    streams = serving.submit(serving.choices([(ids, params)], req.n), stream=req.stream)
     rid, created = P.new_id("chatcmpl"), P.now()
     top_n = req.top_logprobs or 0
     shaped = calls is not None or serving.reasoning_parser is not None

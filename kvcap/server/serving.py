@@ -274,9 +274,10 @@ class OpenAIServing:
             )
         return params
 
-    def submit(self, reqs: list[tuple[list[int], Any]]) -> list[RequestStream]:
+    def submit(self, reqs: list[tuple[list[int], Any]], stream: bool = True
+               ) -> list[RequestStream]:
         try:
-            return self.aeng.submit(reqs)
+            return self.aeng.submit(reqs, stream=stream)
         except ServerBusy as e:
             raise P.APIError(429, str(e), code="queue_full") from None
         except ServiceUnavailable as e:
