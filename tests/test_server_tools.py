@@ -42,7 +42,7 @@ def srv(default_model_dir, tmp_path_factory):
         yield server
 
 
-@pytest.fixture(scope="module", params=["hermes", "llama3_json"])
+@pytest.fixture(scope="module", params=["hermes", "llama3_json", "mistral", "pythonic"])
 def auto_srv(default_model_dir, tmp_path_factory, request):
     tiny = make_tiny_model(default_model_dir, tmp_path_factory.mktemp("tiny") / "model",
                            max_position_embeddings=1024)
@@ -126,6 +126,9 @@ REPLIES = {
                '</tool_call>'),
     "llama3_json": ("", '<|python_tag|>{"name": "get_weather", "parameters": {"unit": "c"}}; '
                     '{"name": "ping", "parameters": {}}'),
+    "mistral": ("Let me look. ", '[TOOL_CALLS][{"name": "get_weather", "arguments": '
+                '{"unit": "c"}}, {"name": "ping", "arguments": {}}]'),
+    "pythonic": ("", '[get_weather(unit="c"), ping()]'),
 }
 
 

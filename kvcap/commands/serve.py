@@ -62,8 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=PARSERS,
         default=None,
         help="the syntax the model writes tool calls in, for tool_choice 'auto' (OpenAI's "
-        "default with tools): hermes (<tool_call> blocks: Qwen2.5/3, Hermes) or llama3_json "
-        "(Llama 3.x); unset: 'auto' is refused, 'required' and named tools still work",
+        "default with tools): hermes (<tool_call> blocks: Qwen2.5/3, Hermes), llama3_json "
+        "(Llama 3.x JSON calls), mistral ([TOOL_CALLS]) or pythonic ([f(a=1)]: Llama 3.2 / 4 "
+        "pythonic templates); unset: 'auto' is refused, 'required' and named tools still work",
     )
     p.add_argument(
         "--reasoning-parser",

@@ -14,7 +14,7 @@ from kvcap.server import protocol as P
 from kvcap.server.chat_reply import ChoiceStream, chat_message
 from kvcap.server.logprobs import chat_logprobs, completion_logprobs
 from kvcap.server.serving import OpenAIServing
-from kvcap.server.tool_parsers import PARSERS
+from kvcap.server.tool_parsers import KEEPS_SPECIAL_TOKENS, PARSERS
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -98,6 +98,9 @@ async def chat_completion(serving: OpenAIServing, name: str, max_pending: int,
     params = serving.params_for(req, ids, max_tokens, "messages")
     if serving.reasoning_parser is not None and params.structured:  # think first, then the
         params = dataclasses.replace(params, reasoning=serving.reasoning_parser)  # format
+    if req.tool_plan() is not None and req.tool_plan().mode == "auto" \
+            and serving.tool_parser in KEEPS_SPECIAL_TOKENS:  # its calls open with a control
+        params = dataclasses.replace(params, skip_special_tokens=False)  # token: keep its text
     plan = req.tool_plan()
     calls = plan if plan is not None and plan.mode != "none" else None
     streams = serving.submit(serving.choices([(ids, params)], req.n), stream=req.stream)

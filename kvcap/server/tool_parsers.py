@@ -5,6 +5,13 @@ output text. `kvcap serve --tool-call-parser NAME` picks the syntax of the serve
                Qwen3, Hermes 2/3 and models trained on their format)
   llama3_json  the whole reply one JSON object `{"name": ..., "parameters": {...}}`, or several
                joined by ";", optionally after `<|python_tag|>` (Llama 3.1 / 3.2 / 3.3)
+  pythonic     the whole reply a Python list of calls with keyword arguments,
+               `[get_weather(city="Paris"), ping()]`, optionally inside `<|python_start|>` ...
+               `<|python_end|>` (Llama 3.2 / 4 with their pythonic templates); read with
+               Python's own parser, argument values as literals only
+  mistral      `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}` objects (Mistral
+               7B v0.3, Mixtral, Nemo), or `name[ARGS]{...}` / `name{...}` per call, each
+               after its own `[TOOL_CALLS]` (the later tokenizers); text before it is content
 
 A reply that does not parse as tool calls is plain content (nothing is lost). Streaming sends
 content as it comes and holds back text from the point where a tool call may have begun (a
@@ -13,11 +20,14 @@ partial opening tag is held too); the calls go out whole with the finish.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from typing import Any
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+# parsers whose calls open with a special token that decoding would otherwise drop
+KEEPS_SPECIAL_TOKENS = ("mistral",)
 Call = tuple[str, str]  # (function name, arguments as JSON text)
 
 
@@ -28,6 +38,10 @@ def parse_tool_calls(parser: str, text: str) -> tuple[int, list[Call]]:
         return _hermes(text)
     if parser == "llama3_json":
         return _llama3(text)
+    if parser == "pythonic":
+        return _pythonic(text)
+    if parser == "mistral":
+        return _mistral(text)
     raise ValueError(f"unknown tool-call parser {parser!r} (known: {', '.join(PARSERS)})")
 
 
@@ -36,11 +50,11 @@ def tool_call_start(parser: str, text: str) -> int:
     a stream sends as content stops there."""
     if parser == "hermes":
         return _held_from(text, HERMES_OPEN)
-    stripped = len(text) - len(text.lstrip())
-    if text[stripped:stripped + 1] == "{":
-        return 0
+    if parser == "mistral":
+        return _held_from(text, MISTRAL_CALLS)
+    opens, tag = ("{", PYTHON_TAG) if parser == "llama3_json" else ("[", PYTHONIC_START)
     head = text.lstrip()
-    if head and (PYTHON_TAG.startswith(head) or head.startswith(PYTHON_TAG)):
+    if head[:1] == opens or (head and (tag.startswith(head) or head.startswith(tag))):
         return 0
     return 0 if not head else len(text)
 
@@ -48,6 +62,8 @@ def tool_call_start(parser: str, text: str) -> int:
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"
+PYTHONIC_START, PYTHONIC_END = "<|python_start|>", "<|python_end|>"
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 
 
 def _held_from(text: str, tag: str) -> int:
@@ -110,3 +126,66 @@ def _llama3(text: str) -> tuple[int, list[Call]]:
         while pos < len(body) and body[pos] in " \t\r\n;":
             pos += 1
     return 0, calls
+
+
+def _pythonic(text: str) -> tuple[int, list[Call]]:
+    body = text.strip()
+    if body.startswith(PYTHONIC_START):
+        body = body[len(PYTHONIC_START):].removesuffix(PYTHONIC_END).strip()
+    if not body.startswith("["):
+        return len(text), []
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except (SyntaxError, ValueError):
+        return len(text), []
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return len(text), []
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or node.args or not _dotted(node.func):
+            return len(text), []
+        try:  # literals only: nothing of the reply is ever evaluated as code; and JSON ones
+            args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+            if None in args:  # **kwargs
+                return len(text), []
+            calls.append((_dotted(node.func), json.dumps(args, ensure_ascii=False,
+                                                         allow_nan=False)))
+        except (ValueError, TypeError, SyntaxError, RecursionError):
+            return len(text), []
+    return 0, calls
+
+
+def _dotted(node: ast.expr) -> str | None:
+    """The function's name, dotted where it is an attribute (`tools.search`)."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        head = _dotted(node.value)
+        return None if head is None else f"{head}.{node.attr}"
+    return None
+
+
+def _mistral(text: str) -> tuple[int, list[Call]]:
+    at = text.find(MISTRAL_CALLS)
+    if at < 0:
+        return len(text), []
+    calls: list[Call] = []
+    for part in text[at:].split(MISTRAL_CALLS)[1:]:
+        part = part.strip()
+        if part.startswith("["):  # a JSON list of {"name", "arguments"}
+            try:
+                items = json.loads(part)
+            except ValueError:
+                return len(text), []
+            found = [_call(o, "arguments") for o in items] if isinstance(items, list) else [None]
+        else:  # name[ARGS]{...} or name{...}
+            name, sep, args = part.partition(MISTRAL_ARGS)
+            if not sep:
+                brace = part.find("{")
+                name, args = (part[:brace], part[brace:]) if brace > 0 else ("", "")
+            found = [_call({"name": name.strip(), "arguments": args}, "arguments")
+                     if name.strip() else None]
+        if not found or None in found:
+            return len(text), []
+        calls += found
+    return at, calls
