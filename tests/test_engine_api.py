@@ -23,6 +23,8 @@ def llm(default_model_dir):
     (dict(top_p=1.5), "top_p must be in"),
     (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
     (dict(top_k=-3), "top_k must be"),
+    (dict(skip_special_tokens="no"), "skip_special_tokens must be true or false"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output must be true or false"),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ConfigError, match=message):
