@@ -67,6 +67,12 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
              "required": [p for p in props if rng.random() < 0.5]}
         if rng.random() < 0.2:
             s["additionalProperties"] = random_schema(rng, depth + 1)
+        if rng.random() < 0.25:  # within what the declared (and, open, required) keys allow
+            top = len(s["required"]) if "additionalProperties" in s else len(props)
+            s["minProperties"] = rng.randint(0, top)
+        if rng.random() < 0.25:
+            s["maxProperties"] = rng.randint(max(len(s["required"]),
+                                                 s.get("minProperties", 0)), 5)
         return s
     return {"anyOf": [random_schema(rng, depth + 1) for _ in range(rng.randint(1, 3))]}
 

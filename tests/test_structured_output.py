@@ -141,6 +141,13 @@ SCHEMAS = {
     "anything": {},
     "numeric": Reading.model_json_schema(),
     "sets": Tags.model_json_schema(),
+    # a budget of keys: optional ones only while the required still fit under the maximum
+    "props": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "null"},
+                                               "c": {"type": "boolean"}},
+              "required": ["c"], "minProperties": 2, "maxProperties": 2},
+    "props_open": {"type": "object", "properties": {"c": {"type": "boolean"}},
+                   "required": ["c"], "additionalProperties": {"type": "integer"},
+                   "maxProperties": 3},
     "same_values": {"type": "array", "items": {"enum": [1, 1.0, True, "1", None]},
                     "uniqueItems": True, "minItems": 1},
     # a pattern must still be able to end within the length bounds (no dead ends)
@@ -207,6 +214,8 @@ def test_whatever_the_grammar_completes_is_valid_under_the_schema(name):
     ("tuple", ["a", True, -1, -20]), ("tuple", ["a"]), ("tuple", []),
     ("sets", {"colours": ["green", "red"], "sizes": [3, 1]}), ("sets", {"colours": []}),
     ("same_values", [1.0, True, "1", None]),
+    ("props", {"a": 1, "c": True}), ("props", {"b": None, "c": False}),
+    ("props_open", {"x": 1, "y": 2, "c": False}), ("props_open", {"c": True}),
     ("lengths", {"ip": "10.0.0.1", "p": "xab", "m": "aaab", "mail": "jo@example.org"}),
 ])
 def test_valid_documents_are_accepted(name, doc):
@@ -240,6 +249,9 @@ def test_valid_documents_are_accepted(name, doc):
     ("sets", '{"colours": ["red", "r'), ("sets", '{"colours": ["red",]'),
     ("sets", '{"colours": [], "sizes": [1, 2,'), ("sets", '{"colours": [], "sizes": [1, 1'),
     ("lengths", '{"mail": "jo@example.n'), ("lengths", '{"mail": "jo.x@example.com.'),
+    ("props", '{"c": true}'), ("props", '{"a": 1, "b'),  # only c fits: no b
+    ("props", '{"a": 1, "c": true,'), ("props_open", '{"x": 1, "y": 2, "z'),
+    ("props_open", '{"x": 1, "c": true, "y": 1,'),
     ("same_values", "[true, t"), ("same_values", "[1.0, 1"), ("same_values", "[]"),
     ("tuple", '["b'), ("tuple", '["a", 1'), ("tuple", '["a", true, 0'),
     ("tuple", '["a", true, -1, -1,'),
@@ -256,7 +268,13 @@ def test_invalid_documents_are_refused(name, text):
     ({"type": "object", "properties": {"d": {"type": "string", "format": "idn-hostname"}}},
      r"schema.properties.d.format: 'idn-hostname' is not supported"),
     ({"type": "string", "format": "date", "pattern": "x"}, "matches both the pattern and the"),
-    ({"type": "object", "minProperties": 1}, "'minProperties' not supported"),
+    ({"type": "object", "patternProperties": {}}, "'patternProperties' not supported"),
+    ({"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a", "b"],
+      "maxProperties": 1}, "maxProperties 1 is below the 2 required"),
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": False,
+      "minProperties": 2}, "minProperties 2 needs more properties than the 1 declared"),
+    ({"type": "object", "minProperties": 3, "maxProperties": 2}, "maxProperties 2 is below"),
+    ({"type": "object", "minProperties": 1}, "tell a repeated other key from a new one"),
     ({"type": "integer", "multipleOf": 4, "minimum": 1, "maximum": 3}, "is a multiple of 4"),
     ({"type": "number", "multipleOf": 0}, "multipleOf: must be above 0"),
     ({"type": "integer", "multipleOf": 1e30}, "need more than 20000 automaton states"),
@@ -306,8 +324,8 @@ def test_choice_grammar_is_exactly_one_of_the_strings():
 def test_sampling_params_take_one_format_and_name_schema_errors():
     with pytest.raises(ConfigError, match="json_object and choice are each a whole output"):
         SamplingParams(json_object=True, choice=["a"])
-    with pytest.raises(ConfigError, match="json_schema: schema: 'minProperties' not supported"):
-        SamplingParams(json_schema={"type": "object", "minProperties": 2})
+    with pytest.raises(ConfigError, match="json_schema: schema: 'not' not supported"):
+        SamplingParams(json_schema={"not": {"type": "string"}})
     with pytest.raises(ConfigError, match=r"regex: pattern 'a\(': unbalanced"):
         SamplingParams(regex="a(")
     with pytest.raises(ConfigError, match="json_object ends the output with EOS"):

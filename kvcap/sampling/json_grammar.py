@@ -13,9 +13,12 @@ Nodes (tuples, ids index `Grammar.nodes`):
     ("str", min_len, max_len | None)        a JSON string, its length in characters
     ("num", integer)                        a JSON number (integer: no fraction, no exponent)
     ("lit", bytes)                          exactly these bytes (true, an enum member, a choice)
-    ("obj", props, required, extra, names)  props: raw key bytes -> node; extra: the node of
+    ("obj", props, required, extra, names, min_props, max_props | None)
+                                            props: raw key bytes -> node; extra: the node of
                                             other keys' values, or None when only props may
-                                            appear; each key at most once, in any order
+                                            appear; each key at most once, in any order; once
+                                            only the missing required keys fit under
+                                            max_props, only they may come
     ("arr", items, min_items, max_items | None, prefix)
                                             prefix: the nodes of the first items, one each
                                             (JSON Schema's prefixItems); items: the rest's
@@ -278,7 +281,7 @@ class Grammar:
             elif kind == "lit" and node[1][0] == b:
                 out.append(rest if len(node[1]) == 1 else rest + (("L", node[1], 1),))
             elif kind == "obj" and b == ord("{") and len(rest) < 2 * MAX_DEPTH:
-                out.append(rest + (("O", c, frozenset(), "{", None),))
+                out.append(rest + (("O", c, frozenset(), "{", None, 0),))
             elif kind == "arr" and b == ord("[") and len(rest) < 2 * MAX_DEPTH:
                 out.append(rest + (("A", c, 0, "["),))
             elif kind == "set" and b == ord("[") and len(rest) < 2 * MAX_DEPTH:
@@ -290,39 +293,48 @@ class Grammar:
         return out
 
     def _object(self, rest: Frames, top: tuple, b: int) -> list[Frames]:
-        _, c, seen, phase, key = top
-        _, props, required, extra, names = self.nodes[c]
+        """A byte of an object frame ("O", node, declared keys seen, phase, key, other keys
+        written: counted only as far as min/max_props need, so that states repeat)."""
+        _, c, seen, phase, key, others = top
+        _, props, required, extra, names, lo, hi = self.nodes[c]
         if phase == ":":
             if b != ord(":"):
                 return []
             value = props[key] if key is not None else extra
-            seen = seen | {key} if key is not None else seen
-            return [rest + (("O", c, seen, ",", None), ("V", value))]
-        can_add = extra is not None or len(seen) < len(names)
+            if key is not None:
+                seen = seen | {key}
+            else:
+                others = min(others + 1, lo if hi is None else hi)
+            return [rest + (("O", c, seen, ",", None, others), ("V", value))]
+        count = len(seen) + others
+        can_add = (extra is not None or len(seen) < len(names)) and (hi is None or count < hi)
         if phase in ("{", "k") and b == QUOTE and can_add:
             return [rest + (top, ("K", b"", 0))]
-        if phase in ("{", ",") and b == ord("}") and required <= seen:
+        if phase in ("{", ",") and b == ord("}") and required <= seen and count >= lo:
             return [rest]
         if phase == "," and b == ord(",") and can_add:
-            return [rest + (("O", c, seen, "k", None),)]
+            return [rest + (("O", c, seen, "k", None, others),)]
         return []
 
     def _key(self, frames: Frames, b: int) -> list[Frames]:
         """A byte of an object key. `raw` holds the key's bytes while they may still spell a
         declared property (None once they cannot: a key of `extra`)."""
         _, raw, esc = frames[-1]
-        obj = frames[-2]
-        _, c, seen, _, _ = obj
-        _, props, _, extra, names = self.nodes[c]
+        _, c, seen, _, _, others = frames[-2]
+        _, props, required, extra, names, _, hi = self.nodes[c]
+        # at max_props less the required keys still missing, only those may come
+        tight = hi is not None and len(seen) + others + len(required - seen) >= hi
+        allowed = [n for n in names if n not in seen and (not tight or n in required)]
+        free = extra is not None and not tight
         if b == QUOTE and esc == 0:
             if raw is not None and raw in props:
-                if raw in seen:
+                if raw not in allowed:
                     return []
-                return [frames[:-2] + (("O", c, seen, ":", raw),)]
-            return [frames[:-2] + (("O", c, seen, ":", None),)] if extra is not None else []
+                return [frames[:-2] + (("O", c, seen, ":", raw, others),)]
+            return [frames[:-2] + (("O", c, seen, ":", None, others),)] if free else []
         grown = raw + bytes([b]) if raw is not None else None
-        if extra is None:  # only declared keys: their spelt forms are valid string bodies
-            if not any(n.startswith(grown) for n in names if n not in seen):
+        if not free:  # only declared keys: their spelt forms are valid string bodies
+            if not any(n.startswith(grown) for n in allowed):
                 return []
             return [frames[:-1] + (("K", grown, 1 if b == BACKSLASH and esc == 0 else 0),)]
         nxt = _string_char(("S", 0, None, esc, 0), b)

@@ -14,18 +14,18 @@ writer, the grammar takes the stricter reading, so the output stays valid under 
     decimal it spells (kvcap/sampling/number_range.py);
   - `prefixItems` give the first items their own schemas; `items` then covers the rest
     (`items: false`: no more);
+  - `maxProperties` with required properties: once only the missing required ones fit, only
+    they may come;
   - `uniqueItems` is compiled where the items come from a fixed set of values (enum /
     const / boolean / null, e.g. pydantic's set[Enum]): each value at most once.
 `pattern` is a regular expression (kvcap/sampling/regex.py's subset) matched anywhere in the
 string unless anchored; `format` is one of FORMATS (kvcap/sampling/formats.py: date, time,
 date-time, uuid, email, ipv4, ipv6, hostname, uri), each generated as a regular expression
-whose strings the format allows; a string with both
-takes what both allow (the product of the two NFAs). Keywords that bound a
-value in ways this recogniser does not track (`uniqueItems` over open-ended items,
-`minProperties`, other formats, ...) are refused by name rather than ignored: a schema is compiled
-exactly or not at all.
-Annotations (`title`, `description`, `default`, `examples`, ...) are ignored, as JSON Schema
-says they may be.
+whose strings the format allows; a string with both takes what both allow (the product of the
+two NFAs). Keywords that bound a value in ways this recogniser does not track (`uniqueItems`
+over open-ended items, `patternProperties`, `not`, other formats, ...) are refused by name
+rather than ignored: a schema is compiled exactly or not at all. Annotations (`title`,
+`description`, `default`, `examples`, ...) are ignored, as JSON Schema says they may be.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ BY_TYPE = {
     "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
     "boolean": set(),
     "null": set(),
-    "object": {"properties", "required", "additionalProperties"},
+    "object": {"properties", "required", "additionalProperties", "minProperties",
+               "maxProperties"},
     "array": {"items", "prefixItems", "minItems", "maxItems", "uniqueItems"},
 }
 GENERAL = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"}
@@ -152,7 +153,7 @@ class _Compiler:
         """Any JSON value (a schema of `true` or `{}`)."""
         if self._any is None:
             self._any = self.add(None)
-            obj = self.add(("obj", {}, frozenset(), self._any, ()))
+            obj = self.add(("obj", {}, frozenset(), self._any, (), 0, None))
             arr = self.add(("arr", self._any, 0, None, ()))
             kinds = [self.add(("str", 0, None)), self.add(("num", False)),
                      *[self.add(("lit", w)) for w in (b"true", b"false", b"null")], obj, arr]
@@ -355,7 +356,21 @@ class _Compiler:
             raise SchemaError(f"{path}.required: {missing} are not among the properties; "
                               f"declare them")
         req = frozenset(json_dumps(r)[1:-1] for r in required)
-        self.nodes[node] = ("obj", spelt, req, extra, tuple(spelt))
+        lo = _count(s, "minProperties", path, 0)
+        hi = _count(s, "maxProperties", path, None)
+        _check_bounds(lo, hi, "minProperties", "maxProperties", path)
+        if hi is not None and len(req) > hi:
+            raise SchemaError(f"{path}: maxProperties {hi} is below the {len(req)} required "
+                              f"properties")
+        if extra is not None and lo > len(req):
+            raise SchemaError(f"{path}: minProperties {lo} above the {len(req)} required "
+                              f"properties with other keys allowed is not supported (kvcap "
+                              f"does not tell a repeated other key from a new one); require "
+                              f"the properties, or close the object")
+        if extra is None and lo > len(spelt):
+            raise SchemaError(f"{path}: minProperties {lo} needs more properties than the "
+                              f"{len(spelt)} declared (and no others are allowed)")
+        self.nodes[node] = ("obj", spelt, req, extra, tuple(spelt), lo, hi)
         return node
 
     def ref(self, ref: Any, path: str) -> int:
