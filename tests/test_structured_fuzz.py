@@ -11,8 +11,8 @@ from decimal import Decimal, localcontext
 
 import jsonschema
 import pytest
+from grammar_walk import random_walk
 
-from kvcap.sampling.json_grammar import Grammar
 from kvcap.sampling.json_schema import SchemaError, compile_schema
 
 BOUNDS = [0, 1, -1, 2.5, -3.25, 10, 100, 0.01, -0.5, 7, 1000]
@@ -77,23 +77,6 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
     return {"anyOf": [random_schema(rng, depth + 1) for _ in range(rng.randint(1, 3))]}
 
 
-def walk(g: Grammar, rng: random.Random, limit: int = 300) -> bytes | None:
-    """Random allowed bytes until the grammar is complete (None: not within `limit`)."""
-    alphabet = bytes(range(0x20, 0x7F)) + b"\n\xc3\xa9"
-    state, out = g.start, bytearray()
-    while len(out) < limit:
-        if g.must_end(state) or (g.complete(state) and rng.random() < 0.3):
-            return bytes(out)
-        options = [(b, nxt) for b in alphabet if (nxt := g.feed(state, [b])) is not None]
-        if not options:
-            assert g.complete(state), f"dead end after {bytes(out)!r}"
-            return bytes(out)
-        weights = [1 + len(out) / 8 if b in b'}]"' else 1 for b, _ in options]
-        b, state = rng.choices(options, weights)[0]
-        out.append(b)
-    return None
-
-
 @pytest.mark.parametrize("block", range(4))
 def test_random_schemas_generate_only_valid_documents(block):
     compiled = completed = 0
@@ -109,7 +92,7 @@ def test_random_schemas_generate_only_valid_documents(block):
         # (a float parse would round 10788922167281611934480823932369365900 off a multiple of 5)
         validator = jsonschema.Draft202012Validator(_decimals(schema))
         for _ in range(6):
-            data = walk(g, rng)
+            data = random_walk(g, rng, 300)
             if data is None:
                 continue
             completed += 1

@@ -15,12 +15,13 @@ import jsonschema
 import pydantic
 import pytest
 import torch
+from grammar_walk import random_walk
 
 from kvcap import LLM, SamplingParams
 from kvcap.engine.structured import MAX_REJECTIONS, StructuredOutput
 from kvcap.engine.token_bytes import TokenTexts
 from kvcap.errors import ConfigError
-from kvcap.sampling.json_grammar import MAX_WHITESPACE, Grammar
+from kvcap.sampling.json_grammar import MAX_WHITESPACE
 from kvcap.sampling.json_schema import (
     FORMATS,
     SchemaError,
@@ -165,25 +166,6 @@ SCHEMAS = {
 }
 
 
-def _random_walk(g: Grammar, rng: random.Random, limit: int = 400) -> bytes | None:
-    """Random bytes the grammar allows, until it is complete (None if not within `limit`).
-    Closing bytes grow likelier with length, so most walks end. A state that is neither
-    complete nor continued by any byte fails the test."""
-    alphabet = bytes(range(0x20, 0x7F)) + b"\n\xc3\xa9\xe4\xb8\x96"
-    state, out = g.start, bytearray()
-    while len(out) < limit:
-        if g.must_end(state) or (g.complete(state) and rng.random() < 0.3):
-            return bytes(out)
-        options = [(b, nxt) for b in alphabet if (nxt := g.feed(state, [b])) is not None]
-        if not options:  # a dead end: no byte continues what the grammar accepted so far
-            assert g.complete(state), f"dead end after {bytes(out)!r}"
-            return bytes(out)
-        weights = [1 + len(out) / 8 if b in b'}]"' else 1 for b, _ in options]
-        b, state = rng.choices(options, weights)[0]
-        out.append(b)
-    return None
-
-
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_whatever_the_grammar_completes_is_valid_under_the_schema(name):
     """The generation guarantee: random paths through the grammar, checked by an independent
@@ -191,7 +173,7 @@ def test_whatever_the_grammar_completes_is_valid_under_the_schema(name):
     schema = SCHEMAS[name]
     g, rng = compile_schema(schema), random.Random(name)
     validator = jsonschema.Draft202012Validator(schema)
-    done = [d for d in (_random_walk(g, rng) for _ in range(60)) if d is not None]
+    done = [d for d in (random_walk(g, rng) for _ in range(60)) if d is not None]
     assert len(done) >= 20, f"only {len(done)} of 60 walks completed"
     for data in done:
         validator.validate(json.loads(data))
@@ -512,7 +494,7 @@ def test_regex_grammar_walks_match_and_end():
     rng = random.Random(5)
     for pattern in ["(yes|no)!?", "\\d{3}-\\d{4}", "[A-Z][a-z]{2,6}( [A-Z][a-z]{2,6})?"]:
         g = regex_grammar(pattern)
-        done = [d for d in (_random_walk(g, rng, 40) for _ in range(40)) if d is not None]
+        done = [d for d in (random_walk(g, rng, 40) for _ in range(40)) if d is not None]
         assert len(done) >= 20, pattern
         assert all(re.fullmatch(pattern, d.decode()) for d in done), done
     assert regex_grammar("ab").must_end(regex_grammar("ab").feed(regex_grammar("ab").start, b"ab"))
@@ -527,7 +509,7 @@ def test_formats_generate_what_the_format_allows(fmt):
 
     g, rng = compile_schema({"type": "string", "format": fmt}), random.Random(fmt)
     checker = jsonschema.Draft202012Validator.FORMAT_CHECKER  # the 2020-12 formats
-    done = [d for d in (_random_walk(g, rng, 300) for _ in range(40)) if d is not None]
+    done = [d for d in (random_walk(g, rng, 300) for _ in range(40)) if d is not None]
     assert len(done) >= 15, f"{len(done)} walks completed"
     for data in done:
         value = json.loads(data)

@@ -360,7 +360,6 @@ class Grammar:
         count = count + 1 if hi is not None else min(count + 1, max(lo, len(prefix)))
         return self._start(rest + (("A", c, count, ","),), item, b)
 
-
     def _set(self, rest: Frames, top: tuple, b: int) -> list[Frames]:
         """A byte of an array of distinct fixed values ("U", node, values used, phase,
         literals still matching, bytes matched). phase: "[" (opened), "," (after an item),

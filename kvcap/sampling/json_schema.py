@@ -293,7 +293,7 @@ class _Compiler:
 
     def string_regex(self, s: dict, path: str) -> Nfa | None:
         """The NFA of a string's `pattern` (matched anywhere, as JSON Schema says, unless
-        anchored) or `format`, or None when it has neither."""
+        anchored), its `format`, or both together; None when it has neither."""
         if "pattern" in s and not isinstance(s["pattern"], str):
             raise SchemaError(f"{path}.pattern: must be a string")
         fmt = s.get("format")
@@ -404,12 +404,17 @@ def _bound(s: dict, word: str, exclusive: bool, path: str) -> Bound:
         hint = (f" (draft 4's boolean form is not supported: give the bound itself, "
                 f"e.g. {word}: 0)" if isinstance(v, bool) else "")
         raise SchemaError(f"{path}.{word}: must be a number, got {v!r}{hint}")
-    value = Decimal(v) if isinstance(v, int) else Decimal(repr(v))
+    value = _decimal(v)
     _, digits, exponent = value.as_tuple()
     if max(len(digits), len(digits) + exponent, -exponent) > BOUND_DIGITS:
         raise SchemaError(f"{path}.{word}: {v!r} needs more than {BOUND_DIGITS} digits "
                           f"written out; use a shorter bound")
     return value, exclusive
+
+
+def _decimal(v: int | float) -> Decimal:
+    """A JSON number as the decimal it was written as (a float by its shortest repr)."""
+    return Decimal(v) if isinstance(v, int) else Decimal(repr(v))
 
 
 def _tighter(a: Bound, b: Bound, low: bool) -> Bound:
@@ -432,7 +437,7 @@ def _value_key(v: Any) -> Any:
     if isinstance(v, bool) or v is None or isinstance(v, str):
         return (type(v).__name__, v)
     if isinstance(v, (int, float)):
-        return ("number", Decimal(v) if isinstance(v, int) else Decimal(repr(v)))
+        return ("number", _decimal(v))
     if isinstance(v, list):
         return ("array", tuple(_value_key(x) for x in v))
     return ("object", tuple(sorted((k, _value_key(x)) for k, x in v.items())))

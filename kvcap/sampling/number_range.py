@@ -129,7 +129,7 @@ def _fraction_fits_zero(low: _Tail, high: _Tail) -> bool:
 
 def _nonempty_fraction(low: _Tail, high: _Tail) -> str | None:
     """Regex of the non-empty digit strings F within the tails, or None when there are none."""
-    if low is not None and low == ("", False):
+    if low == ("", False):
         low = None
     if high is not None and high[0] == "" and high[1]:
         return None  # 0.F < 0: nothing

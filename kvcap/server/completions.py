@@ -81,8 +81,9 @@ async def completion(serving: OpenAIServing, name: str, max_pending: int,
 async def chat_completion(serving: OpenAIServing, name: str, max_pending: int,
                           req: P.ChatCompletionRequest, request: Request) -> Response:
     serving.check_model(req.model)
-    if req.tool_plan() is not None and req.tool_plan().mode == "auto" \
-            and serving.tool_parser is None:
+    plan = req.tool_plan()
+    auto = plan is not None and plan.mode == "auto"
+    if auto and serving.tool_parser is None:
         raise P.APIError(
             400, "tool_choice: 'auto' (the default with tools) needs the server started with "
             f"--tool-call-parser ({' | '.join(PARSERS)}: the syntax the model writes calls in); "
@@ -98,10 +99,8 @@ async def chat_completion(serving: OpenAIServing, name: str, max_pending: int,
     params = serving.params_for(req, ids, max_tokens, "messages")
     if serving.reasoning_parser is not None and params.structured:  # think first, then the
         params = dataclasses.replace(params, reasoning=serving.reasoning_parser)  # format
-    if req.tool_plan() is not None and req.tool_plan().mode == "auto" \
-            and serving.tool_parser in KEEPS_SPECIAL_TOKENS:  # its calls open with a control
+    if auto and serving.tool_parser in KEEPS_SPECIAL_TOKENS:  # its calls open with a control
         params = dataclasses.replace(params, skip_special_tokens=False)  # token: keep its text
-    plan = req.tool_plan()
     calls = plan if plan is not None and plan.mode != "none" else None
     streams = serving.submit(serving.choices([(ids, params)], req.n), stream=req.stream)
     rid, created = P.new_id("chatcmpl"), P.now()
