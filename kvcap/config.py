@@ -164,7 +164,18 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False
+    # speculative decoding by prompt lookup (kvcap/engine/ngram.py); 0 drafts: off
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def max_sample_rows(self) -> int:
+        """Rows whose logits one step computes: one per sequence, or with drafts one per
+        token a sequence verifies (never more than the step's tokens)."""
+        return min(self.max_num_seqs * (1 + self.num_speculative_tokens),
+                   max(self.max_num_batched_tokens, self.max_num_seqs))
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -183,6 +194,10 @@ class EngineConfig:
                 math.isfinite(self.kv_cache_memory_gib) and self.kv_cache_memory_gib > 0):
             raise ConfigError(f"kv_cache_memory_gib must be a finite number > 0 (or unset to "
                               f"size the pool from free memory), got {self.kv_cache_memory_gib}")
+        from kvcap.engine.ngram import check_ngram_settings
+
+        check_ngram_settings(self.num_speculative_tokens, self.prompt_lookup_max,
+                             self.prompt_lookup_min)
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(
                 f"attention_backend {self.attention_backend!r} is not one of auto, torch, triton"

@@ -24,6 +24,7 @@ from kvcap.engine.block_manager import BlockManager
 from kvcap.engine.cuda_graph import graphs_disabled
 from kvcap.engine.engine import Engine, RequestOutput
 from kvcap.engine.model_runner import ModelRunner
+from kvcap.engine.ngram import NgramProposer
 from kvcap.engine.scheduler import Scheduler
 from kvcap.errors import ConfigError, ScaleGateError
 from kvcap.kv_cache.pool import KVCachePool
@@ -81,6 +82,9 @@ class LLM:
         tensor_parallel_size: int = 1,
         qsa: QSAConfig | str | None = None,
         chat_template: str | os.PathLike | None = None,
+        num_speculative_tokens: int = 0,
+        prompt_lookup_max: int = 4,
+        prompt_lookup_min: int = 2,
     ):
         # What a tensor-parallel worker needs to build the same LLM (taken before any local).
         worker_args = {k: v for k, v in locals().items()
@@ -100,7 +104,8 @@ class LLM:
             num_blocks=num_blocks, kv_cache_memory_gib=kv_cache_memory_gib,
             gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
-            enforce_eager=enforce_eager)
+            enforce_eager=enforce_eager, num_speculative_tokens=num_speculative_tokens,
+            prompt_lookup_max=prompt_lookup_max, prompt_lookup_min=prompt_lookup_min)
         self.config.validate()
 
         if str(model).startswith(loader.DUMMY_PREFIX):
@@ -198,7 +203,14 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.config = dataclasses.replace(self.config, max_model_len=self.max_model_len)
-        self.scheduler = Scheduler(self.config, self.block_manager, eos_token_ids=eos)
+        c = self.config
+        proposer = (NgramProposer(c.num_speculative_tokens, c.prompt_lookup_max,
+                                  c.prompt_lookup_min) if c.num_speculative_tokens else None)
+        self.scheduler = Scheduler(c, self.block_manager, eos_token_ids=eos, proposer=proposer)
+        if proposer is not None:
+            logger.info("speculative decoding: prompt lookup, up to %d draft tokens per step "
+                        "(n-grams %d..%d); steps with drafts run eager, without overlap",
+                        c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max)
         self.runner.eos_token_ids = eos
         self.runner.tokenizer = self.tokenizer
         self.engine = Engine(self.runner, self.tokenizer, self.block_manager, self.scheduler,
@@ -299,7 +311,7 @@ class LLM:
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         pos = torch.arange(n, device=self.device)
         hidden = self.model(ids, pos, ForwardContext(backend, tmp, meta))
-        self.model.compute_logits(hidden[: self.config.max_num_seqs])
+        self.model.compute_logits(hidden[: self.config.max_sample_rows])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del tmp, hidden

@@ -10,44 +10,15 @@ reference computed without any cache.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import pytest
+from scheduler_fakes import EOS, VOCAB, Cfg, next_token, reference_output, req
 
 from kvcap.engine.block_manager import BlockManager
 from kvcap.engine.request import Request, RequestStatus
 from kvcap.engine.scheduler import Scheduler, SchedulerOutput
 from kvcap.errors import ConfigError
 from kvcap.sampling_params import SamplingParams
-
-VOCAB = 37
-EOS = 0
-
-
-@dataclass(frozen=True)
-class Cfg:
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 32
-    max_model_len: int | None = 256
-    block_size: int = 4
-
-
-def next_token(context: list[int]) -> int:
-    acc = len(context)
-    for t in context:
-        acc = (acc * 31 + t + 7) % 1_000_003
-    return acc % VOCAB
-
-
-def reference_output(prompt: list[int], p: SamplingParams, max_model_len: int) -> list[int]:
-    tokens, out = list(prompt), []
-    while True:
-        t = next_token(tokens)
-        tokens.append(t)
-        out.append(t)
-        if (t in p.stop_token_ids or (not p.ignore_eos and t == EOS)
-                or len(out) >= p.max_tokens or len(tokens) >= max_model_len):
-            return out
 
 
 class FakeModel:
@@ -74,11 +45,6 @@ def make(num_blocks: int = 64, **kw: int) -> tuple[Scheduler, BlockManager, Fake
     cfg = Cfg(**kw)
     bm = BlockManager(num_blocks, cfg.block_size)
     return Scheduler(cfg, bm, eos_token_ids={EOS}), bm, FakeModel(num_blocks, cfg.block_size)
-
-
-def req(rid: str, prompt: list[int], **params: object) -> Request:
-    params.setdefault("ignore_eos", True)
-    return Request(rid, list(prompt), SamplingParams(**params))
 
 
 def check_step(s: Scheduler, bm: BlockManager, out: SchedulerOutput) -> None:

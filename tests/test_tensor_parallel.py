@@ -311,6 +311,20 @@ def test_triton_backend_e4m3_under_tp(tmp_path):
 
 
 # --- the gate, calibration statistics, failures (tiny random model) -----------------------------
+def test_speculative_decoding_under_tp(tiny):
+    """Draft chunks (every row sampling) run on every rank: TP2 with drafts gives TP1's tokens
+    without them."""
+    prompts = [[5, 6, 7, 8, 9] * 3, [11, 12, 13, 11, 12, 13, 11], [3, 4] * 6]
+    with LLM(model=tiny, device="cpu", num_blocks=64) as llm:
+        ref = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    with LLM(model=tiny, device="cpu", num_blocks=64, tensor_parallel_size=2,
+             num_speculative_tokens=4, prompt_lookup_min=1) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert llm.engine.num_draft_tokens > 0
+    assert got == ref
+    assert _worker_children() == []
+
+
 def test_gate_refuses_on_every_rank_naming_the_missing_scale(tiny):
     scales = _scales(2, missing="model.layers.1.self_attn.v_scale")
     with pytest.raises(ScaleGateError, match=r"^Loaded 3/4 K/V scales\. Missing: model\.layers\.1"

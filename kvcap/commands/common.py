@@ -84,6 +84,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) instead of the "
                         "checkpoint's, or for a checkpoint without one")
+    p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
+                   help="speculative decoding by prompt lookup: up to K draft tokens per step, "
+                        "copied from where the last tokens occurred before in the prompt or "
+                        "output, verified in one forward (same output; default 0: off)")
+    p.add_argument("--prompt-lookup-max", type=positive_int, default=4, metavar="N",
+                   help="longest n-gram matched for drafts (default 4)")
+    p.add_argument("--prompt-lookup-min", type=positive_int, default=2, metavar="N",
+                   help="shortest n-gram matched for drafts (default 2)")
     p.add_argument("--qsa", default=None, metavar="PRESET",
                    help="query-aware sparse attention: every4, all-but-2, ... with an optional "
                         ":TOKENS budget (default 2048), e.g. every4:1024 (docs/qsa.md)")
@@ -99,4 +107,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
         enforce_eager=args.enforce_eager, enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed, qsa=args.qsa, chat_template=args.chat_template,
+        num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min,
     )

@@ -58,11 +58,15 @@ class Engine:
         # Queue the next decode step before reading this one's tokens (see the module doc), when
         # nothing records per forward (`ModelRunner.can_run_ahead`); under tensor parallelism
         # rank 0 broadcasts the fed ids. On CPU the ops are synchronous, so it would only cost.
-        self.overlap = (runner.device.type == "cuda"
+        # Speculative decoding plans each step from the tokens of the one before (its drafts
+        # follow them): it and overlap exclude each other.
+        self.overlap = (runner.device.type == "cuda" and scheduler.proposer is None
                         and os.environ.get("KVCAP_DISABLE_OVERLAP", "0") in ("", "0"))
         self._ahead: tuple[SchedulerOutput, PendingStep] | None = None
         self.num_steps_ahead = 0  # steps launched ahead of their input tokens
         self.num_ahead_dropped = 0  # of which dropped (a host-sampled token fed them)
+        self.num_draft_tokens = 0  # speculative decoding: drafts verified ...
+        self.num_accepted_tokens = 0  # ... and kept
 
     def set_timer(self, timer) -> None:
         """Attach (or with None detach) a StepTimer that records each step's phases."""
@@ -129,6 +133,8 @@ class Engine:
             self._ahead = None
             stale = {id(c.request) for c in out.chunks if c.request.is_finished}
         else:
+            if self.scheduler.proposer is not None:  # no drafts while forwards are recorded
+                self.scheduler.speculate = self.runner.can_run_ahead()
             out = self.scheduler.schedule()
             pending = None
         if timer is not None:
@@ -158,14 +164,20 @@ class Engine:
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED,
                                               f"error: {why}")
                 finished.append(req)
-            finished += self.scheduler.update_from_output(out, result.sampled)
+            finished += self.scheduler.update_from_output(out, result.sampled, result.accepted)
             if timer is not None:
                 timer.mark("update")
             touched = [ch.request for ch in out.chunks
                        if ch.samples and id(ch.request) not in stale]
+        drafted: dict[str, int] = {}  # requests that took drafts: output length before
+        for ch in out.chunks:
+            if ch.draft:
+                self.num_draft_tokens += len(ch.draft)
+                self.num_accepted_tokens += len(result.accepted.get(ch.request.request_id, ()))
+                drafted[ch.request.request_id] = ch.start + 1 - ch.request.num_prompt_tokens
         for req in touched:
             if not req.is_finished:
-                self._check_stop_strings(req)
+                self._check_stop_strings(req, drafted.get(req.request_id))
                 if req.is_finished:
                     finished.append(req)
         if self._ahead is not None and all(c.request.is_finished for c in self._ahead[0].chunks):
@@ -209,7 +221,10 @@ class Engine:
         return [rid for rid, r in self.requests.items()
                 if r.status == RequestStatus.FINISHED_ABORTED]
 
-    def _check_stop_strings(self, req: Request) -> None:
+    def _check_stop_strings(self, req: Request, before: int | None = None) -> None:
+        """Finish `req` at the first stop string in its text. `before`: its output length
+        before this step when the step added several tokens (kept drafts): those after the
+        one that completes the stop string are dropped, as one-token steps never made them."""
         stops = req.sampling_params.stop
         if not stops:
             return
@@ -228,7 +243,20 @@ class Engine:
             idx, s = min(hits)
             keep = len(s) if req.sampling_params.include_stop_str_in_output else 0
             self._truncated[req.request_id] = text[:idx + keep]
+            if before is not None:
+                self._drop_after_stop(req, before, s, idx)
             self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, s)
+
+    def _drop_after_stop(self, req: Request, before: int, stop: str, at: int) -> None:
+        """Cut the output after the first of this step's tokens whose text holds `stop` at
+        `at`; one decode per new token, once per request."""
+        ids = req.output_token_ids
+        skip = req.sampling_params.skip_special_tokens
+        for m in range(max(before, 1), len(ids)):
+            if self.tokenizer.decode(ids[:m], skip_special_tokens=skip)[at:at + len(stop)] \
+                    == stop:
+                del ids[m:]
+                return
 
     def _decode(self, req: Request) -> str:
         if self.tokenizer is None:  # token ids only: the text stays empty

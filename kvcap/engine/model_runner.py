@@ -62,6 +62,22 @@ class StepResult:
     # why. The engine ends each alone, aborted with the reason as its error; their entries in
     # `sampled` are not used.
     failed: dict[str, str] = field(default_factory=dict)
+    # Chunks with drafts: request id -> the drafts kept (`accept_draft`); `sampled` holds the
+    # token after them.
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+
+
+def accept_draft(draft: list[int], tokens: list[int]) -> tuple[list[int], int]:
+    """Verify drafts against the tokens the model sampled at the draft chunk's rows (row i
+    samples what follows the last token and drafts 1..i): keep drafts while each equals the
+    token sampled before it, then take the first sampled token that differs (or the one after
+    the last draft). Every row samples with its own step's random numbers, as one-token decode
+    would, so the output is exactly what decoding without drafts produces from the same
+    logits: greedy or sampled, with or without a seed. Returns (kept drafts, next token)."""
+    a = 0
+    while a < len(draft) and draft[a] == tokens[a]:
+        a += 1
+    return draft[:a], tokens[a]
 
 
 @dataclass
@@ -80,6 +96,9 @@ class PendingStep:
     # for that step too.
     host: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
+    # Speculative decoding: (first row, chunk) of each chunk with drafts; its rows are the
+    # chunk's 1 + len(draft) rows, all sampling (None when no chunk has drafts).
+    drafts: list[tuple[int, object]] | None = None
 
     def start_copy(self) -> PendingStep:
         if self.tokens is not None and self.tokens.is_cuda:
@@ -172,11 +191,15 @@ class ModelRunner:
             if ch.ahead:  # the token is still on the device: `launch` feeds it there
                 ids.append(0)
                 positions.append(start)
-            elif n == 1:  # decode: the one token, without copying the sequence
+            elif n == 1 or ch.draft:  # decode: the one token, without copying the sequence
                 p = len(req.prompt_token_ids)
                 ids.append(req.output_token_ids[start - p] if start >= p
                            else req.prompt_token_ids[start])
-                positions.append(start)
+                if ch.draft:  # then the draft tokens it verifies
+                    ids.extend(ch.draft)
+                    positions.extend(range(start, start + n))
+                else:
+                    positions.append(start)
             else:
                 ids.extend(req.token_slice(start, start + n))
                 positions.extend(range(start, start + n))
@@ -197,7 +220,9 @@ class ModelRunner:
             ends = [0]
             for n in qlens:
                 ends.append(ends[-1] + n)
-            plan.sample_rows = [ends[i + 1] - 1 for i, ch in enumerate(chunks) if ch.samples]
+            # a chunk with drafts samples at every row (its last len(draft) + 1 rows)
+            plan.sample_rows = [r for i, ch in enumerate(chunks) if ch.samples
+                                for r in range(ends[i + 1] - 1 - len(ch.draft), ends[i + 1])]
         if eager_only and not plan.use_graph:  # teacher-forced logits need the eager path
             if ends is None:
                 ends = list(range(len(chunks) + 1))
@@ -305,6 +330,16 @@ class ModelRunner:
             fed)
         sampling = [ch for ch in chunks if ch.samples]
         reqs = [ch.request for ch in sampling]
+        # the step index of each row: tokens sampled before it (one more in flight when ahead)
+        steps, drafts = None, None
+        if any(ch.draft for ch in sampling):  # a draft chunk's rows: one per token it samples
+            reqs, steps, drafts = [], [], []
+            for ch in sampling:
+                first, base = len(reqs), len(ch.request.output_token_ids)
+                reqs += [ch.request] * (1 + len(ch.draft))
+                steps += range(base, base + 1 + len(ch.draft))
+                if ch.draft:
+                    drafts.append((first, ch))
         if logits is None:
             return PendingStep(reqs, None, None, None)
         raw = None
@@ -315,16 +350,15 @@ class ModelRunner:
                                                  extras)
         if all(r.sampling_params.temperature == 0.0 for r in reqs):
             return PendingStep(reqs, logits, self.sampler.sample_greedy(logits),
-                               None, raw_logits=raw).start_copy()
+                               None, raw_logits=raw, drafts=drafts).start_copy()
         batch = SamplingBatch.from_params(
             [r.sampling_params for r in reqs],
             seeds=[extras[r.request_id].seed for r in reqs],
-            # the step index: tokens sampled before this one (one more in flight when ahead)
-            steps=[len(ch.request.output_token_ids) + ch.ahead for ch in sampling],
+            steps=steps or [len(ch.request.output_token_ids) + ch.ahead for ch in sampling],
             device=self.device,
         )
         return PendingStep(reqs, logits, self.sampler.sample(logits, batch, resolve=False),
-                           batch, raw_logits=raw).start_copy()
+                           batch, raw_logits=raw, drafts=drafts).start_copy()
 
     def _adjusted(self, logits: torch.Tensor, reqs: list[Request], rows: list[int],
                   extras: dict[str, RequestExtras]) -> torch.Tensor:
@@ -362,8 +396,13 @@ class ModelRunner:
         self._collect_logprobs(step.reqs, extras, raw, tokens)
         if self.timer is not None:
             self.timer.mark("sample")
-        return StepResult({r.request_id: t for r, t in zip(step.reqs, tokens, strict=True)},
-                          host_fixed=fixed, failed=failed)
+        result = StepResult({r.request_id: t for r, t in zip(step.reqs, tokens, strict=True)},
+                            host_fixed=fixed, failed=failed)
+        for first, ch in step.drafts or ():
+            rid = ch.request.request_id
+            result.accepted[rid], result.sampled[rid] = accept_draft(
+                ch.draft, tokens[first:first + 1 + len(ch.draft)])
+        return result
 
     def _constrain(self, step: PendingStep, extras: dict[str, RequestExtras],
                    tokens: list[int], rows: list[int], failed: dict[str, str]) -> bool:

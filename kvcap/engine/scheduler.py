@@ -19,6 +19,12 @@ Every `schedule()` call fills one step under a token budget (`max_num_batched_to
    budget and to the free blocks. A request whose tokens need more blocks than the whole pool
    is finished with an error reason instead.
 
+Speculative decoding (a `proposer`, kvcap/engine/ngram.py): a running request in decode whose
+sampling allows it gets draft tokens after its last one, as many as the proposer finds and the
+budget, max_tokens, max_model_len and the free blocks (beyond one per running request) leave
+room for: drafts never cause a preemption. Its chunk is the last token plus the drafts, and
+`update_from_output` takes the drafts the model kept plus one sampled token.
+
 A chunk covers `request.all_token_ids[start:start + num_tokens]` at positions
 `start .. start + num_tokens - 1`, with `request.block_ids` as its block table; `samples` is True
 when the chunk ends at the last known token, so the model's last-row logits sample a new token.
@@ -40,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvcap.engine.block_manager import BlockManager
+from kvcap.engine.ngram import NgramProposer
 from kvcap.engine.request import Request, RequestStatus
 from kvcap.errors import ConfigError
 
@@ -62,6 +69,10 @@ class ScheduledChunk:
     # Scheduled ahead (`Scheduler.schedule_ahead`): the chunk's one token is the one the step
     # still in flight samples, so it is not in `request.output_token_ids` yet.
     ahead: bool = False
+    # Speculative decoding: tokens proposed to follow the request's last one (not in its
+    # outputs yet). The chunk is that last token plus these, `num_tokens == 1 + len(draft)`,
+    # and every row samples: the model keeps the drafts it would have produced itself.
+    draft: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -81,7 +92,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 eos_token_ids: Iterable[int] = ()):
+                 eos_token_ids: Iterable[int] = (), proposer: NgramProposer | None = None):
         if config.max_model_len is None:
             raise ConfigError("max_model_len must be resolved before building the Scheduler")
         if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
@@ -98,6 +109,10 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by arrival order
         self._order: dict[str, int] = {}  # request_id -> arrival sequence number
         self._next_order = 0
+        # Speculative decoding (None: off). The engine clears `speculate` while something
+        # records per forward (calibration, QSA probes): drafts would add rows to it.
+        self.proposer = proposer
+        self.speculate = proposer is not None
 
     # ----------------------------------------------------------------- queues
     @property
@@ -156,6 +171,8 @@ class Scheduler:
         req.status = status
         req.stop_reason = reason
         self._order.pop(req.request_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
 
     # ----------------------------------------------------------------- scheduling
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -187,6 +204,13 @@ class Scheduler:
             computed, total = req.num_computed_tokens, req.num_tokens
             n = min(total - computed, budget)
             assert n >= 1, f"running request {req.request_id} has nothing to compute"
+            draft = self._draft(req, budget) if n == 1 and self.speculate else []
+            if draft:
+                out.chunks.append(ScheduledChunk(req, computed, 1 + len(draft), True,
+                                                 draft=draft))
+                budget -= 1 + len(draft)
+                i += 1
+                continue
             # (the common decode case: the new tokens fit the blocks already held)
             while computed + n > len(req.block_ids) * bs and not bm.ensure_slots(req, n):
                 victim = self.running[-1]
@@ -205,6 +229,27 @@ class Scheduler:
         if not out.preempted:
             self._admit(out, budget)
         return out
+
+    def _draft(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens for a request in decode, with the blocks to verify them taken, or none:
+        only as many as the budget, max_tokens and max_model_len leave room for if all are
+        accepted, only for requests whose sampling does not depend on the tokens before it
+        within the step (penalties, bias, min_tokens, structured output) or ask for logprobs,
+        and never at the cost of preempting anything: drafts take only free blocks beyond one
+        per running request (each may need one for its next token)."""
+        sp = req.sampling_params
+        out = len(req.output_token_ids)
+        if sp.structured or sp.logprobs is not None or sp.adjusts_logits_after(out):
+            return []
+        bm = self.block_manager
+        spare = max(0, bm.num_free_blocks - len(self.running))
+        fits = (len(req.block_ids) + spare) * bm.block_size - req.num_computed_tokens - 1
+        room = min(budget - 1, sp.max_tokens - out - 1, self.max_model_len - req.num_tokens - 1,
+                   fits)
+        draft = self.proposer.propose(req, room) if room > 0 else []
+        if draft and not bm.ensure_slots(req, 1 + len(draft)):
+            raise AssertionError(f"request {req.request_id}: free blocks vanished")
+        return draft
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
@@ -254,7 +299,7 @@ class Scheduler:
         if self.waiting and len(self.running) < self.max_num_seqs:
             return None
         if len(inflight.chunks) != len(self.running) or not all(
-                c.samples for c in inflight.chunks):
+                c.samples and not c.draft for c in inflight.chunks):
             return None
         bm, bs = self.block_manager, self.block_manager.block_size
         chunks: list[ScheduledChunk] = []
@@ -281,15 +326,21 @@ class Scheduler:
         return SchedulerOutput(chunks=chunks)
 
     # ----------------------------------------------------------------- results
-    def update_from_output(self, output: SchedulerOutput,
-                           sampled: dict[str, int]) -> list[Request]:
-        """Apply one executed step; return the requests that finished in it."""
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
+                           accepted: dict[str, list[int]] | None = None) -> list[Request]:
+        """Apply one executed step; return the requests that finished in it. `accepted`: for
+        chunks with drafts, the drafts the model kept (a prefix of them, maybe empty); the
+        sampled token follows them."""
         finished: list[Request] = []
         for chunk in output.chunks:
             req = chunk.request
             if req.is_finished:  # aborted while the step ran
                 continue
             assert req.num_computed_tokens == chunk.start, "chunk applied twice or out of order"
+            if chunk.draft:
+                if self._apply_draft(req, chunk, sampled, accepted or {}):
+                    finished.append(req)
+                continue
             req.num_computed_tokens += chunk.num_tokens
             if chunk.samples:
                 if req.request_id not in sampled:
@@ -302,6 +353,33 @@ class Scheduler:
                     self.finish_request(req, *stop)
                     finished.append(req)
         return finished
+
+    def _apply_draft(self, req: Request, chunk: ScheduledChunk, sampled: dict[str, int],
+                     accepted: dict[str, list[int]]) -> bool:
+        """A verified draft chunk: the kept drafts then the sampled token join the output, one
+        at a time with the stop checks (a stop drops the tokens after it). Only the fed token
+        and the kept drafts have valid K/V: the rejected drafts' rows in the cache are
+        overwritten later. True when the request finished."""
+        rid = req.request_id
+        if rid not in sampled:
+            raise ValueError(f"no sampled token for request {rid}")
+        kept = accepted.get(rid, [])
+        if kept != chunk.draft[:len(kept)]:
+            raise ValueError(f"request {rid}: accepted tokens are not a prefix of its draft")
+        req.num_computed_tokens += 1 + len(kept)
+        stop = None
+        for tok in (*kept, int(sampled[rid])):
+            req.output_token_ids.append(int(tok))
+            stop = self._check_stop(req)
+            if stop is not None:
+                break
+        # (after a stop the last token's K/V is not needed, as on the one-token path)
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+        self.block_manager.commit_full_blocks(req)
+        if stop is not None:
+            self.finish_request(req, *stop)
+            return True
+        return False
 
     def _check_stop(self, req: Request) -> tuple[RequestStatus, str | int | None] | None:
         params = req.sampling_params

@@ -60,6 +60,8 @@ class EngineStats:
     finished: dict[str, int] = field(default_factory=dict)  # stop/length/abort/error
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    draft_tokens: int = 0  # speculative decoding: drafts verified and kept
+    accepted_tokens: int = 0
 
 
 class RequestStream:
@@ -324,4 +326,6 @@ class AsyncEngine:
             finished=dict(self._finished),
             prompt_tokens=self._tokens[0],
             generation_tokens=self._tokens[1],
+            draft_tokens=self.engine.num_draft_tokens,
+            accepted_tokens=self.engine.num_accepted_tokens,
         )

@@ -99,6 +99,12 @@ class ServerMetrics:
             [({}, s.kv_blocks_total - s.kv_blocks_free)],
         )
         metric("engine_steps_total", "counter", "Engine steps run.", [({}, s.steps)])
+        metric("spec_decode_draft_tokens_total", "counter",
+               "Draft tokens verified (speculative decoding by prompt lookup).",
+               [({}, s.draft_tokens)])
+        metric("spec_decode_accepted_tokens_total", "counter",
+               "Draft tokens kept: each one a token generated without a step of its own.",
+               [({}, s.accepted_tokens)])
         metric(
             "engine_step_errors_total",
             "counter",

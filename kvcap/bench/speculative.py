@@ -1,0 +1,154 @@
+"""Speculative decoding by prompt lookup: ``python -m kvcap.bench.speculative [--device D]``.
+
+For each number of draft tokens K (0 = off) and each concurrency, generates the same requests
+greedily and reports decode tokens per second, the speed-up over K = 0, the share of drafts the
+model kept and the output tokens per engine step. Correctness first: every K must give the
+token ids of K = 0, or the run stops with an error.
+
+Tasks (chat-templated for the instruct model; text from what is installed, recorded in the
+JSON): `code_edit` (a stdlib function's source, asked to be returned with a docstring added:
+the answer copies most of the prompt), `list_copy` (a generated inventory asked back in
+another order), and `open_story` (free writing: few drafts are right, so this measures what
+wrong drafts cost). JSON (date, commit, device) to docs/benchmarks/speculative-<date>.json
+(``-2``, ... when taken) or the ``--out`` file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import json
+import platform
+import random
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+
+from kvcap.bench.provenance import result_path, stamp
+from kvcap.errors import ConfigError
+from kvcap.scales.fsutil import atomic_write_text
+
+
+def tasks() -> dict[str, tuple[str, str]]:
+    """name -> (user message, where its text came from)."""
+    src = inspect.getsource(textwrap.indent)
+    rng = random.Random(0)
+    items = [f"{name}: {rng.randrange(1, 40)} units at shelf {rng.choice('ABCDEF')}"
+             f"{rng.randrange(1, 9)}" for name in ("bolts", "nuts", "washers", "hinges",
+                                                   "brackets", "springs", "rivets", "clamps")]
+    return {
+        "code_edit": ("Add a one-line comment above every statement of this Python function "
+                      "and return the whole function:\n\n" + src,
+                      f"textwrap.indent from the stdlib ({inspect.getsourcefile(textwrap)})"),
+        "list_copy": ("Here is an inventory:\n" + "\n".join(items) +
+                      "\n\nWrite the same inventory again, sorted by name, one item per line.",
+                      "generated (random.Random(0))"),
+        "open_story": ("Write a short story about a lighthouse keeper who finds a map.",
+                       "fixed instruction"),
+    }
+
+
+def _generate(llm, prompts, params) -> tuple[list[list[int]], float, int]:
+    steps = 0
+    step = llm.engine.step
+
+    def counted():
+        nonlocal steps
+        steps += 1
+        return step()
+
+    llm.engine.step = counted
+    try:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        llm.engine.sync()
+        dt = time.perf_counter() - t0
+    finally:
+        del llm.engine.step
+    return [o.token_ids for o in outs], dt, steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda if present)")
+    ap.add_argument("--k", default="0,2,4,8", help="draft tokens per step to compare (0 first)")
+    ap.add_argument("--concurrency", default="1,4", help="requests decoded together")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1, help="scored repeats (the best counts)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--out", default="docs/benchmarks")
+    args = ap.parse_args(argv)
+    from kvcap import LLM, SamplingParams
+
+    ks = [int(k) for k in args.k.split(",")]
+    if ks[0] != 0:
+        raise ConfigError("--k must start with 0: the run without drafts is the reference")
+    conc = [int(c) for c in args.concurrency.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    rows, ref, llms = [], {}, {}
+    for k in ks:
+        llm = LLM(model=args.model, device=args.device, num_speculative_tokens=k,
+                  max_model_len=2048, max_num_seqs=max(conc))
+        llms[k] = llm
+        prompts = {name: llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+            for name, (text, _) in tasks().items()}
+        _generate(llm, [prompts["open_story"]], SamplingParams(temperature=0, max_tokens=8))
+        for name, prompt in prompts.items():
+            for c in conc:
+                d0, a0 = llm.engine.num_draft_tokens, llm.engine.num_accepted_tokens
+                best = None
+                for _ in range(args.repeats):
+                    ids, dt, steps = _generate(llm, [prompt] * c, params)
+                    best = dt if best is None else min(best, dt)
+                drafted = (llm.engine.num_draft_tokens - d0) / args.repeats
+                kept = (llm.engine.num_accepted_tokens - a0) / args.repeats
+                key = (name, c)
+                if k == 0:
+                    ref[key] = ids
+                elif ids != ref[key]:
+                    raise AssertionError(f"K={k} changed the output of {name} x {c}")
+                tokens = sum(map(len, ids))
+                row = {"task": name, "concurrency": c, "k": k, "seconds": round(best, 3),
+                       "output_tokens": tokens, "tok_s": round(tokens / best, 1),
+                       "steps": steps, "tokens_per_step_per_request": round(tokens / steps / c,
+                                                                              2),
+                       "drafted": drafted, "kept": kept,
+                       "acceptance": round(kept / drafted, 3) if drafted else None}
+                rows.append(row)
+        del llm
+        llms.pop(k)
+    for r in rows:
+        base = next(b for b in rows if b["k"] == 0 and b["task"] == r["task"]
+                    and b["concurrency"] == r["concurrency"])
+        r["speedup"] = round(r["tok_s"] / base["tok_s"], 3)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev_name = torch.cuda.get_device_name() if device.startswith("cuda") else (
+        f"{platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}")
+    date = datetime.date.today().isoformat()
+    result = {"bench": "speculative", "date": date, **stamp(), "device": dev_name,
+              "model": args.model, "max_tokens": args.max_tokens, "repeats": args.repeats,
+              "greedy": True, "prompt_lookup": {"max": 4, "min": 2},
+              "tasks": {n: src for n, (_, src) in tasks().items()}, "rows": rows}
+    out = result_path(Path(args.out), f"speculative-{date}")
+    atomic_write_text(out, json.dumps(result, indent=1) + "\n")
+    print(f"speculative decoding by prompt lookup, {args.model} on {dev_name}; outputs equal "
+          f"to K=0 in every cell")
+    print(f"{'task':>10} {'conc':>4} {'K':>2} {'tok/s':>8} {'speedup':>7} {'accept':>6} "
+          f"{'tok/step':>8}")
+    for r in rows:
+        acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
+        print(f"{r['task']:>10} {r['concurrency']:>4} {r['k']:>2} {r['tok_s']:>8.1f} "
+              f"{r['speedup']:>7.2f} {acc:>6} {r['tokens_per_step_per_request']:>8.2f}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

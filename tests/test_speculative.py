@@ -1,0 +1,327 @@
+"""Speculative decoding by prompt lookup: the proposer, the scheduler's draft chunks and their
+verification, and the engine's output with drafts equal to its output without them.
+
+The scheduler part runs against a fake model that writes every scheduled token into a fake
+paged cache and reads the context back through the block table at each sampling row, with a
+next-token rule that mostly repeats itself (so lookup drafts are often right, and sometimes
+wrong). A draft row's context includes the drafts before it, exactly as the real forward does;
+rejected drafts' cache rows must be overwritten before anyone reads them.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from scheduler_fakes import EOS, VOCAB, Cfg, next_token, reference_output, req
+
+from kvcap.engine.block_manager import BlockManager
+from kvcap.engine.model_runner import accept_draft
+from kvcap.engine.ngram import NgramProposer
+from kvcap.engine.request import Request, RequestStatus
+from kvcap.engine.scheduler import Scheduler, SchedulerOutput
+from kvcap.errors import ConfigError
+
+
+def repeating(context: list[int]) -> int:
+    """Mostly the token 5 back (a loop drafts can follow), sometimes a hash of everything."""
+    if len(context) >= 5 and next_token(context) % 5:
+        return context[-5]
+    return next_token(context)
+
+
+class FakeModel:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.bs = block_size
+        self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+
+    def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, list[int]]]:
+        sampled, accepted = {}, {}
+        for c in out.chunks:
+            r, bs = c.request, self.bs
+            assert len(r.block_ids) * bs >= c.start + c.num_tokens
+            fed = r.all_token_ids[c.start:c.start + c.num_tokens - len(c.draft)] + c.draft
+            for pos, tok in zip(range(c.start, c.start + c.num_tokens), fed, strict=True):
+                self.kv[r.block_ids[pos // bs]][pos % bs] = tok
+            if not c.samples:
+                continue
+            known = r.all_token_ids[:c.start + c.num_tokens - len(c.draft)]
+            rows = []
+            for end in range(c.start + c.num_tokens - len(c.draft), c.start + c.num_tokens + 1):
+                ctx = [self.kv[r.block_ids[p // bs]][p % bs] for p in range(end)]
+                assert ctx == (known + c.draft)[:end], "cache content differs from the tokens"
+                rows.append(repeating(ctx))
+            if c.draft:
+                accepted[r.request_id], sampled[r.request_id] = accept_draft(c.draft, rows)
+            else:
+                sampled[r.request_id] = rows[0]
+        return sampled, accepted
+
+
+def make(num_blocks: int = 64, k: int = 4, **kw) -> tuple[Scheduler, BlockManager, FakeModel]:
+    cfg = Cfg(**{"max_num_batched_tokens": 64, "max_model_len": 200, **kw})
+    bm = BlockManager(num_blocks, cfg.block_size)
+    s = Scheduler(cfg, bm, eos_token_ids={EOS}, proposer=NgramProposer(k, 3, 1) if k else None)
+    return s, bm, FakeModel(num_blocks, cfg.block_size)
+
+
+def run_all(s: Scheduler, bm: BlockManager, model: FakeModel) -> list[SchedulerOutput]:
+    outs = []
+    while s.has_unfinished():
+        assert len(outs) < 10_000
+        out = s.schedule()
+        assert out.num_batched_tokens <= s.max_num_batched_tokens
+        for c in out.chunks:
+            assert c.num_tokens == 1 + len(c.draft) if c.draft else c.samples == (
+                c.start + c.num_tokens == c.request.num_tokens)
+        s.update_from_output(out, *model.execute(out))
+        bm.check_invariants(s.running)
+        outs.append(out)
+    return outs
+
+
+def prefill(s: Scheduler, r: Request, first: int = 3) -> None:
+    """Run `r`'s prompt through (in chunks if the budget says so) and give it token `first`."""
+    s.add_request(r)
+    while not r.output_token_ids:
+        out = s.schedule()
+        s.update_from_output(out, {r.request_id: first} if out.chunks[0].samples else {})
+
+
+# --- the proposer -----------------------------------------------------------------------------
+def test_proposer_copies_what_followed_the_latest_longest_match():
+    p = NgramProposer(3, max_n=3, min_n=1)
+    r = req("a", [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3])
+    assert p.propose(r, 8) == [7, 8, 5]  # the latest "1 2 3" (not the first one, not itself)
+    assert p.propose(r, 2) == [7, 8]  # the step's room
+    r.output_token_ids += [7, 4]  # "7 4" never occurred; "4" neither: no match
+    assert p.propose(r, 8) == []
+    r.output_token_ids += [8]  # "8" was followed by 5
+    assert p.propose(r, 8) == [5, 1, 2]
+    p.forget("a")
+    assert p.propose(r, 8) == [5, 1, 2]  # rebuilt from scratch, same answer
+
+
+def test_proposer_prefers_longer_ngrams_and_respects_min_n():
+    r = req("a", [1, 2, 8, 9, 2, 5, 1, 2])
+    assert NgramProposer(2, 2, 1).propose(r, 4) == [8, 9]  # "1 2" beats the later "2"
+    assert NgramProposer(2, 1, 1).propose(r, 4) == [5, 1]  # "2" alone: its latest occurrence
+    r2 = req("b", [4, 2, 6, 8, 2])  # only the 1-gram "2" matches
+    assert NgramProposer(2, 3, 2).propose(r2, 4) == []
+    assert NgramProposer(2, 3, 1).propose(r2, 4) == [6, 8]
+
+
+def test_proposer_incremental_equals_rebuilt():
+    rng = random.Random(0)
+    tokens = [rng.randrange(6) for _ in range(300)]
+    inc = NgramProposer(5, 4, 1)
+    r = req("a", tokens[:20])
+    for t in tokens[20:]:
+        got = inc.propose(r, 5)
+        fresh = NgramProposer(5, 4, 1).propose(r, 5)
+        assert got == fresh
+        r.output_token_ids.append(t)
+
+
+@pytest.mark.parametrize("k, hi, lo", [(-1, 4, 2), (17, 4, 2), (4, 2, 3), (4, 17, 2), (4, 3, 0)])
+def test_bad_settings_are_refused(k, hi, lo):
+    with pytest.raises(ConfigError, match="num_speculative_tokens|prompt_lookup"):
+        NgramProposer(k, hi, lo)
+
+
+def test_accept_draft():
+    assert accept_draft([4, 5, 6], [4, 5, 6, 9]) == ([4, 5, 6], 9)
+    assert accept_draft([4, 5, 6], [4, 1, 6, 9]) == ([4], 1)
+    assert accept_draft([4, 5, 6], [2, 5, 6, 9]) == ([], 2)
+
+
+# --- the scheduler with drafts ----------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(5))
+def test_outputs_equal_decoding_without_drafts(seed):
+    rng = random.Random(seed)
+    s, bm, model = make(num_blocks=rng.choice([24, 48, 96]), k=rng.choice([1, 3, 6]),
+                        max_num_seqs=rng.choice([1, 3, 8]),
+                        max_num_batched_tokens=rng.choice([8, 16, 64]), max_model_len=80)
+    reqs = []
+    for i in range(12):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 30))]
+        r = req(f"r{i}", prompt, max_tokens=rng.randrange(1, 40), ignore_eos=rng.random() < 0.5)
+        reqs.append(r)
+        s.add_request(r)
+    outs = run_all(s, bm, model)
+    assert bm.num_used_blocks == 0
+    for r in reqs:
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, r.sampling_params, 80,
+                                                      repeating)
+    drafted = sum(len(c.draft) for o in outs for c in o.chunks)
+    assert drafted > 0
+    steps_with = sum(1 for o in outs if any(c.draft for c in o.chunks))
+    assert steps_with > 0
+
+
+def test_drafts_fewer_steps_and_exact_lengths():
+    prompt = [3, 4, 5, 6, 7] * 4
+    with_drafts, bm, model = make(k=4)
+    a = req("a", prompt, max_tokens=30)
+    with_drafts.add_request(a)
+    n_with = len(run_all(with_drafts, bm, model))
+    plain, bm2, model2 = make(k=0)
+    b = req("b", prompt, max_tokens=30)
+    plain.add_request(b)
+    n_plain = len(run_all(plain, bm2, model2))
+    assert a.output_token_ids == b.output_token_ids and len(a.output_token_ids) == 30
+    assert n_with <= 0.6 * n_plain  # a loop the lookup follows: most drafts are kept
+
+
+def test_draft_room_respects_max_tokens_model_len_and_budget():
+    s, _, _ = make(k=8, max_num_batched_tokens=6, max_model_len=24)
+    r = req("a", [3, 4, 5, 6, 7] * 4, max_tokens=3)  # 20 tokens
+    prefill(s, r)  # 21 tokens, 1 output
+    c = s.schedule().chunks[0]
+    assert c.draft and len(c.draft) <= 1  # max_tokens 3: one draft + the sampled token
+    s2, _, _ = make(k=8, max_num_batched_tokens=6, max_model_len=23)
+    r2 = req("b", [3, 4, 5, 6, 7] * 4, max_tokens=50)
+    prefill(s2, r2)
+    assert len(s2.schedule().chunks[0].draft) == 1  # 21 tokens; max_model_len 23
+    s3, _, _ = make(k=8, max_num_batched_tokens=6)
+    r3 = req("c", [3, 4, 5, 6, 7] * 4, max_tokens=50)
+    prefill(s3, r3)
+    assert len(s3.schedule().chunks[0].draft) == 5  # the budget: 6 tokens
+
+
+@pytest.mark.parametrize("params", [
+    dict(logprobs=1), dict(presence_penalty=0.5), dict(logit_bias={3: 1.0}),
+    dict(min_tokens=10), dict(json_object=True, ignore_eos=False),
+])
+def test_no_drafts_for_sampling_that_depends_on_the_tokens_before(params):
+    s, _, _ = make(k=4)
+    prefill(s, req("a", [3, 4, 5, 6, 7] * 4, max_tokens=50, **params))
+    assert s.schedule().chunks[0].draft == []
+
+
+def test_drafts_never_preempt_and_stop_inside_the_kept_drafts():
+    # drafts take only free blocks beyond one per running request
+    s, bm, _ = make(num_blocks=6, k=4)
+    prefill(s, req("a", [3, 4, 5, 6, 7] * 4, max_tokens=50))  # 20 tokens: 5 full blocks
+    assert bm.num_free_blocks == 1  # kept for the 21st token
+    out = s.schedule()
+    assert out.chunks[0].draft == [] and out.chunks[0].num_tokens == 1 and not out.preempted
+    s, bm, _ = make(num_blocks=7, k=4)
+    prefill(s, req("a", [3, 4, 5, 6, 7] * 4, max_tokens=50))
+    out = s.schedule()
+    assert out.chunks[0].draft == [4, 5, 6] and not out.preempted  # the 6th block's 3 slots
+    assert bm.num_free_blocks == 1
+    # EOS among the kept tokens ends the output there; what follows is dropped
+    s2, bm2, _ = make(k=4)
+    r = req("b", [3, 4, 5, 6, 7] * 4, max_tokens=50, ignore_eos=False)
+    prefill(s2, r)
+    c = s2.schedule()
+    assert c.chunks[0].draft == [4, 5, 6, 7]
+    done = s2.update_from_output(c, {"b": EOS}, {"b": [4, 5]})
+    assert done == [r] and r.output_token_ids == [3, 4, 5, EOS]
+    assert r.status == RequestStatus.FINISHED_STOPPED and bm2.num_used_blocks == 0
+    with pytest.raises(ValueError, match="not a prefix"):
+        s3, _, _ = make(k=4)
+        prefill(s3, req("c", [3, 4, 5, 6, 7] * 4, max_tokens=50))
+        s3.update_from_output(s3.schedule(), {"c": 1}, {"c": [9]})
+
+
+# --- the engine on the embedded model ----------------------------------------------------------
+# A prompt whose continuation copies from it: the lookup finds drafts and the model keeps many.
+COPY_PROMPT = ("Repeat this list exactly, one item per line.\n"
+               "- apples: 3 kg\n- pears: 2 kg\n- plums: 5 kg\n- figs: 1 kg\n\nThe list again:\n")
+
+
+def _scales(num_layers: int) -> dict[str, float]:
+    out = {}
+    for i in range(num_layers):
+        out[f"model.layers.{i}.self_attn.k_scale"] = 0.011 + 0.0031 * (i % 7)
+        out[f"model.layers.{i}.self_attn.v_scale"] = 0.004 + 0.0017 * (i % 5)
+    return out
+
+
+@pytest.fixture(scope="module", params=["model dtype", "fp8_e4m3"])
+def llm_pair(request, default_model_dir):
+    from kvcap import LLM
+
+    def build(k):
+        kw = dict(model=str(default_model_dir), device="cpu", max_model_len=512, num_blocks=64,
+                  num_speculative_tokens=k, prompt_lookup_max=4, prompt_lookup_min=2)
+        if request.param == "fp8_e4m3":
+            kw.update(kv_cache_dtype="fp8_e4m3", kv_scales=_scales(30))
+        return LLM(**kw)
+
+    return build(0), build(4)
+
+
+def _run(llm, params):
+    before = (llm.engine.num_draft_tokens, llm.engine.num_accepted_tokens)
+    outs = llm.generate([COPY_PROMPT, "Count: 1, 2, 3, 4,"], params, use_tqdm=False)
+    return outs, (llm.engine.num_draft_tokens - before[0],
+                  llm.engine.num_accepted_tokens - before[1])
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0, max_tokens=40),
+    dict(temperature=0.7, top_p=0.9, seed=11, max_tokens=40),
+], ids=["greedy", "seeded"])
+def test_engine_output_is_the_same_with_drafts(llm_pair, params):
+    from kvcap import SamplingParams
+
+    plain, spec = llm_pair
+    ref, none = _run(plain, SamplingParams(**params))
+    got, (drafted, kept) = _run(spec, SamplingParams(**params))
+    assert none == (0, 0)
+    assert drafted > 0 and kept > 0
+    for a, b in zip(ref, got, strict=True):
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+
+
+def test_engine_stop_string_inside_kept_drafts(llm_pair, monkeypatch):
+    """A stop string met inside a step's kept drafts ends the output where one-token steps
+    would have: the tokens after it are dropped."""
+    from kvcap import SamplingParams
+    from kvcap.engine.engine import Engine
+
+    plain, spec = llm_pair
+    dropped = []
+    cut = Engine._drop_after_stop
+
+    def counting(self, req, *args):
+        n = len(req.output_token_ids)
+        cut(self, req, *args)
+        dropped.append(n - len(req.output_token_ids))
+
+    monkeypatch.setattr(Engine, "_drop_after_stop", counting)
+    full = plain.generate([COPY_PROMPT], SamplingParams(temperature=0, max_tokens=48),
+                          use_tqdm=False)[0].text
+    for at in range(len(full) // 4, len(full) - 4, 3):  # until one lands inside kept drafts
+        if any(dropped):
+            break
+        stop = full[at:at + 4]
+        p = SamplingParams(temperature=0, max_tokens=48, stop=[stop])
+        a = plain.generate([COPY_PROMPT], p, use_tqdm=False)[0]
+        b = spec.generate([COPY_PROMPT], p, use_tqdm=False)[0]
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+        p = SamplingParams(temperature=0, max_tokens=48, stop=[stop],
+                           include_stop_str_in_output=True)
+        assert spec.generate([COPY_PROMPT], p, use_tqdm=False)[0].text == \
+            plain.generate([COPY_PROMPT], p, use_tqdm=False)[0].text
+    assert any(dropped), "no stop string landed inside kept drafts: the test proves nothing"
+
+
+def test_engine_mixed_batch_with_requests_that_take_no_drafts(llm_pair):
+    from kvcap import SamplingParams
+
+    plain, spec = llm_pair
+    ps = [SamplingParams(temperature=0, max_tokens=24),
+          SamplingParams(temperature=0, max_tokens=24, logprobs=2),
+          SamplingParams(temperature=0, max_tokens=24, frequency_penalty=0.5),
+          SamplingParams(temperature=0, max_tokens=24, min_tokens=20)]
+    prompts = [COPY_PROMPT] * 4
+    ref = plain.generate(prompts, ps, use_tqdm=False)
+    got = spec.generate(prompts, ps, use_tqdm=False)
+    for a, b in zip(ref, got, strict=True):
+        assert (b.token_ids, b.text) == (a.token_ids, a.text)
+    assert got[1].logprobs is not None and len(got[1].logprobs) == len(got[1].token_ids)
+    assert spec.block_manager.num_used_blocks == 0
