@@ -107,6 +107,12 @@ class LLM:
             enforce_eager=enforce_eager, num_speculative_tokens=num_speculative_tokens,
             prompt_lookup_max=prompt_lookup_max, prompt_lookup_min=prompt_lookup_min)
         self.config.validate()
+        if self.qsa is not None and num_speculative_tokens:
+            # The indexer's side caches fold in every key written (running min/max bounds, a
+            # ring per block): a rejected draft's key would stay in them.
+            raise ConfigError("speculative decoding (num_speculative_tokens) cannot run with "
+                              "QSA: its indexer caches would keep the keys of rejected drafts; "
+                              "use one or the other")
 
         if str(model).startswith(loader.DUMMY_PREFIX):
             hf_cfg = loader.dummy_config(str(model))

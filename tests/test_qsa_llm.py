@@ -65,6 +65,11 @@ def test_llm_qsa_equals_enable_qsa(tiny_model):
     assert float((llm.prompt_logits(prompts[:1])[0] - dense).abs().max()) > 1e-3
 
 
+def test_speculative_decoding_is_refused_with_qsa(tiny_model):
+    with pytest.raises(ConfigError, match="cannot run with QSA"):
+        LLM(model=tiny_model, num_blocks=8, qsa="every2", num_speculative_tokens=2)
+
+
 def test_pool_sizing_counts_side_bytes(tiny_model):
     kw = dict(model=tiny_model, dtype="float32", kv_cache_memory_gib=1 / 1024)  # 1 MiB
     dense = LLM(**kw)
