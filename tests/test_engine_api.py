@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from kvcap import LLM, SamplingParams
+from kvcap.engine.prefix_view import PrefixView
 from kvcap.errors import ConfigError
 
 
@@ -93,6 +94,15 @@ def test_unstreamed_requests_give_one_final_output_equal_to_the_streamed(llm):
         a, b = streamed[-1], whole[0]
         assert (a.token_ids, a.text, a.logprobs, a.finish_reason) == \
             (b.token_ids, b.text, b.logprobs, b.finish_reason)
+        # while running, views that keep their length as the request grows; lists at the end
+        for j, o in enumerate(streamed[:-1]):
+            assert isinstance(o.token_ids, PrefixView) and not o.finished
+            assert list(o.token_ids) == b.token_ids[:len(o.token_ids)]
+            assert len(o.token_ids) == len(streamed[j + 1].token_ids) - 1 or \
+                streamed[j + 1].finished
+            if b.logprobs is not None:
+                assert list(o.logprobs) == b.logprobs[:len(o.token_ids)]
+        assert type(a.token_ids) is list and type(b.token_ids) is list
 
 
 def test_logprobs_of_a_batch_equal_each_request_alone(llm):

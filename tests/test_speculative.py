@@ -240,18 +240,25 @@ def _scales(num_layers: int) -> dict[str, float]:
     return out
 
 
-@pytest.fixture(scope="module", params=["model dtype", "fp8_e4m3"])
-def llm_pair(request, default_model_dir):
+def _pair(model_dir, **kw):
     from kvcap import LLM
 
     def build(k):
-        kw = dict(model=str(default_model_dir), device="cpu", max_model_len=512, num_blocks=64,
-                  num_speculative_tokens=k, prompt_lookup_max=4, prompt_lookup_min=2)
-        if request.param == "fp8_e4m3":
-            kw.update(kv_cache_dtype="fp8_e4m3", kv_scales=_scales(30))
-        return LLM(**kw)
+        return LLM(model=str(model_dir), device="cpu", max_model_len=512, num_blocks=64,
+                   num_speculative_tokens=k, prompt_lookup_max=4, prompt_lookup_min=2, **kw)
 
     return build(0), build(4)
+
+
+@pytest.fixture(scope="module")
+def llm_pair(default_model_dir):
+    """Without and with drafts, in the model dtype."""
+    return _pair(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def e4m3_pair(default_model_dir):
+    return _pair(default_model_dir, kv_cache_dtype="fp8_e4m3", kv_scales=_scales(30))
 
 
 def _run(llm, params):
@@ -261,14 +268,15 @@ def _run(llm, params):
                   llm.engine.num_accepted_tokens - before[1])
 
 
-@pytest.mark.parametrize("params", [
-    dict(temperature=0, max_tokens=40),
-    dict(temperature=0.7, top_p=0.9, seed=11, max_tokens=40),
-], ids=["greedy", "seeded"])
-def test_engine_output_is_the_same_with_drafts(llm_pair, params):
+@pytest.mark.parametrize("cache, params", [
+    ("llm_pair", dict(temperature=0, max_tokens=40)),
+    ("llm_pair", dict(temperature=0.7, top_p=0.9, seed=11, max_tokens=40)),
+    ("e4m3_pair", dict(temperature=0.7, top_p=0.9, seed=11, max_tokens=40)),
+], ids=["greedy", "seeded", "e4m3-seeded"])
+def test_engine_output_is_the_same_with_drafts(request, cache, params):
     from kvcap import SamplingParams
 
-    plain, spec = llm_pair
+    plain, spec = request.getfixturevalue(cache)
     ref, none = _run(plain, SamplingParams(**params))
     got, (drafted, kept) = _run(spec, SamplingParams(**params))
     assert none == (0, 0)

@@ -20,6 +20,7 @@ import torch
 from kvcap.engine.block_manager import BlockManager
 from kvcap.engine.detokenizer import IncrementalDetokenizer
 from kvcap.engine.model_runner import ModelRunner, PendingStep, RequestExtras
+from kvcap.engine.prefix_view import PrefixView
 from kvcap.engine.request import Request, RequestStatus
 from kvcap.engine.scheduler import Scheduler, SchedulerOutput
 from kvcap.errors import ConfigError
@@ -32,11 +33,13 @@ logger = logging.getLogger(__name__)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
+    # lists in a final output; read-only views (PrefixView: len, index, slice, iterate, ==)
+    # in the outputs of a streamed request that is still running
+    token_ids: list[int] | PrefixView
     text: str
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, float]] | PrefixView | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logits: torch.Tensor | None = None  # [num_prompt_tokens, V] when asked for
     error: str | None = None
@@ -287,14 +290,16 @@ class Engine:
         reason = req.stop_reason
         err = reason if done and isinstance(reason, str) and reason.startswith("error:") \
             else None
+        # while running, views of the request's own lists (O(1) per step; see prefix_view)
+        own = list if done else PrefixView
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids),
+            token_ids=own(req.output_token_ids),
             text=text,
             finished=done,
             finish_reason=req.status.value if done else None,
-            logprobs=list(ex.logprobs) if p.logprobs is not None else None,
+            logprobs=own(ex.logprobs) if p.logprobs is not None else None,
             prompt_logprobs=list(ex.prompt_logprobs) if p.prompt_logprobs is not None else None,
             prompt_logits=(torch.cat(ex.prompt_logits) if ex.want_prompt_logits
                            and ex.prompt_logits else None),
