@@ -81,6 +81,9 @@ class Probe:
             self.means[key] = m
             self.scales[(*key, False)] = scale_for(float(flat.abs().max()))
             self.scales[(*key, True)] = scale_for(float((flat - m[0, :, 0]).abs().max()))
+            if key[1] == "k" and key[0] in (0, 9, 20, 29):
+                share = float(m.pow(2).sum() / flat.pow(2).mean(0).sum())
+                print(f"layer {key[0]:2d} K: the mean holds {share:.0%} of its energy")
         self.seen.clear()
 
 

@@ -10,9 +10,12 @@ rejected drafts' cache rows must be overwritten before anyone reads them.
 
 from __future__ import annotations
 
+import json
+import os
 import random
 
 import pytest
+import torch
 from scheduler_fakes import EOS, VOCAB, Cfg, next_token, reference_output, req
 
 from kvcap.engine.block_manager import BlockManager
@@ -333,3 +336,28 @@ def test_engine_mixed_batch_with_requests_that_take_no_drafts(llm_pair):
         assert (b.token_ids, b.text) == (a.token_ids, a.text)
     assert got[1].logprobs is not None and len(got[1].logprobs) == len(got[1].token_ids)
     assert spec.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_triton_backend_runs_draft_chunks(tmp_path, kv):
+    """Draft chunks take the Triton chunked-prefill route (every row sampling) and the E4M3
+    cache write/read: the same tokens as without drafts, on a tiny random model."""
+    from kvcap import LLM, SamplingParams
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 64,
+           "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+           "tie_word_embeddings": False, "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    kw = dict(model=f"dummy:{tmp_path}", device="cpu", num_blocks=16, dtype="float32",
+              attention_backend="triton", kv_cache_dtype=kv,
+              kv_scales=_scales(2) if kv == "fp8_e4m3" else None, prompt_lookup_min=1)
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 3]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(**kw).generate(prompts, params, use_tqdm=False)]
+    spec = LLM(**kw, num_speculative_tokens=3)
+    assert spec.runner.backend.name == "triton"
+    assert [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == ref
+    assert spec.engine.num_draft_tokens > 0
