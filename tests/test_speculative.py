@@ -192,14 +192,15 @@ def test_draft_room_respects_max_tokens_model_len_and_budget():
     assert len(s3.schedule().chunks[0].draft) == 5  # the budget: 6 tokens
 
 
-@pytest.mark.parametrize("params", [
-    dict(logprobs=1), dict(presence_penalty=0.5), dict(logit_bias={3: 1.0}),
-    dict(min_tokens=10), dict(json_object=True, ignore_eos=False),
+@pytest.mark.parametrize("params, drafts", [
+    (dict(logprobs=1), True), (dict(presence_penalty=0.5), True),
+    (dict(logit_bias={3: 1.0}), True), (dict(min_tokens=10), True),
+    (dict(json_object=True, ignore_eos=False), False),  # the grammar may replace a token
 ])
-def test_no_drafts_for_sampling_that_depends_on_the_tokens_before(params):
+def test_which_requests_take_drafts(params, drafts):
     s, _, _ = make(k=4)
     prefill(s, req("a", [3, 4, 5, 6, 7] * 4, max_tokens=50, **params))
-    assert s.schedule().chunks[0].draft == []
+    assert bool(s.schedule().chunks[0].draft) == drafts
 
 
 def test_drafts_never_preempt_and_stop_inside_the_kept_drafts():
@@ -321,20 +322,33 @@ def test_engine_stop_string_inside_kept_drafts(llm_pair, monkeypatch):
     assert any(dropped), "no stop string landed inside kept drafts: the test proves nothing"
 
 
-def test_engine_mixed_batch_with_requests_that_take_no_drafts(llm_pair):
+def test_engine_penalties_bias_min_tokens_and_logprobs_with_drafts(llm_pair):
+    """Rows of a draft chunk count the drafts before them as generated (penalties, min_tokens)
+    and report logprobs only for the tokens kept: the same tokens, text and logprobs as
+    without drafts, while the drafts are used."""
     from kvcap import SamplingParams
 
     plain, spec = llm_pair
     ps = [SamplingParams(temperature=0, max_tokens=24),
           SamplingParams(temperature=0, max_tokens=24, logprobs=2),
-          SamplingParams(temperature=0, max_tokens=24, frequency_penalty=0.5),
-          SamplingParams(temperature=0, max_tokens=24, min_tokens=20)]
+          SamplingParams(temperature=0, max_tokens=24, frequency_penalty=0.4,
+                         presence_penalty=0.2, repetition_penalty=1.1),
+          SamplingParams(temperature=0.8, seed=5, max_tokens=24, min_tokens=20,
+                         logit_bias={13: 2.0}, logprobs=1)]
     prompts = [COPY_PROMPT] * 4
     ref = plain.generate(prompts, ps, use_tqdm=False)
-    got = spec.generate(prompts, ps, use_tqdm=False)
+    got = []
+    for prompt, p in zip(prompts, ps, strict=True):  # one at a time: each must take drafts
+        before = spec.engine.num_draft_tokens
+        got += spec.generate([prompt], p, use_tqdm=False)
+        assert spec.engine.num_draft_tokens > before, p
     for a, b in zip(ref, got, strict=True):
         assert (b.token_ids, b.text) == (a.token_ids, a.text)
-    assert got[1].logprobs is not None and len(got[1].logprobs) == len(got[1].token_ids)
+        if a.logprobs is not None:
+            assert len(b.logprobs) == len(b.token_ids)
+            for da, db in zip(a.logprobs, b.logprobs, strict=True):
+                assert da.keys() == db.keys()
+                assert all(abs(da[t] - db[t]) < 1e-3 for t in da)
     assert spec.block_manager.num_used_blocks == 0
 
 

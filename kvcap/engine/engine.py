@@ -290,7 +290,12 @@ class Engine:
         reason = req.stop_reason
         err = reason if done and isinstance(reason, str) and reason.startswith("error:") \
             else None
-        # while running, views of the request's own lists (O(1) per step; see prefix_view)
+        # while running, views of the request's own lists (O(1) per step; see prefix_view);
+        # logprobs as many as tokens (a stop among kept drafts may have cut the tokens)
+        n = len(req.output_token_ids)
+        lps = None
+        if p.logprobs is not None:
+            lps = ex.logprobs[:n] if done else PrefixView(ex.logprobs, min(n, len(ex.logprobs)))
         own = list if done else PrefixView
         return RequestOutput(
             request_id=req.request_id,
@@ -299,7 +304,7 @@ class Engine:
             text=text,
             finished=done,
             finish_reason=req.status.value if done else None,
-            logprobs=own(ex.logprobs) if p.logprobs is not None else None,
+            logprobs=lps,
             prompt_logprobs=list(ex.prompt_logprobs) if p.prompt_logprobs is not None else None,
             prompt_logits=(torch.cat(ex.prompt_logits) if ex.want_prompt_logits
                            and ex.prompt_logits else None),

@@ -331,23 +331,26 @@ class ModelRunner:
         sampling = [ch for ch in chunks if ch.samples]
         reqs = [ch.request for ch in sampling]
         # the step index of each row: tokens sampled before it (one more in flight when ahead)
-        steps, drafts = None, None
+        steps, drafts, ahead_of = None, None, None
         if any(ch.draft for ch in sampling):  # a draft chunk's rows: one per token it samples
-            reqs, steps, drafts = [], [], []
+            reqs, steps, drafts, ahead_of = [], [], [], []
             for ch in sampling:
                 first, base = len(reqs), len(ch.request.output_token_ids)
                 reqs += [ch.request] * (1 + len(ch.draft))
                 steps += range(base, base + 1 + len(ch.draft))
+                ahead_of += [ch.draft[:i] for i in range(1 + len(ch.draft))]
                 if ch.draft:
                     drafts.append((first, ch))
         if logits is None:
             return PendingStep(reqs, None, None, None)
         raw = None
         adjust = [j for j, r in enumerate(reqs)
-                  if r.sampling_params.adjusts_logits_after(len(r.output_token_ids))]
+                  if r.sampling_params.adjusts_logits_after(
+                      len(r.output_token_ids) + (len(ahead_of[j]) if ahead_of else 0))]
         if adjust:
-            raw, logits = logits, self._adjusted(logits, [reqs[j] for j in adjust], adjust,
-                                                 extras)
+            raw, logits = logits, self._adjusted(
+                logits, [reqs[j] for j in adjust], adjust, extras,
+                [ahead_of[j] for j in adjust] if ahead_of else None)
         if all(r.sampling_params.temperature == 0.0 for r in reqs):
             return PendingStep(reqs, logits, self.sampler.sample_greedy(logits),
                                None, raw_logits=raw, drafts=drafts).start_copy()
@@ -361,18 +364,21 @@ class ModelRunner:
                            batch, raw_logits=raw, drafts=drafts).start_copy()
 
     def _adjusted(self, logits: torch.Tensor, reqs: list[Request], rows: list[int],
-                  extras: dict[str, RequestExtras]) -> torch.Tensor:
+                  extras: dict[str, RequestExtras],
+                  drafted: list[list[int]] | None = None) -> torch.Tensor:
         """Logits with the listed rows' bias and penalties applied (a copy). The engine does
-        not launch ahead for such requests, so their outputs so far are all known."""
+        not launch ahead for such requests, so their outputs so far are all known. `drafted`:
+        per row, the draft tokens before it in its chunk, counted as if already generated."""
         states = []
-        for r in reqs:
+        for j, r in enumerate(reqs):
             ex = extras[r.request_id]
             if ex.penalties is None:
                 sp = r.sampling_params
                 ex.penalties = PenaltyState(stops=sorted(set(sp.stop_token_ids) | (
                     set() if sp.ignore_eos else self.eos_token_ids)))
             ex.penalties.update(r.prompt_token_ids, r.output_token_ids)
-            states.append(ex.penalties)
+            states.append(ex.penalties.then(drafted[j]) if drafted and drafted[j]
+                          else ex.penalties)
         return adjust_logits(logits, rows, [r.sampling_params for r in reqs], states)
 
     @torch.inference_mode()
@@ -400,8 +406,11 @@ class ModelRunner:
                             host_fixed=fixed, failed=failed)
         for first, ch in step.drafts or ():
             rid = ch.request.request_id
-            result.accepted[rid], result.sampled[rid] = accept_draft(
+            kept, result.sampled[rid] = accept_draft(
                 ch.draft, tokens[first:first + 1 + len(ch.draft)])
+            result.accepted[rid] = kept
+            if ch.request.sampling_params.logprobs is not None and len(kept) < len(ch.draft):
+                del extras[rid].logprobs[len(kept) - len(ch.draft):]  # the rejected rows'
         return result
 
     def _constrain(self, step: PendingStep, extras: dict[str, RequestExtras],

@@ -42,6 +42,12 @@ class PenaltyState:
         if self.prompt is None:
             self.prompt = set(prompt)
 
+    def then(self, tokens: list[int]) -> PenaltyState:
+        """The state after `tokens` more outputs (a copy; a draft row's view of its request)."""
+        counts = self.counts.copy()
+        counts.update(tokens)
+        return PenaltyState(self.stops, counts, self.counted + len(tokens), self.prompt)
+
 
 def adjust_logits(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
                   states: list[PenaltyState]) -> torch.Tensor:
