@@ -195,7 +195,8 @@ def test_draft_room_respects_max_tokens_model_len_and_budget():
 @pytest.mark.parametrize("params, drafts", [
     (dict(logprobs=1), True), (dict(presence_penalty=0.5), True),
     (dict(logit_bias={3: 1.0}), True), (dict(min_tokens=10), True),
-    (dict(json_object=True, ignore_eos=False), False),  # the grammar may replace a token
+    (dict(json_object=True, ignore_eos=False), True),
+    (dict(json_object=True, ignore_eos=False, reasoning="qwen3"), False),  # a per-step gate
 ])
 def test_which_requests_take_drafts(params, drafts):
     s, _, _ = make(k=4)
@@ -350,6 +351,29 @@ def test_engine_penalties_bias_min_tokens_and_logprobs_with_drafts(llm_pair):
                 assert da.keys() == db.keys()
                 assert all(abs(da[t] - db[t]) < 1e-3 for t in da)
     assert spec.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_engine_structured_output_with_drafts(llm_pair, temperature):
+    """Each draft row's token is checked against the grammar state the drafts before it lead
+    to (and replaced as one-token decoding would replace it): the same JSON as without."""
+    from kvcap import SamplingParams
+
+    plain, spec = llm_pair
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string"}, "city": {"type": "string"}, "items": {
+            "type": "array", "items": {"type": "string"}}}, "required": ["name", "city", "items"]}
+    prompt = ("Return this record as JSON with keys name, city and items: name Alice Smith, "
+              "city Paris, items apples, pears, plums.\n"
+              '{"name": "Alice Smith", "city": "Paris", "items": ["apples", "pears", "plums"]}\n'
+              "Again:\n")
+    p = SamplingParams(temperature=temperature, seed=4, max_tokens=48, json_schema=schema)
+    a = plain.generate([prompt], p, use_tqdm=False)[0]
+    before = spec.engine.num_accepted_tokens
+    b = spec.generate([prompt], p, use_tqdm=False)[0]
+    assert spec.engine.num_accepted_tokens > before
+    assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+    assert json.loads(b.text).keys() == {"name", "city", "items"}
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),

@@ -425,7 +425,11 @@ class ModelRunner:
             self._structured = StructuredOutput(
                 TokenTexts(self.tokenizer), self.model.spec.vocab_size, self.eos_token_ids)
         changed = False
+        drafts = dict(step.drafts or ())  # first row -> its draft chunk
+        past = -1  # rows of a draft chunk already done
         for j in rows:
+            if j < past:
+                continue
             ex = extras[step.reqs[j].request_id]
             sp = step.reqs[j].sampling_params
             if ex.grammar is None:
@@ -433,20 +437,35 @@ class ModelRunner:
                 ex.grammar_state = ex.grammar.start
                 if sp.reasoning is not None:
                     ex.reasoning_gate = ReasoningGate(sp.reasoning)
-            if ex.reasoning_gate is not None and not ex.reasoning_gate.admit(
+            ch = drafts.get(j)
+            if ch is None and ex.reasoning_gate is not None and not ex.reasoning_gate.admit(
                     bytes(self._structured.texts(tokens[j])[1])):
                 continue  # still thinking: free text
+            n = 1 if ch is None else 1 + len(ch.draft)
+            past = j + n
             try:
-                tok, ex.grammar_state = self._structured.choose(
-                    ex.grammar, ex.grammar_state, tokens[j], step.logits[j],
-                    lambda row, j=j: self._resample(step, j, row))
+                changed |= self._constrain_rows(step, ex, j, ch.draft if ch else [], tokens)
             except NoContinuation as e:
                 rid = step.reqs[j].request_id
                 logger.error("request %s ended: %s", rid, e)
                 failed[rid] = str(e)
-                continue
+        return changed
+
+    def _constrain_rows(self, step: PendingStep, ex: RequestExtras, first: int,
+                        draft: list[int], tokens: list[int]) -> bool:
+        """One request's rows from `first`: each token chosen from the grammar state the
+        tokens before it lead to, as long as they follow the draft (the rows after the first
+        that does not are never used)."""
+        changed, state = False, ex.grammar_state
+        for i in range(len(draft) + 1):
+            j = first + i
+            tok, state = self._structured.choose(ex.grammar, state, tokens[j], step.logits[j],
+                                                 lambda row, j=j: self._resample(step, j, row))
             changed |= tok != tokens[j]
             tokens[j] = tok
+            if i == len(draft) or tok != draft[i]:
+                break
+        ex.grammar_state = state
         return changed
 
     @staticmethod

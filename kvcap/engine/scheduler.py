@@ -233,12 +233,13 @@ class Scheduler:
     def _draft(self, req: Request, budget: int) -> list[int]:
         """Draft tokens for a request in decode, with the blocks to verify them taken, or none:
         only as many as the budget, max_tokens and max_model_len leave room for if all are
-        accepted, not for structured output (its grammar may replace a sampled token on the
-        host), and never at the cost of preempting anything: drafts take only free blocks
-        beyond one per running request (each may need one for its next token)."""
+        accepted, not for structured output after a reasoning section (its gate reads the
+        tokens one step at a time), and never at the cost of preempting anything: drafts take
+        only free blocks beyond one per running request (each may need one for its next
+        token)."""
         sp = req.sampling_params
         out = len(req.output_token_ids)
-        if sp.structured:
+        if sp.structured and sp.reasoning is not None:
             return []
         bm = self.block_manager
         spare = max(0, bm.num_free_blocks - len(self.running))
