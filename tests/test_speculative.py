@@ -376,6 +376,37 @@ def test_engine_structured_output_with_drafts(llm_pair, temperature):
     assert json.loads(b.text).keys() == {"name", "city", "items"}
 
 
+def test_server_streams_several_tokens_a_step(llm_pair):
+    """Through the OpenAI server: a streamed chat with drafts (several tokens per event) and
+    logprobs gives the text and logprobs of the engine without drafts; /metrics counts the
+    drafts."""
+    import openai
+    from server_helpers import ThreadedServer, metrics
+
+    from kvcap import SamplingParams
+    from kvcap.server.app import create_app
+
+    plain, spec = llm_pair
+    msgs = [{"role": "user", "content": COPY_PROMPT}]
+    ref = plain.chat(msgs, SamplingParams(temperature=0, max_tokens=40, logprobs=0),
+                     use_tqdm=False)[0]
+    with ThreadedServer(create_app(spec, served_model_name="spec")) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        chunks = list(client.chat.completions.create(
+            model="spec", messages=msgs, max_tokens=40, temperature=0, stream=True,
+            logprobs=True))
+        m = metrics(server.url)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    lps = [t.logprob for c in chunks if c.choices and c.choices[0].logprobs
+           for t in c.choices[0].logprobs.content]
+    assert len(lps) == len(ref.token_ids)
+    assert all(abs(a - d[t]) < 1e-3 for a, d, t in zip(lps, ref.logprobs, ref.token_ids,
+                                                        strict=True))
+    assert m["kvcap_spec_decode_accepted_tokens_total"] > 0
+    assert m["kvcap_spec_decode_draft_tokens_total"] >= m["kvcap_spec_decode_accepted_tokens_total"]
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
