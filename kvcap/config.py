@@ -168,6 +168,9 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    # no drafts while more requests than this run (None: always); where verify rows stop
+    # being nearly free (a batch large enough to load the GPU's compute)
+    speculative_disable_by_batch_size: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -198,6 +201,10 @@ class EngineConfig:
 
         check_ngram_settings(self.num_speculative_tokens, self.prompt_lookup_max,
                              self.prompt_lookup_min)
+        b = self.speculative_disable_by_batch_size
+        if b is not None and (not isinstance(b, int) or b < 1):
+            raise ConfigError(f"speculative_disable_by_batch_size must be an integer >= 1 (or "
+                              f"unset: drafts at any batch size), got {b!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(
                 f"attention_backend {self.attention_backend!r} is not one of auto, torch, triton"

@@ -85,6 +85,7 @@ class LLM:
         num_speculative_tokens: int = 0,
         prompt_lookup_max: int = 4,
         prompt_lookup_min: int = 2,
+        speculative_disable_by_batch_size: int | None = None,
     ):
         # What a tensor-parallel worker needs to build the same LLM (taken before any local).
         worker_args = {k: v for k, v in locals().items()
@@ -105,7 +106,8 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
             enforce_eager=enforce_eager, num_speculative_tokens=num_speculative_tokens,
-            prompt_lookup_max=prompt_lookup_max, prompt_lookup_min=prompt_lookup_min)
+            prompt_lookup_max=prompt_lookup_max, prompt_lookup_min=prompt_lookup_min,
+            speculative_disable_by_batch_size=speculative_disable_by_batch_size)
         self.config.validate()
         if self.qsa is not None and num_speculative_tokens:
             # The indexer's side caches fold in every key written (running min/max bounds, a

@@ -204,6 +204,22 @@ def test_which_requests_take_drafts(params, drafts):
     assert bool(s.schedule().chunks[0].draft) == drafts
 
 
+def test_no_drafts_above_the_batch_size_limit():
+    s, bm, model = make(k=4, max_num_seqs=4)
+    s.draft_max_batch = 2
+    for i in range(3):
+        s.add_request(req(f"r{i}", [3, 4, 5, 6, 7] * 4, max_tokens=50))
+    first = s.schedule()  # the three prompts in one step (60 of 64 tokens)
+    s.update_from_output(first, {c.request.request_id: 3 for c in first.chunks})
+    assert len(s.running) == 3 and not any(c.draft for c in s.schedule().chunks)
+    s.finish_request(s.running[-1], RequestStatus.FINISHED_ABORTED)
+    assert all(c.draft for c in s.schedule().chunks)  # two left: drafts again
+    with pytest.raises(ConfigError, match="speculative_disable_by_batch_size"):
+        from kvcap.config import EngineConfig
+
+        EngineConfig(speculative_disable_by_batch_size=0).validate()
+
+
 def test_drafts_never_preempt_and_stop_inside_the_kept_drafts():
     # drafts take only free blocks beyond one per running request
     s, bm, _ = make(num_blocks=6, k=4)

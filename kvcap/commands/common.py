@@ -92,6 +92,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest n-gram matched for drafts (default 4)")
     p.add_argument("--prompt-lookup-min", type=positive_int, default=2, metavar="N",
                    help="shortest n-gram matched for drafts (default 2)")
+    p.add_argument("--speculative-disable-by-batch-size", type=positive_int, default=None,
+                   metavar="N", help="no drafts while more than N requests run (default: "
+                                     "drafts at any batch size)")
     p.add_argument("--qsa", default=None, metavar="PRESET",
                    help="query-aware sparse attention: every4, all-but-2, ... with an optional "
                         ":TOKENS budget (default 2048), e.g. every4:1024 (docs/qsa.md)")
@@ -109,4 +112,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed, qsa=args.qsa, chat_template=args.chat_template,
         num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min,
+        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
     )

@@ -113,6 +113,7 @@ class Scheduler:
         # records per forward (calibration, QSA probes): drafts would add rows to it.
         self.proposer = proposer
         self.speculate = proposer is not None
+        self.draft_max_batch = getattr(config, "speculative_disable_by_batch_size", None)
 
     # ----------------------------------------------------------------- queues
     @property
@@ -204,7 +205,9 @@ class Scheduler:
             computed, total = req.num_computed_tokens, req.num_tokens
             n = min(total - computed, budget)
             assert n >= 1, f"running request {req.request_id} has nothing to compute"
-            draft = self._draft(req, budget) if n == 1 and self.speculate else []
+            draft = self._draft(req, budget) if n == 1 and self.speculate and (
+                self.draft_max_batch is None or len(self.running) <= self.draft_max_batch) \
+                else []
             if draft:
                 out.chunks.append(ScheduledChunk(req, computed, 1 + len(draft), True,
                                                  draft=draft))
