@@ -146,13 +146,21 @@ def test_outputs_equal_decoding_without_drafts(seed):
                         max_num_seqs=rng.choice([1, 3, 8]),
                         max_num_batched_tokens=rng.choice([8, 16, 64]), max_model_len=80)
     reqs = []
+    # shared prefixes: later requests hit blocks earlier ones (with rejected drafts written
+    # past their computed tokens) committed to the prefix cache
+    prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(4, 20))] for _ in range(2)]
     for i in range(12):
         prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 30))]
-        r = req(f"r{i}", prompt, max_tokens=rng.randrange(1, 40), ignore_eos=rng.random() < 0.5)
-        reqs.append(r)
-        s.add_request(r)
-    outs = run_all(s, bm, model)
-    assert bm.num_used_blocks == 0
+        if rng.random() < 0.6:
+            prompt = rng.choice(prefixes) + prompt[:10]
+        reqs.append(req(f"r{i}", prompt, max_tokens=rng.randrange(1, 40),
+                        ignore_eos=rng.random() < 0.5))
+    outs = []
+    for wave in (reqs[:6], reqs[6:]):  # the second wave arrives after the first finished
+        for r in wave:
+            s.add_request(r)
+        outs += run_all(s, bm, model)
+    assert bm.num_used_blocks == 0 and any(r.num_cached_prefix_tokens for r in reqs[6:])
     for r in reqs:
         assert r.output_token_ids == reference_output(r.prompt_token_ids, r.sampling_params, 80,
                                                       repeating)
