@@ -132,6 +132,15 @@ def test_bad_settings_are_refused(k, hi, lo):
         NgramProposer(k, hi, lo)
 
 
+def test_verify_route_switch(monkeypatch):
+    from kvcap.engine.model_runner import ModelRunner
+
+    monkeypatch.setenv("KVCAP_SPEC_VERIFY", "sometimes")
+    with pytest.raises(ConfigError, match="KVCAP_SPEC_VERIFY must be chunk or rows"):
+        ModelRunner(None, None, type("P", (), {"spec": type("S", (), {"block_size": 16})})(),
+                    torch.device("cpu"))
+
+
 def test_accept_draft():
     assert accept_draft([4, 5, 6], [4, 5, 6, 9]) == ([4, 5, 6], 9)
     assert accept_draft([4, 5, 6], [4, 1, 6, 9]) == ([4], 1)
@@ -297,15 +306,20 @@ def _run(llm, params):
                   llm.engine.num_accepted_tokens - before[1])
 
 
-@pytest.mark.parametrize("cache, params", [
-    ("llm_pair", dict(temperature=0, max_tokens=40)),
-    ("llm_pair", dict(temperature=0.7, top_p=0.9, seed=11, max_tokens=40)),
-    ("e4m3_pair", dict(temperature=0.7, top_p=0.9, seed=11, max_tokens=40)),
-], ids=["greedy", "seeded", "e4m3-seeded"])
-def test_engine_output_is_the_same_with_drafts(request, cache, params):
+@pytest.mark.parametrize("cache, params, rows", [
+    ("llm_pair", dict(temperature=0, max_tokens=40), False),
+    ("llm_pair", dict(temperature=0.7, top_p=0.9, seed=11, max_tokens=40), False),
+    ("e4m3_pair", dict(temperature=0.7, top_p=0.9, seed=11, max_tokens=40), False),
+    ("llm_pair", dict(temperature=0.7, top_p=0.9, seed=11, max_tokens=40), True),
+    ("e4m3_pair", dict(temperature=0, max_tokens=40), True),
+], ids=["greedy", "seeded", "e4m3-seeded", "rows-seeded", "rows-e4m3-greedy"])
+def test_engine_output_is_the_same_with_drafts(request, monkeypatch, cache, params, rows):
+    """Drafts verified as one chunk (the default) or as one decode row per token
+    (KVCAP_SPEC_VERIFY=rows) give the output of decoding without drafts."""
     from kvcap import SamplingParams
 
     plain, spec = request.getfixturevalue(cache)
+    monkeypatch.setattr(spec.runner, "verify_as_decode_rows", rows)
     ref, none = _run(plain, SamplingParams(**params))
     got, (drafted, kept) = _run(spec, SamplingParams(**params))
     assert none == (0, 0)
@@ -433,10 +447,11 @@ def test_server_streams_several_tokens_a_step(llm_pair):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
-def test_triton_backend_runs_draft_chunks(tmp_path, kv):
-    """Draft chunks take the Triton chunked-prefill route (every row sampling) and the E4M3
-    cache write/read: the same tokens as without drafts, on a tiny random model."""
+@pytest.mark.parametrize("kv, rows", [("auto", False), ("fp8_e4m3", False), ("fp8_e4m3", True)])
+def test_triton_backend_runs_draft_chunks(tmp_path, kv, rows):
+    """Draft chunks take the Triton chunked-prefill route (every row sampling), or the decode
+    kernels as one row per token, and the E4M3 cache write/read: the same tokens as without
+    drafts, on a tiny random model."""
     from kvcap import LLM, SamplingParams
 
     cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 64,
@@ -451,6 +466,7 @@ def test_triton_backend_runs_draft_chunks(tmp_path, kv):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     ref = [o.token_ids for o in LLM(**kw).generate(prompts, params, use_tqdm=False)]
     spec = LLM(**kw, num_speculative_tokens=3)
+    spec.runner.verify_as_decode_rows = rows
     assert spec.runner.backend.name == "triton"
     assert [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == ref
     assert spec.engine.num_draft_tokens > 0

@@ -7,6 +7,7 @@ gathers the rows that sample, and collects teacher-forced prompt logits/logprobs
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from kvcap.attention.base import AttentionBackend
 from kvcap.engine.input_batch import EagerInputs
 from kvcap.engine.request import Request
 from kvcap.engine.structured import NoContinuation
+from kvcap.errors import ConfigError
 from kvcap.kv_cache.pool import KVCachePool
 from kvcap.models.llama import ForwardContext, KVObserverFn, LlamaModel
 from kvcap.sampling.json_grammar import Grammar
@@ -153,6 +155,15 @@ class ModelRunner:
         self.eos_token_ids: set[int] = set()  # masked under a request's min_tokens (LLM sets)
         self.tokenizer = None  # for JSON mode's token bytes (LLM sets it on rank 0)
         self._structured = None  # kvcap.engine.structured.StructuredOutput, built on first use
+        # How a draft chunk (speculative decoding) runs: as one chunk of 1 + K query rows
+        # (the chunked-prefill route, the default) or, with KVCAP_SPEC_VERIFY=rows, as 1 + K
+        # one-token decode rows over the same block table, row i attending up to its own
+        # position (the decode kernels and, where the rows fit a bucket, a CUDA graph; but each
+        # row reads the sequence's K/V again). Same tokens either way (tests/test_speculative).
+        route = os.environ.get("KVCAP_SPEC_VERIFY", "chunk")
+        if route not in ("chunk", "rows"):
+            raise ConfigError(f"KVCAP_SPEC_VERIFY must be chunk or rows, got {route!r}")
+        self.verify_as_decode_rows = route == "rows"
 
     def set_context_classes(self, max_model_len: int) -> None:
         """Eager decode steps on CUDA report the graph context class as their max_seq_len (it
@@ -184,7 +195,7 @@ class ModelRunner:
         plan = StepPlan()
         ids, positions, qlens, seq_lens, tables = (plan.ids, plan.positions, plan.query_lens,
                                                    plan.seq_lens, plan.tables)
-        eager_only = False
+        eager_only = drafted = False
         for ch in chunks:
             req: Request = ch.request
             start, n = ch.start, ch.num_tokens
@@ -198,6 +209,12 @@ class ModelRunner:
                 if ch.draft:  # then the draft tokens it verifies
                     ids.extend(ch.draft)
                     positions.extend(range(start, start + n))
+                    drafted = True
+                    if self.verify_as_decode_rows:  # one decode row per token (see __init__)
+                        qlens.extend([1] * n)
+                        seq_lens.extend(range(start + 1, start + n + 1))
+                        tables.extend([req.block_ids] * n)
+                        continue
                 else:
                     positions.append(start)
             else:
@@ -212,14 +229,14 @@ class ModelRunner:
         max_q = max(qlens)
         plan.use_graph = (self.graphs is not None and not eager_only
                           and self.kv_observer is None and max_q == 1
-                          and self.graphs.can_run(len(chunks), max(seq_lens)))
-        if max_q == 1:  # row i is sequence i
+                          and self.graphs.can_run(len(qlens), max(seq_lens)))
+        if max_q == 1 and not drafted:  # row i is sequence i
             plan.sample_rows = [i for i, ch in enumerate(chunks) if ch.samples]
             ends = None
         else:
-            ends = [0]
-            for n in qlens:
-                ends.append(ends[-1] + n)
+            ends = [0]  # each chunk's first row
+            for ch in chunks:
+                ends.append(ends[-1] + ch.num_tokens)
             # a chunk with drafts samples at every row (its last len(draft) + 1 rows)
             plan.sample_rows = [r for i, ch in enumerate(chunks) if ch.samples
                                 for r in range(ends[i + 1] - 1 - len(ch.draft), ends[i + 1])]
