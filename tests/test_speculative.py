@@ -114,7 +114,21 @@ def test_proposer_prefers_longer_ngrams_and_respects_min_n():
     assert NgramProposer(2, 3, 1).propose(r2, 4) == [6, 8]
 
 
+def test_prompt_keys_in_numpy_equal_the_step_keys():
+    import numpy as np
+
+    from kvcap.engine.ngram import _keys, ngram_key
+
+    rng = random.Random(1)
+    toks = [rng.randrange(2**17) for _ in range(64)]
+    for n in (1, 2, 4, 16):
+        count = len(toks) - n + 1
+        assert _keys(np.asarray(toks, dtype=np.uint64), n, count) == \
+            [ngram_key(toks[i:i + n]) for i in range(count)]
+
+
 def test_proposer_incremental_equals_rebuilt():
+    """Token by token (the Python keys) and from scratch (past VECTOR_FROM tokens: numpy)."""
     rng = random.Random(0)
     tokens = [rng.randrange(6) for _ in range(300)]
     inc = NgramProposer(5, 4, 1)

@@ -10,11 +10,14 @@ Longer matches are tried first (n = `max_n` down to `min_n`); among occurrences 
 n-gram the most recent wins. Each request keeps one table per n mapping an n-gram to the
 position right after its latest occurrence, filled incrementally: indexing the prompt is
 linear once, and each step adds only the n-grams that end at the new tokens, so a lookup
-costs O(max_n) whatever the context length. Keys are the n-grams' hashes, not the tuples (a
-third of the memory); a collision can only propose a wrong draft, which verification rejects.
+costs O(max_n) whatever the context length; a prompt is indexed with numpy (`_keys`). Keys are
+64-bit polynomial hashes of the n-grams, not the tuples (a third of the memory); a collision
+can only propose a wrong draft, which verification rejects.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from kvcap.engine.request import Request
 from kvcap.errors import ConfigError
@@ -32,8 +35,30 @@ def check_ngram_settings(num_tokens: int, max_n: int, min_n: int) -> None:
                           f"<= {MAX_LOOKUP_N}, got min {min_n} and max {max_n}")
 
 
+# An n-gram's key: the polynomial sum(t_j * P^(n-1-j)) mod 2^64, computed alike by numpy (whole
+# prompts at once, uint64 arithmetic wraps) and by Python (a few new tokens a step).
+_P = 0x9E3779B97F4A7C15
+_MASK = (1 << 64) - 1
+VECTOR_FROM = 256  # tokens to index at once from which numpy pays off
+
+
+def ngram_key(tokens: list[int]) -> int:
+    h = 0
+    for t in tokens:
+        h = (h * _P + t) & _MASK
+    return h
+
+
+def _keys(toks: np.ndarray, n: int, count: int) -> list[int]:
+    """Keys of the `count` n-grams starting at toks[0], toks[1], ... (uint64 toks)."""
+    h = np.zeros(count, dtype=np.uint64)
+    for j in range(n):
+        h = h * np.uint64(_P) + toks[j:j + count]
+    return h.tolist()
+
+
 class _Index:
-    """hash(n-gram) -> position after its latest occurrence, for n-grams ending before `end`."""
+    """key(n-gram) -> position after its latest occurrence, for n-grams ending before `end`."""
 
     __slots__ = ("end", "tables")
 
@@ -62,14 +87,23 @@ class NgramProposer:
         # least one token after it. (The n-gram ending at `total` is the one looked up.)
         lo = max(0, idx.end - self.max_n)
         toks = req.token_slice(lo, total)
-        for n, table in idx.tables.items():
-            for e in range(max(idx.end, n), total):
-                table[hash(tuple(toks[e - n - lo:e - lo]))] = e
+        if total - idx.end >= VECTOR_FROM:  # a prompt: all its n-grams in a few numpy passes
+            arr = np.asarray(toks, dtype=np.uint64)
+            for n, table in idx.tables.items():
+                first = max(idx.end, n)  # the first end position to add
+                count = total - first
+                if count > 0:  # (dict.update keeps the last, i.e. latest, of equal keys)
+                    table.update(zip(_keys(arr[first - n - lo:], n, count),
+                                     range(first, total), strict=True))
+        else:
+            for n, table in idx.tables.items():
+                for e in range(max(idx.end, n), total):
+                    table[ngram_key(toks[e - n - lo:e - lo])] = e
         idx.end = total
         for n in self._ns:
             if total - lo < n:
                 continue
-            after = idx.tables[n].get(hash(tuple(toks[total - n - lo:])))
+            after = idx.tables[n].get(ngram_key(toks[total - n - lo:]))
             if after is not None:
                 return req.token_slice(after, min(after + limit, total))
         return []
