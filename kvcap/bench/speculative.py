@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import inspect
 import json
 import platform
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1, help="scored repeats (the best counts)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--kv-cache-memory-gib", type=float, default=1.0,
+                    help="each engine's KV pool (default 1 GiB: ample for these requests)")
     ap.add_argument("--out", default="docs/benchmarks")
     args = ap.parse_args(argv)
     from kvcap import LLM, SamplingParams
@@ -91,11 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    rows, ref, llms = [], {}, {}
+    rows, ref = [], {}
     for k in ks:
         llm = LLM(model=args.model, device=args.device, num_speculative_tokens=k,
-                  max_model_len=2048, max_num_seqs=max(conc))
-        llms[k] = llm
+                  max_model_len=2048, max_num_seqs=max(conc),
+                  kv_cache_memory_gib=args.kv_cache_memory_gib)
+        if llm.tokenizer is None:
+            raise ConfigError(f"the speculative bench needs a model with a tokenizer and a chat "
+                              f"template (its tasks are text), not {args.model!r}")
         prompts = {name: llm.tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
             for name, (text, _) in tasks().items()}
@@ -122,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
                        "drafted": drafted, "kept": kept,
                        "acceptance": round(kept / drafted, 3) if drafted else None}
                 rows.append(row)
-        del llm
-        llms.pop(k)
+        del llm  # one model (and KV pool) in memory at a time
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     for r in rows:
         base = next(b for b in rows if b["k"] == 0 and b["task"] == r["task"]
                     and b["concurrency"] == r["concurrency"])
