@@ -6,6 +6,7 @@ gathers the rows that sample, and collects teacher-forced prompt logits/logprobs
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Callable
@@ -455,11 +456,7 @@ class ModelRunner:
                 if sp.reasoning is not None:
                     ex.reasoning_gate = ReasoningGate(sp.reasoning)
             ch = drafts.get(j)
-            if ch is None and ex.reasoning_gate is not None and not ex.reasoning_gate.admit(
-                    bytes(self._structured.texts(tokens[j])[1])):
-                continue  # still thinking: free text
-            n = 1 if ch is None else 1 + len(ch.draft)
-            past = j + n
+            past = j + (1 if ch is None else 1 + len(ch.draft))
             try:
                 changed |= self._constrain_rows(step, ex, j, ch.draft if ch else [], tokens)
             except NoContinuation as e:
@@ -470,19 +467,23 @@ class ModelRunner:
 
     def _constrain_rows(self, step: PendingStep, ex: RequestExtras, first: int,
                         draft: list[int], tokens: list[int]) -> bool:
-        """One request's rows from `first`: each token chosen from the grammar state the
-        tokens before it lead to, as long as they follow the draft (the rows after the first
-        that does not are never used)."""
+        """One request's rows from `first`: each token chosen from the grammar state (and read
+        by the reasoning gate in the state) the tokens before it lead to, as long as they
+        follow the draft (the rows after the first that does not are never used). A token
+        the gate still counts as thinking is free text."""
         changed, state = False, ex.grammar_state
+        gate = copy.copy(ex.reasoning_gate)  # (None stays None)
         for i in range(len(draft) + 1):
             j = first + i
-            tok, state = self._structured.choose(ex.grammar, state, tokens[j], step.logits[j],
-                                                 lambda row, j=j: self._resample(step, j, row))
-            changed |= tok != tokens[j]
-            tokens[j] = tok
-            if i == len(draft) or tok != draft[i]:
+            if gate is None or gate.admit(bytes(self._structured.texts(tokens[j])[1])):
+                tok, state = self._structured.choose(
+                    ex.grammar, state, tokens[j], step.logits[j],
+                    lambda row, j=j: self._resample(step, j, row))
+                changed |= tok != tokens[j]
+                tokens[j] = tok
+            if i == len(draft) or tokens[j] != draft[i]:
                 break
-        ex.grammar_state = state
+        ex.grammar_state, ex.reasoning_gate = state, gate
         return changed
 
     @staticmethod

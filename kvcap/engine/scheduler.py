@@ -236,14 +236,10 @@ class Scheduler:
     def _draft(self, req: Request, budget: int) -> list[int]:
         """Draft tokens for a request in decode, with the blocks to verify them taken, or none:
         only as many as the budget, max_tokens and max_model_len leave room for if all are
-        accepted, not for structured output after a reasoning section (its gate reads the
-        tokens one step at a time), and never at the cost of preempting anything: drafts take
-        only free blocks beyond one per running request (each may need one for its next
-        token)."""
+        accepted, and never at the cost of preempting anything: drafts take only free blocks
+        beyond one per running request (each may need one for its next token)."""
         sp = req.sampling_params
         out = len(req.output_token_ids)
-        if sp.structured and sp.reasoning is not None:
-            return []
         bm = self.block_manager
         spare = max(0, bm.num_free_blocks - len(self.running))
         fits = (len(req.block_ids) + spare) * bm.block_size - req.num_computed_tokens - 1
