@@ -1,8 +1,8 @@
-"""Draft tokens for speculative decoding by prompt lookup (n-gram matching). Pure Python.
+"""Draft tokens for speculative decoding by prompt lookup (n-gram matching). No torch.
 
 A request's last n tokens are looked up among its earlier tokens (prompt and output); if
 they occurred before, the tokens that followed that occurrence are proposed as the next
-ones. The model then checks all of them in one forward (kvcap/engine/speculative.py keeps the
+ones. The model then checks all of them in one forward (`model_runner.accept_draft` keeps the
 ones it would have produced itself). Output that quotes, edits or repeats its input (code
 edits, extraction, summaries that copy phrases, JSON that repeats keys) is where this pays.
 
