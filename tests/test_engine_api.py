@@ -145,13 +145,17 @@ def test_prompt_logits_in_row_blocks_equal_one_block(llm, monkeypatch):
         assert ids[k] in sliced.prompt_logprobs[k]
 
 
-def test_cli_generate_answers_capital_of_france():
+@pytest.mark.parametrize("drafts", [0, 4])
+def test_cli_generate_answers_capital_of_france(drafts):
+    """Also with speculative decoding: the same answer, and a line on the drafts kept."""
     res = subprocess.run(
         [sys.executable, "-m", "kvcap.cli", "-q", "generate", "--model", "default", "--device",
-         "cpu", "--prompt", "What is the capital of France?", "--chat", "--max-tokens", "24"],
+         "cpu", "--prompt", "What is the capital of France?", "--chat", "--max-tokens", "24",
+         "--num-speculative-tokens", str(drafts)],
         capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "Paris" in res.stdout
+    assert ("draft tokens kept" in res.stderr) == (drafts > 0), res.stderr[-500:]
 
 
 def test_cli_unknown_model_is_one_line_error(tmp_path):

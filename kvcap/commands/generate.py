@@ -88,4 +88,8 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 printed = len(out.text)
     sys.stdout.write("\n")
+    e = llm.engine
+    if e.num_draft_tokens:  # what speculative decoding did for this request
+        print(f"speculative decoding: {e.num_accepted_tokens} of {e.num_draft_tokens} draft "
+              f"tokens kept ({e.num_accepted_tokens / e.num_draft_tokens:.0%})", file=sys.stderr)
     return 0
