@@ -235,6 +235,18 @@ def test_which_requests_take_drafts(params, drafts):
     assert bool(s.schedule().chunks[0].draft) == drafts
 
 
+def test_drafts_leave_every_running_request_its_token():
+    s, _, _ = make(k=8, max_num_seqs=4, max_num_batched_tokens=8)
+    for i in range(4):
+        s.add_request(req(f"r{i}", [3, 4, 5, 6, 7] * 2, max_tokens=50))  # 10 tokens each
+    while any(not r.output_token_ids for r in s.running + list(s.waiting)):
+        out = s.schedule()
+        s.update_from_output(out, {c.request.request_id: 3 for c in out.chunks if c.samples})
+    out = s.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["r0", "r1", "r2", "r3"]
+    assert [len(c.draft) for c in out.chunks] == [4, 0, 0, 0]  # 8 tokens: 5 + 1 + 1 + 1
+
+
 def test_no_drafts_above_the_batch_size_limit():
     s, bm, model = make(k=4, max_num_seqs=4)
     s.draft_max_batch = 2

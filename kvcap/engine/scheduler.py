@@ -21,8 +21,10 @@ Every `schedule()` call fills one step under a token budget (`max_num_batched_to
 
 Speculative decoding (a `proposer`, kvcap/engine/ngram.py): a running request in decode whose
 sampling allows it gets draft tokens after its last one, as many as the proposer finds and the
-budget, max_tokens, max_model_len and the free blocks (beyond one per running request) leave
-room for: drafts never cause a preemption. Its chunk is the last token plus the drafts, and
+budget (less one token for each running request after it), max_tokens, max_model_len and the
+free blocks (beyond one per running request) leave room for: drafts never cause a preemption
+or keep a running request out of the step. Waiting requests get the budget left, as without
+drafts. Its chunk is the last token plus the drafts, and
 `update_from_output` takes the drafts the model kept plus one sampled token.
 
 A chunk covers `request.all_token_ids[start:start + num_tokens]` at positions
@@ -205,8 +207,10 @@ class Scheduler:
             computed, total = req.num_computed_tokens, req.num_tokens
             n = min(total - computed, budget)
             assert n >= 1, f"running request {req.request_id} has nothing to compute"
-            draft = self._draft(req, budget) if n == 1 and self.speculate and (
-                self.draft_max_batch is None or len(self.running) <= self.draft_max_batch) \
+            # drafts leave one token of the budget to every running request after this one
+            draft = self._draft(req, budget - (len(self.running) - i - 1)) \
+                if n == 1 and self.speculate and (self.draft_max_batch is None or
+                                                  len(self.running) <= self.draft_max_batch) \
                 else []
             if draft:
                 out.chunks.append(ScheduledChunk(req, computed, 1 + len(draft), True,
@@ -235,7 +239,8 @@ class Scheduler:
 
     def _draft(self, req: Request, budget: int) -> list[int]:
         """Draft tokens for a request in decode, with the blocks to verify them taken, or none:
-        only as many as the budget, max_tokens and max_model_len leave room for if all are
+        only as many as `budget` (this request's share of the step's tokens), max_tokens and
+        max_model_len leave room for if all are
         accepted, and never at the cost of preempting anything: drafts take only free blocks
         beyond one per running request (each may need one for its next token)."""
         sp = req.sampling_params
