@@ -247,6 +247,16 @@ def test_drafts_leave_every_running_request_its_token():
     assert [len(c.draft) for c in out.chunks] == [4, 0, 0, 0]  # 8 tokens: 5 + 1 + 1 + 1
 
 
+def test_drafts_come_after_admissions():
+    s, _, _ = make(k=8, max_num_batched_tokens=16)
+    prefill(s, req("a", [3, 4, 5, 6, 7] * 2, max_tokens=50))
+    s.add_request(req("b", list(range(1, 13)), max_tokens=5))  # a 12-token prompt waits
+    out = s.schedule()
+    a, b = out.chunks
+    assert b.request.request_id == "b" and b.num_tokens == 12  # the whole prompt first
+    assert len(a.draft) == 3 and out.num_batched_tokens == 16  # the drafts get the rest
+
+
 def test_no_drafts_above_the_batch_size_limit():
     s, bm, model = make(k=4, max_num_seqs=4)
     s.draft_max_batch = 2
@@ -264,17 +274,17 @@ def test_no_drafts_above_the_batch_size_limit():
 
 
 def test_drafts_never_preempt_and_stop_inside_the_kept_drafts():
-    # drafts take only free blocks beyond one per running request
-    s, bm, _ = make(num_blocks=6, k=4)
-    prefill(s, req("a", [3, 4, 5, 6, 7] * 4, max_tokens=50))  # 20 tokens: 5 full blocks
-    assert bm.num_free_blocks == 1  # kept for the 21st token
-    out = s.schedule()
-    assert out.chunks[0].draft == [] and out.chunks[0].num_tokens == 1 and not out.preempted
-    s, bm, _ = make(num_blocks=7, k=4)
+    # drafts take only free blocks beyond one per running request: here none, so they fill
+    # what the block opened for the next token leaves (3 slots), not the 4 found
+    for num_blocks in (6, 7):
+        s, bm, _ = make(num_blocks=num_blocks, k=4)
+        prefill(s, req("a", [3, 4, 5, 6, 7] * 4, max_tokens=50))  # 20 tokens: 5 full blocks
+        out = s.schedule()
+        assert out.chunks[0].draft == [4, 5, 6] and not out.preempted
+        assert bm.num_free_blocks == num_blocks - 6
+    s, bm, _ = make(num_blocks=8, k=4)
     prefill(s, req("a", [3, 4, 5, 6, 7] * 4, max_tokens=50))
-    out = s.schedule()
-    assert out.chunks[0].draft == [4, 5, 6] and not out.preempted  # the 6th block's 3 slots
-    assert bm.num_free_blocks == 1
+    assert s.schedule().chunks[0].draft == [4, 5, 6, 7]  # one spare block: all 4
     # EOS among the kept tokens ends the output there; what follows is dropped
     s2, bm2, _ = make(k=4)
     r = req("b", [3, 4, 5, 6, 7] * 4, max_tokens=50, ignore_eos=False)

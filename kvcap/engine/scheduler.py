@@ -21,10 +21,10 @@ Every `schedule()` call fills one step under a token budget (`max_num_batched_to
 
 Speculative decoding (a `proposer`, kvcap/engine/ngram.py): a running request in decode whose
 sampling allows it gets draft tokens after its last one, as many as the proposer finds and the
-budget (less one token for each running request after it), max_tokens, max_model_len and the
-free blocks (beyond one per running request) leave room for: drafts never cause a preemption
-or keep a running request out of the step. Waiting requests get the budget left, as without
-drafts. Its chunk is the last token plus the drafts, and
+budget, max_tokens, max_model_len and the free blocks (beyond one per running request) leave
+room for. Drafts come last (`_add_drafts`): from the budget that the running requests' next
+tokens and the admitted prompts left, so they never delay a running request or an admission,
+and never cause a preemption. Its chunk is the last token plus the drafts, and
 `update_from_output` takes the drafts the model kept plus one sampled token.
 
 A chunk covers `request.all_token_ids[start:start + num_tokens]` at positions
@@ -207,17 +207,6 @@ class Scheduler:
             computed, total = req.num_computed_tokens, req.num_tokens
             n = min(total - computed, budget)
             assert n >= 1, f"running request {req.request_id} has nothing to compute"
-            # drafts leave one token of the budget to every running request after this one
-            draft = self._draft(req, budget - (len(self.running) - i - 1)) \
-                if n == 1 and self.speculate and (self.draft_max_batch is None or
-                                                  len(self.running) <= self.draft_max_batch) \
-                else []
-            if draft:
-                out.chunks.append(ScheduledChunk(req, computed, 1 + len(draft), True,
-                                                 draft=draft))
-                budget -= 1 + len(draft)
-                i += 1
-                continue
             # (the common decode case: the new tokens fit the blocks already held)
             while computed + n > len(req.block_ids) * bs and not bm.ensure_slots(req, n):
                 victim = self.running[-1]
@@ -234,8 +223,25 @@ class Scheduler:
                 budget -= n
                 i += 1
         if not out.preempted:
-            self._admit(out, budget)
+            budget = self._admit(out, budget)
+        if self.speculate and budget > 0 and (self.draft_max_batch is None
+                                              or len(self.running) <= self.draft_max_batch):
+            self._add_drafts(out, budget)
         return out
+
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Drafts come last, from what every running request's next tokens and the admitted
+        prompts left of the budget: speculative work never delays real work. Each chunk that
+        ends at its request's last token and computes only that one gets the drafts found."""
+        for ch in out.chunks:
+            if budget <= 0:
+                return
+            if ch.num_tokens == 1 and ch.samples:
+                draft = self._draft(ch.request, budget + 1)  # (its own token is counted)
+                if draft:
+                    ch.draft = draft
+                    ch.num_tokens += len(draft)
+                    budget -= len(draft)
 
     def _draft(self, req: Request, budget: int) -> list[int]:
         """Draft tokens for a request in decode, with the blocks to verify them taken, or none:
@@ -255,7 +261,8 @@ class Scheduler:
             raise AssertionError(f"request {req.request_id}: free blocks vanished")
         return draft
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting requests FCFS (see the module doc); returns the budget left."""
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -278,6 +285,7 @@ class Scheduler:
             self.running.insert(bisect.bisect(keys, self._order[req.request_id]), req)
             out.chunks.append(ScheduledChunk(req, start, n, start + n == req.num_tokens))
             budget -= n
+        return budget
 
     def _leaves_headroom(self, req: Request, use_prefix_cache: bool) -> bool:
         """Once `req` took blocks for its whole prompt, would the watermark (1% of the pool,
