@@ -185,7 +185,7 @@ def test_generate_sampling_options_reach_the_request(monkeypatch):
                          "--min-p", "0.1", "--temperature", "0.7"])
     seen = []
     engine = SimpleNamespace(add_request=lambda rid, ids, params: seen.append(params),
-                             has_unfinished=lambda: False)
+                             has_unfinished=lambda: False, num_draft_tokens=0)
     fake = SimpleNamespace(engine=engine, tokenizer=SimpleNamespace(encode=lambda *a, **k: [1]))
     monkeypatch.setattr("kvcap.llm.LLM", lambda **kw: fake)
     assert generate.run(args) == 0
