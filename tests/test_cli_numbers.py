@@ -126,6 +126,8 @@ def test_serving_bench_refuses_a_fraction_outside_0_1():
     ("serve", ["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
     ("serve", ["--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
     ("generate", ["--block-size", "0", "hi"], "--block-size"),
+    ("generate", ["--num-speculative-tokens", "-1", "hi"], "--num-speculative-tokens"),
+    ("serve", ["--speculative-disable-by-batch-size", "0"], "--speculative-disable-by-batch-size"),
 ])
 def test_commands_refuse_bad_numbers_before_loading(command, args, name):
     res = subprocess.run([sys.executable, "-m", "kvcap.cli", command, *args],

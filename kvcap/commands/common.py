@@ -84,7 +84,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) instead of the "
                         "checkpoint's, or for a checkpoint without one")
-    p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
+    p.add_argument("--num-speculative-tokens", type=non_negative_int, default=0, metavar="K",
                    help="speculative decoding by prompt lookup: up to K draft tokens per step, "
                         "copied from where the last tokens occurred before in the prompt or "
                         "output, verified in one forward (same output; default 0: off)")

@@ -173,7 +173,7 @@ class Engine:
             touched = [ch.request for ch in out.chunks
                        if ch.samples and id(ch.request) not in stale]
         drafted: dict[str, int] = {}  # requests that took drafts: output length before
-        for ch in out.chunks:
+        for ch in out.chunks if self.scheduler.proposer is not None else ():
             if ch.draft:
                 self.num_draft_tokens += len(ch.draft)
                 self.num_accepted_tokens += len(result.accepted.get(ch.request.request_id, ()))

@@ -6,7 +6,6 @@ gathers the rows that sample, and collects teacher-forced prompt logits/logprobs
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 from collections.abc import Callable
@@ -469,10 +468,9 @@ class ModelRunner:
                         draft: list[int], tokens: list[int]) -> bool:
         """One request's rows from `first`: each token chosen from the grammar state (and read
         by the reasoning gate in the state) the tokens before it lead to, as long as they
-        follow the draft (the rows after the first that does not are never used). A token
-        the gate still counts as thinking is free text."""
-        changed, state = False, ex.grammar_state
-        gate = copy.copy(ex.reasoning_gate)  # (None stays None)
+        follow the draft (the rows after the first that does not are never used, nor read
+        by the gate). A token the gate still counts as thinking is free text."""
+        changed, state, gate = False, ex.grammar_state, ex.reasoning_gate
         for i in range(len(draft) + 1):
             j = first + i
             if gate is None or gate.admit(bytes(self._structured.texts(tokens[j])[1])):
@@ -483,7 +481,7 @@ class ModelRunner:
                 tokens[j] = tok
             if i == len(draft) or tokens[j] != draft[i]:
                 break
-        ex.grammar_state, ex.reasoning_gate = state, gate
+        ex.grammar_state = state
         return changed
 
     @staticmethod
