@@ -199,7 +199,8 @@ class LLM:
         no_graphs = qsa_wiring.graph_refusal(self.runner.backend)
         if self.device.type == "cuda" and not enforce_eager and not graphs_disabled() \
                 and no_graphs is None:
-            self.runner.enable_cuda_graphs(max_num_seqs, self.max_model_len)
+            self.runner.enable_cuda_graphs(max_num_seqs, self.max_model_len,
+                                           self.config.num_speculative_tokens)
         elif self.device.type == "cuda":
             logger.info("CUDA graphs off (%s): eager decode",
                         no_graphs or "enforce_eager / KVCAP_ENFORCE_EAGER=1")

@@ -146,13 +146,55 @@ def test_bad_settings_are_refused(k, hi, lo):
         NgramProposer(k, hi, lo)
 
 
-def test_verify_route_switch(monkeypatch):
+def _runner():
     from kvcap.engine.model_runner import ModelRunner
 
+    return ModelRunner(None, None, type("P", (), {"spec": type("S", (), {"block_size": 16})})(),
+                       torch.device("cpu"))
+
+
+def test_verify_route_switch(monkeypatch):
     monkeypatch.setenv("KVCAP_SPEC_VERIFY", "sometimes")
     with pytest.raises(ConfigError, match="KVCAP_SPEC_VERIFY must be chunk or rows"):
-        ModelRunner(None, None, type("P", (), {"spec": type("S", (), {"block_size": 16})})(),
-                    torch.device("cpu"))
+        _runner()
+    monkeypatch.setenv("KVCAP_SPEC_VERIFY", "rows")
+    assert _runner().verify_as_decode_rows
+    monkeypatch.setenv("KVCAP_SPEC_VERIFY", "chunk")
+    assert not _runner().verify_as_decode_rows
+
+
+def test_verify_route_follows_graphs(monkeypatch):
+    """By default drafts verify as one chunk without decode graphs (the CPU) and as decode rows
+    where graphs are captured, sized for the rows; an explicit chunk keeps graphs for decode."""
+    from kvcap.engine import cuda_graph
+
+    monkeypatch.delenv("KVCAP_SPEC_VERIFY", raising=False)
+    captured = []
+
+    class FakeGraphs:
+        def __init__(self, model, backend, pool, device, rows, max_model_len):
+            captured.append(rows)
+
+        def capture(self):
+            pass
+
+    monkeypatch.setattr(cuda_graph, "DecodeGraphs", FakeGraphs)
+    runner = _runner()
+    assert not runner.verify_as_decode_rows
+    runner.enable_cuda_graphs(16, 2048, num_speculative_tokens=4)
+    assert runner.verify_as_decode_rows and captured == [80]
+    monkeypatch.setenv("KVCAP_SPEC_VERIFY", "chunk")
+    runner = _runner()
+    runner.enable_cuda_graphs(16, 2048, num_speculative_tokens=4)
+    assert not runner.verify_as_decode_rows and captured == [80, 16]
+
+
+def test_graph_rows_are_bounded():
+    from kvcap.engine.cuda_graph import MAX_DRAFT_GRAPH_ROWS, graph_rows
+
+    assert graph_rows(16, 0) == 16 and graph_rows(16, 8) == 144
+    assert graph_rows(64, 8) == MAX_DRAFT_GRAPH_ROWS  # not 576 rows of buckets
+    assert graph_rows(512, 4) == 512  # never fewer than max_num_seqs
 
 
 def test_accept_draft():

@@ -33,6 +33,18 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
 
 
+# Speculative decoding verifies K drafts as 1 + K decode rows per request; graphs cover those
+# rows up to this many (or max_num_seqs, if larger), so a large max_num_seqs times K does not
+# capture hundreds of buckets. Steps with more rows run eagerly, with the same tokens.
+MAX_DRAFT_GRAPH_ROWS = 256
+
+
+def graph_rows(max_num_seqs: int, num_speculative_tokens: int) -> int:
+    """The largest decode batch (rows) the graphs are captured for."""
+    rows = max_num_seqs * (1 + num_speculative_tokens)
+    return max(max_num_seqs, min(rows, MAX_DRAFT_GRAPH_ROWS))
+
+
 def class_boundaries() -> tuple[int, ...]:
     """Where the decode launch rules that depend on the context change (short E4M3 calls take
     the byte route up to SHORT_BYTE_ROUTE_TOKENS, wide E4M3 calls the one-wave launch up to

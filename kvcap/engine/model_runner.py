@@ -156,13 +156,17 @@ class ModelRunner:
         self.tokenizer = None  # for JSON mode's token bytes (LLM sets it on rank 0)
         self._structured = None  # kvcap.engine.structured.StructuredOutput, built on first use
         # How a draft chunk (speculative decoding) runs: as one chunk of 1 + K query rows
-        # (the chunked-prefill route, the default) or, with KVCAP_SPEC_VERIFY=rows, as 1 + K
-        # one-token decode rows over the same block table, row i attending up to its own
-        # position (the decode kernels and, where the rows fit a bucket, a CUDA graph; but each
-        # row reads the sequence's K/V again). Same tokens either way (tests/test_speculative).
-        route = os.environ.get("KVCAP_SPEC_VERIFY", "chunk")
-        if route not in ("chunk", "rows"):
+        # (the chunked-prefill route) or as 1 + K one-token decode rows over the same block
+        # table, row i attending up to its own position (the decode kernels and, where the rows
+        # fit a bucket, a CUDA graph; but each row reads the sequence's K/V again). Same tokens
+        # either way (tests/test_speculative). KVCAP_SPEC_VERIFY picks one; by default the rows
+        # where decode graphs are captured (enable_cuda_graphs): on the H100 the eager chunk
+        # made the embedded model 2-10x slower than decoding without drafts, graphed rows 1.4-2.2x
+        # faster (docs/benchmarks/speculative-2026-12-05b-h100-*.json).
+        route = os.environ.get("KVCAP_SPEC_VERIFY", "auto")
+        if route not in ("auto", "chunk", "rows"):
             raise ConfigError(f"KVCAP_SPEC_VERIFY must be chunk or rows, got {route!r}")
+        self.verify_route = route
         self.verify_as_decode_rows = route == "rows"
 
     def set_context_classes(self, max_model_len: int) -> None:
@@ -174,10 +178,17 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.context_classes = context_classes(max_model_len)
 
-    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        from kvcap.engine.cuda_graph import DecodeGraphs
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int,
+                           num_speculative_tokens: int = 0) -> None:
+        """Capture the decode graphs; with speculative decoding, for the 1 + K decode rows per
+        request its drafts are verified as (graph_rows bounds how far)."""
+        from kvcap.engine.cuda_graph import DecodeGraphs, graph_rows
 
-        graphs = DecodeGraphs(self.model, self.backend, self.pool, self.device, max_num_seqs,
+        if self.verify_route == "auto":
+            self.verify_as_decode_rows = True
+        rows = graph_rows(max_num_seqs,
+                          num_speculative_tokens if self.verify_as_decode_rows else 0)
+        graphs = DecodeGraphs(self.model, self.backend, self.pool, self.device, rows,
                               max_model_len)
         graphs.capture()
         self.graphs = graphs
