@@ -406,6 +406,45 @@ def test_engine_output_is_the_same_with_drafts(request, monkeypatch, cache, para
         assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
 
 
+@pytest.mark.parametrize("params", [dict(temperature=0, max_tokens=48),
+                                    dict(temperature=0.8, top_k=50, seed=3, max_tokens=48)],
+                         ids=["greedy", "seeded"])
+def test_overlap_runs_ahead_while_no_drafts_are_found(llm_pair, monkeypatch, params):
+    """With the overlap forced on (CUDA's default; the same code on CPU), steps whose proposer
+    found nothing launch the next ones ahead (1, 2, 4 ... in a row) and steps with drafts never
+    do; the tokens are those of decoding without drafts or overlap."""
+    from kvcap import SamplingParams
+    from kvcap.engine import engine as engine_mod
+
+    plain, spec = llm_pair
+    prompts = [COPY_PROMPT, "Once upon a time, a fox", "Count: 1, 2, 3, 4,"]
+    sp = SamplingParams(**params)
+    ref = plain.generate(prompts, sp, use_tqdm=False)
+    eng = spec.engine
+    calls = []  # per scheduled step: (limit before it, drafted, steps run ahead so far)
+    real_schedule = eng.scheduler.schedule
+
+    def schedule():
+        limit, ahead = eng._ahead_limit, eng.num_steps_ahead
+        out = real_schedule()
+        calls.append((limit, any(c.draft for c in out.chunks), ahead))
+        return out
+
+    monkeypatch.setattr(eng.scheduler, "schedule", schedule)
+    monkeypatch.setattr(eng, "overlap", True)
+    before = (eng.num_steps_ahead, eng.num_draft_tokens)
+    got = spec.generate(prompts, sp, use_tqdm=False)
+    for a, b in zip(ref, got, strict=True):
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+    assert eng.num_steps_ahead > before[0] and eng.num_draft_tokens > before[1]
+    assert spec.block_manager.num_used_blocks == 0
+    bound = engine_mod.MAX_AHEAD_WITHOUT_DRAFTS
+    for (old, drafted, ahead), (new, _, ahead_next) in zip(calls, calls[1:], strict=False):
+        assert new == (0 if drafted else min(max(1, 2 * old), bound))
+        assert ahead_next - ahead <= new  # steps run ahead before the proposer looked again
+    assert any(drafted for _, drafted, _ in calls)
+
+
 def test_engine_stop_string_inside_kept_drafts(llm_pair, monkeypatch):
     """A stop string met inside a step's kept drafts ends the output where one-token steps
     would have: the tokens after it are dropped."""

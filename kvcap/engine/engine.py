@@ -28,6 +28,9 @@ from kvcap.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Speculative decoding: the most steps run ahead in a row while the proposer finds no drafts.
+MAX_AHEAD_WITHOUT_DRAFTS = 8
+
 
 @dataclass
 class RequestOutput:
@@ -61,11 +64,17 @@ class Engine:
         # Queue the next decode step before reading this one's tokens (see the module doc), when
         # nothing records per forward (`ModelRunner.can_run_ahead`); under tensor parallelism
         # rank 0 broadcasts the fed ids. On CPU the ops are synchronous, so it would only cost.
-        # Speculative decoding plans each step from the tokens of the one before (its drafts
-        # follow them): it and overlap exclude each other.
-        self.overlap = (runner.device.type == "cuda" and scheduler.proposer is None
+        # Speculative decoding plans drafts from the tokens of the step before, so a step with
+        # drafts is never run ahead of; and a step run ahead cannot draft. While the proposer
+        # finds nothing (free text), that would lose the overlap for nothing (0.7x on the H100,
+        # docs/benchmarks/speculative-2026-12-05b-h100-rows.json), so after a scheduled step
+        # without drafts up to `_ahead_limit` steps run ahead before the proposer looks again:
+        # 1, 2, 4 ... MAX_AHEAD_WITHOUT_DRAFTS while it keeps finding nothing, 0 once it finds.
+        self.overlap = (runner.device.type == "cuda"
                         and os.environ.get("KVCAP_DISABLE_OVERLAP", "0") in ("", "0"))
         self._ahead: tuple[SchedulerOutput, PendingStep] | None = None
+        self._ahead_limit = 0  # speculative decoding: steps that may run ahead in a row ...
+        self._ahead_run = 0  # ... and those that did since the proposer last looked
         self.num_steps_ahead = 0  # steps launched ahead of their input tokens
         self.num_ahead_dropped = 0  # of which dropped (a host-sampled token fed them)
         self.num_draft_tokens = 0  # speculative decoding: drafts verified ...
@@ -140,6 +149,11 @@ class Engine:
                 self.scheduler.speculate = self.runner.can_run_ahead()
             out = self.scheduler.schedule()
             pending = None
+            if self.scheduler.proposer is not None:
+                self._ahead_run = 0
+                self._ahead_limit = (0 if any(c.draft for c in out.chunks)
+                                     else min(max(1, 2 * self._ahead_limit),
+                                              MAX_AHEAD_WITHOUT_DRAFTS))
         if timer is not None:
             timer.mark("schedule")
         finished: list[Request] = list(getattr(out, "finished_early", []))
@@ -155,6 +169,7 @@ class Engine:
                     if nxt is not None:
                         self._ahead = (nxt, self.runner.launch(nxt.chunks, self.extras, pending))
                         self.num_steps_ahead += 1
+                        self._ahead_run += 1
                 result = self.runner.finish(pending, self.extras)
             except BaseException:
                 self._drop_ahead()  # planned on this step's tokens, which never arrived
@@ -209,6 +224,9 @@ class Engine:
         # the step, which a step launched ahead does not know yet (min_tokens only needs the
         # count, but is kept simple), and structured output may replace a token on the host: no
         # overlap while a request asks for any of them.
+        if self.scheduler.proposer is not None and (
+                self._ahead_run >= self._ahead_limit or any(c.draft for c in out.chunks)):
+            return False  # the proposer looks at the next step's tokens first
         return (self.overlap and self.runner.can_run_ahead() and not any(
             c.request.sampling_params.logprobs is not None
             or c.request.sampling_params.structured
