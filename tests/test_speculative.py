@@ -123,7 +123,7 @@ def test_prompt_keys_in_numpy_equal_the_step_keys():
     toks = [rng.randrange(2**17) for _ in range(64)]
     for n in (1, 2, 4, 16):
         count = len(toks) - n + 1
-        assert _keys(np.asarray(toks, dtype=np.uint64), n, count) == \
+        assert _keys(np.asarray(toks, dtype=np.uint64), n, count).tolist() == \
             [ngram_key(toks[i:i + n]) for i in range(count)]
 
 
@@ -138,6 +138,36 @@ def test_proposer_incremental_equals_rebuilt():
         fresh = NgramProposer(5, 4, 1).propose(r, 5)
         assert got == fresh
         r.output_token_ids.append(t)
+
+
+def _lookup_by_scan(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """The proposer's rule by brute force: the latest earlier occurrence of the longest n-gram
+    that ends the sequence, and up to k tokens after it."""
+    for n in range(max_n, min_n - 1, -1):
+        if len(tokens) <= n:
+            continue
+        tail = tokens[-n:]
+        for e in range(len(tokens) - 1, n - 1, -1):
+            if tokens[e - n:e] == tail:
+                return tokens[e:e + k]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_proposer_bulk_and_step_indexes_equal_a_scan(monkeypatch, seed):
+    """Bursts of new tokens, some indexed in bulk (sorted arrays, merged with the dict and the
+    earlier bulk), some token by token: every lookup equals the brute-force scan."""
+    from kvcap.engine import ngram
+
+    monkeypatch.setattr(ngram, "VECTOR_FROM", 8)
+    rng = random.Random(seed)
+    p = NgramProposer(4, 4, 1)
+    r = req("a", [rng.randrange(5) for _ in range(rng.randrange(2, 30))])
+    for _ in range(60):
+        r.output_token_ids += [rng.randrange(5) for _ in range(rng.choice([1, 1, 2, 9, 20]))]
+        assert p.propose(r, 4) == _lookup_by_scan(r.prompt_token_ids + r.output_token_ids,
+                                                  4, 4, 1)
+    assert p._index["a"].bulk is not None and len(p._index["a"].bulk.keys) > 0
 
 
 @pytest.mark.parametrize("k, hi, lo", [(-1, 4, 2), (17, 4, 2), (4, 2, 3), (4, 17, 2), (4, 3, 0)])
