@@ -187,16 +187,18 @@ def test_verify_route_switch(monkeypatch):
     monkeypatch.setenv("KVCAP_SPEC_VERIFY", "sometimes")
     with pytest.raises(ConfigError, match="KVCAP_SPEC_VERIFY must be chunk or rows"):
         _runner()
-    monkeypatch.setenv("KVCAP_SPEC_VERIFY", "rows")
-    assert _runner().verify_as_decode_rows
-    monkeypatch.setenv("KVCAP_SPEC_VERIFY", "chunk")
-    assert not _runner().verify_as_decode_rows
+    for route in ("rows", "chunk"):
+        monkeypatch.setenv("KVCAP_SPEC_VERIFY", route)
+        assert _runner().verify_route == route
 
 
-def test_verify_route_follows_graphs(monkeypatch):
-    """By default drafts verify as one chunk without decode graphs (the CPU) and as decode rows
-    where graphs are captured, sized for the rows; an explicit chunk keeps graphs for decode."""
-    from kvcap.engine import cuda_graph
+def test_verify_route_follows_graphs_and_rereads(monkeypatch):
+    """By default drafts verify as one chunk without decode graphs (the CPU); with graphs
+    (captured for 1 + K rows per request) as decode rows while the rows fit them, no prefill
+    chunk shares the step and the rows' K/V re-reads stay under the bound; an explicit chunk
+    keeps the graphs at max_num_seqs."""
+    from kvcap.engine import cuda_graph, model_runner
+    from kvcap.engine.scheduler import ScheduledChunk
 
     monkeypatch.delenv("KVCAP_SPEC_VERIFY", raising=False)
     captured = []
@@ -204,19 +206,35 @@ def test_verify_route_follows_graphs(monkeypatch):
     class FakeGraphs:
         def __init__(self, model, backend, pool, device, rows, max_model_len):
             captured.append(rows)
+            self.buckets = [1, 2, 4, 8, 16, rows]
 
         def capture(self):
             pass
 
     monkeypatch.setattr(cuda_graph, "DecodeGraphs", FakeGraphs)
     runner = _runner()
-    assert not runner.verify_as_decode_rows
+    runner.pool.spec.bytes_per_token = 1024
+
+    def chunk(start, drafts):
+        c = ScheduledChunk(req("a", [1] * start), start, 1 + len(drafts), True)
+        c.draft = list(drafts)
+        return c
+
+    step = [chunk(100, [5, 6, 7]), chunk(50, [])]
+    assert not runner._draft_rows(step)  # no graphs
     runner.enable_cuda_graphs(16, 2048, num_speculative_tokens=4)
-    assert runner.verify_as_decode_rows and captured == [80]
+    assert captured == [80] and runner._draft_rows(step)
+    prefill = ScheduledChunk(req("b", [1] * 40), 0, 40, True)
+    assert not runner._draft_rows(step + [prefill])
+    assert not runner._draft_rows([chunk(10, [5, 6, 7, 8])] * 17)  # 85 rows > 80
+    # extra reads: 3 rows x (start + 2) tokens x 1,024 bytes against the bound
+    limit = model_runner.SPEC_ROWS_MAX_EXTRA_KV_BYTES // 1024
+    assert runner._draft_rows([chunk(limit // 3 - 2, [5, 6, 7])])
+    assert not runner._draft_rows([chunk(limit // 3, [5, 6, 7])])
     monkeypatch.setenv("KVCAP_SPEC_VERIFY", "chunk")
     runner = _runner()
     runner.enable_cuda_graphs(16, 2048, num_speculative_tokens=4)
-    assert not runner.verify_as_decode_rows and captured == [80, 16]
+    assert captured == [80, 16] and not runner._draft_rows(step)
 
 
 def test_graph_rows_are_bounded():
@@ -427,7 +445,7 @@ def test_engine_output_is_the_same_with_drafts(request, monkeypatch, cache, para
     from kvcap import SamplingParams
 
     plain, spec = request.getfixturevalue(cache)
-    monkeypatch.setattr(spec.runner, "verify_as_decode_rows", rows)
+    monkeypatch.setattr(spec.runner, "verify_route", "rows" if rows else "chunk")
     ref, none = _run(plain, SamplingParams(**params))
     got, (drafted, kept) = _run(spec, SamplingParams(**params))
     assert none == (0, 0)
@@ -618,7 +636,7 @@ def test_triton_backend_runs_draft_chunks(tmp_path, kv, rows):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     ref = [o.token_ids for o in LLM(**kw).generate(prompts, params, use_tqdm=False)]
     spec = LLM(**kw, num_speculative_tokens=3)
-    spec.runner.verify_as_decode_rows = rows
+    spec.runner.verify_route = "rows" if rows else "chunk"
     assert spec.runner.backend.name == "triton"
     assert [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == ref
     assert spec.engine.num_draft_tokens > 0

@@ -33,6 +33,12 @@ PromptLogitsFn = Callable[[int, torch.Tensor, int], None]
 # logits for max_num_seqs rows only (a 2,048-row prefill chunk of a 128K vocabulary would be
 # 1 GiB each).
 PROMPT_LOGITS_ROWS = 256
+# Speculative decoding verifies drafts as graphed decode rows only while the rows' K/V re-reads
+# stay under this: ~2-3 ms at an H100/H200's read ceiling, against the ~13 ms an eager verify
+# step of the embedded 30-layer model took in launches (H100, speculative-2026-12-05b). A guess
+# between two measured ends, not a tuned value: past it (long contexts, big batches) the eager
+# chunk, which reads the K/V once, is taken.
+SPEC_ROWS_MAX_EXTRA_KV_BYTES = 8 << 30
 
 logger = logging.getLogger(__name__)
 
@@ -156,18 +162,19 @@ class ModelRunner:
         self.tokenizer = None  # for JSON mode's token bytes (LLM sets it on rank 0)
         self._structured = None  # kvcap.engine.structured.StructuredOutput, built on first use
         # How a draft chunk (speculative decoding) runs: as one chunk of 1 + K query rows
-        # (the chunked-prefill route) or as 1 + K one-token decode rows over the same block
-        # table, row i attending up to its own position (the decode kernels and, where the rows
-        # fit a bucket, a CUDA graph; but each row reads the sequence's K/V again). Same tokens
-        # either way (tests/test_speculative). KVCAP_SPEC_VERIFY picks one; by default the rows
-        # where decode graphs are captured (enable_cuda_graphs): on the H100 the eager chunk
-        # made the embedded model 2-10x slower than decoding without drafts, graphed rows 1.4-2.2x
-        # faster (docs/benchmarks/speculative-2026-12-05b-h100-*.json).
+        # (the chunked-prefill route: eager, reads the sequence's K/V once) or as 1 + K
+        # one-token decode rows over the same block table, row i attending up to its own
+        # position (the decode kernels in a CUDA graph; but each row reads the K/V again).
+        # Same tokens either way (tests/test_speculative). KVCAP_SPEC_VERIFY=chunk|rows picks
+        # one; by default (`_draft_rows`) each step takes the rows where its rows fit the decode
+        # graphs and re-read at most SPEC_ROWS_MAX_EXTRA_KV_BYTES: on the H100 the eager chunk
+        # made the embedded model 2-10x slower than decoding without drafts, graphed rows up to
+        # 2.5x faster (docs/benchmarks/speculative-2026-12-05*-h100-*.json), while at long
+        # contexts the rows' K/V re-reads would outweigh the graph's launch savings.
         route = os.environ.get("KVCAP_SPEC_VERIFY", "auto")
         if route not in ("auto", "chunk", "rows"):
             raise ConfigError(f"KVCAP_SPEC_VERIFY must be chunk or rows, got {route!r}")
         self.verify_route = route
-        self.verify_as_decode_rows = route == "rows"
 
     def set_context_classes(self, max_model_len: int) -> None:
         """Eager decode steps on CUDA report the graph context class as their max_seq_len (it
@@ -184,10 +191,8 @@ class ModelRunner:
         request its drafts are verified as (graph_rows bounds how far)."""
         from kvcap.engine.cuda_graph import DecodeGraphs, graph_rows
 
-        if self.verify_route == "auto":
-            self.verify_as_decode_rows = True
         rows = graph_rows(max_num_seqs,
-                          num_speculative_tokens if self.verify_as_decode_rows else 0)
+                          num_speculative_tokens if self.verify_route != "chunk" else 0)
         graphs = DecodeGraphs(self.model, self.backend, self.pool, self.device, rows,
                               max_model_len)
         graphs.capture()
@@ -207,6 +212,7 @@ class ModelRunner:
         ids, positions, qlens, seq_lens, tables = (plan.ids, plan.positions, plan.query_lens,
                                                    plan.seq_lens, plan.tables)
         eager_only = drafted = False
+        as_rows = self._draft_rows(chunks)
         for ch in chunks:
             req: Request = ch.request
             start, n = ch.start, ch.num_tokens
@@ -221,7 +227,7 @@ class ModelRunner:
                     ids.extend(ch.draft)
                     positions.extend(range(start, start + n))
                     drafted = True
-                    if self.verify_as_decode_rows:  # one decode row per token (see __init__)
+                    if as_rows:  # one decode row per token (see __init__)
                         qlens.extend([1] * n)
                         seq_lens.extend(range(start + 1, start + n + 1))
                         tables.extend([req.block_ids] * n)
@@ -262,6 +268,23 @@ class ModelRunner:
                 end = min(ch.start + ch.num_tokens, req.num_prompt_tokens)
                 plan.prompt_rows.append((i, ends[i], ends[i] + end - ch.start))
         return plan
+
+    def _draft_rows(self, chunks) -> bool:
+        """Verify this step's drafts as decode rows (else as chunks; see __init__)?"""
+        if self.verify_route != "auto":
+            return self.verify_route == "rows"
+        graphs = self.graphs
+        if graphs is None:
+            return False
+        rows, extra = 0, 0
+        for ch in chunks:
+            if ch.num_tokens > 1 and not ch.draft:
+                return False  # a prefill chunk: the step runs eagerly whatever the drafts do
+            rows += ch.num_tokens
+            # rows 1..n-1 each read the context again: (n - 1) x (start + ~n/2) tokens
+            extra += (ch.num_tokens - 1) * (ch.start + ch.num_tokens // 2)
+        return (rows <= graphs.buckets[-1]
+                and extra * self.pool.spec.bytes_per_token <= SPEC_ROWS_MAX_EXTRA_KV_BYTES)
 
     def broadcast_plan(self, plan: StepPlan) -> None:
         """Hook for tensor parallelism: rank 0 sends the plan to the other ranks here."""
