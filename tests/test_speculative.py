@@ -140,41 +140,6 @@ def test_proposer_incremental_equals_rebuilt():
         r.output_token_ids.append(t)
 
 
-def test_rejected_drafts_pause_the_lookup():
-    """All drafts rejected: the next 1, then 2, 4 ... (up to the bound) lookups propose nothing;
-    a kept draft ends the pause's growth."""
-    from kvcap.engine.ngram import MAX_SKIPPED_LOOKUPS
-
-    p = NgramProposer(2, 2, 1)
-    r = req("a", [1, 2, 3, 1, 2, 3, 1, 2])
-    assert p.propose(r, 4) == [3, 1]
-
-    def quiet_lookups() -> int:
-        n = 0
-        while not p.propose(r, 4):
-            n += 1
-        return n
-
-    p.feedback("a", 2, 0)
-    assert quiet_lookups() == 1
-    p.feedback("a", 2, 0)
-    assert quiet_lookups() == 2
-    p.feedback("a", 2, 0)
-    assert quiet_lookups() == 4
-    for _ in range(6):
-        p.feedback("a", 2, 0)
-    assert quiet_lookups() == MAX_SKIPPED_LOOKUPS
-    p.feedback("a", 2, 1)  # one kept: no pause, and the next rejection pauses once
-    assert quiet_lookups() == 0
-    p.feedback("a", 2, 0)
-    assert quiet_lookups() == 1
-    p.feedback("a", 0, 0)  # no drafts: nothing to learn
-    assert quiet_lookups() == 0
-    p.forget("a")
-    p.feedback("a", 2, 0)  # a forgotten request: ignored
-    assert quiet_lookups() == 0
-
-
 def _lookup_by_scan(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
     """The proposer's rule by brute force: the latest earlier occurrence of the longest n-gram
     that ends the sequence, and up to k tokens after it."""

@@ -44,9 +44,6 @@ class AlwaysDraft:
         return [req.output_token_ids[-1] if req.output_token_ids
                 else req.prompt_token_ids[-1]] * min(limit, self.num_tokens)
 
-    def feedback(self, request_id: str, drafted: int, kept: int) -> None:
-        pass  # offers K tokens every step whatever became of the last ones
-
     def forget(self, request_id: str) -> None:
         pass
 

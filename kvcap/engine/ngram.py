@@ -30,7 +30,6 @@ from kvcap.errors import ConfigError
 
 MAX_SPECULATIVE_TOKENS = 16  # drafts per step; beyond this the verify rows cost more than
 MAX_LOOKUP_N = 16  # they can save on any batch (and the tables grow with n)
-MAX_SKIPPED_LOOKUPS = 16  # after rejected drafts (NgramProposer.feedback)
 
 
 def check_ngram_settings(num_tokens: int, max_n: int, min_n: int) -> None:
@@ -105,14 +104,12 @@ class _Index:
     occurrence: the sorted bulk (prompts) and, newer than all of it, a dict of the tokens added
     since."""
 
-    __slots__ = ("end", "table", "bulk", "skip", "backoff")
+    __slots__ = ("end", "table", "bulk")
 
     def __init__(self):
         self.end = 0  # n-grams ending at positions < end are indexed
         self.table: dict[int, int] = {}
         self.bulk: _Sorted | None = None
-        self.skip = 0  # lookups to pass over (drafts were rejected) ...
-        self.backoff = 0  # ... and how many the next rejection sets
 
     def add_bulk(self, keys: list[np.ndarray], after: list[np.ndarray]) -> None:
         """Index many n-grams at once (`keys[i]` with positions `after[i]`, each ascending),
@@ -145,9 +142,6 @@ class NgramProposer:
         idx = self._index.get(req.request_id)
         if idx is None:
             idx = self._index[req.request_id] = _Index()
-        if idx.skip:  # (the tokens meanwhile are indexed at the next lookup)
-            idx.skip -= 1
-            return []
         # Index the n-grams that end at positions idx.end .. total - 1: every one of them has at
         # least one token after it. (The n-gram ending at `total` is the one looked up.)
         lo = max(0, idx.end - self.max_n)
@@ -180,20 +174,6 @@ class NgramProposer:
             if after is not None:
                 return req.token_slice(after, min(after + limit, total))
         return []
-
-    def feedback(self, request_id: str, drafted: int, kept: int) -> None:
-        """How a request's drafts fared. When all were rejected its next 1, 2, 4 ...
-        MAX_SKIPPED_LOOKUPS lookups (while that keeps happening) propose nothing: in text the
-        lookup cannot predict, rejected rows cost a GPU step's work (and on a CPU the whole
-        row) and steps with drafts cannot be run ahead of; one kept draft resets it."""
-        idx = self._index.get(request_id)
-        if idx is None or not drafted:
-            return
-        if kept:
-            idx.backoff = 0
-        else:
-            idx.backoff = min(max(1, 2 * idx.backoff), MAX_SKIPPED_LOOKUPS)
-            idx.skip = idx.backoff
 
     def forget(self, request_id: str) -> None:
         self._index.pop(request_id, None)

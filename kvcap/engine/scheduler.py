@@ -378,7 +378,6 @@ class Scheduler:
         kept = accepted.get(rid, [])
         if kept != chunk.draft[:len(kept)]:
             raise ValueError(f"request {rid}: accepted tokens are not a prefix of its draft")
-        self.proposer.feedback(rid, len(chunk.draft), len(kept))
         req.num_computed_tokens += 1 + len(kept)
         stop = None
         for tok in (*kept, int(sampled[rid])):
