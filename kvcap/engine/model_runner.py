@@ -212,7 +212,7 @@ class ModelRunner:
         ids, positions, qlens, seq_lens, tables = (plan.ids, plan.positions, plan.query_lens,
                                                    plan.seq_lens, plan.tables)
         eager_only = drafted = False
-        as_rows = self._draft_rows(chunks)
+        as_rows = None  # the drafts' route, decided at the first chunk with drafts
         for ch in chunks:
             req: Request = ch.request
             start, n = ch.start, ch.num_tokens
@@ -227,6 +227,8 @@ class ModelRunner:
                     ids.extend(ch.draft)
                     positions.extend(range(start, start + n))
                     drafted = True
+                    if as_rows is None:
+                        as_rows = self._draft_rows(chunks)
                     if as_rows:  # one decode row per token (see __init__)
                         qlens.extend([1] * n)
                         seq_lens.extend(range(start + 1, start + n + 1))
