@@ -73,6 +73,7 @@ def test_serve_refuses_a_bad_port_before_loading_the_model():
     ("step_profile", ["--rows", "0"], "--rows"),
     ("serving", ["--concurrency", "0"], "--concurrency"),
     ("serving", ["--rate", "0"], "--rate"),
+    ("verify_cost", ["--k", "0"], "--k"),
 ])
 def test_bench_suites_refuse_bad_numbers(suite, args, name):
     # --repeats 0 was an IndexError after the model loaded, --out-tokens 1 a rate of 0
@@ -83,7 +84,7 @@ def test_bench_suites_refuse_bad_numbers(suite, args, name):
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible")
-@pytest.mark.parametrize("suite", ["throughput", "step_profile", "gemm"])
+@pytest.mark.parametrize("suite", ["throughput", "step_profile", "gemm", "verify_cost"])
 def test_gpu_bench_suites_say_they_need_a_gpu(suite):
     # they were deep tracebacks from torch.cuda without one
     res = subprocess.run([sys.executable, "-m", "kvcap.cli", "bench", suite],
