@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--kv-cache-memory-gib", type=float, default=1.0,
                     help="each engine's KV pool (default 1 GiB: ample for these requests)")
-    ap.add_argument("--dtype", default=None,
+    ap.add_argument("--dtype", default="auto",
                     help="model dtype (default: the engine's; float32 makes the check exact)")
     ap.add_argument("--exact", action="store_true",
                     help="fail when any K changes a token (right in float32; in 16-bit a verify "
@@ -114,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     for k in ks:
         llm = LLM(model=args.model, device=args.device, num_speculative_tokens=k,
                   max_model_len=2048, max_num_seqs=max(conc),
-                  kv_cache_memory_gib=args.kv_cache_memory_gib,
-                  **({"dtype": args.dtype} if args.dtype else {}))
+                  kv_cache_memory_gib=args.kv_cache_memory_gib, dtype=args.dtype)
         if llm.tokenizer is None:
             raise ConfigError(f"the speculative bench needs a model with a tokenizer and a chat "
                               f"template (its tasks are text), not {args.model!r}")

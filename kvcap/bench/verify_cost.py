@@ -48,6 +48,11 @@ class AlwaysDraft:
         pass
 
 
+def tokens_per_request(k: int, warmup: int, steps: int) -> int:
+    """Output tokens a cell's request may take: every arm's steps, each keeping all K drafts."""
+    return len(ARMS) * (warmup + steps) * (k + 1) + 8
+
+
 def rows_reread_bytes(batch: int, context: int, k: int, bytes_per_token: int) -> int:
     """The K/V bytes the decode-row route reads beyond the chunk's, per step (see
     ModelRunner._draft_rows): each request's rows 1..K re-read its context."""
@@ -64,7 +69,8 @@ def time_arm(llm, arm: str, k: int, warmup: int, steps: int) -> float:
     eng = llm.engine
     eng.scheduler.proposer = None if arm == "plain" else AlwaysDraft(k)
     eng.scheduler.speculate = arm != "plain"
-    llm.runner.verify_route = "chunk" if arm == "plain" else arm
+    if arm != "plain":
+        llm.runner.verify_route = arm
     for _ in range(warmup):
         eng.step()
     _sync()
@@ -80,8 +86,8 @@ def run_cell(llm, batch: int, context: int, k: int, warmup: int, steps: int) -> 
 
     eng = llm.engine
     gen = torch.Generator().manual_seed(batch * 100003 + context)
-    budget = len(ARMS) * (warmup + steps) * (k + 1) + 8
-    params = SamplingParams(max_tokens=budget, ignore_eos=True, temperature=0)
+    params = SamplingParams(max_tokens=tokens_per_request(k, warmup, steps), ignore_eos=True,
+                            temperature=0)
     for i in range(batch):
         ids = torch.randint(0, llm.spec.vocab_size, (context,), generator=gen).tolist()
         eng.add_request(f"c{batch}x{context}-{i}", ids, params, stream=False)
@@ -118,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     model = SHAPES[args.shape]
     fp8 = args.kv == "fp8"
     scales = calibrated_scales(model, args.dtype) if fp8 else None
-    budget = len(ARMS) * (args.warmup + args.steps) * (args.k + 1) + 8
+    budget = tokens_per_request(args.k, args.warmup, args.steps)
     llm = LLM(model=model, dtype=args.dtype, kv_cache_dtype="fp8_e4m3" if fp8 else "auto",
               kv_scales=scales, max_num_seqs=max(args.batches),
               max_model_len=max(args.contexts) + budget + 16, max_num_batched_tokens=8192,

@@ -224,8 +224,8 @@ class Engine:
         # the step, which a step launched ahead does not know yet (min_tokens only needs the
         # count, but is kept simple), and structured output may replace a token on the host: no
         # overlap while a request asks for any of them.
-        if self.scheduler.proposer is not None and (
-                self._ahead_run >= self._ahead_limit or any(c.draft for c in out.chunks)):
+        # (a step with drafts left the limit at 0: none runs ahead of it)
+        if self.scheduler.proposer is not None and self._ahead_run >= self._ahead_limit:
             return False  # the proposer looks at the next step's tokens first
         return (self.overlap and self.runner.can_run_ahead() and not any(
             c.request.sampling_params.logprobs is not None

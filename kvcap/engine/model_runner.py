@@ -278,14 +278,15 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is None:
             return False
-        rows, extra = 0, 0
+        rows, extra, longest = 0, 0, 0
         for ch in chunks:
             if ch.num_tokens > 1 and not ch.draft:
                 return False  # a prefill chunk: the step runs eagerly whatever the drafts do
             rows += ch.num_tokens
+            longest = max(longest, ch.start + ch.num_tokens)
             # rows 1..n-1 each read the context again: (n - 1) x (start + ~n/2) tokens
             extra += (ch.num_tokens - 1) * (ch.start + ch.num_tokens // 2)
-        return (rows <= graphs.buckets[-1]
+        return (graphs.can_run(rows, longest)
                 and extra * self.pool.spec.bytes_per_token <= SPEC_ROWS_MAX_EXTRA_KV_BYTES)
 
     def broadcast_plan(self, plan: StepPlan) -> None:

@@ -84,7 +84,7 @@ class _Sorted:
         last = np.ones(len(keys), dtype=bool)
         last[:-1] = keys[1:] != keys[:-1]
         keys = keys[last]
-        self.keys = array("Q", keys.astype(np.uint64).tobytes())
+        self.keys = array("Q", keys.tobytes())  # (uint64 already)
         self.after = array("i", after[last].astype(np.int32).tobytes())  # < 2^31 tokens
         bits = max(4, (4 * len(keys) - 1).bit_length())  # 2^bits >= 4 slots a key
         self.shift = 64 - bits

@@ -246,9 +246,9 @@ class Scheduler:
     def _draft(self, req: Request, budget: int) -> list[int]:
         """Draft tokens for a request in decode, with the blocks to verify them taken, or none:
         only as many as `budget` (this request's share of the step's tokens), max_tokens and
-        max_model_len leave room for if all are
-        accepted, and never at the cost of preempting anything: drafts take only free blocks
-        beyond one per running request (each may need one for its next token)."""
+        max_model_len leave room for if all are accepted, and never at the cost of preempting
+        anything: drafts take only free blocks beyond one per running request (each may need
+        one for its next token)."""
         sp = req.sampling_params
         out = len(req.output_token_ids)
         bm = self.block_manager
