@@ -44,8 +44,10 @@ def test_reread_bytes_match_the_runner_rule(monkeypatch):
 def test_cell_runs_every_arm_and_leaves_nothing(default_model_dir):
     from kvcap import LLM
 
+    # a step budget of 48 tokens: the two 40-token prompts take two prefill steps, the second
+    # with the first request already in decode (no drafts may come before the arms start)
     llm = LLM(model=str(default_model_dir), device="cpu", max_model_len=256, num_blocks=32,
-              max_num_seqs=2, num_speculative_tokens=2)
+              max_num_seqs=2, num_speculative_tokens=2, max_num_batched_tokens=48)
     drafted = llm.engine.num_draft_tokens
     cell = verify_cost.run_cell(llm, batch=2, context=40, k=2, warmup=1, steps=2)
     assert set(cell["ms_per_step"]) == set(verify_cost.ARMS)

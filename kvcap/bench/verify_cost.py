@@ -64,11 +64,16 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _use_proposer(eng, proposer) -> None:
+    """The scheduler drafts only with a proposer: both of its switches change together."""
+    eng.scheduler.proposer = proposer
+    eng.scheduler.speculate = proposer is not None
+
+
 def time_arm(llm, arm: str, k: int, warmup: int, steps: int) -> float:
     """Milliseconds per engine step with the arm's drafts (none for "plain")."""
     eng = llm.engine
-    eng.scheduler.proposer = None if arm == "plain" else AlwaysDraft(k)
-    eng.scheduler.speculate = arm != "plain"
+    _use_proposer(eng, None if arm == "plain" else AlwaysDraft(k))
     if arm != "plain":
         llm.runner.verify_route = arm
     for _ in range(warmup):
@@ -91,7 +96,7 @@ def run_cell(llm, batch: int, context: int, k: int, warmup: int, steps: int) -> 
     for i in range(batch):
         ids = torch.randint(0, llm.spec.vocab_size, (context,), generator=gen).tolist()
         eng.add_request(f"c{batch}x{context}-{i}", ids, params, stream=False)
-    eng.scheduler.proposer = None
+    _use_proposer(eng, None)  # prompts that take several steps get no drafts meanwhile
     while any(not r.output_token_ids for r in list(eng.requests.values())):
         eng.step()  # prefill every prompt (and a first token each)
     ms = {arm: round(time_arm(llm, arm, k, warmup, steps), 3) for arm in ARMS}
