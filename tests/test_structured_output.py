@@ -9,13 +9,14 @@ import json
 import random
 import urllib.parse
 from enum import Enum
-from typing import Literal
+from typing import Annotated, Literal
 
 import jsonschema
 import pydantic
 import pytest
 import torch
 from grammar_walk import random_walk
+from pydantic import StringConstraints
 
 from kvcap import LLM, SamplingParams
 from kvcap.engine.structured import MAX_REJECTIONS, StructuredOutput
@@ -123,6 +124,13 @@ class Tags(pydantic.BaseModel):
     sizes: frozenset[Literal[1, 2, 3]] = pydantic.Field(default=frozenset(), max_length=2)
 
 
+class Counts(pydantic.BaseModel):
+    """Dicts with constrained keys: pydantic writes patternProperties / propertyNames."""
+    words: dict[Annotated[str, StringConstraints(pattern=r"^[a-z]+$")], int]
+    sides: dict[Literal["left", "right"], int]
+    flags: dict[Annotated[str, StringConstraints(max_length=3)], bool]
+
+
 TREE = {"$defs": {"node": {"type": "object", "properties": {
     "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"},
                                        "maxItems": 2}}, "required": ["v"]}},
@@ -163,6 +171,25 @@ SCHEMAS = {
         "required": ["ip", "p", "m"]},
     "tuple": {"type": "array", "prefixItems": [{"const": "a"}, {"type": "boolean"}],
               "items": {"type": "integer", "maximum": -1}, "maxItems": 4},
+    "keys": Counts.model_json_schema(),
+    # each other key takes its pattern's schema, else additionalProperties'
+    "patterns": {"type": "object", "patternProperties": {
+        "^i_": {"type": "integer"}, "^s_": {"type": "string", "maxLength": 2}},
+        "additionalProperties": {"type": "null"}},
+    # no additionalProperties: only what the pattern matches; a budget of keys
+    "patterns_closed": {"type": "object", "properties": {"i_1": {"type": "integer"},
+                                                         "z": {"type": "boolean"}},
+                        "required": ["z"], "patternProperties": {"^i_\\d$": {"type": "integer"}},
+                        "maxProperties": 3},
+    # names by a gate, declared ones excluded from the other keys however they are spelt
+    "names": {"type": "object", "properties": {"ab": {"type": "integer"}},
+              "propertyNames": {"pattern": "^(ab|ac|x)$"},
+              "additionalProperties": {"type": "boolean"}},
+    "names_escaped": {"type": "object", "propertyNames": {"pattern": "^[\"\\\\a\u00e9]{1,3}$"},
+                      "additionalProperties": {"const": 1}},
+    # the names allow declared properties only: no other key once they are written
+    "names_declared": {"type": "object", "properties": {"ab": {}, "ac": {}},
+                       "propertyNames": {"pattern": "^a[bc]$"}, "additionalProperties": True},
 }
 
 
@@ -199,6 +226,14 @@ def test_whatever_the_grammar_completes_is_valid_under_the_schema(name):
     ("props", {"a": 1, "c": True}), ("props", {"b": None, "c": False}),
     ("props_open", {"x": 1, "y": 2, "c": False}), ("props_open", {"c": True}),
     ("lengths", {"ip": "10.0.0.1", "p": "xab", "m": "aaab", "mail": "jo@example.org"}),
+    ("keys", {"words": {"abc": 1, "z": -2}, "sides": {"right": 1, "left": 2},
+              "flags": {"\u00e9\"1": True, "": False}}),
+    ("keys", {"words": {}, "sides": {}, "flags": {}}),
+    ("patterns", {"i_x": 1, "s_": "ab", "other": None, "i_y": -4}),
+    ("patterns_closed", {"i_1": 1, "i_2": 3, "z": True}), ("patterns_closed", {"z": False}),
+    ("names", {"ab": 1, "ac": True, "x": False}),
+    ("names_escaped", {"\"": 1, "\\a\u00e9": 1}),
+    ("names_declared", {"ac": [1], "ab": None}),
 ])
 def test_valid_documents_are_accepted(name, doc):
     g = compile_schema(SCHEMAS[name])
@@ -237,6 +272,15 @@ def test_valid_documents_are_accepted(name, doc):
     ("same_values", "[true, t"), ("same_values", "[1.0, 1"), ("same_values", "[]"),
     ("tuple", '["b'), ("tuple", '["a", 1'), ("tuple", '["a", true, 0'),
     ("tuple", '["a", true, -1, -1,'),
+    ("keys", '{"words": {"A'), ("keys", '{"words": {"a": 1.'), ("keys", '{"sides": {"u'),
+    ("keys", '{"sides": {"left": 1, "l'), ("keys", '{"flags": {"abcd'),
+    ("patterns", '{"i_x": "'), ("patterns", '{"s_a": "abc'), ("patterns", '{"o": 1'),
+    ("patterns_closed", '{"y'), ("patterns_closed", '{"i_12'),
+    ("patterns_closed", '{"i_1": 1, "\\u0069_1'),  # i_1 again, spelt otherwise
+    ("patterns_closed", '{"i_1": 1, "i_2": 2, "i'),  # only the required z fits
+    ("names", '{"y'), ("names", '{"ab": 1, "ab'), ("names", '{"ac": 1'),
+    ("names_escaped", '{"aaaa'), ("names_escaped", '{"b'),
+    ("names_declared", '{"ab": 1, "ac": 2,'), ("names_declared", '{"ad'),
 ])
 def test_invalid_documents_are_refused(name, text):
     """(An enum member is one spelling: `[true]`, not `[ true ]`.)"""
@@ -250,7 +294,26 @@ def test_invalid_documents_are_refused(name, text):
     ({"type": "object", "properties": {"d": {"type": "string", "format": "idn-hostname"}}},
      r"schema.properties.d.format: 'idn-hostname' is not supported"),
     ({"type": "string", "format": "date", "pattern": "x"}, "matches both the pattern and the"),
-    ({"type": "object", "patternProperties": {}}, "'patternProperties' not supported"),
+    ({"type": "object", "dependentRequired": {}}, "'dependentRequired' not supported"),
+    ({"type": "object", "patternProperties": {"^a": {"type": "integer"}, "b$": {}}},
+     "a key can match both '\\^a' and 'b\\$'"),
+    ({"type": "object", "properties": {"ab": {"type": "string"}},
+      "patternProperties": {"^a": {"type": "integer"}}}, "'ab' also matches patternProperties"),
+    ({"type": "object", "patternProperties": {"(?=a)": {}}},
+     "schema.patternProperties: pattern '\\(\\?=a\\)': look-around"),
+    ({"type": "object", "patternProperties": []}, "patternProperties: must be an object"),
+    ({"type": "object", "properties": {"A": {}}, "required": ["A"],
+      "propertyNames": {"pattern": "^[a-z]+$"}}, "'A' is not a key propertyNames allows"),
+    ({"type": "object", "propertyNames": {"minLength": 2, "not": {}}},
+     "propertyNames: 'not' not supported for keys"),
+    ({"type": "object", "propertyNames": {"type": "integer"}}, "keys are strings"),
+    ({"type": "object", "propertyNames": {"enum": ["a"], "maxLength": 3}}, "give either the keys"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["a"], "propertyNames": False},
+     "false allows no key"),
+    ({"type": "object", "propertyNames": {"pattern": "^a$", "minLength": 2}},
+     "no key of the pattern / format has a length within 2.."),
+    ({"type": "object", "patternProperties": {"^a": {}}, "additionalProperties": True,
+      "minProperties": 1}, "tell a repeated other key from a new one"),
     ({"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a", "b"],
       "maxProperties": 1}, "maxProperties 1 is below the 2 required"),
     ({"type": "object", "properties": {"a": {}}, "additionalProperties": False,

@@ -13,12 +13,16 @@ Nodes (tuples, ids index `Grammar.nodes`):
     ("str", min_len, max_len | None)        a JSON string, its length in characters
     ("num", integer)                        a JSON number (integer: no fraction, no exponent)
     ("lit", bytes)                          exactly these bytes (true, an enum member, a choice)
-    ("obj", props, required, extra, names, min_props, max_props | None)
+    ("obj", props, required, extra, names, min_props, max_props | None, keys)
                                             props: raw key bytes -> node; extra: the node of
                                             other keys' values, or None when only props may
                                             appear; each key at most once, in any order; once
                                             only the missing required keys fit under
-                                            max_props, only they may come
+                                            max_props, only they may come; keys: None, or
+                                            what other keys must be (kvcap.sampling.
+                                            object_keys): (gate nfa | None, min_len,
+                                            max_len | None, ((nfa, value node), ...)), a key
+                                            matching a class taking its node, others extra
     ("arr", items, min_items, max_items | None, prefix)
                                             prefix: the nodes of the first items, one each
                                             (JSON Schema's prefixItems); items: the rest's
@@ -180,6 +184,8 @@ class Grammar:
             return self._object(rest, top, b)
         if kind == "K":
             return self._key(frames, b)
+        if kind == "Q":
+            return self._ruled_key(frames, b)
         if kind == "A":
             return self._array(rest, top, b)
         if kind == "U":
@@ -195,60 +201,15 @@ class Grammar:
 
     def _pattern_string(self, rest: Frames, top: tuple, b: int) -> list[Frames]:
         """A byte of a string frame ("P", node, nfa states, esc, count, utf8): JSON escapes
-        and UTF-8 are decoded to characters, which run through the node's NFA. esc: 0, -1
-        after a backslash, or (code so far, hex digits left) in a \\u escape; utf8: None or
-        (code so far, continuation bytes left, lowest, highest next byte)."""
+        and UTF-8 are decoded to characters (`_decoded`), which run through the node's NFA."""
         _, c, states, esc, n, utf8 = top
         _, nfa, lo, hi = self.nodes[c]
-        starts_char = esc == 0 and utf8 is None and (b >= 0x80 or b == BACKSLASH)
-        if starts_char and hi is not None and n >= hi:  # no room for another character
+        got = _matched_char(nfa, states, lo, hi, n, esc, utf8, b)
+        if got is None:
             return []
-        # after the next character, the match must still be able to end within the bounds
-        at_least, at_most = max(lo - n - 1, 0), None if hi is None else hi - n - 1
-
-        def can(a: int, z: int) -> bool:
-            return nfa.continues_within(states, a, z, at_least, at_most)
-
-        if utf8 is not None or (b >= 0x80 and esc == 0):
-            ch, utf8 = _utf8_step(can, utf8, b)
-            if utf8 is not None:
-                return [rest + (("P", c, states, 0, n, utf8),)]
-            if ch is None:
-                return []
-        elif esc == -1:
-            if b == ord("u"):
-                return [rest + (("P", c, states, (0, 4), n, None),)]
-            ch = JSON_ESCAPES.get(b)
-            if ch is None:
-                return []
-        elif esc:
-            code, left = esc
-            if b not in HEX:
-                return []
-            code = code * 16 + int(chr(b), 16)
-            if left > 1:
-                lo_code, hi_code = code << 4 * (left - 1), ((code + 1) << 4 * (left - 1)) - 1
-                if not any(can(a, z) for a, z in _without_surrogates(lo_code, hi_code)):
-                    return []
-                return [rest + (("P", c, states, (code, left - 1), n, None),)]
-            if 0xD800 <= code <= 0xDFFF:  # surrogate halves: write the character itself
-                return []
-            ch = code
-        elif b == QUOTE:
-            return [rest] if nfa.accepts(states) and n >= lo else []
-        elif b == BACKSLASH:  # some character an escape can write must continue the match
-            if not any(can(a, z) for a, z in _without_surrogates(0, 0xFFFF)):
-                return []
-            return [rest + (("P", c, states, -1, n, None),)]
-        elif b < 0x20:
-            return []
-        else:
-            ch = b
-        states = nfa.step(states, ch)
-        if not states or not nfa.fits(states, at_least, at_most):
-            return []
-        n = n + 1 if hi is not None else min(n + 1, lo)
-        return [rest + (("P", c, states, 0, n, None),)]
+        if got == "end":
+            return [rest]
+        return [rest + (("P", c) + got[:4],)]
 
     def _text(self, rest: Frames, top: tuple, b: int) -> list[Frames]:
         """A byte of raw text matched by a regex ("T", node, nfa states, utf8); the frame
@@ -294,21 +255,27 @@ class Grammar:
 
     def _object(self, rest: Frames, top: tuple, b: int) -> list[Frames]:
         """A byte of an object frame ("O", node, declared keys seen, phase, key, other keys
-        written: counted only as far as min/max_props need, so that states repeat)."""
+        written: counted only as far as min/max_props need, so that states repeat). key: a
+        declared key's raw bytes, or (after another key) the node of its value."""
         _, c, seen, phase, key, others = top
-        _, props, required, extra, names, lo, hi = self.nodes[c]
+        _, props, required, extra, names, lo, hi, keys = self.nodes[c]
         if phase == ":":
             if b != ord(":"):
                 return []
-            value = props[key] if key is not None else extra
-            if key is not None:
-                seen = seen | {key}
+            if isinstance(key, bytes):
+                value, seen = props[key], seen | {key}
             else:
-                others = min(others + 1, lo if hi is None else hi)
+                value, others = key, min(others + 1, lo if hi is None else hi)
             return [rest + (("O", c, seen, ",", None, others), ("V", value))]
         count = len(seen) + others
-        can_add = (extra is not None or len(seen) < len(names)) and (hi is None or count < hi)
+        open_ = extra is not None or keys is not None
+        can_add = (open_ or len(seen) < len(names)) and (hi is None or count < hi)
         if phase in ("{", "k") and b == QUOTE and can_add:
+            if keys is not None and not self._tight(c, seen, others):
+                gate, _, _, classes = keys
+                ruled = (None if gate is None else gate.start, 0, 0, None,
+                         tuple(nfa.start for nfa, _ in classes))
+                return [rest + (top, ("Q", b"", ruled))]
             return [rest + (top, ("K", b"", 0))]
         if phase in ("{", ",") and b == ord("}") and required <= seen and count >= lo:
             return [rest]
@@ -316,14 +283,18 @@ class Grammar:
             return [rest + (("O", c, seen, "k", None, others),)]
         return []
 
+    def _tight(self, c: int, seen: frozenset, others: int) -> bool:
+        """At max_props less the required keys still missing: only those may come."""
+        _, _, required, _, _, _, hi, _ = self.nodes[c]
+        return hi is not None and len(seen) + others + len(required - seen) >= hi
+
     def _key(self, frames: Frames, b: int) -> list[Frames]:
         """A byte of an object key. `raw` holds the key's bytes while they may still spell a
         declared property (None once they cannot: a key of `extra`)."""
         _, raw, esc = frames[-1]
         _, c, seen, _, _, others = frames[-2]
-        _, props, required, extra, names, _, hi = self.nodes[c]
-        # at max_props less the required keys still missing, only those may come
-        tight = hi is not None and len(seen) + others + len(required - seen) >= hi
+        _, props, required, extra, names, _, _, _ = self.nodes[c]
+        tight = self._tight(c, seen, others)
         allowed = [n for n in names if n not in seen and (not tight or n in required)]
         free = extra is not None and not tight
         if b == QUOTE and esc == 0:
@@ -331,7 +302,7 @@ class Grammar:
                 if raw not in allowed:
                     return []
                 return [frames[:-2] + (("O", c, seen, ":", raw, others),)]
-            return [frames[:-2] + (("O", c, seen, ":", None, others),)] if free else []
+            return [frames[:-2] + (("O", c, seen, ":", extra, others),)] if free else []
         grown = raw + bytes([b]) if raw is not None else None
         if not free:  # only declared keys: their spelt forms are valid string bodies
             if not any(n.startswith(grown) for n in allowed):
@@ -343,6 +314,48 @@ class Grammar:
         if grown is not None and not any(n.startswith(grown) for n in names):
             grown = None
         return [frames[:-1] + (("K", grown, nxt[3]),)]
+
+    def _ruled_key(self, frames: Frames, b: int) -> list[Frames]:
+        """A byte of a key of an object whose other keys follow rules ("Q", raw, ruled): `raw`
+        as in `_key`; `ruled`, while the key may still be another key, is (gate states,
+        characters, esc, utf8, class states), the characters decoded as in a "P" frame
+        (None once it cannot: then only a declared key is left)."""
+        _, raw, ruled = frames[-1]
+        _, c, seen, _, _, others = frames[-2]
+        _, props, _, _, names, _, _, (gate, lo, hi, classes) = self.nodes[c]
+        if ruled is not None:
+            escaped = ruled[2] != 0 or ruled[3] is not None
+        else:  # an odd run of backslashes at the end escapes the next byte
+            escaped = (len(raw) - len(raw.rstrip(b"\\"))) % 2 == 1
+        if b == QUOTE and not escaped:
+            if raw is not None and raw in props:
+                if raw in seen:
+                    return []
+                return [frames[:-2] + (("O", c, seen, ":", raw, others),)]
+            value = self._ruled_value(c, ruled)
+            return [] if value is None else [frames[:-2] + (("O", c, seen, ":", value, others),)]
+        grown = raw + bytes([b]) if raw is not None else None
+        if grown is not None and not any(n.startswith(grown) for n in names):
+            grown = None
+        if ruled is not None:
+            ruled = _ruled_step(gate, lo, hi, classes, ruled, b)
+        if ruled is None and (grown is None or not any(
+                n.startswith(grown) for n in names if n not in seen)):
+            return []
+        return [frames[:-1] + (("Q", grown, ruled),)]
+
+    def _ruled_value(self, c: int, ruled: tuple | None) -> int | None:
+        """The value node of the other key just closed, or None when it may not be one."""
+        if ruled is None:
+            return None
+        _, _, _, extra, _, _, _, (gate, lo, _, classes) = self.nodes[c]
+        states, n, _, _, cls = ruled
+        if gate is not None and not (gate.accepts(states) and n >= lo):
+            return None
+        for (nfa, node), st in zip(classes, cls, strict=True):
+            if nfa.accepts(st):
+                return node
+        return extra
 
     def _array(self, rest: Frames, top: tuple, b: int) -> list[Frames]:
         _, c, count, phase = top
@@ -418,6 +431,91 @@ def _string_char(top: tuple, b: int):
     if hi is not None and grown > hi:
         return None
     return ("S", lo, hi, nxt, grown)
+
+
+def _decoded(can, esc, utf8: tuple | None, b: int):
+    """One byte of a JSON string body read as characters: ("char", code point) once one is
+    whole, ("more", esc, utf8) while its bytes or escape go on, "quote" at an unescaped
+    closing quote, or None when refused. esc: 0, -1 after a backslash, or (code so far, hex
+    digits left) in a \\u escape; utf8: None or (code so far, continuation bytes left, lowest,
+    highest next byte). A byte that leaves a character unfinished passes only if some
+    character it can still become passes `can(lo, hi)` (one in [lo, hi] continues a match)."""
+    if utf8 is not None or (b >= 0x80 and esc == 0):
+        ch, utf8 = _utf8_step(can, utf8, b)
+        if utf8 is not None:
+            return ("more", 0, utf8)
+        return None if ch is None else ("char", ch)
+    if esc == -1:
+        if b == ord("u"):
+            return ("more", (0, 4), None)
+        ch = JSON_ESCAPES.get(b)
+        return None if ch is None else ("char", ch)
+    if esc:
+        code, left = esc
+        if b not in HEX:
+            return None
+        code = code * 16 + int(chr(b), 16)
+        if left > 1:
+            lo_code, hi_code = code << 4 * (left - 1), ((code + 1) << 4 * (left - 1)) - 1
+            if not any(can(a, z) for a, z in _without_surrogates(lo_code, hi_code)):
+                return None
+            return ("more", (code, left - 1), None)
+        if 0xD800 <= code <= 0xDFFF:  # surrogate halves: write the character itself
+            return None
+        return ("char", code)
+    if b == QUOTE:
+        return "quote"
+    if b == BACKSLASH:  # some character an escape can write must continue the match
+        if not any(can(a, z) for a, z in _without_surrogates(0, 0xFFFF)):
+            return None
+        return ("more", -1, None)
+    if b < 0x20:
+        return None
+    return ("char", b)
+
+
+def _matched_char(nfa, states, lo: int, hi: int | None, n: int, esc, utf8, b: int):
+    """A byte of a string whose characters must match `nfa` within lengths lo..hi (n counted
+    so far; unbounded strings count only up to lo, so that their states repeat): (states,
+    esc, n, utf8, the character if it ended one) after it, "end" at a closing quote that
+    ends a match, or None."""
+    starts_char = esc == 0 and utf8 is None and (b >= 0x80 or b == BACKSLASH)
+    if starts_char and hi is not None and n >= hi:  # no room for another character
+        return None
+    # after the next character, the match must still be able to end within the bounds
+    at_least, at_most = max(lo - n - 1, 0), None if hi is None else hi - n - 1
+    got = _decoded(lambda a, z: nfa.continues_within(states, a, z, at_least, at_most),
+                   esc, utf8, b)
+    if got is None:
+        return None
+    if got == "quote":
+        return "end" if nfa.accepts(states) and n >= lo else None
+    if got[0] == "more":
+        return (states, got[1], n, got[2], None)
+    states = nfa.step(states, got[1])
+    if not states or not nfa.fits(states, at_least, at_most):
+        return None
+    return (states, 0, n + 1 if hi is not None else min(n + 1, lo), None, got[1])
+
+
+def _ruled_step(gate, lo: int, hi: int | None, classes: tuple, ruled: tuple, b: int):
+    """A byte of another key ("Q" frame's ruled part): the gate's states move as a "P"
+    frame's do; each class's NFA reads the decoded characters unpruned (it only picks the
+    value's node at the end). None when the byte cannot go on another key."""
+    states, n, esc, utf8, cls = ruled
+    if gate is not None:
+        got = _matched_char(gate, states, lo, hi, n, esc, utf8, b)
+        if got is None or got == "end":
+            return None
+        states, esc, n, utf8, ch = got
+    else:
+        got = _decoded(lambda a, z: True, esc, utf8, b)
+        if got is None or got == "quote":
+            return None
+        ch, esc, utf8 = (got[1], 0, None) if got[0] == "char" else (None, got[1], got[2])
+    if ch is not None:
+        cls = tuple(nfa.step(st, ch) for (nfa, _), st in zip(classes, cls, strict=True))
+    return states, n, esc, utf8, cls
 
 
 def _utf8_step(can, utf8: tuple | None, b: int) -> tuple[int | None, tuple | None]:

@@ -22,8 +22,9 @@ writer, the grammar takes the stricter reading, so the output stays valid under 
 string unless anchored; `format` is one of FORMATS (kvcap/sampling/formats.py: date, time,
 date-time, uuid, email, ipv4, ipv6, hostname, uri), each generated as a regular expression
 whose strings the format allows; a string with both takes what both allow (the product of the
-two NFAs). Keywords that bound a value in ways this recogniser does not track (`uniqueItems`
-over open-ended items, `patternProperties`, `not`, other formats, ...) are refused by name
+two NFAs). `patternProperties` and `propertyNames` are kvcap/sampling/object_keys.py's.
+Keywords that bound a value in ways this recogniser does not track (`uniqueItems` over
+open-ended items, `not`, `if` / `then` / `else`, other formats, ...) are refused by name
 rather than ignored: a schema is compiled exactly or not at all. Annotations (`title`,
 `description`, `default`, `examples`, ...) are ignored, as JSON Schema says they may be.
 """
@@ -38,6 +39,7 @@ from typing import Any
 from kvcap.sampling.formats import FORMATS
 from kvcap.sampling.json_grammar import Grammar
 from kvcap.sampling.number_range import Bound, multiple_nfa, number_regex
+from kvcap.sampling.object_keys import key_rules
 from kvcap.sampling.regex import MAX_STATES, Nfa, RegexError, compile_regex, intersect
 
 ANNOTATIONS = frozenset(["title", "description", "default", "examples", "$schema", "$id",
@@ -50,7 +52,7 @@ BY_TYPE = {
     "boolean": set(),
     "null": set(),
     "object": {"properties", "required", "additionalProperties", "minProperties",
-               "maxProperties"},
+               "maxProperties", "patternProperties", "propertyNames"},
     "array": {"items", "prefixItems", "minItems", "maxItems", "uniqueItems"},
 }
 GENERAL = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"}
@@ -132,6 +134,9 @@ def _string_nfa(pattern: str | None, fmt: str | None) -> Nfa | None:
 
 
 class _Compiler:
+    # what kvcap.sampling.object_keys uses besides string_regex
+    error, annotations = SchemaError, ANNOTATIONS
+
     def __init__(self, root: Any):
         self.root = root
         self.nodes: list[tuple] = []
@@ -145,6 +150,10 @@ class _Compiler:
         except ValueError as e:
             raise SchemaError(str(e)) from None
 
+    @staticmethod
+    def count(s: dict, word: str, path: str, default: int | None) -> int | None:
+        return _count(s, word, path, default)
+
     def add(self, node: tuple | None) -> int:
         self.nodes.append(node)
         return len(self.nodes) - 1
@@ -153,7 +162,7 @@ class _Compiler:
         """Any JSON value (a schema of `true` or `{}`)."""
         if self._any is None:
             self._any = self.add(None)
-            obj = self.add(("obj", {}, frozenset(), self._any, (), 0, None))
+            obj = self.add(("obj", {}, frozenset(), self._any, (), 0, None, None))
             arr = self.add(("arr", self._any, 0, None, ()))
             kinds = [self.add(("str", 0, None)), self.add(("num", False)),
                      *[self.add(("lit", w)) for w in (b"true", b"false", b"null")], obj, arr]
@@ -345,16 +354,25 @@ class _Compiler:
         required = s.get("required", [])
         if not isinstance(required, list) or any(not isinstance(r, str) for r in required):
             raise SchemaError(f"{path}.required: must be a list of property names")
-        extra_schema = s.get("additionalProperties", None if "properties" in s else True)
-        node = self.add(None)  # reserved first: a property may refer back to this object
-        spelt = {json_dumps(name)[1:-1]: self.compile(sub, f"{path}.properties.{name}")
-                 for name, sub in props.items()}
-        extra = None if extra_schema in (None, False) else \
-            self.compile(extra_schema, f"{path}.additionalProperties")
         missing = [r for r in required if r not in props]
         if missing:
             raise SchemaError(f"{path}.required: {missing} are not among the properties; "
                               f"declare them")
+        # listed keys (properties, patternProperties) and no additionalProperties: no others
+        closed = "properties" in s or "patternProperties" in s
+        rules = key_rules(s, path, props, required, s.get("additionalProperties",
+                                                           None if closed else True), self)
+        node = self.add(None)  # reserved first: a property may refer back to this object
+        spelt = {json_dumps(name)[1:-1]: self.compile(sub, f"{path}.properties.{name}")
+                 for name, sub in rules.props.items()}
+        extra = None if rules.extra in (None, False) else \
+            self.compile(rules.extra, f"{path}.additionalProperties")
+        keys = None
+        if rules.gate is not None or rules.patterns:
+            classes = tuple((nfa, self.compile(sub, f"{path}.patternProperties.{spelt}"))
+                            for nfa, sub, spelt in rules.patterns)
+            keys = (*(rules.gate or (None, 0, None)), classes)
+        others = extra is not None or keys is not None  # keys beyond the declared ones
         req = frozenset(json_dumps(r)[1:-1] for r in required)
         lo = _count(s, "minProperties", path, 0)
         hi = _count(s, "maxProperties", path, None)
@@ -362,15 +380,15 @@ class _Compiler:
         if hi is not None and len(req) > hi:
             raise SchemaError(f"{path}: maxProperties {hi} is below the {len(req)} required "
                               f"properties")
-        if extra is not None and lo > len(req):
+        if others and lo > len(req):
             raise SchemaError(f"{path}: minProperties {lo} above the {len(req)} required "
                               f"properties with other keys allowed is not supported (kvcap "
                               f"does not tell a repeated other key from a new one); require "
                               f"the properties, or close the object")
-        if extra is None and lo > len(spelt):
+        if not others and lo > len(spelt):
             raise SchemaError(f"{path}: minProperties {lo} needs more properties than the "
                               f"{len(spelt)} declared (and no others are allowed)")
-        self.nodes[node] = ("obj", spelt, req, extra, tuple(spelt), lo, hi)
+        self.nodes[node] = ("obj", spelt, req, extra, tuple(spelt), lo, hi, keys)
         return node
 
     def ref(self, ref: Any, path: str) -> int:
@@ -390,6 +408,7 @@ class _Compiler:
 
 
 def _count(s: dict, word: str, path: str, default: int | None) -> int | None:
+    """A non-negative integer keyword, or `default` when absent."""
     v = s.get(word, default)
     if v is not default and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
         raise SchemaError(f"{path}.{word}: must be a non-negative integer, got {v!r}")

@@ -15,6 +15,7 @@ grammar's states that hold them stay hashable.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import lru_cache
 
 MAX_CODE = 0x10FFFF
@@ -161,6 +162,15 @@ class Nfa:
     def can_continue(self, states: frozenset[int]) -> bool:
         return any(self.moves[s] for s in states)
 
+    def matches(self, text: str) -> bool:
+        """The whole of `text` matches."""
+        states = self.start
+        for ch in text:
+            states = self.step(states, ord(ch))
+            if not states:
+                return False
+        return self.accepts(states)
+
 
 @lru_cache(maxsize=64)
 def compile_regex(pattern: str, search: bool = False) -> Nfa:
@@ -210,6 +220,56 @@ def intersect(a: Nfa, b: Nfa) -> Nfa:
     if out.accept_state is None:  # never both at their ends: no string matches both
         out.accept_state = out.new()
     _prune(out)
+    return out
+
+
+def either(*nfas: Nfa) -> Nfa:
+    """An NFA of the strings any of `nfas` matches: their states side by side, a new start
+    and accept state joined to theirs by epsilon moves."""
+    out = Nfa()
+    out.start_state = out.new()
+    for nfa in nfas:
+        shift = len(out.moves)
+        for _ in nfa.moves:
+            out.new()
+        for s, (moves, eps) in enumerate(zip(nfa.moves, nfa.eps, strict=True)):
+            out.moves[s + shift] = [(r, t + shift) for r, t in moves]
+            out.eps[s + shift] = [t + shift for t in eps]
+        out.eps[out.start_state].append(nfa.start_state + shift)
+        nfa_accept = nfa.accept_state + shift
+        out.eps[nfa_accept].append(-1)  # joined to the accept state once it exists
+    out.accept_state = out.new()
+    for eps in out.eps:
+        eps[:] = [out.accept_state if t == -1 else t for t in eps]
+    return out
+
+
+def excluding(words: Iterable[str]) -> Nfa:
+    """An NFA of every string but `words`: a trie of them whose nodes accept except where a
+    word ends, and a sink that takes any character once the text leaves the trie."""
+    out = Nfa()
+    out.start_state = out.new()
+    sink, out.accept_state = out.new(), out.new()
+    children: dict[int, dict[int, int]] = {out.start_state: {}}
+    ends: set[int] = set()
+    for word in words:
+        s = out.start_state
+        for ch in map(ord, word):
+            if ch not in children[s]:
+                children[s][ch] = out.new()
+                children[children[s][ch]] = {}
+            s = children[s][ch]
+        ends.add(s)
+    for s, kids in children.items():
+        for ch, t in kids.items():
+            out.moves[s].append((((ch, ch),), t))
+        rest = complement(tuple((ch, ch) for ch in sorted(kids)))
+        if rest:
+            out.moves[s].append((rest, sink))
+        if s not in ends:
+            out.eps[s].append(out.accept_state)
+    out.moves[sink].append((((0, MAX_CODE),), sink))
+    out.eps[sink].append(out.accept_state)
     return out
 
 
