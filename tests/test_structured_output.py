@@ -507,11 +507,13 @@ def test_structured_bench_writes_its_json(tmp_path):
     assert main(["--docs", "3", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [r["grammar"] for r in result["rows"]] == ["json_object", "pet_schema",
-                                                      "tree_schema", "record_schema"]
+                                                      "tree_schema", "record_schema",
+                                                      "keys_schema"]
     for r in result["rows"]:
         assert r["tokens_checked"] > 0 and r["check_us_warm_median"] > 0
         kinds = {"before_key", "in_string", "in_number", "in_value"}
-        assert set(r["mask"]) == kinds - ({"in_value"} if r["grammar"] == "tree_schema" else set())
+        no_strings = r["grammar"] in ("tree_schema", "keys_schema")  # no string values
+        assert set(r["mask"]) == kinds - ({"in_value"} if no_strings else set())
         assert all(0 < m["tokens_allowed"] < result["vocab"] for m in r["mask"].values())
     assert result["commit"] and result["vocab"] == 49152
 

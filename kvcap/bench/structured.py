@@ -5,8 +5,8 @@ on the host, and only after MAX_REJECTIONS misses builds a whole-vocabulary mask
 measures, with the model's real tokenizer (default: the embedded model's 49,152 tokens):
   * `check_us`: microseconds to check one token, over the tokens of documents that follow
     each grammar (JSON mode, a nested schema with enums and bounds, a recursive schema, a
-    record of patterns, formats, bounded numbers and a tuple),
-    the grammar's step cache cold (first document) and warm (later ones);
+    record of patterns, formats, bounded numbers and a tuple, counts under keys by pattern
+    and name rules), the grammar's step cache cold (first document) and warm (later ones);
   * `mask_ms`: milliseconds for a full mask at states of each kind (before a key, inside a
     key, inside a number, inside a string value; after a gc.collect(), so that a full
     collection the growth of the grammar's caches sets off is not counted), and the one-off
@@ -57,6 +57,12 @@ RECORD = {"type": "object", "properties": {
     "pair": {"type": "array", "prefixItems": [{"type": "integer", "minimum": -50},
                                               {"type": "boolean"}], "items": False}},
     "required": ["code", "note", "day", "score", "count", "pair"]}
+# other keys by pattern and name rules (pydantic's dict with constrained keys), a declared one
+KEYS = {"type": "object", "properties": {"total": {"type": "integer", "minimum": 0}},
+        "required": ["total"],
+        "patternProperties": {"^[a-z]+_count$": {"type": "integer", "minimum": 0}},
+        "propertyNames": {"maxLength": 24}}
+FRUIT = ["apple", "pear", "plum", "cherry", "quince", "fig"]
 WORDS = ["Tom", "Whiskers", "a very old cat", "\u00e9t\u00e9", "fluffy", "indoor", "likes fish"]
 
 
@@ -80,6 +86,11 @@ def _record(rng: random.Random) -> dict:
             "count": rng.randint(1, 999), "pair": [rng.randint(-50, 500), rng.random() < 0.5]}
 
 
+def _counts(rng: random.Random) -> dict:
+    doc = {f"{f}_count": rng.randint(0, 40) for f in rng.sample(FRUIT, rng.randint(1, 4))}
+    return doc | {"total": sum(doc.values())}
+
+
 def documents(n: int, seed: int = 0) -> dict[str, tuple[object, list[str]]]:
     """name -> (schema, documents valid under it), generated deterministically."""
     rng = random.Random(seed)
@@ -87,8 +98,10 @@ def documents(n: int, seed: int = 0) -> dict[str, tuple[object, list[str]]]:
             for _ in range(n)]
     trees = [json.dumps(_tree(rng)) for _ in range(n)]
     records = [json.dumps(_record(rng), indent=rng.choice([None, 2])) for _ in range(n)]
+    counts = [json.dumps(_counts(rng), indent=rng.choice([None, 2])) for _ in range(n)]
     return {"json_object": ({"type": "object"}, pets), "pet_schema": (PET, pets),
-            "tree_schema": (TREE, trees), "record_schema": (RECORD, records)}
+            "tree_schema": (TREE, trees), "record_schema": (RECORD, records),
+            "keys_schema": (KEYS, counts)}
 
 
 def time_checks(so: StructuredOutput, grammar, ids: list[int]) -> tuple[float, int]:
