@@ -83,12 +83,13 @@ def key_rules(s: dict, path: str, props: dict[str, Any], required: list[str], ex
         if not groups:
             return KeyRules(props, None)
         extra = None
-        union = either(*(nfa for nfa, _, _ in groups))
-        gate = (intersect(gate[0], union), gate[1], gate[2]) if gate else (union, 0, None)
+        union = _built(path, error, either, *(nfa for nfa, _, _ in groups))
+        gate = (_built(path, error, intersect, gate[0], union), gate[1], gate[2]) if gate \
+            else (union, 0, None)
     if gate is not None:  # other keys never spell a declared property (a repeat, or a
         # prefix whose only ends are properties written already: a key it could not finish)
         nfa, lo, hi = gate
-        nfa = intersect(nfa, excluding(props))
+        nfa = _built(path, error, lambda: intersect(nfa, excluding(props)))
         if not nfa.fits(nfa.start, lo, hi):
             return KeyRules(props, None)  # the gate lets through declared properties only
         gate = (nfa, lo, hi)
@@ -137,16 +138,26 @@ def _pattern_groups(patterns: Any, path: str, error) -> list[tuple[Nfa, Any, str
         nfas, _, spelt = by_schema.setdefault(_canonical(schema), ([], schema, []))
         nfas.append(nfa)
         spelt.append(pattern)
-    groups = [(nfas[0] if len(nfas) == 1 else either(*nfas), schema, " / ".join(spelt))
+    groups = [(nfas[0] if len(nfas) == 1 else _built(path, error, either, *nfas), schema,
+               " / ".join(spelt))
               for nfas, schema, spelt in by_schema.values()]
     for i, (a, _, sa) in enumerate(groups):
         for b, _, sb in groups[i + 1:]:
-            both = intersect(a, b)
+            both = _built(path, error, intersect, a, b)
             if both.fits(both.start, 0, None):
                 raise error(f"{path}.patternProperties: a key can match both {sa!r} and {sb!r}, "
                             f"whose schemas differ; kvcap compiles one schema per key: make "
                             f"the patterns exclusive")
     return groups
+
+
+def _built(path: str, error, make, *args) -> Nfa:
+    """An automaton of the keys' rules, or the schema's error when it grows too large."""
+    try:
+        return make(*args)
+    except RegexError as e:
+        raise error(f"{path}: the automaton of its keys (propertyNames, patternProperties and "
+                    f"the declared properties they must not repeat) is too large: {e}") from None
 
 
 def _canonical(schema: Any) -> str:
