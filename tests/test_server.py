@@ -401,8 +401,8 @@ def test_json_schema_and_choice_outputs(srv):
 
 @pytest.mark.parametrize("extra, param, message", [
     ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "dependentRequired": {}}}}}, "response_format",
-     "response_format: schema: 'dependentRequired' not supported"),
+        "name": "x", "schema": {"type": "object", "not": {}}}}}, "response_format",
+     "response_format: schema: 'not' not supported"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format", "needs json_schema.schema"),
     ({"response_format": {"type": "yaml"}}, "response_format", "type must be text"),

@@ -2,7 +2,7 @@
 and no walk reaches a state that no byte continues and that is not complete. The schemas mix
 the keywords kvcap compiles (bounds on numbers, strings and arrays, patterns and formats with
 lengths, tuples, sets of enum values, enums, anyOf, nested objects, keys by pattern and by
-name rules) at random, seeded."""
+name rules, keys that require others) at random, seeded."""
 
 from __future__ import annotations
 
@@ -79,6 +79,9 @@ def random_schema(rng: random.Random, depth: int = 0, kind: str | None = None,
                                       for p in rng.sample(KEY_PATTERNS, rng.randint(1, 2))}
         if rng.random() < 0.75 * keys:
             s["propertyNames"] = rng.choice(KEY_NAMES)
+        if props and rng.random() < 0.15:  # a key that needs others
+            s["dependentRequired"] = {rng.choice(list(props)): rng.sample(
+                list(props), rng.randint(1, len(props)))}
         if rng.random() < 0.25:  # within what the declared (and, open, required) keys allow
             top = len(s["required"]) if {"additionalProperties", "patternProperties"} & set(s) \
                 else len(props)

@@ -187,6 +187,12 @@ SCHEMAS = {
               "additionalProperties": {"type": "boolean"}},
     "names_escaped": {"type": "object", "propertyNames": {"pattern": "^[\"\\\\a\u00e9]{1,3}$"},
                       "additionalProperties": {"const": 1}},
+    # a key comes only while it and the keys it requires fit under maxProperties
+    "depends": {"type": "object", "properties": {"card": {"type": "string"},
+                                                 "billing": {"type": "string"},
+                                                 "zip": {"type": "integer"}, "name": {}},
+                "dependentRequired": {"card": ["billing"], "billing": ["zip"]},
+                "maxProperties": 3},
     # the names allow declared properties only: no other key once they are written
     "names_declared": {"type": "object", "properties": {"ab": {}, "ac": {}},
                        "propertyNames": {"pattern": "^a[bc]$"}, "additionalProperties": True},
@@ -234,6 +240,8 @@ def test_whatever_the_grammar_completes_is_valid_under_the_schema(name):
     ("names", {"ab": 1, "ac": True, "x": False}),
     ("names_escaped", {"\"": 1, "\\a\u00e9": 1}),
     ("names_declared", {"ac": [1], "ab": None}),
+    ("depends", {"card": "x", "billing": "y", "zip": 1}), ("depends", {"name": 1, "zip": 2}),
+    ("depends", {"billing": "b", "zip": 3, "name": None}), ("depends", {}),
 ])
 def test_valid_documents_are_accepted(name, doc):
     g = compile_schema(SCHEMAS[name])
@@ -281,6 +289,9 @@ def test_valid_documents_are_accepted(name, doc):
     ("names", '{"y'), ("names", '{"ab": 1, "ab'), ("names", '{"ac": 1'),
     ("names_escaped", '{"aaaa'), ("names_escaped", '{"b'),
     ("names_declared", '{"ab": 1, "ac": 2,'), ("names_declared", '{"ad'),
+    ("depends", '{"card": "x"}'), ("depends", '{"card": "x", "billing": "y"}'),
+    ("depends", '{"name": 1, "c'),  # card, billing and zip do not fit beside name
+    ("depends", '{"card": "x", "n'),  # billing and zip must come
 ])
 def test_invalid_documents_are_refused(name, text):
     """(An enum member is one spelling: `[true]`, not `[ true ]`.)"""
@@ -294,7 +305,16 @@ def test_invalid_documents_are_refused(name, text):
     ({"type": "object", "properties": {"d": {"type": "string", "format": "idn-hostname"}}},
      r"schema.properties.d.format: 'idn-hostname' is not supported"),
     ({"type": "string", "format": "date", "pattern": "x"}, "matches both the pattern and the"),
-    ({"type": "object", "dependentRequired": {}}, "'dependentRequired' not supported"),
+    ({"type": "object", "if": {}}, "'if' not supported"),
+    ({"type": "object", "properties": {"a": {}}, "dependentRequired": {"a": ["b"]}},
+     r"dependentRequired: \['b'\] are not among the properties"),
+    ({"type": "object", "properties": {"a": {}}, "dependentRequired": {"a": "a"}},
+     "must map property names to lists"),
+    ({"type": "object", "properties": {"a": {}, "b": {}}, "dependentRequired": {"a": ["b"]},
+      "minProperties": 1, "maxProperties": 2}, "dependentRequired with both minProperties"),
+    ({"type": "object", "properties": {"a": {}, "b": {}, "c": {}}, "required": ["a"],
+      "dependentRequired": {"a": ["b"], "b": ["c"]}, "maxProperties": 2},
+     r"maxProperties 2 is below the 3 required properties \(with those they require\)"),
     ({"type": "object", "patternProperties": {"^a": {"type": "integer"}, "b$": {}}},
      "a key can match both '\\^a' and 'b\\$'"),
     ({"type": "object", "properties": {"ab": {"type": "string"}},

@@ -13,7 +13,7 @@ Nodes (tuples, ids index `Grammar.nodes`):
     ("str", min_len, max_len | None)        a JSON string, its length in characters
     ("num", integer)                        a JSON number (integer: no fraction, no exponent)
     ("lit", bytes)                          exactly these bytes (true, an enum member, a choice)
-    ("obj", props, required, extra, names, min_props, max_props | None, keys)
+    ("obj", props, required, extra, names, min_props, max_props | None, keys, deps)
                                             props: raw key bytes -> node; extra: the node of
                                             other keys' values, or None when only props may
                                             appear; each key at most once, in any order; once
@@ -22,7 +22,11 @@ Nodes (tuples, ids index `Grammar.nodes`):
                                             what other keys must be (kvcap.sampling.
                                             object_keys): (gate nfa | None, min_len,
                                             max_len | None, ((nfa, value node), ...)), a key
-                                            matching a class taking its node, others extra
+                                            matching a class taking its node, others extra;
+                                            deps: declared key -> the keys it requires
+                                            (dependentRequired, closed under itself; required
+                                            holds the required keys' own), a key coming only
+                                            while it and what it requires fit max_props
     ("arr", items, min_items, max_items | None, prefix)
                                             prefix: the nodes of the first items, one each
                                             (JSON Schema's prefixItems); items: the rest's
@@ -258,7 +262,7 @@ class Grammar:
         written: counted only as far as min/max_props need, so that states repeat). key: a
         declared key's raw bytes, or (after another key) the node of its value."""
         _, c, seen, phase, key, others = top
-        _, props, required, extra, names, lo, hi, keys = self.nodes[c]
+        _, props, _, extra, names, lo, hi, keys, _ = self.nodes[c]
         if phase == ":":
             if b != ord(":"):
                 return []
@@ -267,36 +271,49 @@ class Grammar:
             else:
                 value, others = key, min(others + 1, lo if hi is None else hi)
             return [rest + (("O", c, seen, ",", None, others), ("V", value))]
-        count = len(seen) + others
-        open_ = extra is not None or keys is not None
-        can_add = (open_ or len(seen) < len(names)) and (hi is None or count < hi)
+        allowed, other_ok = self._allowed(c, seen, others)
+        can_add = bool(allowed) or other_ok
         if phase in ("{", "k") and b == QUOTE and can_add:
-            if keys is not None and not self._tight(c, seen, others):
+            if keys is not None and other_ok:
                 gate, _, _, classes = keys
                 ruled = (None if gate is None else gate.start, 0, 0, None,
                          tuple(nfa.start for nfa, _ in classes))
                 return [rest + (top, ("Q", b"", ruled))]
             return [rest + (top, ("K", b"", 0))]
-        if phase in ("{", ",") and b == ord("}") and required <= seen and count >= lo:
+        if phase in ("{", ",") and b == ord("}") and self._needs(c, seen) <= seen \
+                and len(seen) + others >= lo:
             return [rest]
         if phase == "," and b == ord(",") and can_add:
             return [rest + (("O", c, seen, "k", None, others),)]
         return []
 
-    def _tight(self, c: int, seen: frozenset, others: int) -> bool:
-        """At max_props less the required keys still missing: only those may come."""
-        _, _, required, _, _, _, hi, _ = self.nodes[c]
-        return hi is not None and len(seen) + others + len(required - seen) >= hi
+    def _needs(self, c: int, seen: frozenset) -> frozenset:
+        """The keys the object must hold: the required ones and what those seen require."""
+        _, _, required, _, _, _, _, _, deps = self.nodes[c]
+        return required.union(*(deps[k] for k in seen if k in deps)) if deps else required
+
+    def _allowed(self, c: int, seen: frozenset, others: int) -> tuple[tuple[bytes, ...], bool]:
+        """The declared keys that may come next, and whether another key may: one comes only
+        while it, and the keys still needed with it, fit under max_props (at the limit less
+        the keys still needed, only those)."""
+        _, _, _, extra, names, _, hi, keys, deps = self.nodes[c]
+        count, other_ok = len(seen) + others, extra is not None or keys is not None
+        if hi is None:
+            return tuple(n for n in names if n not in seen), other_ok
+        needs = self._needs(c, seen)
+        missing = len(needs - seen)
+        allowed = tuple(n for n in names if n not in seen and count + 1 + len(
+            needs.union(deps.get(n, ())) - seen - {n}) <= hi)
+        return allowed, other_ok and count + 1 + missing <= hi
 
     def _key(self, frames: Frames, b: int) -> list[Frames]:
         """A byte of an object key. `raw` holds the key's bytes while they may still spell a
         declared property (None once they cannot: a key of `extra`)."""
         _, raw, esc = frames[-1]
         _, c, seen, _, _, others = frames[-2]
-        _, props, required, extra, names, _, _, _ = self.nodes[c]
-        tight = self._tight(c, seen, others)
-        allowed = [n for n in names if n not in seen and (not tight or n in required)]
-        free = extra is not None and not tight
+        _, props, _, extra, names, _, _, _, _ = self.nodes[c]
+        allowed, other_ok = self._allowed(c, seen, others)
+        free = extra is not None and other_ok
         if b == QUOTE and esc == 0:
             if raw is not None and raw in props:
                 if raw not in allowed:
@@ -322,14 +339,15 @@ class Grammar:
         (None once it cannot: then only a declared key is left)."""
         _, raw, ruled = frames[-1]
         _, c, seen, _, _, others = frames[-2]
-        _, props, _, _, names, _, _, (gate, lo, hi, classes) = self.nodes[c]
+        _, props, _, _, names, _, _, (gate, lo, hi, classes), _ = self.nodes[c]
+        allowed, _ = self._allowed(c, seen, others)
         if ruled is not None:
             escaped = ruled[2] != 0 or ruled[3] is not None
         else:  # an odd run of backslashes at the end escapes the next byte
             escaped = (len(raw) - len(raw.rstrip(b"\\"))) % 2 == 1
         if b == QUOTE and not escaped:
             if raw is not None and raw in props:
-                if raw in seen:
+                if raw not in allowed:
                     return []
                 return [frames[:-2] + (("O", c, seen, ":", raw, others),)]
             value = self._ruled_value(c, ruled)
@@ -339,8 +357,7 @@ class Grammar:
             grown = None
         if ruled is not None:
             ruled = _ruled_step(gate, lo, hi, classes, ruled, b)
-        if ruled is None and (grown is None or not any(
-                n.startswith(grown) for n in names if n not in seen)):
+        if ruled is None and (grown is None or not any(n.startswith(grown) for n in allowed)):
             return []
         return [frames[:-1] + (("Q", grown, ruled),)]
 
@@ -348,7 +365,7 @@ class Grammar:
         """The value node of the other key just closed, or None when it may not be one."""
         if ruled is None:
             return None
-        _, _, _, extra, _, _, _, (gate, lo, _, classes) = self.nodes[c]
+        _, _, _, extra, _, _, _, (gate, lo, _, classes), _ = self.nodes[c]
         states, n, _, _, cls = ruled
         if gate is not None and not (gate.accepts(states) and n >= lo):
             return None

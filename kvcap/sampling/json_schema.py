@@ -15,7 +15,8 @@ writer, the grammar takes the stricter reading, so the output stays valid under 
   - `prefixItems` give the first items their own schemas; `items` then covers the rest
     (`items: false`: no more);
   - `maxProperties` with required properties: once only the missing required ones fit, only
-    they may come;
+    they may come; with `dependentRequired` (between declared properties) a key comes only
+    while it and the keys it requires fit;
   - `uniqueItems` is compiled where the items come from a fixed set of values (enum /
     const / boolean / null, e.g. pydantic's set[Enum]): each value at most once.
 `pattern` is a regular expression (kvcap/sampling/regex.py's subset) matched anywhere in the
@@ -52,7 +53,7 @@ BY_TYPE = {
     "boolean": set(),
     "null": set(),
     "object": {"properties", "required", "additionalProperties", "minProperties",
-               "maxProperties", "patternProperties", "propertyNames"},
+               "maxProperties", "patternProperties", "propertyNames", "dependentRequired"},
     "array": {"items", "prefixItems", "minItems", "maxItems", "uniqueItems"},
 }
 GENERAL = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"}
@@ -162,7 +163,7 @@ class _Compiler:
         """Any JSON value (a schema of `true` or `{}`)."""
         if self._any is None:
             self._any = self.add(None)
-            obj = self.add(("obj", {}, frozenset(), self._any, (), 0, None, None))
+            obj = self.add(("obj", {}, frozenset(), self._any, (), 0, None, None, {}))
             arr = self.add(("arr", self._any, 0, None, ()))
             kinds = [self.add(("str", 0, None)), self.add(("num", False)),
                      *[self.add(("lit", w)) for w in (b"true", b"false", b"null")], obj, arr]
@@ -373,13 +374,20 @@ class _Compiler:
                             for nfa, sub, spelt in rules.patterns)
             keys = (*(rules.gate or (None, 0, None)), classes)
         others = extra is not None or keys is not None  # keys beyond the declared ones
+        deps = _dependencies(s, path, rules.props)
+        # the required keys and what they require (deps are closed: what those require too)
         req = frozenset(json_dumps(r)[1:-1] for r in required)
+        req = req.union(*(deps.get(r, ()) for r in req))
         lo = _count(s, "minProperties", path, 0)
         hi = _count(s, "maxProperties", path, None)
         _check_bounds(lo, hi, "minProperties", "maxProperties", path)
         if hi is not None and len(req) > hi:
             raise SchemaError(f"{path}: maxProperties {hi} is below the {len(req)} required "
-                              f"properties")
+                              f"properties" + (" (with those they require)" if deps else ""))
+        if deps and lo > 0 and hi is not None:
+            raise SchemaError(f"{path}: dependentRequired with both minProperties and "
+                              f"maxProperties is not supported (kvcap could be led to keys that "
+                              f"no allowed count completes); drop one of the bounds")
         if others and lo > len(req):
             raise SchemaError(f"{path}: minProperties {lo} above the {len(req)} required "
                               f"properties with other keys allowed is not supported (kvcap "
@@ -388,7 +396,7 @@ class _Compiler:
         if not others and lo > len(spelt):
             raise SchemaError(f"{path}: minProperties {lo} needs more properties than the "
                               f"{len(spelt)} declared (and no others are allowed)")
-        self.nodes[node] = ("obj", spelt, req, extra, tuple(spelt), lo, hi, keys)
+        self.nodes[node] = ("obj", spelt, req, extra, tuple(spelt), lo, hi, keys, deps)
         return node
 
     def ref(self, ref: Any, path: str) -> int:
@@ -405,6 +413,33 @@ class _Compiler:
             slot = self.refs[ref] = self.add(None)
             self.nodes[slot] = ("alt", (self.compile(target, ref),))
         return self.refs[ref]
+
+
+def _dependencies(s: dict, path: str, props: dict) -> dict[bytes, frozenset[bytes]]:
+    """dependentRequired as spelt key -> every key it requires, directly or through others.
+    Both sides must be declared properties (a key kvcap tracks by name)."""
+    given = s.get("dependentRequired", {})
+    if not isinstance(given, dict) or any(
+            not isinstance(v, list) or any(not isinstance(n, str) for n in v)
+            for v in given.values()):
+        raise SchemaError(f"{path}.dependentRequired: must map property names to lists of "
+                          f"property names")
+    for name, needed in given.items():
+        strays = [n for n in [name, *needed] if n not in props]
+        if strays:
+            raise SchemaError(f"{path}.dependentRequired: {strays} are not among the "
+                              f"properties; declare them")
+    deps = {name: set(needed) - {name} for name, needed in given.items()}
+    grew = True
+    while grew:  # close: what a required key requires is required too
+        grew = False
+        for needed in deps.values():
+            more = set().union(*(deps.get(n, set()) for n in needed)) - needed
+            if more:
+                needed |= more
+                grew = True
+    return {json_dumps(k)[1:-1]: frozenset(json_dumps(n)[1:-1] for n in v - {k})
+            for k, v in deps.items() if v - {k}}
 
 
 def _count(s: dict, word: str, path: str, default: int | None) -> int | None:
