@@ -1,6 +1,7 @@
 """The verify-cost benchmark's cell on the CPU (the timing means nothing here; the bookkeeping
 does): every arm runs, its drafts are the stand-in's, and the cell leaves the engine empty."""
 
+import pytest
 import torch
 from scheduler_fakes import req
 
@@ -16,7 +17,7 @@ def test_stand_in_proposer_offers_k_copies():
     assert p.propose(r, 8) == [9, 9, 9]
 
 
-def test_reread_bytes_match_the_runner_rule(monkeypatch):
+def test_reread_values_match_the_runner_rule(monkeypatch):
     """The bench's re-read figure is the quantity ModelRunner._draft_rows bounds."""
     from kvcap.engine import model_runner
 
@@ -26,7 +27,7 @@ def test_reread_bytes_match_the_runner_rule(monkeypatch):
 
     runner = model_runner.ModelRunner(
         None, None, type("P", (), {"spec": type("S", (), {"block_size": 16,
-                                                          "bytes_per_token": 1000})})(),
+                                                          "values_per_token": 1000})})(),
         torch.device("cpu"))
     runner.graphs = Graphs()
     monkeypatch.delenv("KVCAP_SPEC_VERIFY", raising=False)
@@ -34,10 +35,10 @@ def test_reread_bytes_match_the_runner_rule(monkeypatch):
     k, context = 4, 500
     ch = ScheduledChunk(req("a", [1] * context), context, 1 + k, True)
     ch.draft = [1] * k
-    extra = verify_cost.rows_reread_bytes(3, context, k, 1000)
-    monkeypatch.setattr(model_runner, "SPEC_ROWS_MAX_EXTRA_KV_BYTES", extra)
+    extra = verify_cost.rows_reread_tokens(3, context, k) * 1000
+    monkeypatch.setattr(model_runner, "SPEC_ROWS_MAX_EXTRA_KV_VALUES", extra)
     assert runner._draft_rows([ch] * 3)
-    monkeypatch.setattr(model_runner, "SPEC_ROWS_MAX_EXTRA_KV_BYTES", extra - 1)
+    monkeypatch.setattr(model_runner, "SPEC_ROWS_MAX_EXTRA_KV_VALUES", extra - 1)
     assert not runner._draft_rows([ch] * 3)
 
 
@@ -53,6 +54,9 @@ def test_cell_runs_every_arm_and_leaves_nothing(default_model_dir):
     assert set(cell["ms_per_step"]) == set(verify_cost.ARMS)
     assert all(ms > 0 for ms in cell["ms_per_step"].values())
     assert cell["rows_reread_gib"] > 0
+    spec = llm.pool.spec  # float32 on the CPU: 4 bytes a value
+    assert cell["rows_reread_gib"] == pytest.approx(
+        cell["rows_reread_gi_values"] * spec.bytes_per_token / spec.values_per_token, abs=2e-3)
     # rows and chunk arms: (1 + 2) steps each, 2 requests, 2 drafts a step
     assert llm.engine.num_draft_tokens - drafted == 2 * 3 * 2 * 2
     assert not llm.engine.has_unfinished() and llm.block_manager.num_used_blocks == 0

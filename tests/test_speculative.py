@@ -216,7 +216,7 @@ def test_verify_route_follows_graphs_and_rereads(monkeypatch):
 
     monkeypatch.setattr(cuda_graph, "DecodeGraphs", FakeGraphs)
     runner = _runner()
-    runner.pool.spec.bytes_per_token = 1024
+    runner.pool.spec.values_per_token = 1024
 
     def chunk(start, drafts):
         c = ScheduledChunk(req("a", [1] * start), start, 1 + len(drafts), True)
@@ -230,8 +230,8 @@ def test_verify_route_follows_graphs_and_rereads(monkeypatch):
     prefill = ScheduledChunk(req("b", [1] * 40), 0, 40, True)
     assert not runner._draft_rows(step + [prefill])
     assert not runner._draft_rows([chunk(10, [5, 6, 7, 8])] * 17)  # 85 rows > 80
-    # extra reads: 3 rows x (start + 2) tokens x 1,024 bytes against the bound
-    limit = model_runner.SPEC_ROWS_MAX_EXTRA_KV_BYTES // 1024
+    # extra reads: 3 rows x (start + 2) tokens x 1,024 K/V values against the bound
+    limit = model_runner.SPEC_ROWS_MAX_EXTRA_KV_VALUES // 1024
     assert runner._draft_rows([chunk(limit // 3 - 2, [5, 6, 7])])
     assert not runner._draft_rows([chunk(limit // 3, [5, 6, 7])])
     monkeypatch.setenv("KVCAP_SPEC_VERIFY", "chunk")

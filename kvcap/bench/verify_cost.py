@@ -10,9 +10,9 @@ decode step, overlapped as in production), drafts verified as decode rows
 (KVCAP_SPEC_VERIFY=rows) and as one chunk (=chunk). The drafts come from a stand-in proposer
 that always offers K tokens (with dummy weights prompt lookup would find nothing), so the
 verify work per step is fixed; every draft is then rejected, which changes what a step yields,
-not what it costs. The result is milliseconds per step per arm and the rows' K/V re-reads in
-bytes, the quantity `SPEC_ROWS_MAX_EXTRA_KV_BYTES` bounds: where rows stop beating the chunk
-is the bound to set.
+not what it costs. The result is milliseconds per step per arm and the rows' K/V re-reads (in
+bytes, and in K/V values: the quantity `SPEC_ROWS_MAX_EXTRA_KV_VALUES` bounds); where rows
+stop beating the chunk is the bound to set.
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ def tokens_per_request(k: int, warmup: int, steps: int) -> int:
     return len(ARMS) * (warmup + steps) * (k + 1) + 8
 
 
-def rows_reread_bytes(batch: int, context: int, k: int, bytes_per_token: int) -> int:
-    """The K/V bytes the decode-row route reads beyond the chunk's, per step (see
+def rows_reread_tokens(batch: int, context: int, k: int) -> int:
+    """The K/V tokens the decode-row route reads beyond the chunk's, per step (see
     ModelRunner._draft_rows): each request's rows 1..K re-read its context."""
-    return batch * k * (context + (k + 1) // 2) * bytes_per_token
+    return batch * k * (context + (k + 1) // 2)
 
 
 def _sync() -> None:
@@ -104,10 +104,12 @@ def run_cell(llm, batch: int, context: int, k: int, warmup: int, steps: int) -> 
         eng.abort_request(rid)
     while eng.has_unfinished():
         eng.step()
-    reread = rows_reread_bytes(batch, context, k, llm.pool.spec.bytes_per_token)
+    reread = rows_reread_tokens(batch, context, k)
+    spec = llm.pool.spec
     return {"batch": batch, "context": context, "k": k, "ms_per_step": ms,
             "rows_over_chunk": round(ms["rows"] / ms["chunk"], 3),
-            "rows_reread_gib": round(reread / 2**30, 3)}
+            "rows_reread_gib": round(reread * spec.bytes_per_token / 2**30, 3),
+            "rows_reread_gi_values": round(reread * spec.values_per_token / 2**30, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             c = cells[-1]
             print(f"{batch:>3} x {context:>6}  plain {c['ms_per_step']['plain']:8.2f} ms  rows "
                   f"{c['ms_per_step']['rows']:8.2f}  chunk {c['ms_per_step']['chunk']:8.2f}  "
-                  f"rows/chunk {c['rows_over_chunk']:.2f}  re-read {c['rows_reread_gib']} GiB")
+                  f"rows/chunk {c['rows_over_chunk']:.2f}  re-read {c['rows_reread_gib']} GiB "
+                  f"({c['rows_reread_gi_values']} Gi values)")
     result = {"bench": "verify_cost", "date": time.strftime("%Y-%m-%d"),
               "gpu": torch.cuda.get_device_name(), **stamp(), "shape": args.shape,
               "kv": args.kv, "dtype": args.dtype, "k": args.k, "warmup": args.warmup,

@@ -34,11 +34,13 @@ PromptLogitsFn = Callable[[int, torch.Tensor, int], None]
 # 1 GiB each).
 PROMPT_LOGITS_ROWS = 256
 # Speculative decoding verifies drafts as graphed decode rows only while the rows' K/V re-reads
-# stay under this: ~2-3 ms at an H100/H200's read ceiling, against the ~13 ms an eager verify
-# step of the embedded 30-layer model took in launches (H100, speculative-2026-12-05b). A guess
-# between two measured ends, not a tuned value: past it (long contexts, big batches) the eager
-# chunk, which reads the K/V once, is taken.
-SPEC_ROWS_MAX_EXTRA_KV_BYTES = 8 << 30
+# stay at most this many K/V values (ModelRunner._draft_rows); past it (long contexts, big
+# batches) the eager chunk, which reads the K/V once, is taken. Measured on the H200 with the
+# Llama-3.1-8B shape and K = 4 (docs/benchmarks/verify-cost-2026-12-05-h200-*.json, `kvcap
+# bench verify_cost`): rows took 0.18-0.79 of the chunk's step time up to 32 Gi values re-read
+# and 1.10-1.27 from 64 Gi on, in BF16 and in E4M3 alike -- their cost followed the values
+# re-read, not the bytes (E4M3's half-size re-reads cost what BF16's did per value).
+SPEC_ROWS_MAX_EXTRA_KV_VALUES = 32 << 30
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +169,7 @@ class ModelRunner:
         # position (the decode kernels in a CUDA graph; but each row reads the K/V again).
         # Same tokens either way (tests/test_speculative). KVCAP_SPEC_VERIFY=chunk|rows picks
         # one; by default (`_draft_rows`) each step takes the rows where its rows fit the decode
-        # graphs and re-read at most SPEC_ROWS_MAX_EXTRA_KV_BYTES: on the H100 the eager chunk
+        # graphs and re-read at most SPEC_ROWS_MAX_EXTRA_KV_VALUES: on the H100 the eager chunk
         # made the embedded model 2-10x slower than decoding without drafts, graphed rows up to
         # 2.5x faster (docs/benchmarks/speculative-2026-12-05*-h100-*.json), while at long
         # contexts the rows' K/V re-reads would outweigh the graph's launch savings.
@@ -287,7 +289,7 @@ class ModelRunner:
             # rows 1..n-1 each read the context again: (n - 1) x (start + ~n/2) tokens
             extra += (ch.num_tokens - 1) * (ch.start + ch.num_tokens // 2)
         return (graphs.can_run(rows, longest)
-                and extra * self.pool.spec.bytes_per_token <= SPEC_ROWS_MAX_EXTRA_KV_BYTES)
+                and extra * self.pool.spec.values_per_token <= SPEC_ROWS_MAX_EXTRA_KV_VALUES)
 
     def broadcast_plan(self, plan: StepPlan) -> None:
         """Hook for tensor parallelism: rank 0 sends the plan to the other ranks here."""

@@ -27,9 +27,13 @@ class KVCacheSpec:
         return _BYTES[self.kv_dtype]
 
     @property
+    def values_per_token(self) -> int:
+        """K and V values a token holds over all layers (side caches aside)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    @property
     def bytes_per_token(self) -> int:
-        kv = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_bytes
-        return kv + self.side_bytes_per_token
+        return self.values_per_token * self.element_bytes + self.side_bytes_per_token
 
     @property
     def bytes_per_block(self) -> int:
