@@ -193,6 +193,13 @@ SCHEMAS = {
                                                  "zip": {"type": "integer"}, "name": {}},
                 "dependentRequired": {"card": ["billing"], "billing": ["zip"]},
                 "maxProperties": 3},
+    # declared names that need escapes, beside other keys by a gate: each declared one once
+    # and in its one spelling (the gate never lets another key spell it)
+    "names_spelt": {"type": "object", "properties": {"a\"b": {"type": "integer"},
+                                                     "c\\d": {"type": "boolean"},
+                                                     "\u00e9": {"const": 1}},
+                    "required": ["a\"b"], "propertyNames": {"pattern": "^[a-e\"\\\\\u00e9]{1,3}$"},
+                    "additionalProperties": {"type": "null"}, "maxProperties": 4},
     # the names allow declared properties only: no other key once they are written
     "names_declared": {"type": "object", "properties": {"ab": {}, "ac": {}},
                        "propertyNames": {"pattern": "^a[bc]$"}, "additionalProperties": True},
@@ -240,6 +247,8 @@ def test_whatever_the_grammar_completes_is_valid_under_the_schema(name):
     ("names", {"ab": 1, "ac": True, "x": False}),
     ("names_escaped", {"\"": 1, "\\a\u00e9": 1}),
     ("names_declared", {"ac": [1], "ab": None}),
+    ("names_spelt", {"a\"b": 1, "c\\d": True, "\u00e9": 1, "\"\\": None}),
+    ("names_spelt", {"a\"b": 1, "ab": None}),
     ("depends", {"card": "x", "billing": "y", "zip": 1}), ("depends", {"name": 1, "zip": 2}),
     ("depends", {"billing": "b", "zip": 3, "name": None}), ("depends", {}),
 ])
@@ -289,6 +298,9 @@ def test_valid_documents_are_accepted(name, doc):
     ("names", '{"y'), ("names", '{"ab": 1, "ab'), ("names", '{"ac": 1'),
     ("names_escaped", '{"aaaa'), ("names_escaped", '{"b'),
     ("names_declared", '{"ab": 1, "ac": 2,'), ("names_declared", '{"ad'),
+    ("names_spelt", '{"a\\"b": 1, "a\\"b'), ("names_spelt", '{"a\\"b": 1, "\\u00e9"'),
+    ("names_spelt", '{"a\\"b": 1, "\\u0061\\"b'),  # a"b again: no key it ends
+    ("names_spelt", '{"a\\"b": 1, "abcd'),
     ("depends", '{"card": "x"}'), ("depends", '{"card": "x", "billing": "y"}'),
     ("depends", '{"name": 1, "c'),  # card, billing and zip do not fit beside name
     ("depends", '{"card": "x", "n'),  # billing and zip must come
