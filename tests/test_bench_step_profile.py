@@ -63,3 +63,21 @@ def test_bad_cells_are_refused_before_any_gpu_work(capsys):
             main(["--cells", bad])
         assert exc.value.code == 2
         assert f"--cells {bad!r}: want KV:CONCURRENCY:CONTEXT" in capsys.readouterr().err
+
+
+def test_eager_steps_report_wall_launches_and_host_operators():
+    """The step profile's eager mode on the CPU (no kernels to count there): the steps run,
+    the wall time comes from unprofiled steps and the host operators are listed."""
+    from kvcap.bench.step_overhead import build_llm, tiny_config_path
+    from kvcap.bench.step_profile import _profile_steps
+
+    llm = build_llm(tiny_config_path(), "cpu", max_num_seqs=2, max_model_len=64,
+                    block_size=16, dtype="float32", enforce_eager=True)
+    cell = _profile_steps(llm, concurrency=2, context=16, steps=3, eager=True)
+    assert cell["wall_ms_per_step"] > 0 and cell["kernels_per_step"] == 0
+    names = [h["name"] for h in cell["host_top_ms"]]
+    assert "aten::mm" in names or "aten::addmm" in names or "aten::linear" in names, names
+    assert all(h["self_ms"] > 0 and h["calls"] > 0 for h in cell["host_top_ms"])
+    assert not llm.engine.has_unfinished()
+    plain = _profile_steps(llm, concurrency=2, context=16, steps=3)
+    assert "host_top_ms" not in plain and plain["wall_ms_per_step"] > 0

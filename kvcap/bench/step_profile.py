@@ -12,7 +12,10 @@ GEMMs against the read ceiling.
    `concurrency` requests of `context` tokens, all decoding; `--steps` decode steps under the
    torch profiler. Kernel time per step by category (GEMM, attention, KV write, norm, RoPE,
    activation, sampling, other) next to the wall time per step, so the gap between the step and
-   its roofline (`kvcap.bench.throughput`) can be attributed.
+   its roofline (`kvcap.bench.throughput`) can be attributed. `--eager` runs the steps without
+   CUDA graphs (as every mixed prefill + decode step runs): the wall time is then taken in
+   steps of their own, unprofiled, and the profiled ones also record kernel launches per step
+   and the host operators that took the most time (where an eager step's host cost goes).
 
 Writes JSON (atomically) and prints a short table last.
 """
@@ -61,7 +64,7 @@ def time_gemms(spec, rows: list[int], ceiling_tbs: float) -> list[dict]:
 
 
 def profile_cell(config: Path, kv: str, concurrency: int, context: int, steps: int,
-                 dtype: str = "float16") -> dict:
+                 dtype: str = "float16", eager: bool = False) -> dict:
     from kvcap import LLM
     from kvcap.bench.throughput import calibrated_scales
 
@@ -70,17 +73,19 @@ def profile_cell(config: Path, kv: str, concurrency: int, context: int, steps: i
         scales = calibrated_scales(model, dtype) if kv_dtype == "fp8_e4m3" else None
         llm = LLM(model=model, dtype=dtype, kv_cache_dtype=kv_dtype, kv_scales=scales,
                   max_num_seqs=concurrency, max_model_len=context + 256,
-                  max_num_batched_tokens=8192)
+                  max_num_batched_tokens=8192, enforce_eager=eager)
         try:
-            return {"kv": kv, **_profile_steps(llm, concurrency, context, steps)}
+            return {"kv": kv, "eager": eager,
+                    **_profile_steps(llm, concurrency, context, steps, eager)}
         finally:
             llm.shutdown()
             del llm
             torch.cuda.empty_cache()
 
 
-def _profile_steps(llm, concurrency: int, context: int, steps: int) -> dict:
-    """`steps` decode steps of `concurrency` requests of `context` tokens, under the profiler."""
+def _profile_steps(llm, concurrency: int, context: int, steps: int, eager: bool = False) -> dict:
+    """`steps` decode steps of `concurrency` requests of `context` tokens, under the profiler
+    (eager: timed first in `steps` unprofiled steps, then profiled with host operators too)."""
     from torch.profiler import ProfilerActivity, profile
 
     from kvcap import SamplingParams
@@ -89,7 +94,7 @@ def _profile_steps(llm, concurrency: int, context: int, steps: int) -> dict:
     gen = torch.Generator().manual_seed(context + concurrency)
     ids = torch.randint(100, llm.spec.vocab_size - 100, (concurrency, context),
                         generator=gen).tolist()
-    params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=2 * steps + 64, ignore_eos=True)
     for i, p in enumerate(ids):
         llm.engine.add_request(f"r{i}", p, params)
     # Prefill, then a few decode steps so every request decodes in lockstep.
@@ -98,28 +103,45 @@ def _profile_steps(llm, concurrency: int, context: int, steps: int) -> dict:
     for _ in range(8):
         llm.engine.step()
     _sync(llm)
-    acts = [ProfilerActivity.CUDA] if llm.device.type == "cuda" else [ProfilerActivity.CPU]
-    with profile(activities=acts) as prof:
+
+    def timed() -> float:
         t0 = time.perf_counter()
         for _ in range(steps):
             llm.engine.step()
         _sync(llm)
-        wall_ms = 1e3 * (time.perf_counter() - t0) / steps
+        return 1e3 * (time.perf_counter() - t0) / steps
+
+    wall_ms = timed() if eager else None  # the profiler's host hooks would slow eager steps
+    acts = [ProfilerActivity.CUDA] if llm.device.type == "cuda" else []
+    if eager or not acts:
+        acts.append(ProfilerActivity.CPU)
+    with profile(activities=acts) as prof:
+        profiled_ms = timed()
     while llm.engine.has_unfinished():
         llm.engine.step()
     kernels: dict[str, float] = collections.defaultdict(float)
+    launches, host = 0, []
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
         if t and ev.device_type == torch.autograd.DeviceType.CUDA:  # GPU kernels only
             kernels[ev.key] += t / 1e3 / steps  # ms per step
+            launches += ev.count
+        elif ev.device_type == torch.autograd.DeviceType.CPU and ev.self_cpu_time_total:
+            host.append((ev.key, ev.self_cpu_time_total / 1e3 / steps, ev.count / steps))
     by_cat: dict[str, float] = collections.defaultdict(float)
     for name, ms in kernels.items():
         by_cat[category(name)] += ms
     top = sorted(kernels.items(), key=lambda kv_: -kv_[1])[:20]
-    return {"concurrency": concurrency, "context": context, "steps": steps,
-            "wall_ms_per_step": wall_ms, "kernel_ms_per_step": sum(kernels.values()),
-            "by_category_ms": dict(sorted(by_cat.items(), key=lambda x: -x[1])),
-            "top_kernels_ms": [{"name": n[:160], "ms": ms} for n, ms in top]}
+    out = {"concurrency": concurrency, "context": context, "steps": steps,
+           "wall_ms_per_step": profiled_ms if wall_ms is None else wall_ms,
+           "kernel_ms_per_step": sum(kernels.values()),
+           "kernels_per_step": launches / steps,
+           "by_category_ms": dict(sorted(by_cat.items(), key=lambda x: -x[1])),
+           "top_kernels_ms": [{"name": n[:160], "ms": ms} for n, ms in top]}
+    if eager:
+        out["host_top_ms"] = [{"name": n[:160], "self_ms": ms, "calls": calls}
+                              for n, ms, calls in sorted(host, key=lambda h: -h[1])[:20]]
+    return out
 
 
 def _prefilling(llm) -> bool:
@@ -141,6 +163,9 @@ def main(argv=None) -> int:
                          "when that exists: an earlier run is never overwritten)")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
                     help="model dtype of the step cells")
+    ap.add_argument("--eager", action="store_true",
+                    help="steps without CUDA graphs: wall time unprofiled, then kernel launches "
+                         "and the host operators' time per step")
     args = ap.parse_args(argv)
     from kvcap.bench.provenance import result_path, stamp
     from kvcap.bench.throughput import KV_MODES
@@ -169,7 +194,8 @@ def main(argv=None) -> int:
 
     save()
     for kv, c, ctx in cells:
-        report["cells"].append(profile_cell(args.config, kv, c, ctx, args.steps, args.dtype))
+        report["cells"].append(profile_cell(args.config, kv, c, ctx, args.steps, args.dtype,
+                                            args.eager))
         save()
     print(f"read ceiling {ceil['read_tbs']:.2f} TB/s")
     print(f"{'linear':14} {'m':>4} {'us':>8} {'TB/s':>6} {'%ceil':>6}")
@@ -178,8 +204,9 @@ def main(argv=None) -> int:
               f"{g['pct_ceiling']:6.1f}")
     for c in report["cells"]:
         cats = ", ".join(f"{k} {v:.2f}" for k, v in c["by_category_ms"].items())
-        print(f"{c['kv']} {c['concurrency']}x{c['context']}: wall {c['wall_ms_per_step']:.2f} "
-              f"ms/step, kernels {c['kernel_ms_per_step']:.2f} ms ({cats})")
+        print(f"{c['kv']} {c['concurrency']}x{c['context']}{' eager' if c['eager'] else ''}: "
+              f"wall {c['wall_ms_per_step']:.2f} ms/step, kernels {c['kernel_ms_per_step']:.2f} "
+              f"ms in {c['kernels_per_step']:.0f} launches ({cats})")
     print(f"wrote {out}")
     return 0
 
