@@ -64,16 +64,10 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _use_proposer(eng, proposer) -> None:
-    """The scheduler drafts only with a proposer: both of its switches change together."""
-    eng.scheduler.proposer = proposer
-    eng.scheduler.speculate = proposer is not None
-
-
 def time_arm(llm, arm: str, k: int, warmup: int, steps: int) -> float:
     """Milliseconds per engine step with the arm's drafts (none for "plain")."""
     eng = llm.engine
-    _use_proposer(eng, None if arm == "plain" else AlwaysDraft(k))
+    eng.scheduler.proposer = None if arm == "plain" else AlwaysDraft(k)
     if arm != "plain":
         llm.runner.verify_route = arm
     for _ in range(warmup):
@@ -96,7 +90,7 @@ def run_cell(llm, batch: int, context: int, k: int, warmup: int, steps: int) -> 
     for i in range(batch):
         ids = torch.randint(0, llm.spec.vocab_size, (context,), generator=gen).tolist()
         eng.add_request(f"c{batch}x{context}-{i}", ids, params, stream=False)
-    _use_proposer(eng, None)  # prompts that take several steps get no drafts meanwhile
+    eng.scheduler.proposer = None  # prompts that take several steps get no drafts meanwhile
     while any(not r.output_token_ids for r in list(eng.requests.values())):
         eng.step()  # prefill every prompt (and a first token each)
     ms = {arm: round(time_arm(llm, arm, k, warmup, steps), 3) for arm in ARMS}

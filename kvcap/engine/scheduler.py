@@ -111,10 +111,11 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by arrival order
         self._order: dict[str, int] = {}  # request_id -> arrival sequence number
         self._next_order = 0
-        # Speculative decoding (None: off). The engine clears `speculate` while something
-        # records per forward (calibration, QSA probes): drafts would add rows to it.
+        # Speculative decoding (None: off; swapping it turns drafting on or off). The engine
+        # clears `speculate` while something records per forward (calibration, QSA probes):
+        # drafts would add rows to it.
         self.proposer = proposer
-        self.speculate = proposer is not None
+        self.speculate = True
         self.draft_max_batch = getattr(config, "speculative_disable_by_batch_size", None)
 
     # ----------------------------------------------------------------- queues
@@ -224,8 +225,8 @@ class Scheduler:
                 i += 1
         if not out.preempted:
             budget = self._admit(out, budget)
-        if self.speculate and budget > 0 and (self.draft_max_batch is None
-                                              or len(self.running) <= self.draft_max_batch):
+        if self.proposer is not None and self.speculate and budget > 0 and (
+                self.draft_max_batch is None or len(self.running) <= self.draft_max_batch):
             self._add_drafts(out, budget)
         return out
 

@@ -370,8 +370,8 @@ class _Compiler:
             self.compile(rules.extra, f"{path}.additionalProperties")
         keys = None
         if rules.gate is not None or rules.patterns:
-            classes = tuple((nfa, self.compile(sub, f"{path}.patternProperties.{spelt}"))
-                            for nfa, sub, spelt in rules.patterns)
+            classes = tuple((nfa, self.compile(sub, f"{path}.patternProperties.{label}"))
+                            for nfa, sub, label in rules.patterns)
             keys = (*(rules.gate or (None, 0, None)), classes)
         others = extra is not None or keys is not None  # keys beyond the declared ones
         deps = _dependencies(s, path, rules.props)

@@ -227,7 +227,7 @@ def either(*nfas: Nfa) -> Nfa:
     """An NFA of the strings any of `nfas` matches: their states side by side, a new start
     and accept state joined to theirs by epsilon moves."""
     out = Nfa()
-    out.start_state = out.new()
+    out.start_state, out.accept_state = out.new(), out.new()
     for nfa in nfas:
         shift = len(out.moves)
         for _ in nfa.moves:
@@ -236,11 +236,7 @@ def either(*nfas: Nfa) -> Nfa:
             out.moves[s + shift] = [(r, t + shift) for r, t in moves]
             out.eps[s + shift] = [t + shift for t in eps]
         out.eps[out.start_state].append(nfa.start_state + shift)
-        nfa_accept = nfa.accept_state + shift
-        out.eps[nfa_accept].append(-1)  # joined to the accept state once it exists
-    out.accept_state = out.new()
-    for eps in out.eps:
-        eps[:] = [out.accept_state if t == -1 else t for t in eps]
+        out.eps[nfa.accept_state + shift].append(out.accept_state)
     return out
 
 
