@@ -196,11 +196,13 @@ class LLM:
         self.runner.set_context_classes(self.max_model_len)
         if self.qsa is not None:  # before capture: the decode graphs record the QSA backend
             qsa_wiring.enable_qsa(self, self.qsa)
+        self.runner.set_token_buckets(self.config.max_num_batched_tokens)  # after QSA's swap
         no_graphs = qsa_wiring.graph_refusal(self.runner.backend)
         if self.device.type == "cuda" and not enforce_eager and not graphs_disabled() \
                 and no_graphs is None:
             self.runner.enable_cuda_graphs(max_num_seqs, self.max_model_len,
-                                           self.config.num_speculative_tokens)
+                                           self.config.num_speculative_tokens,
+                                           piecewise=self.tp is None)
         elif self.device.type == "cuda":
             logger.info("CUDA graphs off (%s): eager decode",
                         no_graphs or "enforce_eager / KVCAP_ENFORCE_EAGER=1")

@@ -139,8 +139,13 @@ def test_prompt_logits_in_row_blocks_equal_one_block(llm, monkeypatch):
     monkeypatch.setattr(model_runner, "PROMPT_LOGITS_ROWS", 7)
     sliced = run()
     assert len(ids) > 3 * 7 and len(sliced.prompt_logprobs) == len(ids)
-    assert sliced.prompt_logprobs == whole.prompt_logprobs
-    assert torch.equal(sliced.prompt_logits, whole.prompt_logits)
+    # CPU BLAS may round a 7-row product differently from the whole chunk's in the last bits
+    # (seen on some Xeons): same entries, values to 1e-4; a misplaced row differs by far more.
+    for a, b in zip(sliced.prompt_logprobs, whole.prompt_logprobs, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4
+    torch.testing.assert_close(sliced.prompt_logits, whole.prompt_logits, rtol=0, atol=1e-4)
     for k in range(1, len(ids)):  # each position's dict holds the prompt's next token
         assert ids[k] in sliced.prompt_logprobs[k]
 

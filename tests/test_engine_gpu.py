@@ -67,6 +67,40 @@ def test_adjusted_and_logprob_requests_graphs_and_look_ahead_match_eager():
         assert re.fullmatch("[0-9]{3}-[0-9]{4}", doc["phone"]), doc
 
 
+def _counting(run, rows: list[int]):
+    def counted(*args):
+        rows.append(args[0].shape[0])
+        return run(*args)
+    return counted
+
+
+def test_piecewise_graphs_give_the_eager_tokens():
+    """Prompts of 6-100 tokens under a 48-token step budget: the long ones prefill in chunks
+    beside the short ones' decode rows, and those prefill and mixed steps replay the piecewise
+    graphs with the greedy tokens and logprobs of enforce_eager, in FP16 and BF16."""
+    prompts = [p * n for p, n in (("Once upon a time, ", 1), ("Numbers: 1 2 3 4 5 6 ", 9),
+                                  ("The history of computing spans centuries. ", 5))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    for dtype in ("float16", "bfloat16"):
+        outs, used = [], []
+        for eager in (True, False):
+            llm = LLM(model="default", dtype=dtype, kv_cache_memory_gib=1, max_num_seqs=4,
+                      max_num_batched_tokens=48, attention_backend="triton",
+                      enforce_eager=eager)
+            pw = llm.runner.piecewise
+            assert (pw is None) == eager and llm.runner.token_buckets == [16, 32, 48]
+            if pw is not None:
+                pw.run = _counting(pw.run, used)
+            outs.append(llm.generate([llm.tokenizer.encode(p) for p in prompts], params,
+                                     use_tqdm=False))
+            llm.shutdown()
+        assert used and set(used) <= {16, 32, 48}, used
+        for a, b in zip(*outs, strict=True):
+            assert a.token_ids == b.token_ids
+            for dx, dy in zip(a.logprobs, b.logprobs, strict=True):
+                assert dx.keys() == dy.keys() and max(abs(dx[k] - dy[k]) for k in dx) < 1e-3
+
+
 @pytest.mark.parametrize("route", ["chunk", "rows"])
 def test_speculative_decoding_on_gpu(monkeypatch, route):
     """Drafts on the GPU (CUDA graphs on for the plain steps; `rows` verifies through the decode

@@ -181,3 +181,33 @@ def test_l2_prefetch_changes_nothing():
         l2_prefetch.l2_prefetch(w.t())
     with pytest.raises(ValueError, match="multiple of 16 bytes"):
         l2_prefetch.l2_prefetch(torch.ones(3, dtype=torch.uint8, device=DEV))
+
+
+def test_fused_ops_write_into_given_buffers():
+    """The piecewise CUDA graphs' static buffers: rope_split_qkv's `out` and add_rms_norm's
+    `res_out` (also the residual itself, in place) hold what the allocating calls return."""
+    dtype, hq, hkv, d, t, hidden = torch.float16, 4, 2, 32, 5, 96
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(DEV, dtype)
+    ang = torch.rand(t, 1, d, generator=g) * 6
+    cos, sin = ang.cos().to(DEV, dtype), ang.sin().to(DEV, dtype)
+    want = fused_ops.rope_split_qkv(qkv, cos, sin, hq, hkv, d)
+    bufs = tuple(torch.full_like(w, 9.0) for w in want)
+    got = fused_ops.rope_split_qkv(qkv, cos, sin, hq, hkv, d, out=bufs)
+    assert all(a is b for a, b in zip(got, bufs, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    with pytest.raises(ValueError, match="rope_split_qkv out"):
+        fused_ops.rope_split_qkv(qkv, cos, sin, hq, hkv, d, out=(bufs[0], bufs[2], bufs[1][:2]))
+
+    x = torch.randn(t, hidden, generator=g).to(DEV, dtype)
+    r = torch.randn(t, hidden, generator=g).to(DEV, dtype)
+    w = torch.rand(hidden, generator=g).to(DEV, dtype)
+    out, res = fused_ops.add_rms_norm(x, w, 1e-5, r)
+    sink = torch.zeros_like(r)
+    out2, res2 = fused_ops.add_rms_norm(x, w, 1e-5, r, sink)
+    assert res2 is sink and torch.equal(res2, res) and torch.equal(out2, out)
+    inplace = r.clone()
+    out3, res3 = fused_ops.add_rms_norm(x, w, 1e-5, inplace, inplace)
+    assert res3 is inplace and torch.equal(res3, res) and torch.equal(out3, out)
+    with pytest.raises(ValueError, match="res_out must be"):
+        fused_ops.add_rms_norm(x, w, 1e-5, r, sink[:2])

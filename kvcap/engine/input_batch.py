@@ -151,12 +151,18 @@ class EagerInputs:
         self.buf64 = StagingBuffer(torch.int64, device)
         self.buf32 = StagingBuffer(torch.int32, device)
 
-    def build(self, plan):
+    def build(self, plan, pad_to: int | None = None):
+        """(input ids, positions, metadata) of the plan's rows; with `pad_to`, the ids,
+        positions and slot mapping run to that many rows (token 0 at position 0, slot -1:
+        rows every kernel skips or computes for nothing), as piecewise CUDA graphs take them."""
         from kvcap.attention.metadata import AttentionMetadata
 
         qlens, seqs, tables, positions = plan.query_lens, plan.seq_lens, plan.tables, \
             plan.positions
-        b, t, bs = len(qlens), len(plan.ids), self.block_size
+        b, n, bs = len(qlens), len(plan.ids), self.block_size
+        t = n if pad_to is None else pad_to
+        if t < n:
+            raise ValueError(f"pad_to={pad_to} is less than the step's {n} rows")
         rows = self.rows.rows_for(tables)
         # A multiple of 16 columns (padded with -1): Triton compiles a kernel variant per
         # divisibility of each integer argument by 16, and the block table's row stride is one,
@@ -175,28 +181,32 @@ class EagerInputs:
                        + [0] * (o_tab - o_ctx - b))
         tab = h32[o_tab:o_tab + b * width].reshape(b, width)
         self.rows.gather(rows, width, tab)
-        # int64: ids | positions | slots
+        # int64: ids | positions | slots, each `a` long (ids and positions padded with 0,
+        # slots with -1)
         a = _align(t, 2)
-        h64 = self.buf64.reserve(2 * a + t)
-        if t == b:  # decode only: one token per sequence, slots straight from the lists
-            h64[:2 * a + t] = (plan.ids + [0] * (a - t) + positions + [0] * (a - t)
+        h64 = self.buf64.reserve(3 * a)
+        if n == b:  # decode only: one token per sequence, slots straight from the lists
+            h64[:2 * a + n] = (plan.ids + [0] * (a - n) + positions + [0] * (a - n)
                                + [ids[p // bs] * bs + p % bs
                                   for ids, p in zip(tables, positions, strict=True)])
         else:
-            h64[:t] = plan.ids
-            pos = h64[a:a + t]
+            h64[:n] = plan.ids
+            h64[n:a] = 0
+            pos = h64[a:a + n]
             pos[:] = positions
+            h64[a + n:2 * a] = 0
             seq_of = np.repeat(np.arange(b), qlens)
             blocks = tab[seq_of, pos // bs].astype(np.int64)
-            np.add(blocks * bs, pos % bs, out=h64[2 * a:2 * a + t])
-        d64 = self.buf64.to_device(2 * a + t)
+            np.add(blocks * bs, pos % bs, out=h64[2 * a:2 * a + n])
+        h64[2 * a + n:3 * a] = -1
+        d64 = self.buf64.to_device(3 * a)
         d32 = self.buf32.to_device(o_tab + b * width)
         meta = AttentionMetadata(
             query_start_loc=d32[: b + 1],
             seq_lens=d32[o_seq:o_seq + b],
             context_lens=d32[o_ctx:o_ctx + b],
             block_tables=d32[o_tab:].view(b, width),
-            slot_mapping=d64[2 * a:],
+            slot_mapping=d64[2 * a:2 * a + t],
             query_start_loc_cpu=qsl,
             seq_lens_cpu=list(seqs),
             max_query_len=max(qlens, default=0),

@@ -15,6 +15,7 @@ import torch
 
 from kvcap.attention.base import AttentionBackend
 from kvcap.engine.input_batch import EagerInputs
+from kvcap.engine.piecewise_graph import bucket_for, has_pieces
 from kvcap.engine.request import Request
 from kvcap.engine.structured import NoContinuation
 from kvcap.errors import ConfigError
@@ -158,7 +159,9 @@ class ModelRunner:
         self._eager = EagerInputs(device, pool.spec.block_size)
         self.kv_observer: KVObserverFn | None = None
         self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs()
+        self.piecewise = None  # PiecewiseGraphs, set by enable_cuda_graphs()
         self.context_classes: list[int] | None = None  # set_context_classes (CUDA)
+        self.token_buckets: list[int] = []  # set_token_buckets (CUDA, triton backend)
         self.timer = None  # kvcap.engine.timing.StepTimer while step timing is on (rank 0)
         self.eos_token_ids: set[int] = set()  # masked under a request's min_tokens (LLM sets)
         self.tokenizer = None  # for JSON mode's token bytes (LLM sets it on rank 0)
@@ -187,11 +190,23 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.context_classes = context_classes(max_model_len)
 
+    def set_token_buckets(self, max_num_batched_tokens: int) -> None:
+        """Eager steps on CUDA with the Triton backend pad their rows to the piecewise graphs'
+        token buckets, whether or not those are captured: enforce_eager and graph runs then
+        run the same kernels on the same rows (same greedy tokens)."""
+        from kvcap.engine.piecewise_graph import token_buckets
+
+        if self.device.type == "cuda" and self.backend.name == "triton":
+            self.token_buckets = token_buckets(max_num_batched_tokens)
+
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int,
-                           num_speculative_tokens: int = 0) -> None:
+                           num_speculative_tokens: int = 0, piecewise: bool = True) -> None:
         """Capture the decode graphs; with speculative decoding, for the 1 + K decode rows per
-        request its drafts are verified as (graph_rows bounds how far)."""
+        request its drafts are verified as (graph_rows bounds how far). `piecewise`: also the
+        piecewise graphs of the other steps (kvcap.engine.piecewise_graph), where the model
+        and backend allow them."""
         from kvcap.engine.cuda_graph import DecodeGraphs, graph_rows
+        from kvcap.engine.piecewise_graph import PiecewiseGraphs, piecewise_disabled
 
         rows = graph_rows(max_num_seqs,
                           num_speculative_tokens if self.verify_route != "chunk" else 0)
@@ -199,6 +214,12 @@ class ModelRunner:
                               max_model_len)
         graphs.capture()
         self.graphs = graphs
+        if piecewise and self.token_buckets and not piecewise_disabled() \
+                and has_pieces(self.model):
+            pieces = PiecewiseGraphs(self.model, self.backend, self.pool, self.device,
+                                     self.token_buckets, pool_handle=graphs.pool_handle)
+            pieces.capture()
+            self.piecewise = pieces
 
     def can_run_ahead(self) -> bool:
         """May the engine launch a step before the previous one's tokens are read? Not while
@@ -306,18 +327,22 @@ class ModelRunner:
                 t.mark("prepare")
                 t.gpu_event("forward_start")
             return self.graphs.replay(key, len(plan.ids)), None
-        input_ids, pos, meta = self._eager.build(plan)
+        n = len(plan.ids)
+        pad = bucket_for(self.token_buckets, n) if self.token_buckets else None
+        input_ids, pos, meta = self._eager.build(plan, pad_to=pad)
         if fed_ids is not None:
-            input_ids.copy_(fed_ids, non_blocking=True)
+            input_ids[:n].copy_(fed_ids, non_blocking=True)
         if self.context_classes is not None and meta.is_decode_only:
             from kvcap.engine.cuda_graph import context_class
 
             meta.max_seq_len = context_class(self.context_classes, meta.max_seq_len)
-        ctx = ForwardContext(self.backend, self.pool, meta, self.kv_observer)
         if t is not None:
             t.mark("prepare")
             t.gpu_event("forward_start")
-        return self.model(input_ids, pos, ctx), meta
+        if self.piecewise is not None and pad is not None and self.kv_observer is None:
+            return self.piecewise.run(input_ids, pos, meta, n), meta
+        ctx = ForwardContext(self.backend, self.pool, meta, self.kv_observer)
+        return self.model(input_ids, pos, ctx)[:n], meta
 
     def fed_ids(self, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Input ids of a step scheduled ahead: row i takes `tokens[rows[i]]` (device-side;

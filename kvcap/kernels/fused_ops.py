@@ -52,13 +52,20 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n, eps,
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None):
+                 residual: torch.Tensor | None = None, res_out: torch.Tensor | None = None):
     """RMSNorm of x (or of x + residual, whose dtype-rounded sum is returned as the new
     residual): returns normed, or (normed, new_residual). x, residual [T, H], last dim
-    contiguous."""
+    contiguous. `res_out` [T, H] receives the new residual (it may be `residual` itself: each
+    row is read before it is written); piecewise CUDA graphs pass their static buffer."""
     t, n = x.shape
     out = torch.empty_like(x)
-    res_out = torch.empty_like(x) if residual is not None else out
+    if residual is None:
+        res_out = out
+    elif res_out is None:
+        res_out = torch.empty_like(x)
+    elif res_out.shape != x.shape or res_out.dtype != x.dtype or res_out.stride(1) != 1:
+        raise ValueError(f"res_out must be a {tuple(x.shape)} {x.dtype} tensor with contiguous "
+                         f"rows, got {tuple(res_out.shape)} {res_out.dtype}")
     if t:
         r = residual if residual is not None else x
         block = triton.next_power_of_2(n)
@@ -127,9 +134,11 @@ def _store_row(x, cache_ptr, scale_ptr, slot_ptr, t, kv_head, d, stride_cb, stri
 
 def rope_split_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                    num_kv_heads: int, head_dim: int, cache: LayerKVCache | None = None,
-                   slot_mapping: torch.Tensor | None = None, fp8_mode: str = "auto"):
+                   slot_mapping: torch.Tensor | None = None, fp8_mode: str = "auto",
+                   out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """qkv [T, (Hq + 2 Hkv) * D] (rows contiguous), cos/sin [T, 1, D] ->
-    contiguous q [T, Hq, D], k [T, Hkv, D] rotated and v [T, Hkv, D].
+    contiguous q [T, Hq, D], k [T, Hkv, D] rotated and v [T, Hkv, D] (written into `out`'s
+    three contiguous tensors when given: piecewise CUDA graphs pass their static buffers).
 
     With `cache` and `slot_mapping` [T] (int64 block * block_size + offset, -1 = skip) the
     same launch also writes k and v into the layer's paged cache (E4M3: quantized with its
@@ -137,9 +146,16 @@ def rope_split_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
     launch per layer less, and the E4M3 encode runs spread over the K/V heads' programs.
     `fp8_mode` is the cache reader's (store_kv.store_kv)."""
     t = qkv.shape[0]
-    q = qkv.new_empty(t, num_heads, head_dim)
-    k = qkv.new_empty(t, num_kv_heads, head_dim)
-    v = qkv.new_empty(t, num_kv_heads, head_dim)
+    shapes = ((t, num_heads, head_dim), (t, num_kv_heads, head_dim),
+              (t, num_kv_heads, head_dim))
+    if out is None:
+        q, k, v = (qkv.new_empty(s) for s in shapes)
+    else:
+        for buf, s in zip(out, shapes, strict=True):
+            if buf.shape != s or buf.dtype != qkv.dtype or not buf.is_contiguous():
+                raise ValueError(f"rope_split_qkv out: want contiguous {s} {qkv.dtype}, "
+                                 f"got {tuple(buf.shape)} {buf.dtype}")
+        q, k, v = out
     if t:
         if qkv.stride(1) != 1 or cos.stride(2) != 1 or cos.stride() != sin.stride():
             raise ValueError("rope_split_qkv needs contiguous rows and matching cos/sin")

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from kvcap.distributed.layers import ModelParallel
 
 KVObserverFn = Callable[[int, torch.Tensor, torch.Tensor], None]
+QKVBuffers = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 FUSED_OPS_ENV = "KVCAP_DISABLE_FUSED_OPS"
 
 
@@ -51,14 +52,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                res_out: torch.Tensor | None = None):
         """norm(x), or with `residual`: (norm(x + residual), x + residual) — the residual
-        stream's add fused into the norm (one kernel on CUDA, kvcap.kernels.fused_ops)."""
+        stream's add fused into the norm (one kernel on CUDA, kvcap.kernels.fused_ops).
+        `res_out` receives x + residual (a piecewise CUDA graph's static buffer)."""
         fused = fused_ops_for(x) if x.dim() == 2 else None
         if fused is not None:
-            return fused.add_rms_norm(x, self.weight, self.eps, residual)
+            return fused.add_rms_norm(x, self.weight, self.eps, residual, res_out)
         if residual is not None:
             x = x + residual
+            if res_out is not None:
+                x = res_out.copy_(x)
             return self._norm(x), x
         return self._norm(x)
 
@@ -146,6 +151,13 @@ class Attention(nn.Module):
         self.softmax_scale = self.head_dim**-0.5
 
     def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+        q, k, v, stored = self.project(x, cos, sin, ctx)
+        return self.o_proj_of(self.attend(q, k, v, stored, ctx))
+
+    def project(self, x, cos, sin, ctx: ForwardContext, out: QKVBuffers | None = None):
+        """QKV projection and RoPE: (q [T, Hq, D], k, v [T, Hkv, D], stored), stored = the
+        fused RoPE kernel also wrote k/v into the layer's cache (the backend attends over it).
+        `out`: tensors q, k, v end up in (a piecewise CUDA graph's static buffers)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         fused = fused_ops_for(qkv) if self.q_norm is None else None
@@ -156,26 +168,38 @@ class Attention(nn.Module):
             q, k, v = fused.rope_split_qkv(
                 qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
                 cache=cache if stored else None, slot_mapping=ctx.meta.slot_mapping,
-                fp8_mode=getattr(ctx.backend, "fp8_mode", "auto"))
-        else:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(t, self.num_heads, self.head_dim)
-            k = k.view(t, self.num_kv_heads, self.head_dim)
-            v = v.view(t, self.num_kv_heads, self.head_dim)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+                fp8_mode=getattr(ctx.backend, "fp8_mode", "auto"), out=out)
+            return q, k, v, stored
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if out is not None:
+            q, k, v = (buf.copy_(x) for buf, x in zip(out, (q, k, v), strict=True))
+        return q, k, v, stored
+
+    def attend(self, q, k, v, stored: bool, ctx: ForwardContext,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of q over the layer's cache (writing k/v first unless `stored`), into
+        `out` [T, Hq, D] (new when None)."""
         if ctx.kv_observer is not None:
             n = ctx.meta.num_tokens
             ctx.kv_observer(self.layer_idx, k[:n], v[:n])
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
+        cache = ctx.pool.layer(self.layer_idx)
         if stored:
             ctx.backend.attend_stored(q, cache, ctx.meta, self.softmax_scale, out)
         else:
             ctx.backend.forward(q, k.contiguous(), v.contiguous(), cache, ctx.meta,
                                 self.softmax_scale, out)
-        return self.o_proj(self.attn_out(out.view(t, self.q_size)))
+        return out
+
+    def o_proj_of(self, out: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.attn_out(out.view(out.shape[0], self.q_size)))
 
 
 class MLP(nn.Module):
@@ -210,12 +234,23 @@ class DecoderLayer(nn.Module):
         """(x, residual) -> (mlp output, residual): the stream x + residual is added inside
         the next norm, so each add costs no kernel of its own on CUDA. residual=None on the
         first layer (x is then the embedding)."""
+        q, k, v, stored, residual = self.pre(x, residual, cos, sin, ctx)
+        return self.post(self.self_attn.attend(q, k, v, stored, ctx), residual)
+
+    def pre(self, x, residual, cos, sin, ctx: ForwardContext, out: QKVBuffers | None = None,
+            res_out: torch.Tensor | None = None):
+        """The layer up to its attention: (q, k, v, stored, residual) (Attention.project).
+        `out` / `res_out`: where q, k, v and the residual end up (piecewise CUDA graphs)."""
         if residual is None:
-            h, residual = self.input_layernorm(x), x
+            h = self.input_layernorm(x)
+            residual = x if res_out is None else res_out.copy_(x)
         else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, ctx)
-        h, residual = self.post_attention_layernorm(h, residual)
+            h, residual = self.input_layernorm(x, residual, res_out)
+        return (*self.self_attn.project(h, cos, sin, ctx, out), residual)
+
+    def post(self, attn: torch.Tensor, residual: torch.Tensor):
+        """The layer after its attention: o_proj, the residual add + norm, the MLP."""
+        h, residual = self.post_attention_layernorm(self.self_attn.o_proj_of(attn), residual)
         return self.mlp(h), residual
 
 
@@ -231,6 +266,7 @@ class LlamaModel(nn.Module):
     def __init__(self, spec: ModelSpec, tp: ModelParallel | None = None):
         super().__init__()
         self.spec = spec
+        self.tp = tp
         self.shard = tp.shard if tp is not None else full_shard(spec)
         # Registration order fixes named_parameters() order (dummy weights depend on it).
         self.embed_tokens: nn.Embedding
