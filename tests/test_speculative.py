@@ -217,6 +217,7 @@ def test_verify_route_follows_graphs_and_rereads(monkeypatch):
     monkeypatch.setattr(cuda_graph, "DecodeGraphs", FakeGraphs)
     runner = _runner()
     runner.pool.spec.values_per_token = 1024
+    runner.pool.spec.num_kv_heads = 8
 
     def chunk(start, drafts):
         c = ScheduledChunk(req("a", [1] * start), start, 1 + len(drafts), True)
@@ -234,6 +235,12 @@ def test_verify_route_follows_graphs_and_rereads(monkeypatch):
     limit = model_runner.SPEC_ROWS_MAX_EXTRA_KV_VALUES // 1024
     assert runner._draft_rows([chunk(limit // 3 - 2, [5, 6, 7])])
     assert not runner._draft_rows([chunk(limit // 3, [5, 6, 7])])
+    # on a GPU: rows only while the chunk's grid (drafted requests x 8 KV heads) fills less
+    # than half the SMs; requests without drafts do not count
+    runner.sm_count = 132
+    assert runner._draft_rows([chunk(10, [5, 6, 7, 8])] * 8 + [chunk(10, [])] * 8)
+    assert not runner._draft_rows([chunk(10, [5, 6, 7, 8])] * 9)
+    runner.sm_count = None
     monkeypatch.setenv("KVCAP_SPEC_VERIFY", "chunk")
     runner = _runner()
     runner.enable_cuda_graphs(16, 2048, num_speculative_tokens=4)

@@ -9,7 +9,7 @@ from kvcap.errors import ConfigError
 
 SUITES = ("throughput", "throughput_report", "throughput_targets", "kernels", "sampler",
           "serving", "qsa", "step_overhead", "step_profile", "gemm", "structured", "speculative",
-          "verify_cost", "provenance")
+          "verify_cost", "mixed_steps", "provenance")
 HELP = (f"run a benchmark: {' | '.join(SUITES)} (see docs/benchmarks; throughput_targets: the "
         "decode targets judged per cell from throughput JSONs; kernels --summary FILE...: the "
         "attention kernel's targets judged from its JSONs; provenance: the source digest "

@@ -34,13 +34,18 @@ PromptLogitsFn = Callable[[int, torch.Tensor, int], None]
 # logits for max_num_seqs rows only (a 2,048-row prefill chunk of a 128K vocabulary would be
 # 1 GiB each).
 PROMPT_LOGITS_ROWS = 256
-# Speculative decoding verifies drafts as graphed decode rows only while the rows' K/V re-reads
-# stay at most this many K/V values (ModelRunner._draft_rows); past it (long contexts, big
-# batches) the eager chunk, which reads the K/V once, is taken. Measured on the H200 with the
-# Llama-3.1-8B shape and K = 4 (docs/benchmarks/verify-cost-2026-12-05-h200-*.json, `kvcap
-# bench verify_cost`): rows took 0.18-0.79 of the chunk's step time up to 32 Gi values re-read
-# and 1.10-1.27 from 64 Gi on, in BF16 and in E4M3 alike -- their cost followed the values
-# re-read, not the bytes (E4M3's half-size re-reads cost what BF16's did per value).
+# Speculative decoding verifies drafts as graphed decode rows (ModelRunner._draft_rows) only
+# while the chunk route's attention -- the chunked-prefill kernel, one program per drafted
+# sequence and KV head, each walking its whole context -- would fill less than this fraction of
+# the SMs, and the rows' K/V re-reads stay at most SPEC_ROWS_MAX_EXTRA_KV_VALUES K/V values.
+# Measured on the H100 (132 SMs) with the Llama-3.1-8B shape (8 KV heads), K = 4, the chunk
+# running in piecewise CUDA graphs (docs/benchmarks/verify-cost-2026-12-05-h100-8b-*.json,
+# `kvcap bench verify_cost`): 1-8 drafted requests (8-64 programs) at 1K-16K, rows took
+# 0.40-0.96 of the chunk's step time (up to 32 Gi values re-read), in BF16 and E4M3; 16
+# requests (128 programs) 1.00-1.30 -- there the chunk's one pass wins. (Before the piecewise
+# graphs the eager chunk paid 11-26 ms of launches, and rows won up to 32 Gi values whatever the
+# batch: docs/benchmarks/verify-cost-2026-12-05-h200-*.json.)
+SPEC_ROWS_MAX_CHUNK_FILL = 0.5
 SPEC_ROWS_MAX_EXTRA_KV_VALUES = 32 << 30
 
 logger = logging.getLogger(__name__)
@@ -162,6 +167,8 @@ class ModelRunner:
         self.piecewise = None  # PiecewiseGraphs, set by enable_cuda_graphs()
         self.context_classes: list[int] | None = None  # set_context_classes (CUDA)
         self.token_buckets: list[int] = []  # set_token_buckets (CUDA, triton backend)
+        self.sm_count = (torch.cuda.get_device_properties(device).multi_processor_count
+                         if device.type == "cuda" else None)  # the drafts' route (_draft_rows)
         self.timer = None  # kvcap.engine.timing.StepTimer while step timing is on (rank 0)
         self.eos_token_ids: set[int] = set()  # masked under a request's min_tokens (LLM sets)
         self.tokenizer = None  # for JSON mode's token bytes (LLM sets it on rank 0)
@@ -301,7 +308,7 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is None:
             return False
-        rows, extra, longest = 0, 0, 0
+        rows, extra, longest, drafted = 0, 0, 0, 0
         for ch in chunks:
             if ch.num_tokens > 1 and not ch.draft:
                 return False  # a prefill chunk: the step runs eagerly whatever the drafts do
@@ -309,8 +316,13 @@ class ModelRunner:
             longest = max(longest, ch.start + ch.num_tokens)
             # rows 1..n-1 each read the context again: (n - 1) x (start + ~n/2) tokens
             extra += (ch.num_tokens - 1) * (ch.start + ch.num_tokens // 2)
+            drafted += ch.num_tokens > 1
+        spec = self.pool.spec
+        if self.sm_count is not None and \
+                drafted * spec.num_kv_heads >= SPEC_ROWS_MAX_CHUNK_FILL * self.sm_count:
+            return False  # the chunk's attention fills the GPU: its single pass wins
         return (graphs.can_run(rows, longest)
-                and extra * self.pool.spec.values_per_token <= SPEC_ROWS_MAX_EXTRA_KV_VALUES)
+                and extra * spec.values_per_token <= SPEC_ROWS_MAX_EXTRA_KV_VALUES)
 
     def broadcast_plan(self, plan: StepPlan) -> None:
         """Hook for tensor parallelism: rank 0 sends the plan to the other ranks here."""
