@@ -17,6 +17,7 @@ from kvcap.engine.piecewise_graph import (
     PiecewiseGraphs,
     bucket_for,
     has_pieces,
+    piecewise_max_tokens,
     token_buckets,
 )
 from kvcap.models.llama import ForwardContext
@@ -28,6 +29,10 @@ def test_token_buckets():
     assert token_buckets(8192) == [16, 32, 64, 128, 256, PIECEWISE_MAX_TOKENS]
     assert token_buckets(100) == [16, 32, 64, 100]
     assert token_buckets(16) == [16] and token_buckets(10) == [10]
+    assert token_buckets(8192, 2048)[-3:] == [512, 1024, 2048]
+    # the largest bucket follows the model's size: 512 at 8B, further for smaller models
+    assert [piecewise_max_tokens(n) for n in (80e9, 8.03e9, 3e9, 1.2e9, 135e6)] == \
+        [512, 512, 1024, 2048, 2048]
     b = token_buckets(100)
     assert [bucket_for(b, n) for n in (1, 16, 17, 64, 65, 100, 101)] == \
         [16, 16, 32, 64, 100, 100, None]

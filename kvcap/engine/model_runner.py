@@ -201,10 +201,12 @@ class ModelRunner:
         """Eager steps on CUDA with the Triton backend pad their rows to the piecewise graphs'
         token buckets, whether or not those are captured: enforce_eager and graph runs then
         run the same kernels on the same rows (same greedy tokens)."""
-        from kvcap.engine.piecewise_graph import token_buckets
+        from kvcap.engine.piecewise_graph import piecewise_max_tokens, token_buckets
 
         if self.device.type == "cuda" and self.backend.name == "triton":
-            self.token_buckets = token_buckets(max_num_batched_tokens)
+            params = sum(p.numel() for p in self.model.parameters())
+            self.token_buckets = token_buckets(max_num_batched_tokens,
+                                               piecewise_max_tokens(params))
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int,
                            num_speculative_tokens: int = 0, piecewise: bool = True) -> None:

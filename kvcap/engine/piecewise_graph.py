@@ -9,8 +9,9 @@ only part of a layer whose launch depends on the batch's make-up (sequences, que
 block tables), so everything else is captured: one graph per stretch between two attentions
 (embedding + layer 0 up to its attention; layer i's o_proj, norm and MLP with layer i+1 up to
 its attention; the last layer's rest with the final norm), per token bucket. A step of n <=
-the largest bucket tokens pads its rows to the bucket (token 0 at position 0, slot -1: the
-cache write and attention skip them) and alternates replays with eager attention launches.
+the largest bucket tokens (512 on an 8B model, up to 2048 on smaller ones) pads its rows to
+the bucket (token 0 at position 0, slot -1: the cache write and attention skip them) and
+alternates replays with eager attention launches.
 
 Tensors that cross from a piece to the attention after it or to the next piece live in static
 buffers the pieces write in place (q/k/v straight from the fused RoPE kernel, the residual
@@ -35,17 +36,32 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "KVCAP_DISABLE_PIECEWISE_GRAPHS"
 
-# The largest step (tokens) the pieces are captured for. On the 8B shape a 512-token step's
-# GEMMs take about as long as the eager step's host work (~18 ms on the H100), so past it the
-# GPU, not the launches, sets the time; the buckets' static buffers and activations stay small.
+# The largest step (tokens) the pieces are captured for, for an 8B-parameter model: there a
+# 512-token step's GEMMs take about as long as the eager step's host work (~14-18 ms on the
+# H100), so past it the GPU, not the launches, sets the time. A smaller model's steps cost the
+# GPU proportionally less per token, so its buckets reach further (piecewise_max_tokens), up to
+# PIECEWISE_TOKENS_CAP.
 PIECEWISE_MAX_TOKENS = 512
+PIECEWISE_REFERENCE_PARAMS = 8.0e9
+PIECEWISE_TOKENS_CAP = 2048
 MIN_BUCKET = 16
 
 
-def token_buckets(max_tokens: int) -> list[int]:
-    """Powers of two from MIN_BUCKET up to min(max_tokens, PIECEWISE_MAX_TOKENS) (and that
-    bound itself): the row counts eager steps pad to."""
-    top = min(max_tokens, PIECEWISE_MAX_TOKENS)
+def piecewise_max_tokens(num_params: int) -> int:
+    """The largest bucket for a model of `num_params` parameters (on this rank): the power of
+    two nearest below PIECEWISE_MAX_TOKENS x 8e9 / num_params, kept within
+    [PIECEWISE_MAX_TOKENS, PIECEWISE_TOKENS_CAP]."""
+    reach = PIECEWISE_MAX_TOKENS * PIECEWISE_REFERENCE_PARAMS / max(num_params, 1)
+    top = PIECEWISE_MAX_TOKENS
+    while top * 2 <= min(reach, PIECEWISE_TOKENS_CAP):
+        top *= 2
+    return top
+
+
+def token_buckets(max_tokens: int, largest: int = PIECEWISE_MAX_TOKENS) -> list[int]:
+    """Powers of two from MIN_BUCKET up to min(max_tokens, largest) (and that bound itself):
+    the row counts eager steps pad to."""
+    top = min(max_tokens, largest)
     sizes, b = [], MIN_BUCKET
     while b < top:
         sizes.append(b)
