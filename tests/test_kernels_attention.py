@@ -595,3 +595,50 @@ def test_bad_arguments():
         paged_decode(case.q[:, :3], case.cache.k_cache, case.cache.v_cache,
                      case.out_buffer()[:, :3], m.block_tables, m.seq_lens, m.query_start_loc,
                      0.1, 6, case.cache.k_scale, case.cache.v_scale)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp16", "fp8_e4m3"])
+def test_backend_builds_a_steps_launchers_once_for_every_layer(monkeypatch, kv_dtype):
+    """TritonBackend plans decode and prefill once per step (metadata) and shape and launches
+    those plans in every layer: a second layer's cache (other values, E4M3: other scales) gets
+    its own attention, as the twin computes it; a new step, or other shapes, plan again."""
+    from kvcap.attention import triton_backend
+    from kvcap.kv_cache.pool import LayerKVCache
+
+    builds = []
+    for name in ("decode_launcher", "prefill_launcher"):
+        real = getattr(triton_backend, name)
+        monkeypatch.setattr(triton_backend, name,
+                            lambda *a, _real=real, _n=name, **k: builds.append(_n) or
+                            _real(*a, **k))
+    case = make_case(MIXED, 8, 2, 32, kv_dtype=kv_dtype, pad_rows=2, seed=21, device=DEV)
+    c = case.cache
+    fp8 = kv_dtype == "fp8_e4m3"
+    other = LayerKVCache(
+        1, c.k_cache.clone() if fp8 else c.k_cache * 0.5, c.v_cache.clone() if fp8 else
+        c.v_cache * 1.5, kv_dtype, c.k_scale * 1.7 if fp8 else None,
+        c.v_scale * 0.6 if fp8 else None)
+    layers = [c, other, c]
+    twins = []
+    for cache in layers:  # the twin on copies, one layer at a time
+        copy = LayerKVCache(0, cache.k_cache.clone(), cache.v_cache.clone(), kv_dtype,
+                            cache.k_scale, cache.v_scale)
+        out = case.out_buffer()
+        TorchReferenceBackend().forward(case.q, case.k, case.v, copy, case.meta,
+                                        case.softmax_scale, out)
+        twins.append(out)
+    be = TritonBackend()
+    nt = case.meta.num_tokens
+    for cache, twin in zip(layers, twins, strict=True):
+        out = case.out_buffer()
+        be.forward(case.q, case.k, case.v, cache, case.meta, case.softmax_scale, out)
+        assert (out[nt:] == SENTINEL).all() and _err(out[:nt], twin[:nt]) < TOL[kv_dtype]
+    assert sorted(builds) == ["decode_launcher", "prefill_launcher"]
+    assert _err(twins[0][:nt], twins[1][:nt]) > 10 * TOL[kv_dtype]  # the layers differ
+    be.attend_stored(case.q[:nt], c, case.meta, case.softmax_scale,
+                     case.out_buffer()[:nt])  # other shapes: planned again
+    assert len(builds) == 4
+    step = make_case(MIXED, 8, 2, 32, kv_dtype=kv_dtype, pad_rows=2, seed=21, device=DEV)
+    be.forward(step.q, step.k, step.v, step.cache, step.meta, step.softmax_scale,
+               step.out_buffer())  # a new step's metadata: planned again
+    assert len(builds) == 6

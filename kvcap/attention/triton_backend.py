@@ -10,8 +10,8 @@ import torch
 from kvcap.attention.base import AttentionBackend
 from kvcap.attention.metadata import AttentionMetadata
 from kvcap.kernels.common import ENV_DISABLE_ROPE_KV_WRITE, _flag
-from kvcap.kernels.decode import paged_decode
-from kvcap.kernels.prefill import paged_prefill
+from kvcap.kernels.decode import decode_launcher
+from kvcap.kernels.prefill import prefill_launcher
 from kvcap.kernels.store_kv import store_kv
 from kvcap.kv_cache.pool import LayerKVCache
 
@@ -32,6 +32,9 @@ class TritonBackend(AttentionBackend):
         self.accepts_stored_kv = not _flag(ENV_DISABLE_ROPE_KV_WRITE)
         self._plan_meta: AttentionMetadata | None = None
         self._has_decode = False
+        # The step's kernel launchers (decode.decode_launcher, prefill.prefill_launcher), built
+        # in its first layer and launched in every layer whose tensors match their signature.
+        self._launchers: dict[str, tuple[tuple, object]] = {}
 
     def _plan(self, meta: AttentionMetadata) -> bool:
         """Whether the batch has single-token (decode) rows; computed once per metadata."""
@@ -39,6 +42,7 @@ class TritonBackend(AttentionBackend):
             qsl = meta.query_start_loc_cpu
             self._has_decode = any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1))
             self._plan_meta = meta
+            self._launchers.clear()
         return self._has_decode
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
@@ -48,15 +52,36 @@ class TritonBackend(AttentionBackend):
                  cache.v_scale, fp8_mode=self.fp8_mode)
         return self.attend_stored(q, cache, meta, softmax_scale, out)
 
+    def _launcher(self, kind: str, build, q: torch.Tensor, cache: LayerKVCache,
+                  softmax_scale: float, out: torch.Tensor):
+        """This step's `kind` launcher for tensors like these (built on first use: every layer
+        of a model has the same shapes, so one build serves the whole step)."""
+        kc, vc = cache.k_cache, cache.v_cache
+        sig = (q.shape, q.dtype, q.stride(), q.device, out.shape, out.dtype, out.stride(),
+               kc.shape, kc.dtype, kc.stride(), vc.shape, vc.dtype, vc.stride(),
+               cache.k_scale is None, cache.v_scale is None, softmax_scale)
+        got = self._launchers.get(kind)
+        if got is None or got[0] != sig:
+            got = self._launchers[kind] = (sig, build(q, kc, vc, out, cache.k_scale,
+                                                      cache.v_scale, softmax_scale))
+        return got[1]
+
     def attend_stored(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
                       softmax_scale: float, out: torch.Tensor) -> torch.Tensor:
+        args = (q, cache.k_cache, cache.v_cache, out, cache.k_scale, cache.v_scale)
         if self._plan(meta):
-            paged_decode(q, cache.k_cache, cache.v_cache, out, meta.block_tables, meta.seq_lens,
-                         meta.query_start_loc, softmax_scale, meta.max_seq_len,
-                         cache.k_scale, cache.v_scale, fp8_mode=self.fp8_mode)
+            launch = self._launcher("decode", lambda q, kc, vc, out, ks, vs, scale: (
+                decode_launcher(q, kc, vc, out, meta.block_tables, meta.seq_lens,
+                                meta.query_start_loc, scale, meta.max_seq_len, ks, vs,
+                                fp8_mode=self.fp8_mode)), q, cache, softmax_scale, out)
+            if launch is not None:
+                launch(*args)
         if meta.max_query_len > 1:
-            paged_prefill(q, cache.k_cache, cache.v_cache, out, meta.block_tables,
-                          meta.seq_lens, meta.query_start_loc, softmax_scale,
-                          meta.max_query_len, cache.k_scale, cache.v_scale,
-                          fp8_mode=self.fp8_mode, skip_decode=True)
+            launch = self._launcher("prefill", lambda q, kc, vc, out, ks, vs, scale: (
+                prefill_launcher(q, kc, vc, out, meta.block_tables, meta.seq_lens,
+                                 meta.query_start_loc, scale, meta.max_query_len, ks, vs,
+                                 fp8_mode=self.fp8_mode, skip_decode=True)),
+                q, cache, softmax_scale, out)
+            if launch is not None:
+                launch(*args)
         return out

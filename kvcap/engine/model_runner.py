@@ -342,7 +342,9 @@ class ModelRunner:
                 t.gpu_event("forward_start")
             return self.graphs.replay(key, len(plan.ids)), None
         n = len(plan.ids)
-        pad = bucket_for(self.token_buckets, n) if self.token_buckets else None
+        # Decode-only steps mirror the decode graphs (batch buckets), so they stay unpadded.
+        pad = (bucket_for(self.token_buckets, n)
+               if self.token_buckets and max(plan.query_lens) > 1 else None)
         input_ids, pos, meta = self._eager.build(plan, pad_to=pad)
         if fed_ids is not None:
             input_ids[:n].copy_(fed_ids, non_blocking=True)

@@ -806,18 +806,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  query_start_loc: torch.Tensor, softmax_scale: float, max_seq_len: int,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 fp8_mode: str = "auto", grouped: bool | None = None,
-                 num_splits: int | None = None, block_n: int | None = None,
-                 num_warps: int | None = None, num_stages: int | None = None,
-                 prefetch: bool | None = None, words: bool | None = None,
-                 maxnreg: int | None = None, pairs: bool | None = None,
-                 fold: bool = False, fp16_dots: bool | None = None,
-                 prewait: bool = False) -> torch.Tensor:
+                 fp8_mode: str = "auto", **knobs) -> torch.Tensor:
     """Decode attention for every sequence whose query length is 1 (others are skipped).
 
     q [T, Hq, D], out [T, Hq, D] (the token row of sequence i is query_start_loc[i]);
     caches [num_blocks, Hkv, block_size, D] (uint8 = E4M3 with 0-dim FP32 k/v scales);
     block_tables int32 [B, W]; seq_lens int32 [B]; query_start_loc int32 [B+1].
+    The launch knobs (`knobs`, decode_launcher's keyword arguments) follow.
     `max_seq_len` (host int) only drives the launch heuristics (split count; at D = 128 the
     short-context byte route, short_byte_route): any value is correct.
     `words`: read an E4M3 cache as 32-bit words in four column groups (attend_word_tiles;
@@ -841,10 +836,35 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     launch, common.pdl_launch), so the prefetch overlaps that kernel's tail. An experiment, off
     by default, not yet timed (docs/kernels.md, "Thirtieth change"); same outputs either way.
     """
+    launch = decode_launcher(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+                             softmax_scale, max_seq_len, k_scale, v_scale, fp8_mode=fp8_mode,
+                             **knobs)
+    if launch is not None:
+        launch(q, k_cache, v_cache, out, k_scale, v_scale)
+    return out
+
+
+def decode_launcher(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, softmax_scale: float, max_seq_len: int,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    fp8_mode: str = "auto", grouped: bool | None = None,
+                    num_splits: int | None = None, block_n: int | None = None,
+                    num_warps: int | None = None, num_stages: int | None = None,
+                    prefetch: bool | None = None, words: bool | None = None,
+                    maxnreg: int | None = None, pairs: bool | None = None,
+                    fold: bool = False, fp16_dots: bool | None = None,
+                    prewait: bool = False):
+    """paged_decode's host work -- checks, route, launch configuration, split buffers -- done
+    once: returns `launch(q, k_cache, v_cache, out, k_scale, v_scale)`, which runs the kernels
+    for tensors shaped, strided and typed as these (another layer's cache and scales, the same
+    metadata), or None when there is nothing to launch. The attention backend builds one per
+    step and shape and launches it in every layer, so the layers skip this Python (~25 us a
+    call on a CPU core: the eager step's host time, not the GPU's, set its speed)."""
     num_seqs = seq_lens.shape[0]
     hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
     if num_seqs == 0:
-        return out
+        return None
     group = hq // hkv
     software, software_v = fp8_decoders(q.device, fp8_mode) if fp8 else (False, False)
     bf16_e4m3 = fp8 and q.dtype == torch.bfloat16
@@ -876,7 +896,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         num_splits = config_splits(cfg, num_seqs, head_programs, max_seq_len,
                                    sm_count(q.device), bn)
     block_h = max(16, triton.next_power_of_2(heads)) if grouped else 1
-    counters = dummy = k_cache
+    counters = k_cache  # unused without fold
     fold = fold and num_splits > 1
     if fold and num_splits > FOLD_MAX_SPLITS:
         raise ValueError(f"fold=True merges at most {FOLD_MAX_SPLITS} splits in the decode "
@@ -892,12 +912,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     launch = {"maxnreg": maxnreg} if maxnreg and q.device.type == "cuda" else {}  # 0: no cap
     pdl = pdl_launch(q.device, num_seqs)
     grid = (num_seqs, head_programs, num_splits)
-    _decode_kernel[grid](
-        q, k_cache, v_cache, out, po, plse, counters, block_tables, seq_lens, query_start_loc,
-        k_scale if fp8 else dummy, v_scale if fp8 else dummy, softmax_scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        *ps, num_splits,
+    scalars = (softmax_scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+               *ps, num_splits)
+    consts = dict(
         GROUP=group, HEADS=heads, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[2],
         BLOCK_N=bn, SPLIT=num_splits > 1, FP8=fp8, SOFTWARE=software, SOFTWARE_V=software_v,
         USE_DOT=grouped, PREFETCH=pf, WORDS=words, PAIRS=pairs,
@@ -907,15 +925,25 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GDC=pdl_mode(pdl, grid, q.device), num_warps=nw,
         num_stages=ns, **launch, **pdl, **FP_FUSION,
     )
+    merge = None
     if num_splits > 1 and not fold:
-        grid = (num_seqs, hq)
-        _merge_kernel[grid](
-            out, po, plse, query_start_loc, seq_lens, v_scale if fp8 else dummy,
-            SOFTWARE_FP8_FACTOR if software_v else 1.0,
-            out.stride(0), out.stride(1), *ps, num_splits,
+        merge_grid = (num_seqs, hq)
+        merge_scalars = (SOFTWARE_FP8_FACTOR if software_v else 1.0, out.stride(0),
+                         out.stride(1), *ps, num_splits)
+        merge = (merge_grid, merge_scalars, dict(
             BLOCK_S=max(8, triton.next_power_of_2(num_splits)), HEAD_DIM=d,
-            FP8=fp8, BLOCK_N=bn, GDC=pdl_mode(pdl, grid, q.device),
+            FP8=fp8, BLOCK_N=bn, GDC=pdl_mode(pdl, merge_grid, q.device),
             num_warps=4 if q.device.type == "cuda" else 1,
             **pdl, **FP_FUSION,
-        )
-    return out
+        ))
+
+    def run(q, k_cache, v_cache, out, k_scale, v_scale) -> None:
+        ks, vs = (k_scale, v_scale) if fp8 else (k_cache, k_cache)  # unused without FP8
+        _decode_kernel[grid](q, k_cache, v_cache, out, po, plse, counters, block_tables,
+                             seq_lens, query_start_loc, ks, vs, *scalars, **consts)
+        if merge is not None:
+            mgrid, mscalars, mconsts = merge
+            _merge_kernel[mgrid](out, po, plse, query_start_loc, seq_lens, vs, *mscalars,
+                                 **mconsts)
+
+    return run

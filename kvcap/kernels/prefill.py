@@ -133,20 +133,37 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   query_start_loc: torch.Tensor, softmax_scale: float, max_query_len: int,
                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                  fp8_mode: str = "auto", skip_decode: bool = True,
-                  block_m: int | None = None, block_n: int | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None,
-                  maxnreg: int | None = None) -> torch.Tensor:
+                  fp8_mode: str = "auto", **knobs) -> torch.Tensor:
     """Causal varlen attention for sequences with more than one new token (with
     skip_decode=False, for every sequence). Shapes as in `paged_decode`; `max_query_len`
-    (host int) sizes the grid and must be >= every sequence's query length. The launch knobs
+    (host int) sizes the grid and must be >= every sequence's query length. `knobs`:
+    prefill_launcher's keyword arguments -- `skip_decode` (default True), and the launch knobs
     (`block_m` dot rows, `block_n` tokens per KV tile, `num_warps`, `num_stages`, `maxnreg`)
     override prefill_config's for benchmarks and tests; the default register cap belongs to the
     default tiles and is dropped when a knob is given without it (`maxnreg=0`: no cap)."""
+    launch = prefill_launcher(q, k_cache, v_cache, out, block_tables, seq_lens,
+                              query_start_loc, softmax_scale, max_query_len, k_scale, v_scale,
+                              fp8_mode=fp8_mode, **knobs)
+    if launch is not None:
+        launch(q, k_cache, v_cache, out, k_scale, v_scale)
+    return out
+
+
+def prefill_launcher(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     query_start_loc: torch.Tensor, softmax_scale: float, max_query_len: int,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                     fp8_mode: str = "auto", skip_decode: bool = True,
+                     block_m: int | None = None, block_n: int | None = None,
+                     num_warps: int | None = None, num_stages: int | None = None,
+                     maxnreg: int | None = None):
+    """paged_prefill's host work done once (as decode.decode_launcher): returns
+    `launch(q, k_cache, v_cache, out, k_scale, v_scale)` for tensors shaped, strided and typed
+    as these, or None when there is nothing to launch."""
     num_seqs = seq_lens.shape[0]
     hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
     if num_seqs == 0 or max_query_len < 1:
-        return out
+        return None
     group = hq // hkv
     software = fp8 and use_software_fp8(q.device, fp8_mode)
     block_g = triton.next_power_of_2(group)
@@ -157,14 +174,11 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_m, bn, nw, ns = (knob or default for knob, default in
                            zip(knobs, cfg[:4], strict=True))
     block_q = max(1, block_m // block_g)
-    dummy = k_cache
     dt, ieee = dot_dtype(q.dtype)
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), hkv)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        k_scale if fp8 else dummy, v_scale if fp8 else dummy, softmax_scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+    scalars = (softmax_scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+    consts = dict(
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=d,
         BLOCK_SIZE=k_cache.shape[2], BLOCK_N=bn, FP8=fp8, SOFTWARE=software,
         DOT_DTYPE=dt, IEEE=ieee, SKIP_DECODE=skip_decode,
@@ -173,4 +187,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         **({"maxnreg": maxnreg} if maxnreg and q.device.type == "cuda" else {}),  # 0: no cap
         **FP_FUSION,
     )
-    return out
+
+    def run(q, k_cache, v_cache, out, k_scale, v_scale) -> None:
+        ks, vs = (k_scale, v_scale) if fp8 else (k_cache, k_cache)  # unused without FP8
+        _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+                              ks, vs, *scalars, **consts)
+
+    return run
