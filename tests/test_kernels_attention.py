@@ -638,7 +638,16 @@ def test_backend_builds_a_steps_launchers_once_for_every_layer(monkeypatch, kv_d
     be.attend_stored(case.q[:nt], c, case.meta, case.softmax_scale,
                      case.out_buffer()[:nt])  # other shapes: planned again
     assert len(builds) == 4
+    # a CUDA graph capture never launches a plan built outside it (its split buffers), nor
+    # an eager launch one built inside
+    monkeypatch.setattr(triton_backend, "_capturing", lambda: True)
+    be.attend_stored(case.q, c, case.meta, case.softmax_scale, case.out_buffer())
+    be.attend_stored(case.q, other, case.meta, case.softmax_scale, case.out_buffer())
+    assert len(builds) == 6
+    monkeypatch.setattr(triton_backend, "_capturing", lambda: False)
+    be.attend_stored(case.q, c, case.meta, case.softmax_scale, case.out_buffer())
+    assert len(builds) == 8
     step = make_case(MIXED, 8, 2, 32, kv_dtype=kv_dtype, pad_rows=2, seed=21, device=DEV)
     be.forward(step.q, step.k, step.v, step.cache, step.meta, step.softmax_scale,
                step.out_buffer())  # a new step's metadata: planned again
-    assert len(builds) == 6
+    assert len(builds) == 10

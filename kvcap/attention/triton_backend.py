@@ -18,6 +18,10 @@ from kvcap.kv_cache.pool import LayerKVCache
 logger = logging.getLogger(__name__)
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class TritonBackend(AttentionBackend):
     """fp8_mode: "auto" (hardware E4M3 conversion on SM89+, the exact packed software decoder
     elsewhere or with KVCAP_FORCE_SOFTWARE_FP8=1), "native" or "software"; decode also takes
@@ -55,11 +59,14 @@ class TritonBackend(AttentionBackend):
     def _launcher(self, kind: str, build, q: torch.Tensor, cache: LayerKVCache,
                   softmax_scale: float, out: torch.Tensor):
         """This step's `kind` launcher for tensors like these (built on first use: every layer
-        of a model has the same shapes, so one build serves the whole step)."""
+        of a model has the same shapes, so one build serves the whole step). One built outside
+        a CUDA graph capture is never launched inside one, nor the reverse: its split-K
+        buffers must come from the allocator the launch runs under (a graph keeps the address
+        it recorded; a buffer from outside its pool would be freed and reused under it)."""
         kc, vc = cache.k_cache, cache.v_cache
         sig = (q.shape, q.dtype, q.stride(), q.device, out.shape, out.dtype, out.stride(),
                kc.shape, kc.dtype, kc.stride(), vc.shape, vc.dtype, vc.stride(),
-               cache.k_scale is None, cache.v_scale is None, softmax_scale)
+               cache.k_scale is None, cache.v_scale is None, softmax_scale, _capturing())
         got = self._launchers.get(kind)
         if got is None or got[0] != sig:
             got = self._launchers[kind] = (sig, build(q, kc, vc, out, cache.k_scale,
