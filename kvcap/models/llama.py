@@ -179,7 +179,7 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         if out is not None:
-            q, k, v = (buf.copy_(x) for buf, x in zip(out, (q, k, v), strict=True))
+            q, k, v = (buf.copy_(val) for buf, val in zip(out, (q, k, v), strict=True))
         return q, k, v, stored
 
     def attend(self, q, k, v, stored: bool, ctx: ForwardContext,
