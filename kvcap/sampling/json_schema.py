@@ -374,7 +374,7 @@ class _Compiler:
                             for nfa, sub, label in rules.patterns)
             keys = (*(rules.gate or (None, 0, None)), classes)
         others = extra is not None or keys is not None  # keys beyond the declared ones
-        deps = _dependencies(s, path, rules.props)
+        deps = _dependencies(s, path, rules.props, props)
         # the required keys and what they require (deps are closed: what those require too)
         req = frozenset(json_dumps(r)[1:-1] for r in required)
         req = req.union(*(deps.get(r, ()) for r in req))
@@ -415,9 +415,11 @@ class _Compiler:
         return self.refs[ref]
 
 
-def _dependencies(s: dict, path: str, props: dict) -> dict[bytes, frozenset[bytes]]:
+def _dependencies(s: dict, path: str, props: dict,
+                  declared: dict | None = None) -> dict[bytes, frozenset[bytes]]:
     """dependentRequired as spelt key -> every key it requires, directly or through others.
-    Both sides must be declared properties (a key kvcap tracks by name)."""
+    Both sides must be properties the object may hold (`props`: the declared ones that
+    propertyNames lets through; `declared`: all declared, to say why one is refused)."""
     given = s.get("dependentRequired", {})
     if not isinstance(given, dict) or any(
             not isinstance(v, list) or any(not isinstance(n, str) for n in v)
@@ -426,6 +428,11 @@ def _dependencies(s: dict, path: str, props: dict) -> dict[bytes, frozenset[byte
                           f"property names")
     for name, needed in given.items():
         strays = [n for n in [name, *needed] if n not in props]
+        named = [n for n in strays if n in (declared or {})]
+        if named:
+            raise SchemaError(f"{path}.dependentRequired: {named} are declared but "
+                              f"propertyNames refuses them, so they can never appear; drop "
+                              f"them from dependentRequired or let propertyNames take them")
         if strays:
             raise SchemaError(f"{path}.dependentRequired: {strays} are not among the "
                               f"properties; declare them")
