@@ -923,7 +923,7 @@ def decode_launcher(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         DOT_DTYPE=dt, IEEE=ieee, F16_DOTS=fp16_dots,
         PREWAIT=prewait,
         GDC=pdl_mode(pdl, grid, q.device), num_warps=nw,
-        num_stages=ns, **launch, **pdl, **FP_FUSION,
+        num_stages=ns, **launch, **pdl,
     )
     merge = None
     if num_splits > 1 and not fold:
@@ -933,17 +933,17 @@ def decode_launcher(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         merge = (merge_grid, merge_scalars, dict(
             BLOCK_S=max(8, triton.next_power_of_2(num_splits)), HEAD_DIM=d,
             FP8=fp8, BLOCK_N=bn, GDC=pdl_mode(pdl, merge_grid, q.device),
-            num_warps=4 if q.device.type == "cuda" else 1,
-            **pdl, **FP_FUSION,
+            num_warps=4 if q.device.type == "cuda" else 1, **pdl,
         ))
 
     def run(q, k_cache, v_cache, out, k_scale, v_scale) -> None:
         ks, vs = (k_scale, v_scale) if fp8 else (k_cache, k_cache)  # unused without FP8
         _decode_kernel[grid](q, k_cache, v_cache, out, po, plse, counters, block_tables,
-                             seq_lens, query_start_loc, ks, vs, *scalars, **consts)
+                             seq_lens, query_start_loc, ks, vs, *scalars, **consts,
+                             **FP_FUSION)
         if merge is not None:
             mgrid, mscalars, mconsts = merge
             _merge_kernel[mgrid](out, po, plse, query_start_loc, seq_lens, vs, *mscalars,
-                                 **mconsts)
+                                 **mconsts, **FP_FUSION)
 
     return run

@@ -185,12 +185,11 @@ def prefill_launcher(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         USE_DOT=True, PREFETCH=False,
         num_warps=nw, num_stages=ns,
         **({"maxnreg": maxnreg} if maxnreg and q.device.type == "cuda" else {}),  # 0: no cap
-        **FP_FUSION,
     )
 
     def run(q, k_cache, v_cache, out, k_scale, v_scale) -> None:
         ks, vs = (k_scale, v_scale) if fp8 else (k_cache, k_cache)  # unused without FP8
         _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-                              ks, vs, *scalars, **consts)
+                              ks, vs, *scalars, **consts, **FP_FUSION)
 
     return run
