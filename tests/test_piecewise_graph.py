@@ -124,7 +124,9 @@ def test_engine_steps_through_the_pieces_give_the_same_tokens(llm):
     runner = llm.runner
     prompts = ["The capital of France is", "def fibonacci(n):\n    " * 3,
                "One, two, three, four, five, six, seven, eight, nine, ten, eleven"]
-    params = SamplingParams(temperature=0, max_tokens=6, logprobs=2)
+    params = [SamplingParams(temperature=0, max_tokens=6, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=1),
+              SamplingParams(temperature=0.8, seed=4, max_tokens=6)]
     ref = _generate(llm, prompts, params)
     calls = []
     try:
@@ -143,4 +145,31 @@ def test_engine_steps_through_the_pieces_give_the_same_tokens(llm):
     assert calls and set(calls) <= {16, 24}  # the prefill and mixed steps ran in pieces
     for a, b, c in zip(ref, padded, pieces, strict=True):
         assert a.token_ids == b.token_ids == c.token_ids
-        assert b.logprobs == c.logprobs
+        assert b.logprobs == c.logprobs and b.prompt_logprobs == c.prompt_logprobs
+    assert pieces[1].prompt_logprobs is not None
+
+
+@torch.inference_mode()
+def test_draft_chunks_through_the_pieces_give_the_tokens_of_no_drafts(default_model_dir):
+    """Speculative decoding's verify chunks (1 + K rows per request, the chunk route: the CPU
+    has no decode graphs) padded to a bucket and run in pieces: the greedy tokens of decoding
+    without drafts (float32), and drafts were verified."""
+    prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return"
+    params = SamplingParams(temperature=0, max_tokens=12)
+    outs = []
+    for k in (0, 3):
+        llm = LLM(model=str(default_model_dir), device="cpu", dtype="float32",
+                  max_model_len=256, num_blocks=32, num_speculative_tokens=k)
+        runner = llm.runner
+        runner.token_buckets = token_buckets(llm.config.max_num_batched_tokens)
+        pw = PiecewiseGraphs(llm.model, runner.backend, llm.pool, CPU, runner.token_buckets,
+                             graphs=False)
+        pw.capture()
+        rows = []
+        run = pw.run
+        pw.run = lambda *a, _run=run, _rows=rows: _rows.append(a[3]) or _run(*a)
+        runner.piecewise = pw
+        outs.append(llm.generate([prompt], params, use_tqdm=False)[0].token_ids)
+        if k:
+            assert llm.engine.num_draft_tokens > 0 and any(n > 1 for n in rows[1:])
+    assert outs[0] == outs[1]
