@@ -316,9 +316,7 @@ class Grammar:
         free = extra is not None and other_ok
         if b == QUOTE and esc == 0:
             if raw is not None and raw in props:
-                if raw not in allowed:
-                    return []
-                return [frames[:-2] + (("O", c, seen, ":", raw, others),)]
+                return _declared_close(frames, c, seen, raw, allowed, others)
             return [frames[:-2] + (("O", c, seen, ":", extra, others),)] if free else []
         grown = raw + bytes([b]) if raw is not None else None
         if not free:  # only declared keys: their spelt forms are valid string bodies
@@ -347,9 +345,7 @@ class Grammar:
             escaped = (len(raw) - len(raw.rstrip(b"\\"))) % 2 == 1
         if b == QUOTE and not escaped:
             if raw is not None and raw in props:
-                if raw not in allowed:
-                    return []
-                return [frames[:-2] + (("O", c, seen, ":", raw, others),)]
+                return _declared_close(frames, c, seen, raw, allowed, others)
             value = self._ruled_value(c, ruled)
             return [] if value is None else [frames[:-2] + (("O", c, seen, ":", value, others),)]
         grown = raw + bytes([b]) if raw is not None else None
@@ -413,6 +409,14 @@ class Grammar:
         if longer:
             out.append(rest + (("U", c, used, "lit", longer, pos + 1),))
         return out
+
+
+def _declared_close(frames: Frames, c: int, seen, raw: bytes, allowed, others) -> list[Frames]:
+    """The closing quote of declared key `raw` of object node `c`: on to its colon, if the
+    key may come now (`allowed`: Grammar._allowed), else a dead end."""
+    if raw not in allowed:
+        return []
+    return [frames[:-2] + (("O", c, seen, ":", raw, others),)]
 
 
 def _string_char(top: tuple, b: int):
