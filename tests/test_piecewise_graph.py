@@ -173,3 +173,39 @@ def test_draft_chunks_through_the_pieces_give_the_tokens_of_no_drafts(default_mo
         if k:
             assert llm.engine.num_draft_tokens > 0 and any(n > 1 for n in rows[1:])
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
+@torch.inference_mode()
+def test_pieces_of_qk_norm_and_qkv_bias_models(kind, tmp_path):
+    """Qwen3 (q/k norms: the unfused RoPE path, whose q/k/v are copied into the static
+    buffers) and Qwen2 (QKV bias): the pieces' prompt logits equal the model's own forward on
+    the same padded rows, chunked into mixed steps."""
+    from test_models_tiny import COMMON, _build, _init_without_tokenizer
+
+    torch.manual_seed(0)
+    _build(kind).float().save_pretrained(tmp_path)
+    llm = LLM.__new__(LLM)
+    _init_without_tokenizer(llm, tmp_path)
+    assert has_pieces(llm.model)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, COMMON["vocab_size"], (n,), generator=gen).tolist()
+               for n in (40, 7)]
+    runner = llm.runner
+    try:
+        runner.token_buckets = token_buckets(llm.config.max_num_batched_tokens)
+        padded = llm.prompt_logits(prompts)
+        pw = PiecewiseGraphs(llm.model, runner.backend, llm.pool, CPU, runner.token_buckets,
+                             graphs=False)
+        pw.capture()
+        rows = []
+        run = pw.run
+        pw.run = lambda *a: rows.append(a[0].shape[0]) or run(*a)
+        runner.piecewise = pw
+        pieces = llm.prompt_logits(prompts)
+    finally:
+        runner.token_buckets, runner.piecewise = [], None
+    assert rows and set(rows) <= {16, 32, 64}
+    assert not any(pw.stored)  # the CPU writes K/V in the backend, after the pieces
+    for a, b in zip(padded, pieces, strict=True):
+        assert torch.equal(a, b)
