@@ -36,9 +36,9 @@ class TritonBackend(AttentionBackend):
         self.accepts_stored_kv = not _flag(ENV_DISABLE_ROPE_KV_WRITE)
         self._plan_meta: AttentionMetadata | None = None
         self._has_decode = False
-        # The step's kernel launchers (decode.decode_launcher, prefill.prefill_launcher), built
-        # in its first layer and launched in every layer whose tensors match their signature.
-        self._launchers: dict[str, tuple[tuple, object]] = {}
+        # The step's launch plans by builder (decode.decode_launcher, prefill.prefill_launcher),
+        # built in its first layer and launched in every layer whose tensors match them.
+        self._launchers: dict[object, tuple[tuple, object]] = {}
 
     def _plan(self, meta: AttentionMetadata) -> bool:
         """Whether the batch has single-token (decode) rows; computed once per metadata."""
@@ -56,39 +56,32 @@ class TritonBackend(AttentionBackend):
                  cache.v_scale, fp8_mode=self.fp8_mode)
         return self.attend_stored(q, cache, meta, softmax_scale, out)
 
-    def _launcher(self, kind: str, build, q: torch.Tensor, cache: LayerKVCache,
-                  softmax_scale: float, out: torch.Tensor):
-        """This step's `kind` launcher for tensors like these (built on first use: every layer
-        of a model has the same shapes, so one build serves the whole step). One built outside
-        a CUDA graph capture is never launched inside one, nor the reverse: its split-K
-        buffers must come from the allocator the launch runs under (a graph keeps the address
-        it recorded; a buffer from outside its pool would be freed and reused under it)."""
-        kc, vc = cache.k_cache, cache.v_cache
+    def _launch(self, builder, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
+                softmax_scale: float, out: torch.Tensor, bound: int, **kwargs) -> None:
+        """Run this step's `builder` plan (decode.decode_launcher / prefill.prefill_launcher,
+        `bound` its host-side length: max_seq_len / max_query_len) for this layer. The plan is
+        built on first use and reused while the tensors match it: every layer of a model has the
+        same shapes, so one build serves the whole step. One built outside a CUDA graph capture
+        is never launched inside one, nor the reverse: its split-K buffers must come from the
+        allocator the launch runs under (a graph keeps the address it recorded; a buffer from
+        outside its pool would be freed and reused under it)."""
+        kc, vc, ks, vs = cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale
         sig = (q.shape, q.dtype, q.stride(), q.device, out.shape, out.dtype, out.stride(),
                kc.shape, kc.dtype, kc.stride(), vc.shape, vc.dtype, vc.stride(),
-               cache.k_scale is None, cache.v_scale is None, softmax_scale, _capturing())
-        got = self._launchers.get(kind)
+               ks is None, vs is None, softmax_scale, _capturing())
+        got = self._launchers.get(builder)
         if got is None or got[0] != sig:
-            got = self._launchers[kind] = (sig, build(q, kc, vc, out, cache.k_scale,
-                                                      cache.v_scale, softmax_scale))
-        return got[1]
+            got = self._launchers[builder] = (sig, builder(
+                q, kc, vc, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                softmax_scale, bound, ks, vs, fp8_mode=self.fp8_mode, **kwargs))
+        if got[1] is not None:
+            got[1](q, kc, vc, out, ks, vs)
 
     def attend_stored(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
                       softmax_scale: float, out: torch.Tensor) -> torch.Tensor:
-        args = (q, cache.k_cache, cache.v_cache, out, cache.k_scale, cache.v_scale)
         if self._plan(meta):
-            launch = self._launcher("decode", lambda q, kc, vc, out, ks, vs, scale: (
-                decode_launcher(q, kc, vc, out, meta.block_tables, meta.seq_lens,
-                                meta.query_start_loc, scale, meta.max_seq_len, ks, vs,
-                                fp8_mode=self.fp8_mode)), q, cache, softmax_scale, out)
-            if launch is not None:
-                launch(*args)
+            self._launch(decode_launcher, q, cache, meta, softmax_scale, out, meta.max_seq_len)
         if meta.max_query_len > 1:
-            launch = self._launcher("prefill", lambda q, kc, vc, out, ks, vs, scale: (
-                prefill_launcher(q, kc, vc, out, meta.block_tables, meta.seq_lens,
-                                 meta.query_start_loc, scale, meta.max_query_len, ks, vs,
-                                 fp8_mode=self.fp8_mode, skip_decode=True)),
-                q, cache, softmax_scale, out)
-            if launch is not None:
-                launch(*args)
+            self._launch(prefill_launcher, q, cache, meta, softmax_scale, out,
+                         meta.max_query_len, skip_decode=True)
         return out

@@ -28,17 +28,12 @@ from pathlib import Path
 import torch
 
 from kvcap.bench.provenance import result_path, stamp
-from kvcap.bench.throughput import SHAPES
+from kvcap.bench.throughput import SHAPES, _sync
 from kvcap.commands.common import positive_int, require_cuda
 from kvcap.engine.piecewise_graph import DISABLE_ENV
 from kvcap.scales.fsutil import atomic_write_text
 
 ARMS = {"pieces": "0", "eager": "1"}  # arm -> KVCAP_DISABLE_PIECEWISE_GRAPHS
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def run_cell(llm, decoders: int, context: int, prompt: int, warmup: int, steps: int
@@ -70,7 +65,7 @@ def run_cell(llm, decoders: int, context: int, prompt: int, warmup: int, steps: 
 
     for _ in range(warmup):
         mixed_step()
-    _sync()
+    _sync(llm)
     runner = llm.runner
     forward, kinds = runner._forward, []
 
@@ -87,7 +82,7 @@ def run_cell(llm, decoders: int, context: int, prompt: int, warmup: int, steps: 
         t = time.perf_counter()
         for _ in range(steps):
             mixed_step()
-        _sync()
+        _sync(llm)
         ms = (time.perf_counter() - t) * 1e3 / steps
     finally:
         del runner._forward

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from kvcap.bench.provenance import result_path, stamp
-from kvcap.bench.throughput import SHAPES, calibrated_scales
+from kvcap.bench.throughput import SHAPES, _sync, calibrated_scales
 from kvcap.commands.common import positive_int, require_cuda
 from kvcap.scales.fsutil import atomic_write_text
 
@@ -59,11 +59,6 @@ def rows_reread_tokens(batch: int, context: int, k: int) -> int:
     return batch * k * (context + (k + 1) // 2)
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def time_arm(llm, arm: str, k: int, warmup: int, steps: int) -> float:
     """Milliseconds per engine step with the arm's drafts (none for "plain")."""
     eng = llm.engine
@@ -72,11 +67,11 @@ def time_arm(llm, arm: str, k: int, warmup: int, steps: int) -> float:
         llm.runner.verify_route = arm
     for _ in range(warmup):
         eng.step()
-    _sync()
+    _sync(llm)
     t = time.perf_counter()
     for _ in range(steps):
         eng.step()
-    _sync()
+    _sync(llm)
     return (time.perf_counter() - t) * 1e3 / steps
 
 

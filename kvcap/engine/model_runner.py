@@ -15,7 +15,14 @@ import torch
 
 from kvcap.attention.base import AttentionBackend
 from kvcap.engine.input_batch import EagerInputs
-from kvcap.engine.piecewise_graph import bucket_for, has_pieces
+from kvcap.engine.piecewise_graph import (
+    PiecewiseGraphs,
+    bucket_for,
+    has_pieces,
+    piecewise_disabled,
+    piecewise_max_tokens,
+    token_buckets,
+)
 from kvcap.engine.request import Request
 from kvcap.engine.structured import NoContinuation
 from kvcap.errors import ConfigError
@@ -201,8 +208,6 @@ class ModelRunner:
         """Eager steps on CUDA with the Triton backend pad their rows to the piecewise graphs'
         token buckets, whether or not those are captured: enforce_eager and graph runs then
         run the same kernels on the same rows (same greedy tokens)."""
-        from kvcap.engine.piecewise_graph import piecewise_max_tokens, token_buckets
-
         if self.device.type == "cuda" and self.backend.name == "triton":
             params = sum(p.numel() for p in self.model.parameters())
             self.token_buckets = token_buckets(max_num_batched_tokens,
@@ -215,7 +220,6 @@ class ModelRunner:
         piecewise graphs of the other steps (kvcap.engine.piecewise_graph), where the model
         and backend allow them."""
         from kvcap.engine.cuda_graph import DecodeGraphs, graph_rows
-        from kvcap.engine.piecewise_graph import PiecewiseGraphs, piecewise_disabled
 
         rows = graph_rows(max_num_seqs,
                           num_speculative_tokens if self.verify_route != "chunk" else 0)

@@ -100,10 +100,11 @@ class PiecewiseGraphs:
         hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
         dtype = model.embed_tokens.weight.dtype
         n = self.buckets[-1]
-        # ids | positions | slots in one buffer: one device copy per step fills it.
-        self._io = torch.zeros(3, n, dtype=torch.int64, device=device)
-        self._io[2] = -1
-        self.input_ids, self.positions, self.slot_mapping = self._io.unbind(0)
+        # The step's inputs, copied in by `run`; every slot is -1 while the pieces are captured,
+        # so their warm-up writes no cache row.
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.q = torch.zeros(n, hq, d, dtype=dtype, device=device)
         self.k = torch.zeros(n, hkv, d, dtype=dtype, device=device)
         self.v = torch.zeros(n, hkv, d, dtype=dtype, device=device)
@@ -197,8 +198,8 @@ class PiecewiseGraphs:
             raise ValueError(f"{t} rows is not a captured bucket {self.buckets}")
         if positions.shape[0] != t or meta.slot_mapping.shape[0] != t:
             raise ValueError("ids, positions and slot_mapping must all be padded to the bucket")
-        for dst, src in zip(self._io.unbind(0), (input_ids, positions, meta.slot_mapping),
-                            strict=True):
+        for dst, src in ((self.input_ids, input_ids), (self.positions, positions),
+                         (self.slot_mapping, meta.slot_mapping)):
             dst[:t].copy_(src, non_blocking=True)
         ctx = ForwardContext(self.backend, self.pool, meta, None)
         q, k, v, attn = self.q[:t], self.k[:t], self.v[:t], self.attn[:t]
