@@ -56,6 +56,10 @@ class ModelSpec:
     qk_norm: bool
     layer_prefix: str = "model.layers"
     eos_token_ids: tuple[int, ...] = ()
+    # The attention window of the model's sliding-window layers (None: every layer attends to
+    # the whole context). kvcap attends to the whole context, which is the same attention only
+    # for sequences of at most this many tokens: exact_max_len caps the engine there.
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelSpec:
@@ -81,6 +85,10 @@ class ModelSpec:
             )
             if rope is not None and rope.get("rope_type", rope.get("type")) in (None, "default"):
                 rope = None
+            act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
+            if act not in ("silu", "swish"):
+                raise ConfigError(f"hidden_act {act!r} is not supported: kvcap's MLP is the "
+                                  "SiLU-gated one of Llama, Mistral and Qwen (hidden_act 'silu')")
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             return cls(
@@ -100,9 +108,17 @@ class ModelSpec:
                 qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
                 qk_norm=arch == "qwen3",
                 eos_token_ids=eos_ids,
+                sliding_window=_sliding_window(cfg, arch, int(cfg["num_hidden_layers"])),
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks required field {e.args[0]!r}") from None
+
+    @property
+    def exact_max_len(self) -> int:
+        """The longest sequence kvcap computes as the checkpoint's own attention does: its
+        position limit, or its sliding window where that is shorter."""
+        limit = self.max_position_embeddings
+        return min(limit, self.sliding_window or limit)
 
     @property
     def gqa_ratio(self) -> int:
@@ -115,6 +131,29 @@ class ModelSpec:
             names.append(f"{self.layer_prefix}.{layer}.self_attn.k_scale")
             names.append(f"{self.layer_prefix}.{layer}.self_attn.v_scale")
         return names
+
+
+def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int) -> int | None:
+    """The window of the layers that slide, as transformers reads the config: Mistral slides in
+    every layer when `sliding_window` is set; Qwen2/Qwen3 only with `use_sliding_window`, in the
+    layers `layer_types` marks (or from `max_window_layers` on); Llama never."""
+    window = cfg.get("sliding_window")
+    if window is None or arch == "llama":
+        return None
+    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        return None
+    types = cfg.get("layer_types")
+    if types is not None:
+        slides = "sliding_attention" in types
+    elif arch in ("qwen2", "qwen3"):
+        slides = int(cfg.get("max_window_layers", num_layers)) < num_layers
+    else:
+        slides = True
+    if not slides:
+        return None
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ConfigError(f"config.json's sliding_window {window!r} is not a positive integer")
+    return window
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

@@ -59,6 +59,25 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
     return backend
 
 
+
+def _max_model_len(spec: ModelSpec, requested: int | None) -> int:
+    """The engine's sequence limit: the request, at most the model's position limit; with a
+    sliding-window model, at most its window -- kvcap attends to the whole context, which equals
+    the model's windowed attention only that far, so it refuses to go further."""
+    window = spec.sliding_window
+    if window is not None and window < spec.max_position_embeddings:
+        if requested is not None and requested > window:
+            raise ConfigError(
+                f"max_model_len {requested} exceeds the model's sliding window ({window} tokens): "
+                "kvcap attends to the whole context, which is the model's own attention only "
+                f"for sequences of at most {window} tokens; pass max_model_len <= {window}")
+        if requested is None:
+            logger.warning("max_model_len %d: the model's sliding window (kvcap attends to the "
+                           "whole context, the same attention up to the window); its position "
+                           "limit is %d", window, spec.max_position_embeddings)
+    limit = spec.exact_max_len
+    return min(requested or limit, limit)
+
 class LLM:
     def __init__(
         self,
@@ -124,6 +143,8 @@ class LLM:
         else:
             self.model_dir = loader.resolve_model_dir(model)
             self.spec = loader.read_spec(self.model_dir)
+        self.max_model_len = _max_model_len(self.spec, max_model_len)
+        if self.model_dir is not None:
             # Tensor-parallel workers never detokenize: rank 0 does.
             self.tokenizer = (None if tensor_parallel_size > 1 and _in_tp_worker()
                               else loader.load_tokenizer(self.model_dir))
@@ -133,8 +154,6 @@ class LLM:
             raise ConfigError("chat_template: dummy models have no tokenizer")
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
-        self.max_model_len = min(max_model_len or self.spec.max_position_embeddings,
-                                 self.spec.max_position_embeddings)
         if tensor_parallel_size > 1:
             from kvcap.distributed.launch import attach_llm
 

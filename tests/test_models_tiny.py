@@ -102,3 +102,65 @@ def test_fused_layer_ops_match_transformers(kind, tmp_path, monkeypatch):
 
     monkeypatch.setattr(llama, "fused_ops_for", lambda x: fused_ops)
     test_logits_match_transformers(kind, tmp_path)
+
+
+def _mini(arch: str, **extra) -> dict:
+    names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    return {"architectures": [names[arch]], **COMMON, **extra}
+
+
+@pytest.mark.parametrize("arch, extra, window", [
+    ("mistral", dict(sliding_window=4096), 4096),
+    ("mistral", dict(sliding_window=None), None),
+    ("mistral", dict(), None),
+    ("llama", dict(sliding_window=4096), None),  # not a Llama field: transformers ignores it
+    ("qwen2", dict(sliding_window=4096, use_sliding_window=False), None),
+    ("qwen2", dict(sliding_window=4096, use_sliding_window=True, max_window_layers=2), None),
+    ("qwen2", dict(sliding_window=4096, use_sliding_window=True, max_window_layers=1), 4096),
+    ("qwen3", dict(sliding_window=64, use_sliding_window=True,
+                   layer_types=["full_attention", "sliding_attention"]), 64),
+    ("qwen3", dict(sliding_window=64, use_sliding_window=True,
+                   layer_types=["full_attention", "full_attention"]), None),
+])
+def test_sliding_window_read_as_transformers_reads_it(arch, extra, window):
+    from kvcap.config import ModelSpec
+
+    spec = ModelSpec.from_hf_config(_mini(arch, **extra))
+    assert spec.sliding_window == window
+    assert spec.exact_max_len == min(COMMON["max_position_embeddings"], window or 10**9)
+
+
+def test_unsupported_activation_and_bad_window_are_refused():
+    from kvcap.config import ModelSpec
+    from kvcap.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="hidden_act 'gelu'"):
+        ModelSpec.from_hf_config(_mini("llama", hidden_act="gelu"))
+    with pytest.raises(ConfigError, match="sliding_window 0"):
+        ModelSpec.from_hf_config(_mini("mistral", sliding_window=0))
+
+
+def test_sliding_window_model_runs_exactly_up_to_its_window(tmp_path, caplog):
+    """kvcap attends to the whole context: a Mistral checkpoint with a 32-token window is the
+    same model only for sequences of <= 32 tokens, so the engine stops there (and says why)
+    rather than computing something else past it (a prompt leaves room for one token)."""
+    import transformers as tf
+
+    from kvcap.errors import ConfigError
+
+    torch.manual_seed(0)
+    hf = tf.MistralForCausalLM(tf.MistralConfig(**COMMON, sliding_window=32)).float().eval()
+    hf.save_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, COMMON["vocab_size"], (1, 31), generator=gen)
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+    llm = LLM.__new__(LLM)
+    with caplog.at_level("WARNING", logger="kvcap.llm"):
+        _init_without_tokenizer(llm, tmp_path)
+    assert llm.max_model_len == 32 and "sliding window" in caplog.text
+    ours = llm.prompt_logits([ids[0].tolist()])[0]
+    assert (ours - ref).abs().max().item() < 1e-4
+    with pytest.raises(ConfigError, match="exceeds the model's sliding window"):
+        LLM(model=str(tmp_path), device="cpu", max_model_len=64)
