@@ -230,6 +230,7 @@ class LLM:
         self.block_manager = BlockManager(self.pool.num_blocks, self.config.block_size,
                                           enable_prefix_caching=self.config.enable_prefix_caching)
         eos = set(self.spec.eos_token_ids)
+        eos.update(loader.read_generation_eos(self.model_dir, self.spec.vocab_size))
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.config = dataclasses.replace(self.config, max_model_len=self.max_model_len)

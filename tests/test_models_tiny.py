@@ -164,3 +164,30 @@ def test_sliding_window_model_runs_exactly_up_to_its_window(tmp_path, caplog):
     assert (ours - ref).abs().max().item() < 1e-4
     with pytest.raises(ConfigError, match="exceeds the model's sliding window"):
         LLM(model=str(tmp_path), device="cpu", max_model_len=64)
+
+
+def test_generation_config_eos_ids_stop_generation(tmp_path):
+    """generation_config.json's eos_token_id (where Llama-3 instruct checkpoints list <|eot_id|>)
+    stops generation as config.json's does; a value that is no token id is refused by name."""
+    import json
+
+    from kvcap import SamplingParams
+
+    torch.manual_seed(0)
+    _build("llama").save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").unlink(missing_ok=True)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    llm = LLM.__new__(LLM)
+    _init_without_tokenizer(llm, tmp_path)
+    free = llm.generate([[5, 6, 7]], params)[0]
+    assert len(free.token_ids) == 6 and free.finish_reason == "length"
+    stop = free.token_ids[2]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop]}))
+    llm = LLM.__new__(LLM)
+    _init_without_tokenizer(llm, tmp_path)
+    out = llm.generate([[5, 6, 7]], params)[0]
+    cut = free.token_ids.index(stop)
+    assert out.token_ids == free.token_ids[: cut + 1] and out.finish_reason == "stop"
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    with pytest.raises(ModelLoadError, match="eos_token_id '</s>' is not a token id"):
+        _init_without_tokenizer(LLM.__new__(LLM), tmp_path)

@@ -128,6 +128,25 @@ def read_sampling_defaults(model_dir: Path | None) -> dict[str, float]:
     return out
 
 
+def read_generation_eos(model_dir: Path | None, vocab_size: int) -> tuple[int, ...]:
+    """The end-of-sequence ids a checkpoint's generation_config.json adds (transformers'
+    `generate` and vLLM stop at them too: Llama-3 instruct checkpoints list <|eot_id|> there
+    and not in config.json); () without the file or the key."""
+    path = None if model_dir is None else Path(model_dir) / "generation_config.json"
+    if path is None or not path.is_file():
+        return ()
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from None
+    ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    for i in ids:
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab_size:
+            raise ModelLoadError(f"{path}: eos_token_id {eos!r} is not a token id (integers in "
+                                 f"[0, {vocab_size})); fix the file")
+    return tuple(ids)
+
+
 def read_chat_template(template: str | os.PathLike) -> str:
     """A Jinja chat template: `template` itself when it contains '{{' or '{%', else the text
     of the file it names. Checked for Jinja syntax here, not at the first chat request."""
