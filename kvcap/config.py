@@ -85,6 +85,10 @@ class ModelSpec:
             )
             if rope is not None and rope.get("rope_type", rope.get("type")) in (None, "default"):
                 rope = None
+            if rope is not None and "original_max_position_embeddings" not in rope:
+                # transformers' default: the config's own, else its position limit
+                rope = {**rope, "original_max_position_embeddings": cfg.get(
+                    "original_max_position_embeddings", cfg.get("max_position_embeddings", 4096))}
             act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
             if act not in ("silu", "swish"):
                 raise ConfigError(f"hidden_act {act!r} is not supported: kvcap's MLP is the "

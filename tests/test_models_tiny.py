@@ -25,6 +25,14 @@ def _build(kind: str):
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
         return tf.LlamaForCausalLM(cfg)
+    if kind == "qwen2_yarn":  # transformers' defaults: beta 32 / 1, truncated, 0.1 ln(f) + 1
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**COMMON, rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}))
+    if kind == "llama_yarn":  # every knob set
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**COMMON, rope_scaling={
+            "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+            "beta_fast": 16, "beta_slow": 2, "truncate": False, "mscale": 1.5,
+            "mscale_all_dim": 0.5}))
     if kind == "mistral":
         return tf.MistralForCausalLM(tf.MistralConfig(**COMMON, sliding_window=None))
     if kind == "qwen2":
@@ -34,7 +42,8 @@ def _build(kind: str):
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2_yarn", "llama_yarn", "mistral",
+                                  "qwen2", "qwen3"])
 def test_logits_match_transformers(kind, tmp_path):
     torch.manual_seed(0)
     hf = _build(kind).float().eval()

@@ -95,7 +95,44 @@ def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wl) & (wavelen <= low_wl)
         return torch.where(medium, smoothed, scaled), 1.0
-    raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+    if kind == "yarn":
+        return _yarn(dim, spec)
+    raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, "
+                         "yarn)")
+
+
+def _yarn(dim: int, spec: ModelSpec) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv:2309.00071) as transformers computes it: the frequencies that turn fewer
+    than `beta_slow` times over the pretraining length are interpolated (divided by `factor`),
+    those turning more than `beta_fast` times kept, a linear ramp between; cos and sin scaled by
+    the attention factor (0.1 ln(factor) + 1 unless the config sets it)."""
+    rs = spec.rope_scaling or {}
+    old_ctx = float(rs["original_max_position_embeddings"])
+    factor = rs.get("factor") or spec.max_position_embeddings / old_ctx
+    factor = float(factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = rs.get("attention_factor")
+    if attention is None:
+        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def dim_turning(turns: float) -> float:  # the rotary dim whose frequency turns `turns` times
+        return dim * math.log(old_ctx / (turns * 2 * math.pi)) / (2 * math.log(spec.rope_theta))
+
+    lo = dim_turning(float(rs.get("beta_fast") or 32))
+    hi = dim_turning(float(rs.get("beta_slow") or 1))
+    if rs.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency, 0: interpolated
+    period = spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    return 1.0 / (factor * period) * (1 - keep) + 1.0 / period * keep, float(attention)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
