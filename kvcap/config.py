@@ -75,6 +75,7 @@ class ModelSpec:
                 f"unsupported architecture {archs or cfg.get('model_type')!r}: kvcap supports "
                 f"{sorted(SUPPORTED_ARCHITECTURES)}"
             )
+        _refuse_quantized_weights(cfg.get("quantization_config"))
         try:
             num_heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -135,6 +136,21 @@ class ModelSpec:
             names.append(f"{self.layer_prefix}.{layer}.self_attn.k_scale")
             names.append(f"{self.layer_prefix}.{layer}.self_attn.v_scale")
         return names
+
+
+def _refuse_quantized_weights(qc: Any) -> None:
+    """kvcap loads 16/32-bit weights. A quantization_config that only declares a KV-cache scheme
+    (compressed-tensors with no weight groups: what vLLM-style FP8-KV checkpoints and kvcap's own
+    overlays carry) is fine; one that quantizes weights is refused by name, not left to fail on
+    its first packed tensor."""
+    if not isinstance(qc, dict):
+        return
+    method = qc.get("quant_method", "?")
+    if method == "compressed-tensors" and not qc.get("config_groups"):
+        return
+    raise ConfigError(f"the checkpoint's weights are quantized (quantization_config "
+                      f"quant_method {method!r}): kvcap loads FP32/FP16/BF16 weights and quantizes "
+                      "the KV cache only; use the unquantized checkpoint")
 
 
 def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int) -> int | None:
