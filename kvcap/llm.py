@@ -397,7 +397,9 @@ class LLM:
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise ConfigError("dummy models have no tokenizer: pass token ids")
-                out.append(self.tokenizer.encode(p, add_special_tokens=False))
+                # the tokenizer's special tokens (Llama's and Mistral's BOS), as transformers
+                # and vLLM encode a text prompt
+                out.append(self.tokenizer.encode(p))
             else:
                 out.append([int(t) for t in p])
         return out

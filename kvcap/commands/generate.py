@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if args.chat:
         ids = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:
-        ids = llm.tokenizer.encode(args.prompt, add_special_tokens=False)
+        ids = llm.tokenizer.encode(args.prompt)  # with the tokenizer's BOS, as LLM.generate
     rid = f"cli-{uuid.uuid4().hex[:8]}"
     llm.engine.add_request(rid, ids, params)
     printed = 0

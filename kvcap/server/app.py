@@ -183,12 +183,15 @@ def create_app(
         if (req.prompt is None) == (req.messages is None):
             raise P.APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
+            if req.add_special_tokens:
+                raise P.APIError(400, "add_special_tokens: applies to a prompt; with messages the "
+                                 "chat template writes the special tokens itself",
+                                 param="add_special_tokens")
             ids = serving.chat_prompt(req)
         elif serving.tokenizer is None:
             raise P.APIError(400, "prompt: this model has no tokenizer", param="prompt")
         else:
-            ids = list(serving.tokenizer.encode(req.prompt,
-                                                add_special_tokens=req.add_special_tokens))
+            ids = serving.completion_prompts(req.prompt, req.add_special_tokens is not False)[0]
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
 
     @app.post("/detokenize")

@@ -23,7 +23,7 @@ async def completion(serving: OpenAIServing, name: str, max_pending: int,
                      req: P.CompletionRequest, request: Request) -> Response:
     """`name`: the served model's name; `max_pending`: the admission limit."""
     serving.check_model(req.model)
-    prompts = serving.completion_prompts(req.prompt)
+    prompts = serving.completion_prompts(req.prompt, req.add_special_tokens)
     if len(prompts) * req.n > max_pending:
         raise P.APIError(400, f"prompt: at most {max_pending} prompts x n choices per "
                          "request", param="prompt")

@@ -249,6 +249,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's BOS
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
@@ -373,7 +374,9 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Any] | None = None  # shown to the chat template, as on the chat route
-    add_special_tokens: bool = False
+    # vLLM's defaults: a prompt with the tokenizer's special tokens (as /v1/completions encodes
+    # it), messages without (the chat template writes its own)
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False

@@ -157,22 +157,25 @@ class OpenAIServing:
                 err_type="invalid_request_error",  # OpenAI's type for this 404
             )
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A text prompt's ids; with the tokenizer's special tokens (Llama's and Mistral's BOS)
+        unless the request says otherwise, as transformers and vLLM encode a completion prompt."""
         if self.tokenizer is None:
             raise P.APIError(
                 400, "prompt: this model has no tokenizer; send token ids", param="prompt"
             )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def completion_prompts(self, prompt: str | list) -> list[list[int]]:
+    def completion_prompts(self, prompt: str | list, add_special_tokens: bool = True
+                           ) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [self._encode(prompt)]
+            return [self._encode(prompt, add_special_tokens)]
         if not prompt:
             raise P.APIError(400, "prompt: must not be empty", param="prompt")
         if isinstance(prompt[0], int):
             prompts = [list(prompt)]
         elif isinstance(prompt[0], str):
-            prompts = [self._encode(p) for p in prompt]
+            prompts = [self._encode(p, add_special_tokens) for p in prompt]
         else:
             prompts = [list(p) for p in prompt]
         for ids in prompts:
