@@ -64,6 +64,32 @@ def test_server_encodes_prompts_with_the_bos_unless_told(llm):
         without = http.post("/v1/completions", json={**body, "add_special_tokens": False}).json()
         assert with_bos["usage"]["prompt_tokens"] == len(plain) + 1
         assert without["usage"]["prompt_tokens"] == len(plain)
-        ref = llm.generate([[BOS, *plain]], SamplingParams(max_tokens=3, temperature=0),
-                           use_tqdm=False)[0]
-        assert with_bos["choices"][0]["text"] == ref.text
+    # offline, once the server (which drives the same engine) has stopped
+    ref = llm.generate([[BOS, *plain]], SamplingParams(max_tokens=3, temperature=0),
+                       use_tqdm=False)[0]
+    assert with_bos["choices"][0]["text"] == ref.text
+
+
+def test_corpora_and_eval_prompts_begin_as_served_prompts(llm, default_model_dir):
+    """Calibration and evaluation records, the plain generation prompts and the retrieval
+    prompts begin with the tokenizer's text prefix, as a served text prompt does (the K/V of the
+    sequence start is then observed by calibration); the embedded model's tokenizer has none."""
+    from transformers import AutoTokenizer
+
+    from kvcap.eval import corpora, generation, retrieval
+
+    tok = llm.tokenizer
+    assert corpora.text_prefix(tok) == [BOS]
+    assert corpora.text_prefix(AutoTokenizer.from_pretrained(str(default_model_dir))) == []
+    shards = corpora.build_shards(tok, ["code"], max_tokens=3000, record_tokens=64,
+                                  progress=False)
+    records = [r for s in shards for r in s.records]
+    assert len(records) > 10 and all(len(r) <= 64 for r in records)
+    assert all(r[0] == BOS and r[1] != BOS for r in records)
+    plain = [p for p in generation.build_prompts(tok, 2, 0) if p.kind == "plain"]
+    assert plain and all(p.ids[0] == BOS and p.ids[1] != BOS for p in plain)
+    hay, docs = retrieval.haystack_ids(tok, 2000)
+    for case in (retrieval.passkey_case(tok, hay, docs, 512, 50, 0),
+                 retrieval.kv_case(tok, 512, 50, 0)):
+        assert case.prompt_ids[0] == BOS and case.prompt_ids[1] != BOS
+        assert len(case.prompt_ids) <= 512 - retrieval.MAX_NEW_TOKENS

@@ -78,16 +78,33 @@ def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
+def text_prefix(tokenizer: Any) -> list[int]:
+    """The special tokens the tokenizer puts before a text (Llama's and Mistral's BOS; none for
+    the embedded model). Served text prompts begin with them, so the records and prompts built
+    from text do too: calibration then sees the K/V of the sequence start every request has
+    (a sink token's can be the layer's largest), and evaluation measures what serving runs."""
+    plain = _encode(tokenizer, ["a"])[0]
+    full = list(tokenizer(["a"], add_special_tokens=True)["input_ids"][0])
+    for at in range(len(full) - len(plain) + 1):
+        if full[at:at + len(plain)] == plain:
+            return full[:at]
+    return []
+
+
 def _chunk_docs(tokenizer: Any, docs: list[Document], record_tokens: int
                 ) -> Iterator[tuple[list[int], dict[str, Any]]]:
-    """Records of at most `record_tokens` ids cut from each document in order."""
+    """Records of at most `record_tokens` ids: the tokenizer's text prefix, then a piece cut
+    from each document in order (`token_offset`: where the piece starts in the document)."""
+    prefix = text_prefix(tokenizer)
+    room = record_tokens - len(prefix)
     for start in range(0, len(docs), _BATCH_DOCS):
         batch = docs[start:start + _BATCH_DOCS]
         for doc, ids in zip(batch, _encode(tokenizer, [d.text for d in batch]), strict=True):
-            for off in range(0, len(ids), record_tokens):
-                piece = ids[off:off + record_tokens]
+            for off in range(0, len(ids), room):
+                piece = ids[off:off + room]
                 if len(piece) >= MIN_RECORD_TOKENS:
-                    yield piece, {**doc.provenance, "doc_id": doc.doc_id, "token_offset": off}
+                    yield prefix + piece, {**doc.provenance, "doc_id": doc.doc_id,
+                                           "token_offset": off}
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]], record_tokens: int) -> list[int]:

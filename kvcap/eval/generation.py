@@ -10,7 +10,7 @@ from typing import Any
 
 from kvcap.eval import metrics, retrieval, sources, synth
 from kvcap.eval.ab import greedy_all
-from kvcap.eval.corpora import record_hash
+from kvcap.eval.corpora import record_hash, text_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +36,13 @@ def build_prompts(tokenizer: Any, n_plain: int, n_chat: int, seed: int = 0) -> l
     prose = sources.select_split("prose", sources.prose_documents(), "evaluation")
     code = sources.select_split("code", sources.code_documents(), "evaluation")
     prompts: list[Prompt] = []
+    prefix = text_prefix(tokenizer)  # as serving encodes a text prompt
     pools = [prose, code]
     i = 0
     while len(prompts) < n_plain and any(pools):
         pool = pools[i % 2] or pools[(i + 1) % 2]
         doc = pool.pop(0)
-        ids = list(tokenizer(doc.text, add_special_tokens=False)["input_ids"])
+        ids = prefix + list(tokenizer(doc.text, add_special_tokens=False)["input_ids"])
         i += 1
         if len(ids) >= PLAIN_PROMPT_TOKENS:
             prompts.append(

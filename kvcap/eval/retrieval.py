@@ -17,6 +17,7 @@ from typing import Any
 
 from kvcap.errors import ConfigError
 from kvcap.eval import sources
+from kvcap.eval.corpora import text_prefix
 
 TASKS = ("passkey", "kv")
 DEPTHS = (0, 25, 50, 75, 100)
@@ -80,7 +81,8 @@ def passkey_case(
 ) -> RetrievalCase:
     rng = random.Random(f"retrieval:{seed}:passkey:{context}:{depth}")
     key = str(rng.randint(10000, 99999))
-    intro, question = _enc(tokenizer, _PASSKEY_INTRO), _enc(tokenizer, _PASSKEY_QUESTION)
+    intro = text_prefix(tokenizer) + _enc(tokenizer, _PASSKEY_INTRO)
+    question = _enc(tokenizer, _PASSKEY_QUESTION)
     needle = _enc(tokenizer, f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n")
     n_fill = context - MAX_NEW_TOKENS - len(intro) - len(needle) - len(question)
     if n_fill < 16:
@@ -105,7 +107,7 @@ def _hex(rng: random.Random, n: int = 6) -> str:
 
 def kv_case(tokenizer: Any, context: int, depth: int, seed: int) -> RetrievalCase:
     rng = random.Random(f"retrieval:{seed}:kv:{context}:{depth}")
-    intro = _enc(tokenizer, _KV_INTRO)
+    intro = text_prefix(tokenizer) + _enc(tokenizer, _KV_INTRO)
     target_key, answer = _hex(rng), _hex(rng)
     question = _enc(
         tokenizer,
