@@ -90,6 +90,12 @@ class ModelSpec:
                 # transformers' default: the config's own, else its position limit
                 rope = {**rope, "original_max_position_embeddings": cfg.get(
                     "original_max_position_embeddings", cfg.get("max_position_embeddings", 4096))}
+            # (Qwen2's q/k/v biases are its architecture's, not a config switch)
+            for key, what in (("attention_bias", "attention's output projection"),
+                              ("mlp_bias", "MLP projections")):
+                if arch != "qwen2" and cfg.get(key):
+                    raise ConfigError(f"{key}: true gives the {what} biases kvcap's {arch} "
+                                      "layers do not have; not supported")
             act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
             if act not in ("silu", "swish"):
                 raise ConfigError(f"hidden_act {act!r} is not supported: kvcap's MLP is the "
@@ -110,7 +116,7 @@ class ModelSpec:
                 rope_scaling=dict(rope) if rope else None,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+                qkv_bias=arch == "qwen2",
                 qk_norm=arch == "qwen3",
                 eos_token_ids=eos_ids,
                 sliding_window=_sliding_window(cfg, arch, int(cfg["num_hidden_layers"])),

@@ -146,6 +146,9 @@ def test_unsupported_activation_and_bad_window_are_refused():
 
     with pytest.raises(ConfigError, match="hidden_act 'gelu'"):
         ModelSpec.from_hf_config(_mini("llama", hidden_act="gelu"))
+    for key in ("attention_bias", "mlp_bias"):
+        with pytest.raises(ConfigError, match=f"{key}: true"):
+            ModelSpec.from_hf_config(_mini("llama", **{key: True}))
     with pytest.raises(ConfigError, match="sliding_window 0"):
         ModelSpec.from_hf_config(_mini("mistral", sliding_window=0))
 
