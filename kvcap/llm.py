@@ -76,7 +76,11 @@ def _max_model_len(spec: ModelSpec, requested: int | None) -> int:
                            "whole context, the same attention up to the window); its position "
                            "limit is %d", window, spec.max_position_embeddings)
     limit = spec.exact_max_len
+    if requested is not None and requested > limit:
+        logger.warning("max_model_len %d exceeds the model's position limit "
+                       "(max_position_embeddings %d): using %d", requested, limit, limit)
     return min(requested or limit, limit)
+
 
 class LLM:
     def __init__(

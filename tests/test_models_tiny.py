@@ -178,6 +178,17 @@ def test_sliding_window_model_runs_exactly_up_to_its_window(tmp_path, caplog):
         LLM(model=str(tmp_path), device="cpu", max_model_len=64)
 
 
+def test_max_model_len_past_the_position_limit_is_cut_and_said(caplog):
+    from kvcap.config import ModelSpec
+    from kvcap.llm import _max_model_len
+
+    spec = ModelSpec.from_hf_config(_mini("llama"))
+    with caplog.at_level("WARNING", logger="kvcap.llm"):
+        assert _max_model_len(spec, 1000) == 256
+    assert "exceeds the model's position limit" in caplog.text
+    assert _max_model_len(spec, None) == 256 and _max_model_len(spec, 100) == 100
+
+
 def test_generation_config_eos_ids_stop_generation(tmp_path):
     """generation_config.json's eos_token_id (where Llama-3 instruct checkpoints list <|eot_id|>)
     stops generation as config.json's does; a value that is no token id is refused by name."""
