@@ -502,6 +502,10 @@ CASES = [
     (CHAT, {"model": "tiny", "messages": "hi"}, 422, "messages", "messages: "),
     (CHAT, {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 422,
      "messages", "messages: Input should be"),
+    (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is"}, {"type": "image_url", "image_url": {"url": "x"}}]}]},
+     422, "messages", "messages: content part 1 has type 'image_url': this server's models read "
+     "text only"),
     (CHAT, {"model": "tiny", "messages": []}, 400, "messages",
      "messages: must contain at least one message"),
     (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x " * 300}]}, 400,

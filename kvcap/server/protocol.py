@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvcap.sampling_params import CHECKPOINT_SAMPLING_FIELDS, SamplingParams
 from kvcap.server.structured_request import StructuredRequestError, structured_request
@@ -281,6 +281,18 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """An image, audio or file part gets its own error, not the union's three."""
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind is not None and kind != "text":
+                    raise ValueError(f"content part {i} has type {kind!r}: this server's models "
+                                     "read text only; send parts of type 'text'")
+        return content
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -402,7 +414,8 @@ def parse_request(body: bytes, model: type[BaseModel]) -> Any:
                 400, f"the request body must be a JSON object: {first['msg']}", code="invalid_json"
             ) from None
         field = str(first["loc"][0])
-        msgs = list(dict.fromkeys(x["msg"] for x in errors if x["loc"][:1] == (field,)))
+        msgs = list(dict.fromkeys(x["msg"].removeprefix("Value error, ") for x in errors
+                                  if x["loc"][:1] == (field,)))
         raise APIError(
             422,
             f"{field}: {'; '.join(msgs[:3])}",
