@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import numpy as np
 import torch
@@ -110,6 +111,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         keys = [(b, c) for b in reversed(self.buckets) for c in self.classes]
+        start = time.perf_counter()
         for b, c in tqdm(keys, desc="capturing decode CUDA graphs"):
             ctx = ForwardContext(self.backend, self.pool, self._meta(b, c), None)
             args = (self.input_ids[:b], self.positions[:b], ctx)
@@ -122,8 +124,8 @@ class DecodeGraphs:
                 self.pool_handle = graph.pool()
             self.graphs[(b, c)] = graph
         torch.cuda.synchronize(self.device)
-        logger.info("decode CUDA graphs: batch buckets %s x context classes %s", self.buckets,
-                    self.classes)
+        logger.info("decode CUDA graphs: batch buckets %s x context classes %s, captured in "
+                    "%.1f s", self.buckets, self.classes, time.perf_counter() - start)
 
     def context_class(self, max_seq_len: int) -> int:
         """The split-count hint both paths use, so eager and graph steps reduce alike."""

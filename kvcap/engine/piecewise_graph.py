@@ -24,6 +24,7 @@ alone with KVCAP_DISABLE_PIECEWISE_GRAPHS=1.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from tqdm.auto import tqdm
@@ -163,6 +164,7 @@ class PiecewiseGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        start = time.perf_counter()
         for t in tqdm(list(reversed(self.buckets)), desc="capturing piecewise CUDA graphs"):
             pieces = self._make_pieces(t)
             if not self.use_graphs:
@@ -183,8 +185,8 @@ class PiecewiseGraphs:
             self.hidden[t] = out  # the last piece's output: kept, so no later capture reuses it
         if self.use_graphs:
             torch.cuda.synchronize(self.device)
-        logger.info("piecewise CUDA graphs: %d pieces x token buckets %s",
-                    len(self.model.layers) + 1, self.buckets)
+        logger.info("piecewise CUDA graphs: %d pieces x token buckets %s, captured in %.1f s",
+                    len(self.model.layers) + 1, self.buckets, time.perf_counter() - start)
 
     def can_run(self, num_tokens: int) -> bool:
         return num_tokens <= self.buckets[-1]
