@@ -59,7 +59,6 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
     return backend
 
 
-
 def _max_model_len(spec: ModelSpec, requested: int | None) -> int:
     """The engine's sequence limit: the request, at most the model's position limit; with a
     sliding-window model, at most its window -- kvcap attends to the whole context, which equals
