@@ -227,6 +227,28 @@ def test_completion_logprobs_stream_equals_non_stream(srv):
     assert text == whole["text"] and merged == whole["logprobs"]
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(srv):
+    """echo + max_tokens 0 (OpenAI's legacy scoring call, vLLM's echo without generation): the
+    prompt's text and logprobs, nothing generated or counted, streamed or not."""
+    body = {"model": "tiny", "prompt": "Once upon a time", "temperature": 0, "logprobs": 2,
+            "echo": True}
+    full = srv.http.post(CMPL, json={**body, "max_tokens": 3}).json()
+    r = srv.http.post(CMPL, json={**body, "max_tokens": 0}).json()
+    choice, n_prompt = r["choices"][0], r["usage"]["prompt_tokens"]
+    assert choice["text"] == "Once upon a time" and choice["finish_reason"] == "length"
+    assert r["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 0,
+                          "total_tokens": n_prompt}
+    head = {k: v[:n_prompt] for k, v in full["choices"][0]["logprobs"].items()}
+    assert choice["logprobs"] == head
+    chunks = list(srv.client.completions.create(**body, max_tokens=0, stream=True,
+                                                stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice["text"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0
+    bad = srv.http.post(CMPL, json={**body, "echo": False, "max_tokens": 0})
+    assert bad.status_code == 400 and "needs echo" in bad.json()["error"]["message"]
+
+
 def test_chat_logprobs_through_the_openai_client(srv, offline):
     msgs = [{"role": "user", "content": "Say hi"}]
     r = srv.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=5,

@@ -19,17 +19,48 @@ from kvcap.server.tool_parsers import KEEPS_SPECIAL_TOKENS, PARSERS
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+class _PromptOnly:
+    """A request's outputs without what it generated: echo with max_tokens 0 (as vLLM and
+    OpenAI's legacy completions take it) scores a prompt -- its text and logprobs alone. The
+    engine samples one token, which no output shows or counts."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    @property
+    def finished(self) -> bool:
+        return self._stream.finished
+
+    async def next(self, timeout: float | None = None) -> RequestOutput | None:
+        out = await self._stream.next(timeout)
+        if out is None:
+            return None
+        return dataclasses.replace(out, token_ids=[], text="",
+                                   logprobs=None if out.logprobs is None else [],
+                                   finish_reason="length" if out.finished else None)
+
+    def abort(self) -> None:
+        self._stream.abort()
+
+
 async def completion(serving: OpenAIServing, name: str, max_pending: int,
                      req: P.CompletionRequest, request: Request) -> Response:
     """`name`: the served model's name; `max_pending`: the admission limit."""
     serving.check_model(req.model)
+    prompt_only = req.max_tokens == 0
+    if prompt_only and not req.echo:
+        raise P.APIError(400, "max_tokens: 0 needs echo: true (the prompt alone, with its "
+                         "logprobs); to generate, at least 1", param="max_tokens")
     prompts = serving.completion_prompts(req.prompt, req.add_special_tokens)
     if len(prompts) * req.n > max_pending:
         raise P.APIError(400, f"prompt: at most {max_pending} prompts x n choices per "
                          "request", param="prompt")
-    params = [serving.params_for(req, ids, req.max_tokens, "prompt") for ids in prompts]
+    max_tokens = 1 if prompt_only else req.max_tokens
+    params = [serving.params_for(req, ids, max_tokens, "prompt") for ids in prompts]
     streams = serving.submit(serving.choices(list(zip(prompts, params, strict=True)), req.n),
                              stream=req.stream)
+    if prompt_only:
+        streams = [_PromptOnly(s) for s in streams]
     echoes = serving.prompt_texts(req.prompt, prompts) if req.echo else None
     rid, created = P.new_id("cmpl"), P.now()
     texts = serving.token_texts
