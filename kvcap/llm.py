@@ -31,6 +31,7 @@ from kvcap.kv_cache.pool import KVCachePool
 from kvcap.kv_cache.spec import KVCacheSpec
 from kvcap.models import loader
 from kvcap.models.registry import load_model
+from kvcap.models.text_prompt import encode_prompt
 from kvcap.qsa import enable as qsa_wiring
 from kvcap.qsa.config import QSAConfig
 from kvcap.sampling_params import SamplingParams
@@ -400,9 +401,7 @@ class LLM:
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise ConfigError("dummy models have no tokenizer: pass token ids")
-                # the tokenizer's special tokens (Llama's and Mistral's BOS), as transformers
-                # and vLLM encode a text prompt
-                out.append(self.tokenizer.encode(p))
+                out.append(encode_prompt(self.tokenizer, p))
             else:
                 out.append([int(t) for t in p])
         return out

@@ -45,6 +45,10 @@ def test_text_prompts_get_the_bos(llm):
     assert out.prompt_token_ids == [BOS, *plain]
     chat = llm.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert chat[0] == BOS and chat[1] != BOS  # the template's own start token, once
+    # a text that opens with the BOS itself (a chat template the client rendered) keeps one
+    rendered = llm.tokenizer.decode(chat)
+    assert llm.generate(rendered, SamplingParams(max_tokens=1), use_tqdm=False)[0] \
+        .prompt_token_ids == chat
 
 
 def test_server_encodes_prompts_with_the_bos_unless_told(llm):
@@ -77,10 +81,11 @@ def test_corpora_and_eval_prompts_begin_as_served_prompts(llm, default_model_dir
     from transformers import AutoTokenizer
 
     from kvcap.eval import corpora, generation, retrieval
+    from kvcap.models.text_prompt import text_prefix
 
     tok = llm.tokenizer
-    assert corpora.text_prefix(tok) == [BOS]
-    assert corpora.text_prefix(AutoTokenizer.from_pretrained(str(default_model_dir))) == []
+    assert text_prefix(tok) == [BOS]
+    assert text_prefix(AutoTokenizer.from_pretrained(str(default_model_dir))) == []
     shards = corpora.build_shards(tok, ["code"], max_tokens=3000, record_tokens=64,
                                   progress=False)
     records = [r for s in shards for r in s.records]

@@ -64,6 +64,7 @@ def read_schema(arg: str | None):
 
 def run(args: argparse.Namespace) -> int:
     from kvcap.llm import LLM
+    from kvcap.models.text_prompt import encode_prompt
     from kvcap.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     if args.chat:
         ids = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:
-        ids = llm.tokenizer.encode(args.prompt)  # with the tokenizer's BOS, as LLM.generate
+        ids = encode_prompt(llm.tokenizer, args.prompt)  # as LLM.generate encodes it
     rid = f"cli-{uuid.uuid4().hex[:8]}"
     llm.engine.add_request(rid, ids, params)
     printed = 0

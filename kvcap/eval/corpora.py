@@ -28,6 +28,7 @@ from tqdm import tqdm
 from kvcap.errors import ConfigError
 from kvcap.eval import sources, synth
 from kvcap.eval.sources import SPLITS, Document, Split
+from kvcap.models.text_prompt import text_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -78,23 +79,13 @@ def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
-def text_prefix(tokenizer: Any) -> list[int]:
-    """The special tokens the tokenizer puts before a text (Llama's and Mistral's BOS; none for
-    the embedded model). Served text prompts begin with them, so the records and prompts built
-    from text do too: calibration then sees the K/V of the sequence start every request has
-    (a sink token's can be the layer's largest), and evaluation measures what serving runs."""
-    plain = _encode(tokenizer, ["a"])[0]
-    full = list(tokenizer(["a"], add_special_tokens=True)["input_ids"][0])
-    for at in range(len(full) - len(plain) + 1):
-        if full[at:at + len(plain)] == plain:
-            return full[:at]
-    return []
-
-
 def _chunk_docs(tokenizer: Any, docs: list[Document], record_tokens: int
                 ) -> Iterator[tuple[list[int], dict[str, Any]]]:
     """Records of at most `record_tokens` ids: the tokenizer's text prefix, then a piece cut
-    from each document in order (`token_offset`: where the piece starts in the document)."""
+    from each document in order (`token_offset`: where the piece starts in the document).
+    Served text prompts begin with that prefix (Llama's and Mistral's BOS), so calibration sees
+    the K/V of the sequence start every request has (a sink token's can be its layer's
+    largest), and evaluation measures what serving runs."""
     prefix = text_prefix(tokenizer)
     room = record_tokens - len(prefix)
     for start in range(0, len(docs), _BATCH_DOCS):

@@ -10,7 +10,8 @@ from typing import Any
 
 from kvcap.eval import metrics, retrieval, sources, synth
 from kvcap.eval.ab import greedy_all
-from kvcap.eval.corpora import record_hash, text_prefix
+from kvcap.eval.corpora import record_hash
+from kvcap.models.text_prompt import text_prefix
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvcap.errors import ConfigError
 from kvcap.eval import sources
-from kvcap.eval.corpora import text_prefix
+from kvcap.models.text_prompt import text_prefix
 
 TASKS = ("passkey", "kv")
 DEPTHS = (0, 25, 50, 75, 100)

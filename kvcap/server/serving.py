@@ -22,6 +22,7 @@ from starlette.requests import Request
 
 from kvcap.engine.engine import RequestOutput
 from kvcap.engine.token_bytes import TokenTexts
+from kvcap.models.text_prompt import encode_prompt
 from kvcap.server import protocol as P
 from kvcap.server.async_engine import (
     AsyncEngine,
@@ -164,7 +165,7 @@ class OpenAIServing:
             raise P.APIError(
                 400, "prompt: this model has no tokenizer; send token ids", param="prompt"
             )
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return encode_prompt(self.tokenizer, text, add_special_tokens)
 
     def completion_prompts(self, prompt: str | list, add_special_tokens: bool = True
                            ) -> list[list[int]]:
