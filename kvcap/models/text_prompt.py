@@ -17,8 +17,8 @@ def text_prefix(tokenizer: Any) -> list[int]:
         return list(_PREFIXES[tokenizer])
     except (KeyError, TypeError):
         pass
-    plain = list(tokenizer(["a"], add_special_tokens=False)["input_ids"][0])
-    full = list(tokenizer(["a"], add_special_tokens=True)["input_ids"][0])
+    plain = list(tokenizer.encode("a", add_special_tokens=False))
+    full = list(tokenizer.encode("a", add_special_tokens=True))
     prefix = next((full[:at] for at in range(len(full) - len(plain) + 1)
                    if full[at:at + len(plain)] == plain), [])
     try:
