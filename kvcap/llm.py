@@ -60,6 +60,27 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
     return backend
 
 
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    """None: the GPU where torch sees one, else the CPU. A named device must exist."""
+    if device is None:
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device {device!r}: {e}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {device!r}: torch {torch.__version__} sees no CUDA GPU "
+                              "(a CPU build, or no GPU visible); use --device cpu or leave it "
+                              "out")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {device!r}: only {torch.cuda.device_count()} CUDA "
+                              "device(s) visible")
+    elif dev.type != "cpu":
+        raise ConfigError(f"device {device!r}: kvcap runs on cuda or cpu")
+    return dev
+
+
 def _max_model_len(spec: ModelSpec, requested: int | None) -> int:
     """The engine's sequence limit: the request, at most the model's position limit; with a
     sliding-window model, at most its window -- kvcap attends to the whole context, which equals
@@ -113,8 +134,7 @@ class LLM:
         # What a tensor-parallel worker needs to build the same LLM (taken before any local).
         worker_args = {k: v for k, v in locals().items()
                        if k not in ("self", "device", "kv_observer", "tensor_parallel_size")}
-        self.device = torch.device(device) if device is not None else (
-            torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        self.device = _resolve_device(device)
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got "
                               f"{tensor_parallel_size!r}")
@@ -447,6 +467,12 @@ class LLM:
         return self.generate(ids, params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, conversation) -> list[int]:
+        if self.tokenizer is None:
+            raise ConfigError("chat: dummy models have no tokenizer; pass token ids to generate")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError(f"chat: the tokenizer of {self.model_dir} has no chat template (a "
+                              "base model?); give one with chat_template= (--chat-template "
+                              "FILE), or send plain text without --chat")
         ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
                                                  tokenize=True)
         if hasattr(ids, "keys"):

@@ -171,3 +171,31 @@ def test_cli_unknown_model_is_one_line_error(tmp_path):
     assert res.stderr.strip().startswith("error: model path")
     assert "Traceback" not in res.stderr
 
+
+
+def test_chat_without_a_chat_template_is_a_one_line_error(default_model_dir, tmp_path):
+    """A base model's tokenizer has no chat template: chat says so and how to give one (was
+    transformers' ValueError from deep inside apply_chat_template)."""
+    import json
+
+    from server_helpers import make_tiny_model
+
+    path = make_tiny_model(default_model_dir, tmp_path / "base")
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    base = LLM(model=str(path), device="cpu", num_blocks=16)
+    with pytest.raises(ConfigError, match="has no chat template .*--chat-template"):
+        base.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize("device, message", [
+    ("mps", "kvcap runs on cuda or cpu"),
+    ("nope", "device 'nope': "),
+    pytest.param("cuda", "sees no CUDA GPU", marks=pytest.mark.skipif(
+        __import__("torch").cuda.is_available(), reason="a GPU is visible")),
+])
+def test_a_device_that_is_not_there_is_a_one_line_error(default_model_dir, device, message):
+    with pytest.raises(ConfigError, match=message):
+        LLM(model=str(default_model_dir), device=device)
