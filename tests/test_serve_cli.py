@@ -1,5 +1,5 @@
-"""`kvcap serve` as a process: the E4M3 gate refuses before the port is bound; SIGTERM finishes
-in-flight requests and exits 0."""
+"""`kvcap serve` as a process: a taken port is refused before the model loads; the E4M3 gate
+refuses before the port is bound; SIGTERM finishes in-flight requests and exits 0."""
 
 from __future__ import annotations
 
@@ -46,11 +46,14 @@ def _gate_args(case: str, tmp_path) -> list[str]:
 
 
 @pytest.mark.parametrize("case", list(GATE_CASES))
-def test_gate_refuses_before_binding(tiny_dir, tmp_path, capsys, case):
+def test_gate_refuses_before_binding(tiny_dir, tmp_path, capsys, case, monkeypatch):
     """In process: `kvcap serve` returns 2 with the one-line message while the port is held by
-    the test (had serve bound first, it would have failed differently, and never returned 2)."""
+    the test (had serve bound first, it would have failed differently, and never returned 2).
+    The listen-address probe that runs before the model loads is switched off here: it would
+    refuse the held port first."""
     from kvcap.cli import main
 
+    monkeypatch.setattr("kvcap.commands.serve.check_listen_address", lambda host, port: None)
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
@@ -63,12 +66,11 @@ def test_gate_refuses_before_binding(tiny_dir, tmp_path, capsys, case):
 
 
 def test_gate_refusal_exit_status_of_the_process(tiny_dir, tmp_path):
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        p = subprocess.run(serve_cmd(tiny_dir, holder.getsockname()[1], "--kv-cache-dtype",
-                                     "fp8_e4m3", *_gate_args("corrupt_overlay", tmp_path)),
-                           capture_output=True, text=True, timeout=300, env=_env())
+    # a free port (a held one is refused before the gate runs): a server that started instead
+    # of refusing would run into the timeout
+    p = subprocess.run(serve_cmd(tiny_dir, free_port(), "--kv-cache-dtype", "fp8_e4m3",
+                                 *_gate_args("corrupt_overlay", tmp_path)),
+                       capture_output=True, text=True, timeout=300, env=_env())
     assert p.returncode == 2, p.stderr
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and MANIFEST_NAME in last and "Traceback" not in p.stderr
@@ -112,3 +114,17 @@ def test_sigterm_finishes_in_flight_and_exits_zero(tiny_dir, tmp_path):
     assert events[-2]["choices"][0]["finish_reason"] == "length" and text
     assert not port_is_open(port)
     assert "Shutting down" in (tmp_path / "serve.log").read_text()
+
+
+def test_a_taken_port_is_refused_before_the_model_loads(tmp_path):
+    """The listen address is checked first: a model path that does not exist is not even
+    looked at while the port is taken."""
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        r = subprocess.run([*serve_cmd(tmp_path / "absent", port), "--host", "127.0.0.1"],
+                           capture_output=True, text=True, timeout=120, env=_env())
+    assert r.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "absent" not in r.stderr

@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 
 from kvcap.commands.common import (
     add_engine_arguments,
@@ -82,6 +83,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def check_listen_address(host: str, port: int) -> None:
+    """Fail before the model loads (minutes for a large one) when the server could not listen
+    where asked: an unknown host, or a port another process holds. Bound as uvicorn binds it
+    (SO_REUSEADDR) and released at once."""
+    from kvcap.errors import ConfigError
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host!r}: {e.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(addr)
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}): pick another "
+                              "--port, or stop what holds it") from None
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -91,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
+    check_listen_address(args.host, args.port)
     llm = LLM(**engine_kwargs(args))  # runs the gate; raises before the port is bound
     defaults = {}
     if args.generation_config == "auto":
