@@ -169,6 +169,10 @@ def test_stop_tokens_and_special_tokens_text(srv, offline):
 
 def test_models_health_batch(srv):
     assert [m.id for m in srv.client.models.list().data] == ["tiny"]
+    assert srv.client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        srv.client.models.retrieve("other")
+    assert srv.http.get("/version").json() == {"version": __import__("kvcap").__version__}
     assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}
     r = srv.client.completions.create(model="tiny", prompt=["a b", "c d e"], max_tokens=3)
     assert sorted(c.index for c in r.choices) == [0, 1] and r.usage.completion_tokens <= 6

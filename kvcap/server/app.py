@@ -1,6 +1,7 @@
-"""The FastAPI app: OpenAI `/v1/completions`, `/v1/chat/completions`, `/v1/models`, vLLM's
-`/tokenize` and `/detokenize`, plus `/health` and Prometheus `/metrics` (the only routes an
-API key does not guard: probes and scrapers carry none).
+"""The FastAPI app: OpenAI `/v1/completions`, `/v1/chat/completions`, `/v1/models` (and
+`/v1/models/{id}`), vLLM's `/tokenize`, `/detokenize` and `/version`, plus `/health` and
+Prometheus `/metrics` (the only routes an API key does not guard: probes and scrapers carry
+none).
 
 The two completion routes' work is in `completions.py`. `create_app(llm, ...)` wraps an
 already-built LLM (the E4M3 gate has run by then). The engine
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvcap import __version__
 from kvcap.server import protocol as P
 from kvcap.server.async_engine import AsyncEngine
 from kvcap.server.completions import chat_completion, completion
@@ -164,6 +166,16 @@ def create_app(
     async def models() -> dict[str, Any]:
         card = P.ModelCard(id=name, created=P.now(), max_model_len=llm.max_model_len)
         return P.ModelList(data=[card]).model_dump()
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        """OpenAI's retrieve-model call (`client.models.retrieve`)."""
+        serving.check_model(model)
+        return P.ModelCard(id=name, created=P.now(), max_model_len=llm.max_model_len).model_dump()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
