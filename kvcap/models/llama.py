@@ -77,7 +77,8 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling for the model's RoPE variant."""
     dim = spec.head_dim
-    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    period = spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    inv = 1.0 / period
     rs = spec.rope_scaling
     if rs is None:
         return inv, 1.0
@@ -96,20 +97,20 @@ def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
         medium = (wavelen >= high_wl) & (wavelen <= low_wl)
         return torch.where(medium, smoothed, scaled), 1.0
     if kind == "yarn":
-        return _yarn(dim, spec)
+        return _yarn(period, spec)
     raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, "
                          "yarn)")
 
 
-def _yarn(dim: int, spec: ModelSpec) -> tuple[torch.Tensor, float]:
+def _yarn(period: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, float]:
     """YaRN (arXiv:2309.00071) as transformers computes it: the frequencies that turn fewer
     than `beta_slow` times over the pretraining length are interpolated (divided by `factor`),
     those turning more than `beta_fast` times kept, a linear ramp between; cos and sin scaled by
-    the attention factor (0.1 ln(factor) + 1 unless the config sets it)."""
-    rs = spec.rope_scaling or {}
+    the attention factor (0.1 ln(factor) + 1 unless the config sets it). `period`: 1 / each
+    unscaled frequency."""
+    rs, dim = spec.rope_scaling or {}, spec.head_dim
     old_ctx = float(rs["original_max_position_embeddings"])
-    factor = rs.get("factor") or spec.max_position_embeddings / old_ctx
-    factor = float(factor)
+    factor = float(rs.get("factor") or spec.max_position_embeddings / old_ctx)
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -131,7 +132,6 @@ def _yarn(dim: int, spec: ModelSpec) -> tuple[torch.Tensor, float]:
         hi += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
     keep = 1 - ramp  # 1: the original frequency, 0: interpolated
-    period = spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     return 1.0 / (factor * period) * (1 - keep) + 1.0 / period * keep, float(attention)
 
 

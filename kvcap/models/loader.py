@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -101,17 +102,23 @@ def load_tokenizer(model_dir: Path):
         raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {e}") from None
 
 
+def _generation_config(model_dir: Path | None) -> tuple[Path | None, Any]:
+    """The checkpoint's generation_config.json, parsed: (path, content), or (None, {}) without
+    the file."""
+    path = None if model_dir is None else Path(model_dir) / "generation_config.json"
+    if path is None or not path.is_file():
+        return None, {}
+    try:
+        return path, json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from None
+
+
 def read_sampling_defaults(model_dir: Path | None) -> dict[str, float]:
     """The sampling defaults a checkpoint's generation_config.json sets (temperature, top_p,
     top_k, min_p, repetition_penalty), as vLLM's `--generation-config auto` takes them; {}
     without the file. A value out of range is an error naming the key, not a silent skip."""
-    path = None if model_dir is None else Path(model_dir) / "generation_config.json"
-    if path is None or not path.is_file():
-        return {}
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot read {path}: {e}") from None
+    path, cfg = _generation_config(model_dir)
     from kvcap.errors import ConfigError
     from kvcap.sampling_params import CHECKPOINT_SAMPLING_FIELDS, SamplingParams
 
@@ -132,12 +139,10 @@ def read_generation_eos(model_dir: Path | None, vocab_size: int) -> tuple[int, .
     """The end-of-sequence ids a checkpoint's generation_config.json adds (transformers'
     `generate` and vLLM stop at them too: Llama-3 instruct checkpoints list <|eot_id|> there
     and not in config.json); () without the file or the key."""
-    path = None if model_dir is None else Path(model_dir) / "generation_config.json"
-    if path is None or not path.is_file():
-        return ()
+    path, cfg = _generation_config(model_dir)
     try:
-        eos = json.loads(path.read_text()).get("eos_token_id")
-    except (OSError, ValueError, AttributeError) as e:
+        eos = cfg.get("eos_token_id")
+    except AttributeError as e:
         raise ModelLoadError(f"cannot read {path}: {e}") from None
     ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
     for i in ids:

@@ -162,16 +162,18 @@ def create_app(
             metrics.render(aeng.stats(), aeng.in_flight), media_type=CONTENT_TYPE
         )
 
+    def card() -> P.ModelCard:
+        return P.ModelCard(id=name, created=P.now(), max_model_len=llm.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = P.ModelCard(id=name, created=P.now(), max_model_len=llm.max_model_len)
-        return P.ModelList(data=[card]).model_dump()
+        return P.ModelList(data=[card()]).model_dump()
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict[str, Any]:
         """OpenAI's retrieve-model call (`client.models.retrieve`)."""
         serving.check_model(model)
-        return P.ModelCard(id=name, created=P.now(), max_model_len=llm.max_model_len).model_dump()
+        return card().model_dump()
 
     @app.get("/version")
     async def version() -> dict[str, str]:
