@@ -11,7 +11,7 @@ from typing import Any
 from kvcap.eval import metrics, retrieval, sources, synth
 from kvcap.eval.ab import greedy_all
 from kvcap.eval.corpora import record_hash
-from kvcap.models.text_prompt import text_prefix
+from kvcap.models.text_prompt import encode_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +37,12 @@ def build_prompts(tokenizer: Any, n_plain: int, n_chat: int, seed: int = 0) -> l
     prose = sources.select_split("prose", sources.prose_documents(), "evaluation")
     code = sources.select_split("code", sources.code_documents(), "evaluation")
     prompts: list[Prompt] = []
-    prefix = text_prefix(tokenizer)  # as serving encodes a text prompt
     pools = [prose, code]
     i = 0
     while len(prompts) < n_plain and any(pools):
         pool = pools[i % 2] or pools[(i + 1) % 2]
         doc = pool.pop(0)
-        ids = prefix + list(tokenizer(doc.text, add_special_tokens=False)["input_ids"])
+        ids = encode_prompt(tokenizer, doc.text)  # as serving encodes a text prompt
         i += 1
         if len(ids) >= PLAIN_PROMPT_TOKENS:
             prompts.append(

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvcap.errors import ConfigError
 from kvcap.eval import sources
-from kvcap.models.text_prompt import text_prefix
+from kvcap.models.text_prompt import encode_prompt
 
 TASKS = ("passkey", "kv")
 DEPTHS = (0, 25, 50, 75, 100)
@@ -81,7 +81,7 @@ def passkey_case(
 ) -> RetrievalCase:
     rng = random.Random(f"retrieval:{seed}:passkey:{context}:{depth}")
     key = str(rng.randint(10000, 99999))
-    intro = text_prefix(tokenizer) + _enc(tokenizer, _PASSKEY_INTRO)
+    intro = encode_prompt(tokenizer, _PASSKEY_INTRO)  # the prompt's start: as served
     question = _enc(tokenizer, _PASSKEY_QUESTION)
     needle = _enc(tokenizer, f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n")
     n_fill = context - MAX_NEW_TOKENS - len(intro) - len(needle) - len(question)
@@ -107,7 +107,7 @@ def _hex(rng: random.Random, n: int = 6) -> str:
 
 def kv_case(tokenizer: Any, context: int, depth: int, seed: int) -> RetrievalCase:
     rng = random.Random(f"retrieval:{seed}:kv:{context}:{depth}")
-    intro = text_prefix(tokenizer) + _enc(tokenizer, _KV_INTRO)
+    intro = encode_prompt(tokenizer, _KV_INTRO)  # the prompt's start: as served
     target_key, answer = _hex(rng), _hex(rng)
     question = _enc(
         tokenizer,
