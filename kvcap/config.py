@@ -57,9 +57,10 @@ class ModelSpec:
     layer_prefix: str = "model.layers"
     eos_token_ids: tuple[int, ...] = ()
     # The attention window of the model's sliding-window layers (None: every layer attends to
-    # the whole context). kvcap attends to the whole context, which is the same attention only
-    # for sequences of at most this many tokens: exact_max_len caps the engine there.
+    # the whole context) and which layers slide: a query at position p of such a layer sees
+    # positions p - sliding_window + 1 .. p (transformers' sliding_window_overlay).
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelSpec:
@@ -102,6 +103,7 @@ class ModelSpec:
                                   "SiLU-gated one of Llama, Mistral and Qwen (hidden_act 'silu')")
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            window, sliding_layers = _sliding_window(cfg, arch, int(cfg["num_hidden_layers"]))
             return cls(
                 architecture=arch,
                 hidden_size=hidden,
@@ -119,17 +121,15 @@ class ModelSpec:
                 qkv_bias=arch == "qwen2",
                 qk_norm=arch == "qwen3",
                 eos_token_ids=eos_ids,
-                sliding_window=_sliding_window(cfg, arch, int(cfg["num_hidden_layers"])),
+                sliding_window=window,
+                sliding_layers=sliding_layers,
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks required field {e.args[0]!r}") from None
 
-    @property
-    def exact_max_len(self) -> int:
-        """The longest sequence kvcap computes as the checkpoint's own attention does: its
-        position limit, or its sliding window where that is shorter."""
-        limit = self.max_position_embeddings
-        return min(limit, self.sliding_window or limit)
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of `layer` (None: it attends to the whole context)."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     @property
     def gqa_ratio(self) -> int:
@@ -159,27 +159,32 @@ def _refuse_quantized_weights(qc: Any) -> None:
                       "the KV cache only; use the unquantized checkpoint")
 
 
-def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int) -> int | None:
-    """The window of the layers that slide, as transformers reads the config: Mistral slides in
+def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int
+                    ) -> tuple[int | None, tuple[int, ...]]:
+    """(window, the layers that slide), as transformers reads the config: Mistral slides in
     every layer when `sliding_window` is set; Qwen2/Qwen3 only with `use_sliding_window`, in the
     layers `layer_types` marks (or from `max_window_layers` on); Llama never."""
     window = cfg.get("sliding_window")
     if window is None or arch == "llama":
-        return None
+        return None, ()
     if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
-        return None
+        return None, ()
     types = cfg.get("layer_types")
-    if types is not None:
-        slides = "sliding_attention" in types
-    elif arch in ("qwen2", "qwen3"):
-        slides = int(cfg.get("max_window_layers", num_layers)) < num_layers
+    if arch == "mistral":
+        layers = tuple(range(num_layers))
+    elif types is not None:
+        if len(types) != num_layers:
+            raise ConfigError(f"config.json's layer_types lists {len(types)} layers, "
+                              f"num_hidden_layers is {num_layers}")
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     else:
-        slides = True
-    if not slides:
-        return None
+        first = int(cfg.get("max_window_layers", num_layers))
+        layers = tuple(range(first, num_layers))
+    if not layers:
+        return None, ()
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ConfigError(f"config.json's sliding_window {window!r} is not a positive integer")
-    return window
+    return window, layers
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

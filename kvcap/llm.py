@@ -82,25 +82,17 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def _max_model_len(spec: ModelSpec, requested: int | None) -> int:
-    """The engine's sequence limit: the request, at most the model's position limit; with a
-    sliding-window model, at most its window -- kvcap attends to the whole context, which equals
-    the model's windowed attention only that far, so it refuses to go further."""
-    window = spec.sliding_window
-    if window is not None and window < spec.max_position_embeddings:
-        if requested is not None and requested > window:
-            raise ConfigError(
-                f"max_model_len {requested} exceeds the model's sliding window ({window} tokens): "
-                "kvcap attends to the whole context, which is the model's own attention only "
-                f"for sequences of at most {window} tokens; pass max_model_len <= {window}")
-        if requested is None:
-            logger.warning("max_model_len %d: the model's sliding window (kvcap attends to the "
-                           "whole context, the same attention up to the window); its position "
-                           "limit is %d", window, spec.max_position_embeddings)
-    limit = spec.exact_max_len
+    """The engine's sequence limit: the request, at most the model's position limit."""
+    limit = spec.max_position_embeddings
     if requested is not None and requested > limit:
         logger.warning("max_model_len %d exceeds the model's position limit "
                        "(max_position_embeddings %d): using %d", requested, limit, limit)
     return min(requested or limit, limit)
+
+
+def _layer_list(layers: tuple[int, ...]) -> str:
+    return f"{layers[0]}-{layers[-1]}" if layers == tuple(range(layers[0], layers[-1] + 1)) \
+        else ", ".join(map(str, layers))
 
 
 class LLM:
@@ -168,6 +160,16 @@ class LLM:
             self.model_dir = loader.resolve_model_dir(model)
             self.spec = loader.read_spec(self.model_dir)
         self.max_model_len = _max_model_len(self.spec, max_model_len)
+        if self.qsa is not None and self.spec.sliding_window is not None:
+            # QSA's selection ranks every cached block; past a layer's window it would pick
+            # blocks the model never attends to.
+            raise ConfigError(f"QSA cannot serve a sliding-window model (layers "
+                              f"{_layer_list(self.spec.sliding_layers)} attend to the last "
+                              f"{self.spec.sliding_window} tokens only): drop qsa=")
+        if self.spec.sliding_window is not None:
+            logger.info("sliding-window attention: layers %s attend to the last %d tokens "
+                        "(the cache keeps every token of a sequence)",
+                        _layer_list(self.spec.sliding_layers), self.spec.sliding_window)
         if self.model_dir is not None:
             # Tensor-parallel workers never detokenize: rank 0 does.
             self.tokenizer = (None if tensor_parallel_size > 1 and _in_tp_worker()

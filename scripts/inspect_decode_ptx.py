@@ -103,7 +103,8 @@ def inspect_other(args, fp8: bool) -> int:
         consts = dict(GROUP=4, BLOCK_G=4, BLOCK_Q=block_m // 4, HEAD_DIM=args.head_dim,
                       BLOCK_SIZE=16, BLOCK_N=bn, FP8=fp8, SOFTWARE=software,
                       DOT_DTYPE=tl.bfloat16 if args.dtype == "bf16" else tl.float16,
-                      IEEE=False, SKIP_DECODE=True, USE_DOT=True, PREFETCH=False)
+                      IEEE=False, SKIP_DECODE=True, USE_DOT=True, PREFETCH=False,
+                      WINDOW=args.window)
         fn, tile = prefill._prefill_kernel, f"BLOCK_M={block_m}, BLOCK_N={bn}"
     else:
         maxnreg = args.maxnreg
@@ -233,6 +234,9 @@ def main() -> int:
     ap.add_argument("--prewait", action="store_true",
                     help="decode: the first tile's L2 prefetch ahead of the dependent-launch "
                          "wait (paged_decode's prewait; with --gdc 1 or 2)")
+    ap.add_argument("--window", type=int, default=0,
+                    help="decode / prefill: a sliding window of this many tokens (the "
+                         "kernels' WINDOW; 0: none)")
     ap.add_argument("--encoder", choices=["hardware", "integer"], default="hardware",
                     help="rope with an E4M3 cache: the encoder form (store_kv.encode_e4m3)")
     args = ap.parse_args()
@@ -263,7 +267,7 @@ def main() -> int:
                   USE_DOT=True, IEEE=False, PREFETCH=False,
                   DOT_DTYPE=tl.bfloat16 if args.dtype == "bf16" and not f16_dots else tl.float16,
                   WORDS=args.words, PAIRS=args.pairs, FOLD=True, BLOCK_S=8, F16_DOTS=f16_dots,
-                  GDC=args.gdc, PREWAIT=args.prewait)
+                  GDC=args.gdc, PREWAIT=args.prewait, WINDOW=args.window)
     k = compile_kernel(decode._decode_kernel, consts, fp8, args.sm, args.num_warps,
                        args.num_stages, args.maxnreg, args.dtype)
     ptx = k.asm["ptx"]

@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 # the first two share a prompt (the second with penalties: its greedy text must differ)
+DEVICE = "cuda"
 PROMPTS = ["The capital of France is", "The capital of France is", "Once upon a time,",
            "List three primary colors:", "The history of computing spans centuries. " * 12,
            "A JSON object describing a cat:", "A date and a phone number:"]
@@ -125,3 +126,44 @@ def test_speculative_decoding_on_gpu(monkeypatch, route):
             continue
         top2 = sorted(a.logprobs[k].values(), reverse=True)[:2]
         assert top2[0] - top2[1] < 0.05, (k, a.token_ids, b.token_ids)
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_sliding_window_model_on_gpu(tmp_path, monkeypatch, kv):
+    """A Mistral with a 40-token window (transformers-built, random weights, FP32) served past
+    its window on the GPU: prompt logits within 2e-3 of transformers' on CPU (FP16 cache:
+    the unquantized one), greedy tokens equal to transformers' generate, and the decode CUDA
+    graphs' tokens equal to eager steps' (E4M3 too: graphs and eager share the kernels)."""
+    tf = pytest.importorskip("transformers")
+    from kvcap.models import loader
+
+    torch.manual_seed(0)
+    cfg = tf.MistralConfig(vocab_size=320, hidden_size=128, intermediate_size=256,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=512, sliding_window=40,
+                           tie_word_embeddings=False)
+    hf = tf.MistralForCausalLM(cfg).float().eval()
+    hf.save_pretrained(tmp_path)
+    ids = torch.randint(0, 320, (1, 200), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(loader, "load_tokenizer", lambda _dir: None)
+    kw = dict(model=str(tmp_path), device=DEVICE, dtype="float32", num_blocks=96,
+              max_num_batched_tokens=64, attention_backend="triton", kv_cache_dtype=kv,
+              kv_scales=_uniform_scales(2, 0.05) if kv == "fp8_e4m3" else None)
+    prompts = [ids[0, :50].tolist(), ids[0, :7].tolist(), ids[0, :130].tolist()]
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    graphs = LLM(**kw)
+    got = [o.token_ids for o in graphs.generate(prompts, params, use_tqdm=False)]
+    eager = LLM(**kw, enforce_eager=True)
+    assert got == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    if kv == "auto":
+        with torch.no_grad():
+            ref = hf(ids).logits[0]
+            hf_out = hf.generate(ids[:, :50], max_new_tokens=60, do_sample=False)[0, 50:]
+        ours = graphs.prompt_logits([ids[0].tolist()])[0].cpu()
+        assert (ours - ref).abs().max().item() < 2e-3
+        assert got[0] == hf_out.tolist()
+
+
+def _uniform_scales(num_layers: int, scale: float) -> dict[str, float]:
+    return {f"model.layers.{i}.self_attn.{kv}_scale": scale for i in range(num_layers)
+            for kv in ("k", "v")}

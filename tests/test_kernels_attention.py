@@ -16,14 +16,23 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from test_kernels_cases import SENTINEL, dense_expected, make_case  # noqa: E402
+from test_kernels_cases import (  # noqa: E402
+    QUERY_DTYPE,
+    SENTINEL,
+    TOL,
+    dense_expected,
+    kernel_device,
+    make_case,
+    needs_kernels,
+    rel_err,
+    twin_output,
+)
 
 from kvcap.attention.torch_ref import TorchReferenceBackend  # noqa: E402
 from kvcap.attention.triton_backend import TritonBackend  # noqa: E402
 from kvcap.kernels import common  # noqa: E402
 from kvcap.kernels import decode as decode_module  # noqa: E402
 from kvcap.kernels.decode import (  # noqa: E402
-    _decode_kernel,
     choose_num_splits,
     decode_config,
     paged_decode,
@@ -31,32 +40,14 @@ from kvcap.kernels.decode import (  # noqa: E402
 from kvcap.kernels.prefill import paged_prefill  # noqa: E402
 from kvcap.kernels.store_kv import store_kv  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-pytestmark = pytest.mark.skipif(
-    DEV == "cpu" and type(_decode_kernel).__name__ != "InterpretedFunction",
-    reason="no CUDA: run with TRITON_INTERPRET=1 set before triton is imported")
+DEV = kernel_device()
+pytestmark = needs_kernels()
 
 MIXED = [(0, 7), (20, 1), (13, 5), (33, 1), (0, 1), (16, 19)]
 DECODE = [(40, 1), (3, 1), (70, 1), (15, 1)]
-TOL = {"fp32": 1e-4, "fp16": 4e-3, "bf16": 2.5e-2, "fp8_e4m3": 4e-3}
-_DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
-       "fp8_e4m3": torch.float16}
-
-
-def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def _reference(case) -> torch.Tensor:
-    """The torch twin on a copy of the cache (so the kernel's own store is what it reads)."""
-    from kvcap.kv_cache.pool import LayerKVCache
-    c = case.cache
-    cache = LayerKVCache(0, c.k_cache.clone(), c.v_cache.clone(), c.kv_dtype, c.k_scale,
-                         c.v_scale)
-    out = case.out_buffer()
-    TorchReferenceBackend().forward(case.q, case.k, case.v, cache, case.meta,
-                                    case.softmax_scale, out)
-    return out
+_DT = QUERY_DTYPE
+_err = rel_err
+_reference = twin_output
 
 
 def _check(case, out, kv_dtype, twin=None):

@@ -10,8 +10,10 @@ the full per-sequence K/V, dequantized through torch.float8_e4m3fn.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from kvcap.attention.metadata import AttentionMetadata
@@ -20,6 +22,10 @@ from kvcap.kv_cache.pool import LayerKVCache
 K_SCALE = 0.0371
 V_SCALE = 0.0129
 SENTINEL = 7.0
+# Relative-error bounds by cache dtype, and the query dtype each cache is tested with.
+TOL = {"fp32": 1e-4, "fp16": 4e-3, "bf16": 2.5e-2, "fp8_e4m3": 4e-3}
+QUERY_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
+               "fp8_e4m3": torch.float16}
 _STORE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
           "fp8_e4m3": torch.uint8}
 
@@ -51,7 +57,10 @@ def _fp8_deq(x: torch.Tensor, scale: float) -> torch.Tensor:
 def make_case(seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, *, block_size: int = 16,
               kv_dtype: str = "fp16", dtype: torch.dtype = torch.float16, pad_rows: int = 0,
               big_block_index: bool = False, extra_blocks: int = 5, seed: int = 0,
-              device: str = "cpu", k_scale: float = K_SCALE, v_scale: float = V_SCALE) -> Case:
+              device: str = "cpu", k_scale: float = K_SCALE, v_scale: float = V_SCALE,
+              window: int | None = None) -> Case:
+    """`window`: the layer slides over that many tokens; the cached positions no new token
+    sees are poisoned like unused memory, so a kernel that reads one fails loudly."""
     g = torch.Generator().manual_seed(seed)
     bs = block_size
     need = [math.ceil((c + n) / bs) for c, n in seqs]
@@ -98,6 +107,10 @@ def make_case(seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, *, block_s
             for src, dst, sc in ((fk[:c], k_cache, k_scale), (fv[:c], v_cache, v_scale)):
                 vals = _fp8_ref(src, sc) if fp8 else src.to(store)
                 dst[blk, :, off] = vals.to(device)
+            unseen = max(c - window + 1, 0) if window else 0
+            if unseen:
+                for dst in (k_cache, v_cache):
+                    dst[blk[:unseen], :, off[:unseen]] = 0x7F if fp8 else float("nan")
     q = torch.cat(new_q + [torch.randn(pad_rows, hq, d, generator=g).to(dtype)])
     k = torch.cat(new_k + [torch.randn(pad_rows, hkv, d, generator=g).to(dtype)])
     v = torch.cat(new_v + [torch.randn(pad_rows, hkv, d, generator=g).to(dtype)])
@@ -107,7 +120,7 @@ def make_case(seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, *, block_s
     ks = torch.tensor(k_scale, dtype=torch.float32, device=device) if fp8 else None
     vs = torch.tensor(v_scale, dtype=torch.float32, device=device) if fp8 else None
     cache = LayerKVCache(layer_idx=0, k_cache=k_cache, v_cache=v_cache, kv_dtype=kv_dtype,
-                         k_scale=ks, v_scale=vs)
+                         k_scale=ks, v_scale=vs, window=window)
     return Case(q.to(device), k.to(device), v.to(device), cache, meta, list(seqs), full_k,
                 full_v, 1.0 / math.sqrt(d))
 
@@ -131,6 +144,9 @@ def dense_expected(case: Case) -> torch.Tensor:
         v = v.repeat_interleave(group, dim=1)
         sc = torch.einsum("nhd,shd->hns", q, k) * case.softmax_scale
         mask = torch.arange(c + n)[None, :] <= (c + torch.arange(n))[:, None]
+        if case.cache.window:
+            mask &= torch.arange(c + n)[None, :] > (c + torch.arange(n))[:, None] - \
+                case.cache.window
         sc = sc.masked_fill(~mask.to(sc.device), float("-inf"))
         outs.append(torch.einsum("hns,shd->nhd", torch.softmax(sc, -1), v))
     return torch.cat(outs) if outs else case.q.new_zeros((0,) + case.q.shape[1:]).double()
@@ -159,3 +175,37 @@ def test_case_builder_tables_are_valid():
     assert torch.isnan(case.cache.k_cache).any()  # poisoned free memory
     exp = dense_expected(case)
     assert exp.shape == (8, 4, 16) and torch.isfinite(exp).all()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def twin_output(case: Case) -> torch.Tensor:
+    """The torch twin (TorchReferenceBackend: store, then attend) on a copy of the cache, so
+    the kernel under test reads its own store."""
+    from kvcap.attention.torch_ref import TorchReferenceBackend
+
+    c = case.cache
+    cache = LayerKVCache(0, c.k_cache.clone(), c.v_cache.clone(), c.kv_dtype, c.k_scale,
+                         c.v_scale, window=c.window)
+    out = case.out_buffer()
+    TorchReferenceBackend().forward(case.q, case.k, case.v, cache, case.meta,
+                                    case.softmax_scale, out)
+    return out
+
+
+def kernel_device() -> str:
+    """Where the kernel tests run: the GPU, or the CPU under the Triton interpreter."""
+    gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    return "cuda" if gpu else "cpu"
+
+
+def needs_kernels():
+    """skipif mark for kernel tests on a CPU whose triton was imported without the
+    interpreter (TRITON_INTERPRET=1 must be set before triton is imported)."""
+    from kvcap.kernels.decode import _decode_kernel
+
+    return pytest.mark.skipif(
+        kernel_device() == "cpu" and type(_decode_kernel).__name__ != "InterpretedFunction",
+        reason="no CUDA: run with TRITON_INTERPRET=1 set before triton is imported")

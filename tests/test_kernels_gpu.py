@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     reason="needs a CUDA GPU (compiled Triton)")]
 
 if torch.cuda.is_available():
-    from test_kernels_cases import SENTINEL, dense_expected, make_case
+    from test_kernels_cases import SENTINEL, dense_expected, make_case, twin_output
 
     from kvcap.attention.torch_ref import TorchReferenceBackend
     from kvcap.attention.triton_backend import TritonBackend
@@ -48,19 +48,33 @@ def test_store_kv_bit_exact_large():
 @pytest.mark.parametrize("kv,mode", [("fp16", "auto"), ("bf16", "auto"), ("fp8_e4m3", "native"),
                                      ("fp8_e4m3", "software")])
 def test_mixed_long_context(hq, hkv, d, kv, mode):
+    _mixed_long_context(hq, hkv, d, kv, mode, [(3000, 1), (17, 1), (700, 300), (5000, 1),
+                                               (0, 65), (1, 1)], hq + d)
+
+
+@pytest.mark.parametrize("hq,hkv,d", SHAPES[:3])
+@pytest.mark.parametrize("kv,mode", [("bf16", "auto"), ("fp8_e4m3", "native"),
+                                     ("fp8_e4m3", "software")])
+@pytest.mark.parametrize("window", [1000, 4096])
+def test_sliding_window_long_context(hq, hkv, d, kv, mode, window):
+    """Sliding-window layers at real shapes over the default launches (split-K over the
+    window's tiles, the word / byte / 16-bit routes, prefill tiles); cached positions no
+    query sees are poisoned, so reading one shows as NaN."""
+    _mixed_long_context(hq, hkv, d, kv, mode, [(3000, 1), (17, 1), (700, 300), (5000, 1),
+                                               (0, 65), (9000, 1), (4000, 200)],
+                        hq + d + window, window)
+
+
+def _mixed_long_context(hq, hkv, d, kv, mode, seqs, seed, window=None):
     dtype = torch.bfloat16 if kv == "bf16" else torch.float16
-    seqs = [(3000, 1), (17, 1), (700, 300), (5000, 1), (0, 65), (1, 1)]
     case = make_case(seqs, hq, hkv, d, kv_dtype=kv, dtype=dtype, pad_rows=5, device="cuda",
-                     seed=hq + d)
-    c = case.cache
-    twin_cache = LayerKVCache(0, c.k_cache.clone(), c.v_cache.clone(), kv, c.k_scale, c.v_scale)
-    twin = case.out_buffer()
-    TorchReferenceBackend().forward(case.q, case.k, case.v, twin_cache, case.meta,
-                                    case.softmax_scale, twin)
+                     seed=seed, window=window)
+    twin = twin_output(case)
     out = case.out_buffer()
-    TritonBackend(mode).forward(case.q, case.k, case.v, c, case.meta, case.softmax_scale, out)
+    TritonBackend(mode).forward(case.q, case.k, case.v, case.cache, case.meta,
+                                case.softmax_scale, out)
     n = case.meta.num_tokens
-    assert (out[n:] == SENTINEL).all()
+    assert (out[n:] == SENTINEL).all() and torch.isfinite(out[:n]).all()
     tol = 2e-2 if kv == "bf16" else 5e-3
     assert _err(out[:n], twin[:n]) < tol
     assert _err(out[:n], dense_expected(case)) < tol

@@ -62,14 +62,14 @@ def test_logits_match_transformers(kind, tmp_path):
     assert (ours - ref).abs().max().item() < 1e-4
 
 
-def _init_without_tokenizer(llm: LLM, path) -> None:
+def _init_without_tokenizer(llm: LLM, path, **kw) -> None:
     from kvcap.models import loader
 
     real = loader.load_tokenizer
     loader.load_tokenizer = lambda _dir: None
     try:
         LLM.__init__(llm, model=str(path), device="cpu", dtype="float32",
-                     max_num_batched_tokens=64, num_blocks=64)
+                     max_num_batched_tokens=64, num_blocks=64, **kw)
     finally:
         loader.load_tokenizer = real
 
@@ -119,25 +119,29 @@ def _mini(arch: str, **extra) -> dict:
     return {"architectures": [names[arch]], **COMMON, **extra}
 
 
-@pytest.mark.parametrize("arch, extra, window", [
-    ("mistral", dict(sliding_window=4096), 4096),
-    ("mistral", dict(sliding_window=None), None),
-    ("mistral", dict(), None),
-    ("llama", dict(sliding_window=4096), None),  # not a Llama field: transformers ignores it
-    ("qwen2", dict(sliding_window=4096, use_sliding_window=False), None),
-    ("qwen2", dict(sliding_window=4096, use_sliding_window=True, max_window_layers=2), None),
-    ("qwen2", dict(sliding_window=4096, use_sliding_window=True, max_window_layers=1), 4096),
+@pytest.mark.parametrize("arch, extra, window, layers", [
+    ("mistral", dict(sliding_window=4096), 4096, (0, 1)),
+    ("mistral", dict(sliding_window=None), None, ()),
+    ("mistral", dict(), None, ()),
+    # transformers' Mistral ignores layer_types: every layer slides
+    ("mistral", dict(sliding_window=64, layer_types=["full_attention"] * 2), 64, (0, 1)),
+    ("llama", dict(sliding_window=4096), None, ()),  # not a Llama field: transformers ignores it
+    ("qwen2", dict(sliding_window=4096, use_sliding_window=False), None, ()),
+    ("qwen2", dict(sliding_window=4096, use_sliding_window=True, max_window_layers=2), None, ()),
+    ("qwen2", dict(sliding_window=4096, use_sliding_window=True, max_window_layers=1), 4096,
+     (1,)),
     ("qwen3", dict(sliding_window=64, use_sliding_window=True,
-                   layer_types=["full_attention", "sliding_attention"]), 64),
+                   layer_types=["sliding_attention", "full_attention"]), 64, (0,)),
     ("qwen3", dict(sliding_window=64, use_sliding_window=True,
-                   layer_types=["full_attention", "full_attention"]), None),
+                   layer_types=["full_attention", "full_attention"]), None, ()),
 ])
-def test_sliding_window_read_as_transformers_reads_it(arch, extra, window):
+def test_sliding_window_read_as_transformers_reads_it(arch, extra, window, layers):
     from kvcap.config import ModelSpec
 
     spec = ModelSpec.from_hf_config(_mini(arch, **extra))
-    assert spec.sliding_window == window
-    assert spec.exact_max_len == min(COMMON["max_position_embeddings"], window or 10**9)
+    assert (spec.sliding_window, spec.sliding_layers) == (window, layers)
+    assert [spec.layer_window(i) for i in range(2)] == [window if i in layers else None
+                                                        for i in range(2)]
 
 
 def test_unsupported_activation_and_bad_window_are_refused():
@@ -153,29 +157,56 @@ def test_unsupported_activation_and_bad_window_are_refused():
         ModelSpec.from_hf_config(_mini("mistral", sliding_window=0))
 
 
-def test_sliding_window_model_runs_exactly_up_to_its_window(tmp_path, caplog):
-    """kvcap attends to the whole context: a Mistral checkpoint with a 32-token window is the
-    same model only for sequences of <= 32 tokens, so the engine stops there (and says why)
-    rather than computing something else past it (a prompt leaves room for one token)."""
+@pytest.mark.parametrize("kind, backend", [("mistral", "torch"), ("qwen3_mixed", "torch"),
+                                           ("mistral", "triton"), ("qwen3_mixed", "triton")])
+def test_sliding_window_model_matches_transformers_past_its_window(kind, backend, tmp_path,
+                                                                   caplog):
+    """A 24-token window over 150-token sequences: every layer of a Mistral, or one of a
+    Qwen3's two (layer_types), sees only its window. Teacher-forced logits over a prompt
+    prefilled in 64-token chunks, and greedy decoding past the window, equal transformers',
+    with the torch backend and the Triton kernels (the CPU interpreter here)."""
+    import os
+
+    import transformers as tf
+
+    from kvcap import SamplingParams
+
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (set before triton is imported) or a GPU run")
+    torch.manual_seed(0)
+    if kind == "mistral":
+        hf = tf.MistralForCausalLM(tf.MistralConfig(**COMMON, sliding_window=24))
+    else:
+        hf = tf.Qwen3ForCausalLM(tf.Qwen3Config(
+            **COMMON, head_dim=32, sliding_window=24, use_sliding_window=True,
+            layer_types=["full_attention", "sliding_attention"]))
+    hf = hf.float().eval()
+    hf.save_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, COMMON["vocab_size"], (1, 150), generator=gen)
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+        hf_out = hf.generate(ids[:, :40], max_new_tokens=30, do_sample=False)[0, 40:].tolist()
+    llm = LLM.__new__(LLM)
+    with caplog.at_level("INFO", logger="kvcap.llm"):
+        _init_without_tokenizer(llm, tmp_path, attention_backend=backend)
+    assert llm.max_model_len == COMMON["max_position_embeddings"]
+    assert "attend to the last 24 tokens" in caplog.text
+    ours = llm.prompt_logits([ids[0].tolist()])[0]
+    assert (ours - ref).abs().max().item() < 1e-4
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    out = llm.generate([ids[0, :40].tolist()], params, use_tqdm=False)[0]
+    assert out.token_ids == hf_out
+
+
+def test_qsa_refuses_a_sliding_window_model(tmp_path):
     import transformers as tf
 
     from kvcap.errors import ConfigError
 
-    torch.manual_seed(0)
-    hf = tf.MistralForCausalLM(tf.MistralConfig(**COMMON, sliding_window=32)).float().eval()
-    hf.save_pretrained(tmp_path)
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, COMMON["vocab_size"], (1, 31), generator=gen)
-    with torch.no_grad():
-        ref = hf(ids).logits[0]
-    llm = LLM.__new__(LLM)
-    with caplog.at_level("WARNING", logger="kvcap.llm"):
-        _init_without_tokenizer(llm, tmp_path)
-    assert llm.max_model_len == 32 and "sliding window" in caplog.text
-    ours = llm.prompt_logits([ids[0].tolist()])[0]
-    assert (ours - ref).abs().max().item() < 1e-4
-    with pytest.raises(ConfigError, match="exceeds the model's sliding window"):
-        LLM(model=str(tmp_path), device="cpu", max_model_len=64)
+    tf.MistralForCausalLM(tf.MistralConfig(**COMMON, sliding_window=24)).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="QSA cannot serve a sliding-window model"):
+        LLM(model=str(tmp_path), device="cpu", qsa="every4")
 
 
 def test_max_model_len_past_the_position_limit_is_cut_and_said(caplog):

@@ -33,13 +33,15 @@ def store_kv_reference(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
         dst[blk, :, off] = vals  # advanced indices first: [n, Hkv, D]
 
 
-def gather_kv_reference(cache: LayerKVCache, block_table: torch.Tensor, seq_len: int
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantized FP32 K and V of one sequence: [Hkv, seq_len, D] each."""
+def gather_kv_reference(cache: LayerKVCache, block_table: torch.Tensor, seq_len: int,
+                        start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized FP32 K and V of one sequence's positions [start, seq_len): [Hkv, n, D]
+    each. Blocks before `start`'s are not read."""
     bs = cache.block_size
     nblk = (seq_len + bs - 1) // bs
-    blocks = block_table[:nblk].long()
-    if blocks.numel() < nblk or bool((blocks < 0).any()):
+    first = start // bs
+    blocks = block_table[first:nblk].long()
+    if blocks.numel() < nblk - first or bool((blocks < 0).any()):
         raise ValueError(f"block table covers fewer than the {nblk} blocks of {seq_len} tokens")
     out = []
     for src, scale in ((cache.k_cache, cache.k_scale), (cache.v_cache, cache.v_scale)):
@@ -48,25 +50,33 @@ def gather_kv_reference(cache: LayerKVCache, block_table: torch.Tensor, seq_len:
         # per layer per sequence for a 1457-block pool on CPU, vs 0.03 ms this way.)
         pages = src.index_select(0, blocks).permute(1, 0, 2, 3)
         hkv, d = pages.shape[0], pages.shape[3]
-        x = pages.reshape(hkv, nblk * bs, d)[:, :seq_len]
+        x = pages.reshape(hkv, (nblk - first) * bs, d)[:, start - first * bs: seq_len - first * bs]
         x = e4m3.decode(x, scale) if cache.is_fp8 else x.float()
         out.append(x)
     return out[0], out[1]
 
 
 def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int,
-                     softmax_scale: float) -> torch.Tensor:
-    """Causal GQA attention of n new queries q [n, Hq, D] over k/v [Hkv, S, D] (FP32), where
-    query j sits at position context_len + j. Returns FP32 [n, Hq, D]."""
+                     softmax_scale: float, window: int | None = None,
+                     key_start: int = 0) -> torch.Tensor:
+    """Causal GQA attention of n new queries q [n, Hq, D] over k/v [Hkv, S, D] (FP32) holding
+    positions key_start .. key_start + S - 1, where query j sits at position context_len + j
+    and, with a `window`, sees only the positions p - window + 1 .. p. Returns FP32
+    [n, Hq, D]."""
     n, hq, d = q.shape
     hkv, s, _ = k.shape
     group = hq // hkv
     # Group query heads by their KV head: [Hkv, group * n, D], no K/V repetition.
     qf = q.float().reshape(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
     scores = torch.matmul(qf, k.transpose(1, 2)) * softmax_scale  # [Hkv, group * n, S]
-    if n > 1 or context_len + 1 < s:
+    # (the last query's window starts latest: past key_start, some key is masked)
+    windowed = window is not None and context_len + n - window > key_start
+    if n > 1 or context_len + 1 < key_start + s or windowed:
         qpos = context_len + torch.arange(n, device=q.device).repeat(group)
-        mask = torch.arange(s, device=q.device)[None, :] > qpos[:, None]
+        kpos = key_start + torch.arange(s, device=q.device)
+        mask = kpos[None, :] > qpos[:, None]
+        if windowed:
+            mask |= kpos[None, :] <= qpos[:, None] - window
         scores = scores.masked_fill(mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     o = torch.matmul(probs, v)  # [Hkv, group * n, D]
@@ -89,7 +99,10 @@ class TorchReferenceBackend(AttentionBackend):
             n = end - start
             if n == 0:
                 continue
-            kf, vf = gather_kv_reference(cache, meta.block_tables[i], seq_len)
-            res = attend_reference(q[start:end], kf, vf, seq_len - n, softmax_scale)
+            # With a window, the first query sees nothing before seq_len - n - window + 1.
+            lo = max(seq_len - n - cache.window + 1, 0) if cache.window else 0
+            kf, vf = gather_kv_reference(cache, meta.block_tables[i], seq_len, lo)
+            res = attend_reference(q[start:end], kf, vf, seq_len - n, softmax_scale,
+                                   cache.window, lo)
             out[start:end] = res.to(out.dtype)
         return out

@@ -69,11 +69,13 @@ class TritonBackend(AttentionBackend):
         sig = (q.shape, q.dtype, q.stride(), q.device, out.shape, out.dtype, out.stride(),
                kc.shape, kc.dtype, kc.stride(), vc.shape, vc.dtype, vc.stride(),
                ks is None, vs is None, softmax_scale, _capturing())
-        got = self._launchers.get(builder)
+        key = (builder, cache.window)  # sliding and full layers may alternate: a plan each
+        got = self._launchers.get(key)
         if got is None or got[0] != sig:
-            got = self._launchers[builder] = (sig, builder(
+            got = self._launchers[key] = (sig, builder(
                 q, kc, vc, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                softmax_scale, bound, ks, vs, fp8_mode=self.fp8_mode, **kwargs))
+                softmax_scale, bound, ks, vs, fp8_mode=self.fp8_mode, window=cache.window,
+                **kwargs))
         if got[1] is not None:
             got[1](q, kc, vc, out, ks, vs)
 

@@ -92,7 +92,7 @@ def _resolve(cfg: CompareConfig) -> tuple[Path, Any, Budget]:
     spec = loader.read_spec(base)
     budget = cfg.budget or (QUICK if cfg.quick else FULL)
     budget = Budget(**{**asdict(budget), **cfg.overrides})
-    window = spec.exact_max_len
+    window = spec.max_position_embeddings
     if "retrieval" in cfg.tasks:
         budget = Budget(**{**asdict(budget), "contexts": tuple(
             retrieval.validate_contexts(budget.contexts, window))})

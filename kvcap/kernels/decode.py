@@ -98,25 +98,32 @@ def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
                  BLOCK_N: tl.constexpr, FP8: tl.constexpr, SOFTWARE: tl.constexpr,
                  SOFTWARE_V: tl.constexpr, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
                  IEEE: tl.constexpr, CAUSAL: tl.constexpr, PREFETCH: tl.constexpr,
-                 UNSIGNED_ROWS: tl.constexpr = False):
+                 UNSIGNED_ROWS: tl.constexpr = False, wlo=0, WINDOW: tl.constexpr = 0):
     """Online-softmax attention of BLOCK_H query rows over cached tokens [lo, hi) of one KV
     head. Returns (m, l, acc): base-2 running max, sum, unnormalised FP32 output. With
     CAUSAL, row r sees positions <= qpos[r]. With PREFETCH the raw K/V bytes of the next tile
     are loaded into registers before the current tile is decoded and used, keeping loads in
     flight. SOFTWARE / SOFTWARE_V: the decoder of K / of V (they may differ). UNSIGNED_ROWS:
-    row offsets in paged_byte_offsets' form (_row_offsets)."""
+    row offsets in paged_byte_offsets' form (_row_offsets). WINDOW > 0: a sliding window --
+    no position below `wlo` is read, and with CAUSAL row r sees only qpos[r] - WINDOW + 1 ..
+    qpos[r]."""
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     if PREFETCH:
         pos0 = lo + tl.arange(0, BLOCK_N)
-        row0 = _row_offsets(bt_ptr, bt_stride, seq, pos0, pos0 < hi, BLOCK_SIZE,
+        mask0 = pos0 < hi
+        if WINDOW > 0:
+            mask0 = mask0 & (pos0 >= wlo)
+        row0 = _row_offsets(bt_ptr, bt_stride, seq, pos0, mask0, BLOCK_SIZE,
                             stride_cb, stride_ct, head_off, UNSIGNED_ROWS)
-        kr = load_raw(kc_ptr, row0, pos0 < hi, HEAD_DIM)
-        vr = load_raw(vc_ptr, row0, pos0 < hi, HEAD_DIM)
+        kr = load_raw(kc_ptr, row0, mask0, HEAD_DIM)
+        vr = load_raw(vc_ptr, row0, mask0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pmask = pos < hi
+        if WINDOW > 0:  # only a window's first tile starts below wlo
+            pmask = pmask & (pos >= wlo)
         if PREFETCH:
             npos = pos + BLOCK_N
             nmask = npos < hi
@@ -133,6 +140,8 @@ def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
         s = mm(q, tl.trans(k), USE_DOT, IEEE) * qk_scale
         if CAUSAL:
             valid = pmask[None, :] & (pos[None, :] <= qpos[:, None])
+            if WINDOW > 0:
+                valid = valid & (pos[None, :] > qpos[:, None] - WINDOW)
         else:
             valid = pmask[None, :]
         m_new, alpha, p, l_i = online_softmax_step(tl.where(valid, s, float("-inf")), m_i, l_i)
@@ -185,11 +194,12 @@ def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_st
                       BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       BLOCK_N: tl.constexpr, SOFTWARE: tl.constexpr, SOFTWARE_V: tl.constexpr,
                       DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, PAIRS: tl.constexpr,
-                      F16_DOTS: tl.constexpr = False):
+                      F16_DOTS: tl.constexpr = False, wlo=0, WINDOW: tl.constexpr = 0):
     """attend_tiles for E4M3 caches read as 32-bit words: the head dimension is split into the
     four column groups a word decodes to (column 4c + j -> group j), so QK^T is four dots of
     K = D/4 and the output is four [BLOCK_H, D/4] accumulators (returned in group order).
-    F16_DOTS: BF16 queries on FP16 dots (fp16_scale)."""
+    F16_DOTS: BF16 queries on FP16 dots (fp16_scale). WINDOW > 0: positions below `wlo` are
+    neither read nor seen."""
     qb = q_ptr + q_base + heads[:, None].to(tl.int64) * stride_qh
     c4 = tl.arange(0, HEAD_DIM // 4)[None, :] * 4
     q0 = tl.load(qb + c4, mask=hmask[:, None], other=0.0)
@@ -216,6 +226,8 @@ def attend_word_tiles(q_ptr, q_base, heads, hmask, kc_ptr, vc_ptr, bt_ptr, bt_st
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pmask = pos < hi
+        if WINDOW > 0:
+            pmask = pmask & (pos >= wlo)
         row = paged_word_offsets(bt_ptr, bt_stride, seq, pos, pmask, BLOCK_SIZE, stride_cb,
                                  stride_ct, head_off)
         k0, k1, k2, k3 = convert_words(load_words(kc_ptr, row, pmask, HEAD_DIM), SOFTWARE,
@@ -246,26 +258,42 @@ def _store_groups(base, hmask, o0, o1, o2, o3, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _split_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
-    """[lo, hi): the cached positions split `split` of num_splits attends (whole tiles)."""
-    per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits) * BLOCK_N
-    lo = split * per_split
+def window_start(seq_len, WINDOW: tl.constexpr):
+    """The first position a decode query (at seq_len - 1) sees through a WINDOW-token window."""
+    return tl.maximum(seq_len - WINDOW, 0)
+
+
+@triton.jit
+def _split_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = 0):
+    """[lo, hi): the cached positions split `split` of num_splits attends (whole tiles). With a
+    sliding WINDOW the splits share the tiles from the one holding window_start(seq_len) on."""
+    if WINDOW > 0:
+        first = (window_start(seq_len, WINDOW) // BLOCK_N) * BLOCK_N
+        per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), num_splits) * BLOCK_N
+        lo = first + split * per_split
+    else:
+        per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits) * BLOCK_N
+        lo = split * per_split
     return lo, tl.minimum(lo + per_split, seq_len)
 
 
 @triton.jit
 def _prefetch_first_tile(kc_ptr, vc_ptr, bt_ptr, bt_stride, seq_lens_ptr, num_splits, head_off,
                          stride_cb, stride_ct, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, UNSIGNED_ROWS: tl.constexpr):
+                         BLOCK_N: tl.constexpr, UNSIGNED_ROWS: tl.constexpr,
+                         WINDOW: tl.constexpr = 0):
     """L2 prefetch of this program's first K/V tile (every 128-byte line of each row), from
     what the kernel before a dependent launch does not write -- the sequence length and the
     block table (host copies made before the step) -- so it can run ahead of pdl_wait and
     overlap the previous kernel's tail. The newest token's row, which that kernel may still be
     writing, is only hinted at, never read (prefetch_l2)."""
     seq = tl.program_id(0)
-    lo, hi = _split_bounds(tl.load(seq_lens_ptr + seq), tl.program_id(2), num_splits, BLOCK_N)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo, hi = _split_bounds(seq_len, tl.program_id(2), num_splits, BLOCK_N, WINDOW)
     pos = lo + tl.arange(0, BLOCK_N)
     mask = pos < hi
+    if WINDOW > 0:
+        mask = mask & (pos >= window_start(seq_len, WINDOW))
     rows = _row_offsets(bt_ptr, bt_stride, seq, pos, mask, BLOCK_SIZE, stride_cb, stride_ct,
                         head_off, UNSIGNED_ROWS)
     LINE_ELEMS: tl.constexpr = 1024 // kc_ptr.dtype.element_ty.primitive_bitwidth
@@ -289,7 +317,7 @@ def _decode_kernel(
     PREFETCH: tl.constexpr, WORDS: tl.constexpr, PAIRS: tl.constexpr = False,
     FOLD: tl.constexpr = False, BLOCK_S: tl.constexpr = 8,
     F16_DOTS: tl.constexpr = False, GDC: tl.constexpr = 0,
-    PREWAIT: tl.constexpr = False,
+    PREWAIT: tl.constexpr = False, WINDOW: tl.constexpr = 0,
 ):
     seq = tl.program_id(0)
     hp = tl.program_id(1)
@@ -298,7 +326,7 @@ def _decode_kernel(
     if PREWAIT:  # an experiment, off by default (paged_decode's `prewait`)
         _prefetch_first_tile(kc_ptr, vc_ptr, bt_ptr, bt_stride, seq_lens_ptr, num_splits,
                              kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, HEAD_DIM,
-                             BLOCK_SIZE, BLOCK_N, FP8 and HEAD_DIM == 64)
+                             BLOCK_SIZE, BLOCK_N, FP8 and HEAD_DIM == 64, WINDOW)
     pdl_wait(GDC)  # q and the cache rows come from the kernel before (common.pdl_launch)
     # All three loads issued together: the length is not behind the branch's round trip.
     q_row = tl.load(qsl_ptr + seq)
@@ -309,7 +337,8 @@ def _decode_kernel(
     h = tl.arange(0, BLOCK_H)
     hmask = h < HEADS
     heads = hp * HEADS + h
-    lo, hi = _split_bounds(seq_len, split, num_splits, BLOCK_N)
+    lo, hi = _split_bounds(seq_len, split, num_splits, BLOCK_N, WINDOW)
+    wlo = window_start(seq_len, WINDOW) if WINDOW > 0 else 0
     if SPLIT and split > 0 and lo >= seq_len:
         # A split the sequence leaves empty (the engine sizes splits for a context class)
         # writes nothing: the merge reads only used_splits' partials.
@@ -329,7 +358,7 @@ def _decode_kernel(
             q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, kc_ptr, vc_ptr, bt_ptr,
             bt_stride, seq, lo, hi, qk_scale, kvh.to(tl.int64) * stride_ch, stride_cb,
             stride_ct, stride_qh, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFTWARE, SOFTWARE_V,
-            DOT_DTYPE, IEEE, PAIRS, F16_DOTS)
+            DOT_DTYPE, IEEE, PAIRS, F16_DOTS, wlo, WINDOW)
     else:
         if F16_DOTS:  # BF16 queries, FP16 dots: one power of two for the program's queries
             q = _load_q(q_ptr, q_row.to(tl.int64) * stride_qt, heads, hmask, HEAD_DIM,
@@ -344,7 +373,7 @@ def _decode_kernel(
             q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi, qk_scale,
             kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, h,
             BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, SOFTWARE_V, USE_DOT,
-            DOT_DTYPE, IEEE, False, PREFETCH, FP8 and HEAD_DIM == 64)
+            DOT_DTYPE, IEEE, False, PREFETCH, FP8 and HEAD_DIM == 64, wlo, WINDOW)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     if not SPLIT:
         inv = (out_scale / l_safe)[:, None]
@@ -363,17 +392,22 @@ def _decode_kernel(
     if SPLIT and FOLD:
         _merge_if_last(out_ptr, po_ptr, plse_ptr, cnt_ptr + seq * tl.num_programs(1) + hp, vs_ptr,
                        q_row, seq, hp * HEADS, stride_ot, stride_oh, stride_pb, stride_ph,
-                       stride_ps, used_splits(seq_len, num_splits, BLOCK_N), HEADS, BLOCK_S,
-                       HEAD_DIM, FP8, SOFTWARE_V)
+                       stride_ps, used_splits(seq_len, num_splits, BLOCK_N, WINDOW), HEADS,
+                       BLOCK_S, HEAD_DIM, FP8, SOFTWARE_V)
     pdl_release(GDC)
 
 
 @triton.jit
-def used_splits(seq_len, num_splits, BLOCK_N: tl.constexpr):
+def used_splits(seq_len, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = 0):
     """How many of a sequence's num_splits splits hold tokens (at least 1): _decode_kernel
     gives each split cdiv(tiles, num_splits) tiles, so a sequence shorter than the length
-    the split count was chosen for leaves the last splits empty."""
-    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    the split count was chosen for leaves the last splits empty (tiles: those _split_bounds
+    shares out)."""
+    if WINDOW > 0:
+        n_tiles = tl.cdiv(seq_len - (window_start(seq_len, WINDOW) // BLOCK_N) * BLOCK_N,
+                          BLOCK_N)
+    else:
+        n_tiles = tl.cdiv(seq_len, BLOCK_N)
     per_split = tl.maximum(tl.cdiv(n_tiles, num_splits), 1)
     return tl.maximum(tl.cdiv(n_tiles, per_split), 1)
 
@@ -407,7 +441,7 @@ def _merge_kernel(
     out_ptr, po_ptr, plse_ptr, qsl_ptr, seq_lens_ptr, vs_ptr, out_factor,
     stride_ot, stride_oh, stride_pb, stride_ph, stride_ps, num_splits,
     BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr,
-    GDC: tl.constexpr = 0,
+    GDC: tl.constexpr = 0, WINDOW: tl.constexpr = 0,
 ):
     pdl_wait(GDC)  # the partials come from the decode kernel
     seq = tl.program_id(0)
@@ -418,8 +452,8 @@ def _merge_kernel(
     if q_end - q_row != 1:
         return
     res = merge_splits(po_ptr, plse_ptr, vs_ptr, out_factor, seq.to(tl.int64) * stride_pb, head,
-                       stride_ph, stride_ps, used_splits(seq_len, num_splits, BLOCK_N), BLOCK_S,
-                       HEAD_DIM, FP8)
+                       stride_ph, stride_ps, used_splits(seq_len, num_splits, BLOCK_N, WINDOW),
+                       BLOCK_S, HEAD_DIM, FP8)
     dst = out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + tl.arange(0, HEAD_DIM)
     tl.store(dst, res.to(out_ptr.dtype.element_ty))
     pdl_release(GDC)
@@ -854,17 +888,23 @@ def decode_launcher(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     prefetch: bool | None = None, words: bool | None = None,
                     maxnreg: int | None = None, pairs: bool | None = None,
                     fold: bool = False, fp16_dots: bool | None = None,
-                    prewait: bool = False):
+                    prewait: bool = False, window: int | None = None):
     """paged_decode's host work -- checks, route, launch configuration, split buffers -- done
     once: returns `launch(q, k_cache, v_cache, out, k_scale, v_scale)`, which runs the kernels
     for tensors shaped, strided and typed as these (another layer's cache and scales, the same
     metadata), or None when there is nothing to launch. The attention backend builds one per
     step and shape and launches it in every layer, so the layers skip this Python (~25 us a
-    call on a CPU core: the eager step's host time, not the GPU's, set its speed)."""
+    call on a CPU core: the eager step's host time, not the GPU's, set its speed).
+    `window`: the layer's sliding window (LayerKVCache.window): each query reads only its last
+    `window` positions, and that span, not max_seq_len, drives the heuristics."""
     num_seqs = seq_lens.shape[0]
     hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
     if num_seqs == 0:
         return None
+    if window is not None:
+        if window < 1:
+            raise ValueError(f"window={window}: a sliding window holds at least one token")
+        max_seq_len = min(max_seq_len, window)
     group = hq // hkv
     software, software_v = fp8_decoders(q.device, fp8_mode) if fp8 else (False, False)
     bf16_e4m3 = fp8 and q.dtype == torch.bfloat16
@@ -921,7 +961,7 @@ def decode_launcher(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         USE_DOT=grouped, PREFETCH=pf, WORDS=words, PAIRS=pairs,
         FOLD=fold, BLOCK_S=max(8, triton.next_power_of_2(num_splits)),
         DOT_DTYPE=dt, IEEE=ieee, F16_DOTS=fp16_dots,
-        PREWAIT=prewait,
+        PREWAIT=prewait, WINDOW=window or 0,
         GDC=pdl_mode(pdl, grid, q.device), num_warps=nw,
         num_stages=ns, **launch, **pdl,
     )
@@ -932,7 +972,7 @@ def decode_launcher(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                          out.stride(1), *ps, num_splits)
         merge = (merge_grid, merge_scalars, dict(
             BLOCK_S=max(8, triton.next_power_of_2(num_splits)), HEAD_DIM=d,
-            FP8=fp8, BLOCK_N=bn, GDC=pdl_mode(pdl, merge_grid, q.device),
+            FP8=fp8, BLOCK_N=bn, GDC=pdl_mode(pdl, merge_grid, q.device), WINDOW=window or 0,
             num_warps=4 if q.device.type == "cuda" else 1, **pdl,
         ))
 

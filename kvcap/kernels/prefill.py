@@ -36,6 +36,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, SOFTWARE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
     SKIP_DECODE: tl.constexpr, USE_DOT: tl.constexpr, PREFETCH: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
 ):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -55,6 +56,12 @@ def _prefill_kernel(
     head = kvh * GROUP + g
     qpos = ctx + tok
     kv_end = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_Q)
+    if WINDOW > 0:  # from the tile holding the first query's first visible position
+        wlo = tl.maximum(ctx + tile * BLOCK_Q - WINDOW + 1, 0)
+        kv_start = (wlo // BLOCK_N) * BLOCK_N
+    else:
+        wlo = 0
+        kv_start = 0
 
     qk_scale = sm_scale
     out_scale = 1.0
@@ -69,10 +76,10 @@ def _prefill_kernel(
     d = tl.arange(0, HEAD_DIM)[None, :]
     q = tl.load(qbase + d, mask=rmask[:, None], other=0.0).to(DOT_DTYPE)
     m_i, l_i, acc = attend_tiles(
-        q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, 0, kv_end, qk_scale,
+        q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, kv_start, kv_end, qk_scale,
         kvh.to(tl.int64) * stride_ch, stride_cb, stride_ct, qpos,
         BLOCK_Q * BLOCK_G, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP8, SOFTWARE, SOFTWARE, USE_DOT,
-        DOT_DTYPE, IEEE, True, PREFETCH)
+        DOT_DTYPE, IEEE, True, PREFETCH, False, wlo, WINDOW)
     inv = (out_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     obase = out_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_ot + \
         head.to(tl.int64)[:, None] * stride_oh
@@ -156,14 +163,17 @@ def prefill_launcher(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      fp8_mode: str = "auto", skip_decode: bool = True,
                      block_m: int | None = None, block_n: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     maxnreg: int | None = None):
+                     maxnreg: int | None = None, window: int | None = None):
     """paged_prefill's host work done once (as decode.decode_launcher): returns
     `launch(q, k_cache, v_cache, out, k_scale, v_scale)` for tensors shaped, strided and typed
-    as these, or None when there is nothing to launch."""
+    as these, or None when there is nothing to launch. `window`: the layer's sliding window
+    (LayerKVCache.window): query at position p sees only p - window + 1 .. p."""
     num_seqs = seq_lens.shape[0]
     hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
     if num_seqs == 0 or max_query_len < 1:
         return None
+    if window is not None and window < 1:
+        raise ValueError(f"window={window}: a sliding window holds at least one token")
     group = hq // hkv
     software = fp8 and use_software_fp8(q.device, fp8_mode)
     block_g = triton.next_power_of_2(group)
@@ -182,7 +192,7 @@ def prefill_launcher(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=d,
         BLOCK_SIZE=k_cache.shape[2], BLOCK_N=bn, FP8=fp8, SOFTWARE=software,
         DOT_DTYPE=dt, IEEE=ieee, SKIP_DECODE=skip_decode,
-        USE_DOT=True, PREFETCH=False,
+        USE_DOT=True, PREFETCH=False, WINDOW=window or 0,
         num_warps=nw, num_stages=ns,
         **({"maxnreg": maxnreg} if maxnreg and q.device.type == "cuda" else {}),  # 0: no cap
     )

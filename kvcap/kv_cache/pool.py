@@ -32,6 +32,9 @@ class LayerKVCache:
     kv_dtype: str
     k_scale: torch.Tensor | None  # 0-dim FP32 device tensor; None for float caches
     v_scale: torch.Tensor | None
+    # The layer's attention window: a query at position p sees p - window + 1 .. p (None: all
+    # of 0 .. p). Backends never read a position outside it.
+    window: int | None = None
 
     @property
     def is_fp8(self) -> bool:
@@ -103,4 +106,5 @@ class KVCachePool:
             kv_dtype=self.spec.kv_dtype,
             k_scale=self.k_scales[layer_idx] if self.is_fp8 else None,
             v_scale=self.v_scales[layer_idx] if self.is_fp8 else None,
+            window=self.spec.layer_windows[layer_idx] if self.spec.layer_windows else None,
         )

@@ -17,10 +17,14 @@ class KVCacheSpec:
     block_size: int
     kv_dtype: str  # fp32 | fp16 | bf16 | fp8_e4m3
     side_bytes_per_token: int = 0  # FP16 side caches (QSA indexer) that stay unquantized
+    # Each layer's attention window (ModelSpec.layer_window; empty: no layer slides).
+    layer_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def for_model(cls, spec: ModelSpec, block_size: int, kv_dtype: str) -> KVCacheSpec:
-        return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, kv_dtype)
+        windows = tuple(spec.layer_window(i) for i in range(spec.num_layers))
+        return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, kv_dtype,
+                   layer_windows=windows if any(windows) else ())
 
     @property
     def element_bytes(self) -> int:

@@ -152,6 +152,9 @@ class QSABackend(AttentionBackend):
                 meta: AttentionMetadata, softmax_scale: float, out: torch.Tensor,
                 index: IndexInputs | None = None) -> torch.Tensor:
         layer = cache.layer_idx
+        if cache.window is not None:  # LLM refuses QSA for such models first
+            raise ValueError(f"layer {layer} slides over {cache.window} tokens: QSA selects "
+                             "from the whole context and cannot serve it")
         if layer not in self.layers or qsa_disabled():
             return self.inner.forward(q, k, v, cache, meta, softmax_scale, out)
         if self.path == "torch":
