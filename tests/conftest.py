@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +13,11 @@ import torch
 # header says so, instead of three collection errors stopping the run.
 _SERVER_PACKAGES = ("fastapi", "uvicorn", "httpx", "openai")
 _MISSING_SERVER_PACKAGES = [m for m in _SERVER_PACKAGES if importlib.util.find_spec(m) is None]
-collect_ignore = (["test_server.py", "test_server_load.py", "test_serve_cli.py",
-                   "test_server_tools.py", "test_server_chat_controls.py"]
-                  if _MISSING_SERVER_PACKAGES else [])
+# (so is every module that imports server_helpers, which runs a real uvicorn, at its top)
+collect_ignore = sorted({"test_server.py", "test_server_load.py", "test_serve_cli.py",
+                         "test_server_tools.py", "test_server_chat_controls.py"} | {
+    p.name for p in Path(__file__).parent.glob("test_*.py")
+    if "\nfrom server_helpers import" in p.read_text()} if _MISSING_SERVER_PACKAGES else set())
 # the structured-output tests check outputs with jsonschema and pydantic's schemas
 _MISSING_SCHEMA_PACKAGES = [m for m in ("jsonschema", "pydantic")
                             if importlib.util.find_spec(m) is None]
