@@ -34,7 +34,9 @@ from kvcap.commands.common import positive_float, positive_int, require_cuda
 
 CONFIGS = Path(__file__).parent / "configs"
 SHAPES = {"llama-3.1-8b": f"dummy:{CONFIGS / 'llama-3.1-8b.json'}",
-          "gqa6-d256": f"dummy:{CONFIGS / 'gqa6-d256.json'}", "embedded": "default"}
+          "gqa6-d256": f"dummy:{CONFIGS / 'gqa6-d256.json'}", "embedded": "default",
+          # Mistral-7B-v0.1's shape: every layer slides over 4,096 tokens
+          "mistral-7b-sw4k": f"dummy:{CONFIGS / 'mistral-7b-sw4k.json'}"}
 # KV mode -> (kv_cache_dtype, environment for the arm); "fp8" is the default E4M3 decode,
 # "fp8-mixed" K by the hardware conversion and V by the software decoder.
 KV_MODES = {"fp16": ("auto", {}), "fp8": ("fp8_e4m3", {}),
@@ -228,8 +230,16 @@ def weight_bytes(llm) -> int:
                if tied or p is not emb)
 
 
+def kv_read_tokens(spec, context: int) -> float:
+    """Cached tokens a decode step reads per sequence, averaged over the layers: a sliding
+    layer (KVCacheSpec.layer_windows) reads at most its window."""
+    if not spec.layer_windows:
+        return context
+    return sum(min(context, w or context) for w in spec.layer_windows) / len(spec.layer_windows)
+
+
 def roofline_step_s(llm, concurrency: int, context: int, ceiling_tbs: float) -> float:
-    kv = llm.pool.spec.bytes_per_token * concurrency * context
+    kv = llm.pool.spec.bytes_per_token * concurrency * kv_read_tokens(llm.pool.spec, context)
     return (weight_bytes(llm) + kv) / (ceiling_tbs * 1e12)
 
 
