@@ -336,3 +336,21 @@ def test_prewait_prefetch_runs_ahead_of_the_dependent_launch_wait(tmp_path, cach
     prefetches = [m.start() for m in re.finditer(r"prefetch\.global\.L2", ptx)]
     assert prefetches and max(prefetches) < wait
     assert ptx.index("ld.global") < min(prefetches)
+
+
+@pytest.mark.parametrize("kernel,cache,sm,head_dim,words", [
+    ("decode", "software", 80, 128, True), ("decode", "native", 90, 128, True),
+    ("decode", "fp16", 90, 64, False), ("decode", "software", 75, 128, False),
+    ("prefill", "native", 90, 128, False), ("prefill", "software", 80, 64, False)])
+def test_sliding_window_launches_compile_like_the_full_ones(kernel, cache, sm, head_dim, words):
+    """A sliding window (WINDOW, a constexpr) adds a few compares to the first tile's masks:
+    at each GPU's default launch it spills nothing and fits the shared memory and registers
+    the full-context launch takes (the residency the split heuristic assumes)."""
+    args = ["--kernel", kernel, "--cache", cache, "--sm", str(sm), "--head-dim", str(head_dim),
+            *(["--defaults"] if kernel == "decode" else []), *(["--words"] if words else [])]
+    full, windowed = _counts(*args), _counts(*args, "--window", "4096")
+    assert windowed["spill store bytes"] == 0
+
+    def resident(c: dict) -> int:  # every one of these launches runs 4 warps
+        return programs_per_sm(target_properties(sm), c["shared memory bytes"], c["registers"], 4)
+    assert resident(windowed) == resident(full)
