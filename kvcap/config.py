@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kvcap.errors import ConfigError
+from kvcap.models.fp8_weights import FP8Weights, read_weight_quant
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -61,6 +62,8 @@ class ModelSpec:
     # positions p - sliding_window + 1 .. p (transformers' sliding_window_overlay).
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    # Linear weights stored in FP8 (E4M3) with scales, dequantized at load (fp8_weights.py).
+    fp8_weights: FP8Weights | None = None
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelSpec:
@@ -76,7 +79,7 @@ class ModelSpec:
                 f"unsupported architecture {archs or cfg.get('model_type')!r}: kvcap supports "
                 f"{sorted(SUPPORTED_ARCHITECTURES)}"
             )
-        _refuse_quantized_weights(cfg.get("quantization_config"))
+        fp8_weights = read_weight_quant(cfg.get("quantization_config"))
         try:
             num_heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -123,6 +126,7 @@ class ModelSpec:
                 eos_token_ids=eos_ids,
                 sliding_window=window,
                 sliding_layers=sliding_layers,
+                fp8_weights=fp8_weights,
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks required field {e.args[0]!r}") from None
@@ -142,21 +146,6 @@ class ModelSpec:
             names.append(f"{self.layer_prefix}.{layer}.self_attn.k_scale")
             names.append(f"{self.layer_prefix}.{layer}.self_attn.v_scale")
         return names
-
-
-def _refuse_quantized_weights(qc: Any) -> None:
-    """kvcap loads 16/32-bit weights. A quantization_config that only declares a KV-cache scheme
-    (compressed-tensors with no weight groups: what vLLM-style FP8-KV checkpoints and kvcap's own
-    overlays carry) is fine; one that quantizes weights is refused by name, not left to fail on
-    its first packed tensor."""
-    if not isinstance(qc, dict):
-        return
-    method = qc.get("quant_method", "?")
-    if method == "compressed-tensors" and not qc.get("config_groups"):
-        return
-    raise ConfigError(f"the checkpoint's weights are quantized (quantization_config "
-                      f"quant_method {method!r}): kvcap loads FP32/FP16/BF16 weights and quantizes "
-                      "the KV cache only; use the unquantized checkpoint")
 
 
 def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int

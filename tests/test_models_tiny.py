@@ -248,15 +248,14 @@ def test_generation_config_eos_ids_stop_generation(tmp_path):
 
 
 def test_weight_quantized_checkpoints_are_refused_by_name():
-    """A checkpoint whose weights are quantized (AWQ, GPTQ, FP8, compressed-tensors weight
-    groups) is refused naming its method; a quantization_config declaring only a KV-cache scheme
-    (vLLM-style FP8-KV checkpoints, kvcap's overlays) loads."""
+    """A checkpoint whose weights are quantized other than in FP8 (AWQ, bitsandbytes; the rest
+    in tests/test_fp8_weights.py) is refused naming its method; a quantization_config declaring
+    only a KV-cache scheme (vLLM-style FP8-KV checkpoints, kvcap's overlays) loads."""
     from kvcap.config import ModelSpec
     from kvcap.errors import ConfigError
     from kvcap.scales.overlay import vllm_quantization_config
 
-    for qc in ({"quant_method": "awq", "bits": 4},
-               {"quant_method": "compressed-tensors", "config_groups": {"group_0": {}}}):
+    for qc in ({"quant_method": "awq", "bits": 4}, {"quant_method": "bitsandbytes"}):
         with pytest.raises(ConfigError, match=f"quant_method '{qc['quant_method']}'"):
             ModelSpec.from_hf_config(_mini("llama", quantization_config=qc))
     spec = ModelSpec.from_hf_config(_mini("llama", quantization_config=vllm_quantization_config()))

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcap.config import ModelSpec
+from kvcap.models.fp8_weights import dequantized
 from kvcap.models.llama import LlamaModel, rope_inv_freq
 from kvcap.models.loader import iter_safetensors
 from kvcap.models.weights import dummy_checkpoint, init_dummy_weights, load_weights
@@ -47,7 +48,12 @@ def load_model(spec: ModelSpec, model_dir: Path | None, device: torch.device,
         logger.info("model: %s with random (dummy) weights, %s%s", spec.architecture, dtype,
                     where)
         return model, {}
-    scales = load_weights(model, iter_safetensors(model_dir))
+    tensors = iter_safetensors(model_dir)
+    if spec.fp8_weights is not None:
+        logger.info("%s: dequantized to %s as they load (kvcap computes in 16 bits; the FP8 "
+                    "checkpoint saves disk, not GPU memory)", spec.fp8_weights.describe(), dtype)
+        tensors = dequantized(tensors, spec.fp8_weights)
+    scales = load_weights(model, tensors)
     logger.info("model: %s from %s, %s, %d scale tensors in checkpoint%s", spec.architecture,
                 model_dir, dtype, len(scales), where)
     return model, scales
