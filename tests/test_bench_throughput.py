@@ -132,3 +132,35 @@ def test_result_path_takes_a_json_file_or_a_directory_and_never_overwrites(tmp_p
     second.write_text("{}")
     assert result_path(tmp_path / "d", "throughput-2026-12-04").name == \
         "throughput-2026-12-04-3.json"
+
+
+def test_roofline_counts_only_the_kv_a_sliding_layer_reads():
+    """A decode step of a sliding layer reads at most its window: the per-sequence KV tokens
+    are averaged over the layers (two of four slide over 1,000 tokens here)."""
+    from kvcap.bench.throughput import kv_read_tokens
+    from kvcap.kv_cache.spec import KVCacheSpec
+
+    full = KVCacheSpec(4, 2, 64, 16, "fp16")
+    mixed = KVCacheSpec(4, 2, 64, 16, "fp16", layer_windows=(1000, None, 1000, None))
+    assert kv_read_tokens(full, 4096) == 4096
+    assert kv_read_tokens(mixed, 4096) == (1000 + 4096) / 2
+    assert kv_read_tokens(mixed, 600) == 600
+
+
+def test_startup_seconds_name_each_capture(tmp_path):
+    """The startup record: LLM(...) in all, and None for captures a CPU engine never makes."""
+    import json
+    import time
+
+    from kvcap import LLM
+    from kvcap.bench.throughput import startup_seconds
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 64,
+           "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "max_position_embeddings": 128, "rms_norm_eps": 1e-6,
+           "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    started = time.perf_counter()
+    got = startup_seconds(LLM(model=f"dummy:{tmp_path}", device="cpu", num_blocks=8), started)
+    assert isinstance(got["startup_s"], float) and got["startup_s"] >= 0
+    assert got["decode_graphs_capture_s"] is None and got["piecewise_graphs_capture_s"] is None

@@ -230,6 +230,20 @@ def weight_bytes(llm) -> int:
                if tied or p is not emb)
 
 
+def startup_seconds(llm, started: float) -> dict[str, float | None]:
+    """What the engine's start cost: `LLM(...)` in all (weights, KV pool, decoder self-check,
+    graph captures) and the two CUDA graph captures in it (None where not captured)."""
+    runner = llm.runner
+    return {"startup_s": round(time.perf_counter() - started, 2),
+            "decode_graphs_capture_s": _capture_s(runner.graphs),
+            "piecewise_graphs_capture_s": _capture_s(runner.piecewise)}
+
+
+def _capture_s(graphs) -> float | None:
+    s = getattr(graphs, "capture_s", None)
+    return None if s is None else round(s, 2)
+
+
 def kv_read_tokens(spec, context: int) -> float:
     """Cached tokens a decode step reads per sequence, averaged over the layers: a sliding
     layer (KVCacheSpec.layer_windows) reads at most its window."""
@@ -361,6 +375,7 @@ def main(argv=None) -> int:
         for pass_i, mode in arm_passes:
             with kv_arm(mode) as kv_dtype:
                 kw = dict(kv_cache_memory_gib=args.kv_gib) if args.kv_gib else {}
+                started = time.perf_counter()
                 llm = LLM(model=model, dtype=args.dtype, kv_cache_dtype=kv_dtype,
                           kv_scales=scales if kv_dtype == "fp8_e4m3" else None,
                           max_num_seqs=max(args.concurrency), max_model_len=max_ctx,
@@ -369,7 +384,8 @@ def main(argv=None) -> int:
                 if pass_i == 0:
                     report["capacity"].append({"shape": shape, "kv": mode,
                                                "tokens": llm.pool.num_tokens,
-                                               "bytes_per_token": llm.pool.spec.bytes_per_token})
+                                               "bytes_per_token": llm.pool.spec.bytes_per_token,
+                                               **startup_seconds(llm, started)})
                 for ctx in args.context:
                     for c in args.concurrency:
                         cell = {"shape": shape, "kv": mode, "concurrency": c, "context": ctx}

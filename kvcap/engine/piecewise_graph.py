@@ -96,6 +96,7 @@ class PiecewiseGraphs:
         self.model, self.backend, self.pool, self.device = model, backend, pool, device
         self.buckets = list(buckets)
         self.use_graphs = graphs
+        self.capture_s: float | None = None  # seconds capture() took with graphs
         self.pool_handle = pool_handle
         attn = model.layers[0].self_attn
         hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -185,6 +186,8 @@ class PiecewiseGraphs:
             self.hidden[t] = out  # the last piece's output: kept, so no later capture reuses it
         if self.use_graphs:
             torch.cuda.synchronize(self.device)
+        # benchmarks record it (startup cost); None without graphs (enforce_eager's padding)
+        self.capture_s = time.perf_counter() - start if self.use_graphs else None
         logger.info("piecewise CUDA graphs: %d pieces x token buckets %s, captured in %.1f s",
                     len(self.model.layers) + 1, self.buckets, time.perf_counter() - start)
 
