@@ -167,9 +167,11 @@ class LLM:
                               f"{_layer_list(self.spec.sliding_layers)} attend to the last "
                               f"{self.spec.sliding_window} tokens only): drop qsa=")
         if self.spec.sliding_window is not None:
-            logger.info("sliding-window attention: layers %s attend to the last %d tokens "
-                        "(the cache keeps every token of a sequence)",
-                        _layer_list(self.spec.sliding_layers), self.spec.sliding_window)
+            every = len(self.spec.sliding_layers) == self.spec.num_layers
+            logger.info("sliding-window attention: layers %s attend to the last %d tokens (%s)",
+                        _layer_list(self.spec.sliding_layers), self.spec.sliding_window,
+                        "blocks behind the window go back to the pool" if every else
+                        "the full layers read every token: the cache keeps them all")
         if self.model_dir is not None:
             # Tensor-parallel workers never detokenize: rank 0 does.
             self.tokenizer = (None if tensor_parallel_size > 1 and _in_tp_worker()
@@ -253,8 +255,13 @@ class LLM:
                         no_graphs or "enforce_eager / KVCAP_ENFORCE_EAGER=1")
         if kv_observer is not None:  # after capture: under TP this messages the workers
             self.set_kv_observer(kv_observer)
+        # Blocks behind the window are released only where every layer slides: a full layer
+        # still reads them.
+        every_layer_slides = len(self.spec.sliding_layers) == self.spec.num_layers
         self.block_manager = BlockManager(self.pool.num_blocks, self.config.block_size,
-                                          enable_prefix_caching=self.config.enable_prefix_caching)
+                                          enable_prefix_caching=self.config.enable_prefix_caching,
+                                          window=self.spec.sliding_window
+                                          if every_layer_slides else None)
         eos = set(self.spec.eos_token_ids)
         eos.update(loader.read_generation_eos(self.model_dir, self.spec.vocab_size))
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -220,3 +220,51 @@ def test_bad_construction() -> None:
         BlockManager(0, 16)
     with pytest.raises(ValueError):
         BlockManager(4, 0)
+
+
+def test_sliding_window_releases_blocks_behind_the_next_query() -> None:
+    """Window 6 in blocks of 4: after 17 computed tokens the next query (position 17) sees
+    12..17, so blocks 0-2 (tokens 0-11) go back to the pool -- hashed ones into the prefix
+    cache, where a request with the same prefix finds them -- while block_ids only grows."""
+    bm = BlockManager(10, BS, window=6)
+    a = make_req("a", range(17))
+    run_prompt(bm, a)
+    ids = list(a.block_ids)
+    assert len(ids) == 5 and bm.num_used_blocks == 5
+    assert bm.release_behind(a) == 3 and a.num_released_blocks == 3
+    assert a.block_ids == ids and bm.num_used_blocks == 2 and bm.num_cached_blocks == 4
+    check(bm, a)
+    assert bm.release_behind(a) == 0  # nothing new behind the window
+    a.num_computed_tokens = 18  # one decode step later: 13..18, block 3 (12-15) still seen
+    assert bm.release_behind(a) == 0
+    b = make_req("b", list(range(12)) + [99, 98])  # shares the released blocks 0-2
+    assert bm.allocate_prompt(b) and b.block_ids == ids[:3]
+    check(bm, a, b)
+    bm.free(a)
+    assert a.num_released_blocks == 0 and a.block_ids == []
+    bm.free(b)
+    check(bm)
+    assert bm.num_free_blocks == 10
+
+
+def test_peak_blocks_bound_a_windowed_sequence() -> None:
+    """Without a window a sequence holds all its blocks; with one, at most the window before
+    a chunk plus the chunk (and one block for alignment)."""
+    assert BlockManager(10, BS).peak_blocks(100, 8) == 25
+    bm = BlockManager(10, BS, window=6)
+    assert bm.peak_blocks(100, 8) == 5  # ceil((6 - 1 + 8) / 4) + 1
+    assert bm.peak_blocks(9, 8) == 3  # a short sequence: all of it
+    a = make_req("a", range(100))
+    assert bm.allocate_prompt(a)
+    most = 0
+    while a.num_computed_tokens < a.num_tokens:  # prefill in 8-token chunks
+        n = min(8, a.num_tokens - a.num_computed_tokens)
+        assert bm.ensure_slots(a, n)
+        most = max(most, bm.num_used_blocks)
+        a.num_computed_tokens += n
+        bm.commit_full_blocks(a)
+        bm.release_behind(a)
+        check(bm, a)
+    assert most <= bm.peak_blocks(100, 8)
+    with pytest.raises(ValueError, match="window"):
+        BlockManager(10, BS, window=0)

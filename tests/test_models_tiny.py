@@ -199,6 +199,55 @@ def test_sliding_window_model_matches_transformers_past_its_window(kind, backend
     assert out.token_ids == hf_out
 
 
+@pytest.mark.parametrize("backend, overlap, drafts", [("torch", False, 0), ("torch", True, 0),
+                                                     ("torch", False, 3), ("triton", False, 0)])
+def test_sliding_window_releases_blocks_so_long_sequences_fit_a_small_pool(backend, overlap,
+                                                                           drafts, tmp_path):
+    """Every layer of a Mistral slides over 24 tokens, so a request holds at most a few blocks
+    whatever its length: three 130-token sequences run through a 128-token pool (8 blocks of
+    16; 16-token chunks, so one sequence peaks at 4 blocks), preempting one another, with
+    transformers' greedy tokens, and every block is back in the pool at the end -- also with
+    the engine's look-ahead (CUDA's default, forced here), which launches a step before the
+    blocks behind the previous one's window are released, and with prompt-lookup drafts."""
+    import os
+
+    import transformers as tf
+
+    from kvcap import SamplingParams
+
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (set before triton is imported) or a GPU run")
+    torch.manual_seed(0)
+    hf = tf.MistralForCausalLM(tf.MistralConfig(**COMMON, sliding_window=24)).float().eval()
+    hf.save_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(2)
+    prompts = torch.randint(0, COMMON["vocab_size"], (3, 60), generator=gen)
+    hf.generation_config.eos_token_id = None  # as ignore_eos: 70 tokens each
+    with torch.no_grad():
+        want = [hf.generate(p[None], max_new_tokens=70, do_sample=False)[0, 60:].tolist()
+                for p in prompts]
+    llm = LLM.__new__(LLM)
+    from kvcap.models import loader
+
+    real = loader.load_tokenizer
+    loader.load_tokenizer = lambda _dir: None
+    try:
+        LLM.__init__(llm, model=str(tmp_path), device="cpu", dtype="float32", num_blocks=8,
+                     max_num_batched_tokens=16, attention_backend=backend,
+                     num_speculative_tokens=drafts)
+    finally:
+        loader.load_tokenizer = real
+    assert llm.block_manager.window == 24
+    llm.engine.overlap = overlap
+    params = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([p.tolist() for p in prompts], params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == want
+    assert (llm.engine.num_steps_ahead > 0) == overlap
+    assert (llm.engine.num_draft_tokens > 0) == (drafts > 0)
+    llm.block_manager.check_invariants([])
+    assert llm.block_manager.num_free_blocks == 8
+
+
 def test_qsa_refuses_a_sliding_window_model(tmp_path):
     import transformers as tf
 

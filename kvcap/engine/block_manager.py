@@ -22,9 +22,21 @@ API (what the scheduler calls):
     commit_full_blocks(req)             hash blocks that became full of computed tokens
     free(req)                           drop req's references; idempotent
     num_blocks_for(num_tokens) -> int   blocks needed to hold that many tokens
+    peak_blocks(num_tokens, chunk) -> int   the most a sequence ever holds at once
+    release_behind(req)                 sliding window: hand back blocks no query sees again
     reset_prefix_cache()                forget every hash (e.g. after KV scales change)
     check_invariants(requests=None)     internal consistency, for tests
 Every method that returns False has changed nothing.
+
+Sliding windows (`window`: every layer of the model attends to at most its last `window`
+tokens). The next query of a request sits at position p = num_computed_tokens and sees
+p - window + 1 .. p; later queries see less. So after every step the blocks wholly before that
+position are released (`release_behind`): dropped like `free` drops them (a hashed one stays
+in the prefix cache), but left in `req.block_ids` -- which only ever grows by append, as the
+step inputs' block-table mirror expects -- with `req.num_released_blocks` counting them. The
+attention kernels never read a position outside a query's window (nor its block-table entry's
+block), so a released block may be reused by another request at once. A sequence then holds at
+most `peak_blocks` blocks, whatever its length.
 """
 
 from __future__ import annotations
@@ -43,13 +55,17 @@ BlockHash = int
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1 token, got {window}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
         self._num_blocks = num_blocks
         self._ref = [0] * num_blocks
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
@@ -79,6 +95,15 @@ class BlockManager:
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def peak_blocks(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a sequence of `num_tokens` tokens, computed in chunks of at most
+        `chunk`, holds at once: all of them, or with a window the blocks of a chunk and the
+        window before its first token (one more for alignment)."""
+        whole = self.num_blocks_for(num_tokens)
+        if self.window is None:
+            return whole
+        return min(whole, self.num_blocks_for(self.window - 1 + chunk) + 1)
 
     # ----------------------------------------------------------------- hashing
     def _hash(self, parent: BlockHash | None, tokens: list[int]) -> BlockHash:
@@ -121,11 +146,16 @@ class BlockManager:
         """How many of these cached blocks sit on the free list (no request holds them)."""
         return sum(1 for b in blocks if self._ref[b] == 0)
 
-    def blocks_to_admit(self, req: Request, use_prefix_cache: bool = True) -> int:
+    def blocks_to_admit(self, req: Request, use_prefix_cache: bool = True,
+                        chunk: int | None = None) -> int:
         """Free blocks that admitting `req` for its whole prompt would consume: its cached
-        prefix blocks now on the free list plus new blocks for the rest. Changes nothing."""
+        prefix blocks now on the free list plus new blocks for the rest (with a window, at most
+        the peak_blocks of chunks of `chunk` tokens). Changes nothing."""
         blocks, _ = self._lookup_prefix(req) if use_prefix_cache else ([], [])
-        return self._on_free_list(blocks) + self.num_blocks_for(req.num_tokens) - len(blocks)
+        need = self._on_free_list(blocks) + self.num_blocks_for(req.num_tokens) - len(blocks)
+        if self.window is not None and chunk is not None:
+            need = min(need, self.peak_blocks(req.num_tokens, chunk))
+        return need
 
     def allocate_prompt(self, req: Request, use_prefix_cache: bool = True) -> bool:
         """Admit `req`: share its longest cached prefix and check one more block is free.
@@ -188,19 +218,38 @@ class BlockManager:
                 self._cache[h] = block
                 self._block_hash[block] = h
 
+    def _drop(self, block: int) -> None:
+        assert self._ref[block] > 0, f"double free of block {block}"
+        self._ref[block] -= 1
+        if self._ref[block] == 0:
+            if self._block_hash[block] is None:
+                self._free_plain.append(block)
+            else:
+                self._free_cached[block] = None
+
     def free(self, req: Request) -> None:
         """Drop req's references; hashed blocks stay cached. Clears req.block_ids."""
         # Reverse order: a chain's tail is evicted before its head, which keeps heads reusable.
-        for block in reversed(req.block_ids):
-            assert self._ref[block] > 0, f"double free of block {block}"
-            self._ref[block] -= 1
-            if self._ref[block] == 0:
-                if self._block_hash[block] is None:
-                    self._free_plain.append(block)
-                else:
-                    self._free_cached[block] = None
+        for block in reversed(req.block_ids[req.num_released_blocks:]):
+            self._drop(block)
         req.block_ids = []
+        req.num_released_blocks = 0
         self._req_hashes.pop(req.request_id, None)
+
+    def release_behind(self, req: Request) -> int:
+        """With a window: drop req's blocks wholly before the first position its next query
+        sees (num_computed_tokens - window + 1); call after commit_full_blocks, so a released
+        block keeps its prefix-cache hash. Returns how many were released."""
+        if self.window is None:
+            return 0
+        first_seen = req.num_computed_tokens - self.window + 1
+        upto = min(max(first_seen, 0) // self.block_size, len(req.block_ids))
+        released = 0
+        for i in range(req.num_released_blocks, upto):
+            self._drop(req.block_ids[i])
+            released += 1
+        req.num_released_blocks = max(req.num_released_blocks, upto)
+        return released
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached prefixes; unreferenced cached blocks become plain free blocks."""
@@ -232,7 +281,8 @@ class BlockManager:
         if requests is not None:
             holders = [0] * self._num_blocks
             for req in requests:
-                assert len(set(req.block_ids)) == len(req.block_ids), "block listed twice"
-                for b in req.block_ids:
+                held = req.block_ids[req.num_released_blocks:]
+                assert len(set(held)) == len(held), "block listed twice"
+                for b in held:
                     holders[b] += 1
             assert holders == self._ref, "ref counts differ from the requests' block lists"

@@ -38,6 +38,9 @@ class Request:
     num_computed_tokens: int = 0
     # Physical block ids, in order; owned by the BlockManager while the request holds them.
     block_ids: list[int] = field(default_factory=list)
+    # block_ids[:num_released_blocks] lie behind every layer's sliding window: handed back to
+    # the pool (BlockManager.release_behind), kept in the list so it only grows by append
+    num_released_blocks: int = 0
     num_cached_prefix_tokens: int = 0  # prefix-cache hit on the last admission
     num_preemptions: int = 0
     stop_reason: str | int | None = None

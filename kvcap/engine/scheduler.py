@@ -33,7 +33,10 @@ when the chunk ends at the last known token, so the model's last-row logits samp
 
 `update_from_output(output, sampled)` advances `num_computed_tokens`, appends sampled tokens,
 applies stop conditions (stop_token_ids, EOS unless ignore_eos, max_tokens, max_model_len),
-registers newly full blocks in the prefix cache, frees finished requests and returns them. Stop
+registers newly full blocks in the prefix cache, releases (with a model whose every layer slides)
+the blocks behind the next query's window, frees finished requests and returns them. With such a
+window a request needs at most `BlockManager.peak_blocks` blocks, not its whole length, to be
+admitted or to fit the pool. Stop
 strings need detokenized text: the engine calls `finish_request(req, status, reason)` for those.
 Never-fit requests finish with status FINISHED_ABORTED and `stop_reason` starting "error: ".
 """
@@ -189,9 +192,12 @@ class Scheduler:
         out.preempted.append(req)
         logger.info("preempted request %s (recompute; %d tokens)", req.request_id, req.num_tokens)
 
+    def _peak_blocks(self, req: Request) -> int:
+        return self.block_manager.peak_blocks(req.num_tokens, self.max_num_batched_tokens)
+
     def _never_fits(self, req: Request, out: SchedulerOutput) -> None:
         bm = self.block_manager
-        reason = (f"error: request needs {bm.num_blocks_for(req.num_tokens)} KV blocks for "
+        reason = (f"error: request needs {self._peak_blocks(req)} KV blocks for "
                   f"{req.num_tokens} tokens but the pool has {bm.num_total_blocks}")
         logger.warning("finishing request %s: %s", req.request_id, reason)
         self.finish_request(req, RequestStatus.FINISHED_ABORTED, reason)
@@ -267,7 +273,7 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if bm.num_blocks_for(req.num_tokens) > bm.num_total_blocks:
+            if self._peak_blocks(req) > bm.num_total_blocks:
                 self._never_fits(req, out)
                 continue
             # Prompt logprobs need logits at every prompt position: no prefix-cache skipping.
@@ -276,6 +282,7 @@ class Scheduler:
                 break  # it waits for blocks to free up
             if not bm.allocate_prompt(req, use_cache):
                 break
+            bm.release_behind(req)  # (a cached prefix longer than the window)
             start = req.num_computed_tokens
             fits = (len(req.block_ids) + bm.num_free_blocks) * bm.block_size - start
             n = min(req.num_tokens - start, budget, fits)
@@ -293,7 +300,8 @@ class Scheduler:
         at least one block per running request) stay free?"""
         bm = self.block_manager
         watermark = max(-(-bm.num_total_blocks // 100), len(self.running))
-        return bm.num_free_blocks - bm.blocks_to_admit(req, use_prefix_cache) >= watermark
+        need = bm.blocks_to_admit(req, use_prefix_cache, self.max_num_batched_tokens)
+        return bm.num_free_blocks - need >= watermark
 
     def schedule_ahead(self, inflight: SchedulerOutput) -> SchedulerOutput | None:
         """The next step, scheduled while `inflight` still runs (its tokens are unknown), or
@@ -360,6 +368,7 @@ class Scheduler:
                     raise ValueError(f"no sampled token for request {req.request_id}")
                 req.output_token_ids.append(int(sampled[req.request_id]))
             self.block_manager.commit_full_blocks(req)
+            self.block_manager.release_behind(req)
             if chunk.samples:
                 stop = self._check_stop(req)
                 if stop is not None:
@@ -389,6 +398,7 @@ class Scheduler:
         # (after a stop the last token's K/V is not needed, as on the one-token path)
         req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
         self.block_manager.commit_full_blocks(req)
+        self.block_manager.release_behind(req)
         if stop is not None:
             self.finish_request(req, *stop)
             return True
