@@ -255,13 +255,9 @@ class LLM:
                         no_graphs or "enforce_eager / KVCAP_ENFORCE_EAGER=1")
         if kv_observer is not None:  # after capture: under TP this messages the workers
             self.set_kv_observer(kv_observer)
-        # Blocks behind the window are released only where every layer slides: a full layer
-        # still reads them.
-        every_layer_slides = len(self.spec.sliding_layers) == self.spec.num_layers
         self.block_manager = BlockManager(self.pool.num_blocks, self.config.block_size,
                                           enable_prefix_caching=self.config.enable_prefix_caching,
-                                          window=self.spec.sliding_window
-                                          if every_layer_slides else None)
+                                          window=self.pool.spec.released_window)
         eos = set(self.spec.eos_token_ids)
         eos.update(loader.read_generation_eos(self.model_dir, self.spec.vocab_size))
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -335,7 +331,8 @@ class LLM:
         logger.info("KV cache: %d tokens (%.2f GiB, %s, block size %d); max concurrency at %d "
                     "tokens: %d", pool.num_tokens, num_blocks * cspec.bytes_per_block / 2**30,
                     self.kv_dtype, self.config.block_size, self.max_model_len,
-                    cspec.max_concurrency(num_blocks * cspec.bytes_per_block, self.max_model_len))
+                    cspec.max_concurrency(num_blocks * cspec.bytes_per_block, self.max_model_len,
+                                          self.config.max_num_batched_tokens))
         return pool
 
     def _default_kv_gib(self, cspec: KVCacheSpec) -> float:

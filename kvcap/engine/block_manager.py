@@ -46,6 +46,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from kvcap.kv_cache.spec import peak_blocks
+
 if TYPE_CHECKING:
     from kvcap.engine.request import Request
 
@@ -100,10 +102,7 @@ class BlockManager:
         """The most blocks a sequence of `num_tokens` tokens, computed in chunks of at most
         `chunk`, holds at once: all of them, or with a window the blocks of a chunk and the
         window before its first token (one more for alignment)."""
-        whole = self.num_blocks_for(num_tokens)
-        if self.window is None:
-            return whole
-        return min(whole, self.num_blocks_for(self.window - 1 + chunk) + 1)
+        return peak_blocks(num_tokens, self.block_size, self.window, chunk)
 
     # ----------------------------------------------------------------- hashing
     def _hash(self, parent: BlockHash | None, tokens: list[int]) -> BlockHash:

@@ -9,6 +9,17 @@ from kvcap.config import ModelSpec
 _BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8_e4m3": 1}
 
 
+def peak_blocks(num_tokens: int, block_size: int, window: int | None, chunk: int) -> int:
+    """The most blocks a sequence of `num_tokens` tokens, computed in chunks of at most `chunk`
+    tokens, holds at once: all of them; or, when every layer slides over `window` tokens and
+    the blocks behind it are released (BlockManager.release_behind), a chunk's blocks and the
+    window before its first token (one more for alignment)."""
+    whole = -(-num_tokens // block_size)
+    if window is None:
+        return whole
+    return min(whole, -(-(window - 1 + chunk) // block_size) + 1)
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     num_layers: int
@@ -25,6 +36,15 @@ class KVCacheSpec:
         windows = tuple(spec.layer_window(i) for i in range(spec.num_layers))
         return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, kv_dtype,
                    layer_windows=windows if any(windows) else ())
+
+    @property
+    def released_window(self) -> int | None:
+        """The window behind which blocks are released: set only when every layer slides
+        (over the same window), since a full layer still reads every token."""
+        windows = set(self.layer_windows)
+        if len(self.layer_windows) != self.num_layers or None in windows or len(windows) != 1:
+            return None
+        return windows.pop()
 
     @property
     def element_bytes(self) -> int:
@@ -49,6 +69,8 @@ class KVCacheSpec:
     def tokens_for(self, memory_bytes: int) -> int:
         return self.num_blocks_for(memory_bytes) * self.block_size
 
-    def max_concurrency(self, memory_bytes: int, context_len: int) -> int:
-        blocks_per_seq = -(-context_len // self.block_size)
-        return self.num_blocks_for(memory_bytes) // blocks_per_seq
+    def max_concurrency(self, memory_bytes: int, context_len: int, chunk: int = 1) -> int:
+        """Sequences of `context_len` tokens the memory holds at once (with a released window,
+        each holds peak_blocks for prefill chunks of `chunk` tokens)."""
+        per_seq = peak_blocks(context_len, self.block_size, self.released_window, chunk)
+        return self.num_blocks_for(memory_bytes) // per_seq
