@@ -81,12 +81,12 @@ def _fp8_checkpoint(tmp_path, granularity, scale_name: str, qc: dict):
     return hf, ids
 
 
-def _logits(tmp_path, ids, monkeypatch) -> torch.Tensor:
+def _logits(tmp_path, ids, monkeypatch, device: str = "cpu") -> torch.Tensor:
     from kvcap.models import loader
 
     monkeypatch.setattr(loader, "load_tokenizer", lambda _dir: None)
-    llm = LLM(model=str(tmp_path), device="cpu", dtype="float32", num_blocks=16)
-    return llm.prompt_logits([ids[0].tolist()])[0]
+    llm = LLM(model=str(tmp_path), device=device, dtype="float32", num_blocks=16)
+    return llm.prompt_logits([ids[0].tolist()])[0].cpu()
 
 
 def _compressed(strategy: str, block=None) -> dict:
@@ -157,3 +157,13 @@ def test_other_weight_formats_are_refused_by_name(qc, message):
     cfg = {"architectures": ["LlamaForCausalLM"], **COMMON, "quantization_config": qc}
     with pytest.raises(ConfigError, match=message):
         ModelSpec.from_hf_config(cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_weights_dequantize_on_the_gpu(tmp_path, monkeypatch):
+    """On a GPU the E4M3 bytes travel to the device and are multiplied out there: the same
+    logits as the host's dequantization."""
+    _, ids = _fp8_checkpoint(tmp_path, (48, 40), "weight_scale", _compressed("block", (48, 40)))
+    cpu = _logits(tmp_path, ids, monkeypatch)
+    assert (_logits(tmp_path, ids, monkeypatch, "cuda") - cpu).abs().max().item() < 1e-3

@@ -52,7 +52,7 @@ def load_model(spec: ModelSpec, model_dir: Path | None, device: torch.device,
     if spec.fp8_weights is not None:
         logger.info("%s: dequantized to %s as they load (kvcap computes in 16 bits; the FP8 "
                     "checkpoint saves disk, not GPU memory)", spec.fp8_weights.describe(), dtype)
-        tensors = dequantized(tensors, spec.fp8_weights)
+        tensors = dequantized(tensors, spec.fp8_weights, device)
     scales = load_weights(model, tensors)
     logger.info("model: %s from %s, %s, %d scale tensors in checkpoint%s", spec.architecture,
                 model_dir, dtype, len(scales), where)
