@@ -90,6 +90,19 @@ def _max_model_len(spec: ModelSpec, requested: int | None) -> int:
     return min(requested or limit, limit)
 
 
+def _check_kernel_head_dim(head_dim: int, attention_backend: str, device: torch.device) -> None:
+    """kvcap's Triton kernels (attention, and on CUDA the fused RoPE / cache write) tile the
+    head dimension whole: a power of two from 16 to 256. Say so before the weights load rather
+    than fail inside a kernel's compile."""
+    if device.type != "cuda" and attention_backend != "triton":
+        return
+    if 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0:
+        return
+    raise ConfigError(f"head_dim {head_dim}: kvcap's Triton kernels need a power-of-two head "
+                      "dimension from 16 to 256 (64, 128 and 256 are the measured ones); this "
+                      "model runs only on CPU, with the torch attention backend")
+
+
 def _layer_list(layers: tuple[int, ...]) -> str:
     return f"{layers[0]}-{layers[-1]}" if layers == tuple(range(layers[0], layers[-1] + 1)) \
         else ", ".join(map(str, layers))
@@ -205,6 +218,7 @@ class LLM:
             self.tp.comm.setup_allreduce(self.dtype)
             mp = self.tp.model_parallel(self.spec)
         max_num_seqs = self.config.max_num_seqs
+        _check_kernel_head_dim(self.spec.head_dim, attention_backend, self.device)
         self.model, found_scales = load_model(self.spec, self.model_dir, self.device,
                                               self.dtype, dummy_seed=seed, tp=mp)
         backend = select_backend(attention_backend, self.device)

@@ -309,3 +309,25 @@ def test_weight_quantized_checkpoints_are_refused_by_name():
             ModelSpec.from_hf_config(_mini("llama", quantization_config=qc))
     spec = ModelSpec.from_hf_config(_mini("llama", quantization_config=vllm_quantization_config()))
     assert spec.architecture == "llama"
+
+
+def test_head_dims_the_kernels_cannot_tile_are_refused_before_loading(tmp_path):
+    """A head_dim that is not a power of two from 16 to 256 (Phi-3-mini's 96, 24 here) is
+    refused by name on the Triton backend and on CUDA, before the weights load; the CPU's torch
+    backend runs it."""
+    import json
+
+    from kvcap.errors import ConfigError
+    from kvcap.llm import _check_kernel_head_dim
+
+    cfg = {"architectures": ["LlamaForCausalLM"], **COMMON, "hidden_size": 96}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="head_dim 24: kvcap's Triton kernels need"):
+        LLM(model=f"dummy:{tmp_path}", device="cpu", attention_backend="triton", num_blocks=8)
+    assert LLM(model=f"dummy:{tmp_path}", device="cpu", num_blocks=8).spec.head_dim == 24
+    for bad in (96, 8, 512):
+        with pytest.raises(ConfigError, match=f"head_dim {bad}"):
+            _check_kernel_head_dim(bad, "auto", torch.device("cuda"))
+    for good in (16, 64, 128, 256):
+        _check_kernel_head_dim(good, "auto", torch.device("cuda"))
+    _check_kernel_head_dim(96, "auto", torch.device("cpu"))
