@@ -17,6 +17,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # Phi-3 / Phi-4: Llama's layers with q/k/v and gate/up stored fused (models/phi3.py)
+    "Phi3ForCausalLM": "phi3",
 }
 
 
@@ -72,7 +74,8 @@ class ModelSpec:
         arch = known[0] if known else None
         if arch is None:
             model_type = cfg.get("model_type")
-            by_type = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+            by_type = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                       "phi3": "phi3"}
             arch = by_type.get(model_type)
         if arch is None:
             raise ConfigError(
@@ -88,6 +91,8 @@ class ModelSpec:
             rope_theta = float(
                 cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
             )
+            if arch == "phi3":
+                _check_phi3_rope(cfg, rope)
             if rope is not None and rope.get("rope_type", rope.get("type")) in (None, "default"):
                 rope = None
             if rope is not None and "original_max_position_embeddings" not in rope:
@@ -148,18 +153,33 @@ class ModelSpec:
         return names
 
 
+def _check_phi3_rope(cfg: dict[str, Any], rope: dict[str, Any] | None) -> None:
+    """Phi-3's RoPE variants kvcap does not compute: a partial rotary dimension (Phi-4-mini's
+    0.75) and LongRoPE (the 128K Phi-3s; transformers reads their `su` and `yarn` as it)."""
+    partial = (rope or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ConfigError(f"partial_rotary_factor {partial}: kvcap rotates the whole head "
+                          "dimension (partial_rotary_factor 1.0) only")
+    kind = (rope or {}).get("rope_type", (rope or {}).get("type"))
+    if kind in ("su", "yarn", "longrope"):
+        raise ConfigError(f"rope_scaling type {kind!r} is LongRoPE for Phi-3 (as transformers "
+                          "reads it): not supported (supported: linear, llama3, yarn on Llama, "
+                          "Mistral and Qwen)")
+
+
 def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int
                     ) -> tuple[int | None, tuple[int, ...]]:
-    """(window, the layers that slide), as transformers reads the config: Mistral slides in
-    every layer when `sliding_window` is set; Qwen2/Qwen3 only with `use_sliding_window`, in the
-    layers `layer_types` marks (or from `max_window_layers` on); Llama never."""
+    """(window, the layers that slide), as transformers reads the config: Mistral and Phi-3
+    slide in every layer when `sliding_window` is set; Qwen2/Qwen3 only with
+    `use_sliding_window`, in the layers `layer_types` marks (or from `max_window_layers` on);
+    Llama never."""
     window = cfg.get("sliding_window")
     if window is None or arch == "llama":
         return None, ()
     if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         return None, ()
     types = cfg.get("layer_types")
-    if arch == "mistral":
+    if arch in ("mistral", "phi3"):
         layers = tuple(range(num_layers))
     elif types is not None:
         if len(types) != num_layers:

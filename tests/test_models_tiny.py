@@ -14,6 +14,9 @@ COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_l
               rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
+PHI3_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # (its defaults: 32000 ...)
+
+
 def _build(kind: str):
     import transformers as tf
 
@@ -39,11 +42,13 @@ def _build(kind: str):
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**COMMON))
     if kind == "qwen3":
         return tf.Qwen3ForCausalLM(tf.Qwen3Config(**COMMON, head_dim=24))
+    if kind == "phi3":  # q/k/v and gate/up stored fused
+        return tf.Phi3ForCausalLM(tf.Phi3Config(**COMMON, **PHI3_IDS))
     raise AssertionError(kind)
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2_yarn", "llama_yarn", "mistral",
-                                  "qwen2", "qwen3"])
+                                  "qwen2", "qwen3", "phi3"])
 def test_logits_match_transformers(kind, tmp_path):
     torch.manual_seed(0)
     hf = _build(kind).float().eval()
@@ -115,7 +120,7 @@ def test_fused_layer_ops_match_transformers(kind, tmp_path, monkeypatch):
 
 def _mini(arch: str, **extra) -> dict:
     names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
     return {"architectures": [names[arch]], **COMMON, **extra}
 
 
@@ -126,6 +131,8 @@ def _mini(arch: str, **extra) -> dict:
     # transformers' Mistral ignores layer_types: every layer slides
     ("mistral", dict(sliding_window=64, layer_types=["full_attention"] * 2), 64, (0, 1)),
     ("llama", dict(sliding_window=4096), None, ()),  # not a Llama field: transformers ignores it
+    ("phi3", dict(sliding_window=2047), 2047, (0, 1)),  # Phi-3-mini's
+    ("phi3", dict(sliding_window=None), None, ()),  # Phi-4's
     ("qwen2", dict(sliding_window=4096, use_sliding_window=False), None, ()),
     ("qwen2", dict(sliding_window=4096, use_sliding_window=True, max_window_layers=2), None, ()),
     ("qwen2", dict(sliding_window=4096, use_sliding_window=True, max_window_layers=1), 4096,
@@ -158,7 +165,8 @@ def test_unsupported_activation_and_bad_window_are_refused():
 
 
 @pytest.mark.parametrize("kind, backend", [("mistral", "torch"), ("qwen3_mixed", "torch"),
-                                           ("mistral", "triton"), ("qwen3_mixed", "triton")])
+                                           ("phi3", "torch"), ("mistral", "triton"),
+                                           ("qwen3_mixed", "triton")])
 def test_sliding_window_model_matches_transformers_past_its_window(kind, backend, tmp_path,
                                                                    caplog):
     """A 24-token window over 150-token sequences: every layer of a Mistral, or one of a
@@ -176,6 +184,8 @@ def test_sliding_window_model_matches_transformers_past_its_window(kind, backend
     torch.manual_seed(0)
     if kind == "mistral":
         hf = tf.MistralForCausalLM(tf.MistralConfig(**COMMON, sliding_window=24))
+    elif kind == "phi3":
+        hf = tf.Phi3ForCausalLM(tf.Phi3Config(**COMMON, **PHI3_IDS, sliding_window=24))
     else:
         hf = tf.Qwen3ForCausalLM(tf.Qwen3Config(
             **COMMON, head_dim=32, sliding_window=24, use_sliding_window=True,
@@ -331,3 +341,16 @@ def test_head_dims_the_kernels_cannot_tile_are_refused_before_loading(tmp_path):
     for good in (16, 64, 128, 256):
         _check_kernel_head_dim(good, "auto", torch.device("cuda"))
     _check_kernel_head_dim(96, "auto", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (dict(partial_rotary_factor=0.75), "partial_rotary_factor 0.75"),  # Phi-4-mini's
+    (dict(rope_scaling={"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                        "original_max_position_embeddings": 64}), "'su' is LongRoPE"),
+])
+def test_phi3_rope_variants_kvcap_does_not_compute_are_refused(extra, message):
+    from kvcap.config import ModelSpec
+    from kvcap.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        ModelSpec.from_hf_config(_mini("phi3", **extra))

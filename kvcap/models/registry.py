@@ -12,6 +12,7 @@ from kvcap.config import ModelSpec
 from kvcap.models.fp8_weights import dequantized
 from kvcap.models.llama import LlamaModel, rope_inv_freq
 from kvcap.models.loader import iter_safetensors
+from kvcap.models.phi3 import split_fused
 from kvcap.models.weights import dummy_checkpoint, init_dummy_weights, load_weights
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ def load_model(spec: ModelSpec, model_dir: Path | None, device: torch.device,
         logger.info("%s: dequantized to %s as they load (kvcap computes in 16 bits; the FP8 "
                     "checkpoint saves disk, not GPU memory)", spec.fp8_weights.describe(), dtype)
         tensors = dequantized(tensors, spec.fp8_weights, device)
+    if spec.architecture == "phi3":
+        tensors = split_fused(tensors, spec)
     scales = load_weights(model, tensors)
     logger.info("model: %s from %s, %s, %d scale tensors in checkpoint%s", spec.architecture,
                 model_dir, dtype, len(scales), where)
