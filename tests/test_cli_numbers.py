@@ -4,6 +4,7 @@ error naming the argument (it was a ZeroDivisionError traceback or a table of ze
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
@@ -195,3 +196,20 @@ def test_generate_sampling_options_reach_the_request(monkeypatch):
     sp = seen[0]
     assert (sp.json_object, sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty,
             sp.min_p, sp.temperature) == (True, 1.2, 0.5, -0.5, 0.1, 0.7)
+
+
+def test_capacity_counts_a_sliding_windows_peak_blocks(tmp_path):
+    """`kvcap capacity` on a model whose every layer slides (the Mistral-7B-v0.1 dummy shape,
+    4,096 tokens): a 32K sequence holds its window's blocks, not 32K tokens' -- 20 GiB of FP16
+    KV (163,840 tokens) holds 39 such sequences, where 5 would fit whole -- and it says so."""
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parents[1] / "kvcap/bench/configs/mistral-7b-sw4k.json"
+    res = subprocess.run([sys.executable, "-m", "kvcap.cli", "capacity", "--model",
+                          f"dummy:{config}", "--memory-gib", "20", "--context", "32768"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "COLUMNS": "200"})
+    assert res.returncode == 0, res.stderr
+    fp16 = next(line for line in res.stdout.splitlines() if line.startswith("│ fp16"))
+    assert [c.strip() for c in fp16.split("│")[1:-1]] == ["fp16", "131072", "163,840", "39"]
+    assert "every layer slides over 4,096 tokens" in res.stdout

@@ -6,7 +6,7 @@ import argparse
 
 from kvcap.commands.common import positive_float, positive_int
 from kvcap.config import ModelSpec
-from kvcap.kv_cache.spec import KVCacheSpec
+from kvcap.kv_cache.spec import KVCacheSpec, peak_blocks
 
 HELP = "print KV-cache capacity (tokens, max concurrency) for FP16 vs E4M3 at a memory budget"
 
@@ -58,4 +58,9 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     console.print(table)
     console.print(f"E4M3 / FP16 tokens: {ratio:.3f}x")
+    window = KVCacheSpec.for_model(spec, args.block_size, "fp16").released_window
+    if window is not None:
+        console.print(f"every layer slides over {window:,} tokens: a decoding sequence holds "
+                      f"at most {peak_blocks(10**9, args.block_size, window, 1)} blocks "
+                      "whatever its length (the blocks behind its window go back to the pool)")
     return 0
