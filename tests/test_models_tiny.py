@@ -354,3 +354,41 @@ def test_phi3_rope_variants_kvcap_does_not_compute_are_refused(extra, message):
 
     with pytest.raises(ConfigError, match=message):
         ModelSpec.from_hf_config(_mini("phi3", **extra))
+
+
+def test_sliding_window_prefix_cache_hits_release_what_the_window_left(tmp_path, monkeypatch):
+    """A second request sharing a 100-token prefix with a finished one finds its blocks in the
+    prefix cache (released ones included: they stay cached), releases at once those behind
+    its window and decodes the tokens it decodes without the cache."""
+    import transformers as tf
+
+    from kvcap import SamplingParams
+    from kvcap.models import loader
+
+    torch.manual_seed(0)
+    tf.MistralForCausalLM(tf.MistralConfig(**COMMON, sliding_window=24)).save_pretrained(tmp_path)
+    monkeypatch.setattr(loader, "load_tokenizer", lambda _dir: None)
+    gen = torch.Generator().manual_seed(3)
+    prefix = torch.randint(0, COMMON["vocab_size"], (100,), generator=gen).tolist()
+    prompts = [prefix + [5, 6, 7], prefix + [8, 9]]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+    def run(caching: bool):
+        llm = LLM(model=str(tmp_path), device="cpu", dtype="float32", num_blocks=32,
+                  max_num_batched_tokens=32, enable_prefix_caching=caching)
+        bm, hits = llm.block_manager, []
+        admit = bm.allocate_prompt
+
+        def recording(req, use_cache=True):
+            ok = admit(req, use_cache)
+            hits.append((req.num_cached_prefix_tokens, bm.release_behind(req)))
+            return ok
+        bm.allocate_prompt = recording
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        bm.check_invariants([])
+        return hits, [o.token_ids for o in outs]
+
+    hits, got = run(True)
+    assert got == run(False)[1]
+    # the second admission: 96 cached tokens (6 blocks), 4 of them behind its window at once
+    assert hits == [(0, 0), (96, 4)]
