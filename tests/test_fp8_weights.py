@@ -47,14 +47,19 @@ def _expand(s: torch.Tensor, shape, granularity) -> torch.Tensor:
     return out
 
 
-def _fp8_checkpoint(tmp_path, granularity, scale_name: str, qc: dict):
+def _fp8_checkpoint(tmp_path, granularity, scale_name: str, qc: dict, arch: str = "llama"):
     """A tiny random Llama whose projections are stored in E4M3 with `scale_name` scales (and
     an activation scale, which kvcap drops); lm_head, embeddings and norms stay FP32. Returns
     (transformers model with the dequantized weights, token ids)."""
     import transformers as tf
 
     torch.manual_seed(0)
-    hf = tf.LlamaForCausalLM(tf.LlamaConfig(**COMMON)).float().eval()
+    if arch == "phi3":  # fused qkv_proj / gate_up_proj, one scale set for each fused tensor
+        hf = tf.Phi3ForCausalLM(tf.Phi3Config(**COMMON, pad_token_id=0, bos_token_id=1,
+                                              eos_token_id=2))
+    else:
+        hf = tf.LlamaForCausalLM(tf.LlamaConfig(**COMMON))
+    hf = hf.float().eval()
     hf.save_pretrained(tmp_path)
     tensors, dequantized = {}, {}
     for name, w in load_file(tmp_path / "model.safetensors").items():
@@ -112,15 +117,17 @@ def test_fine_grained_fp8_matches_transformers_own_load(tmp_path, monkeypatch):
     assert (_logits(tmp_path, ids, monkeypatch) - ref).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("granularity, qc, scale_name", [
-    ("tensor", _compressed("tensor"), "weight_scale"),
-    ("channel", _compressed("channel"), "weight_scale"),
-    ((48, 40), _compressed("block", (48, 40)), "weight_scale"),  # blocks cut at the edges
-    ("channel", {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}, "weight_scale"),
+@pytest.mark.parametrize("granularity, qc, scale_name, arch", [
+    ("tensor", _compressed("tensor"), "weight_scale", "llama"),
+    ("channel", _compressed("channel"), "weight_scale", "llama"),
+    ((48, 40), _compressed("block", (48, 40)), "weight_scale", "llama"),  # cut at the edges
+    ("channel", {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}, "weight_scale",
+     "llama"),
+    ("tensor", _compressed("tensor"), "weight_scale", "phi3"),  # dequantized, then split
 ])
 def test_fp8_formats_match_their_dequantized_weights(tmp_path, monkeypatch, granularity, qc,
-                                                     scale_name):
-    hf, ids = _fp8_checkpoint(tmp_path, granularity, scale_name, qc)
+                                                     scale_name, arch):
+    hf, ids = _fp8_checkpoint(tmp_path, granularity, scale_name, qc, arch)
     with torch.no_grad():
         ref = hf(ids).logits[0]
     assert (_logits(tmp_path, ids, monkeypatch) - ref).abs().max().item() < 1e-4
