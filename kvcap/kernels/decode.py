@@ -264,16 +264,21 @@ def window_start(seq_len, WINDOW: tl.constexpr):
 
 
 @triton.jit
-def _split_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = 0):
-    """[lo, hi): the cached positions split `split` of num_splits attends (whole tiles). With a
-    sliding WINDOW the splits share the tiles from the one holding window_start(seq_len) on."""
+def first_tile_start(seq_len, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+    """Where a decode query's tiles begin: 0, or with a sliding WINDOW the start of the tile
+    holding window_start(seq_len)."""
     if WINDOW > 0:
-        first = (window_start(seq_len, WINDOW) // BLOCK_N) * BLOCK_N
-        per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), num_splits) * BLOCK_N
-        lo = first + split * per_split
-    else:
-        per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits) * BLOCK_N
-        lo = split * per_split
+        return (window_start(seq_len, WINDOW) // BLOCK_N) * BLOCK_N
+    return 0
+
+
+@triton.jit
+def _split_bounds(seq_len, split, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = 0):
+    """[lo, hi): the cached positions split `split` of num_splits attends (whole tiles of
+    those from first_tile_start on)."""
+    first = first_tile_start(seq_len, BLOCK_N, WINDOW)
+    per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), num_splits) * BLOCK_N
+    lo = first + split * per_split
     return lo, tl.minimum(lo + per_split, seq_len)
 
 
@@ -403,11 +408,7 @@ def used_splits(seq_len, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr
     gives each split cdiv(tiles, num_splits) tiles, so a sequence shorter than the length
     the split count was chosen for leaves the last splits empty (tiles: those _split_bounds
     shares out)."""
-    if WINDOW > 0:
-        n_tiles = tl.cdiv(seq_len - (window_start(seq_len, WINDOW) // BLOCK_N) * BLOCK_N,
-                          BLOCK_N)
-    else:
-        n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    n_tiles = tl.cdiv(seq_len - first_tile_start(seq_len, BLOCK_N, WINDOW), BLOCK_N)
     per_split = tl.maximum(tl.cdiv(n_tiles, num_splits), 1)
     return tl.maximum(tl.cdiv(n_tiles, per_split), 1)
 
