@@ -20,13 +20,15 @@ from test_kernels_cases import (  # noqa: E402
     QUERY_DTYPE,
     SENTINEL,
     TOL,
-    dense_expected,
     kernel_device,
     make_case,
     needs_kernels,
     rel_err,
+    store_new_kv,
     twin_output,
 )
+from test_kernels_cases import check_output as _check  # noqa: E402
+from test_kernels_cases import run_decode as _decode  # noqa: E402
 
 from kvcap.attention.torch_ref import TorchReferenceBackend  # noqa: E402
 from kvcap.attention.triton_backend import TritonBackend  # noqa: E402
@@ -38,7 +40,6 @@ from kvcap.kernels.decode import (  # noqa: E402
     paged_decode,
 )
 from kvcap.kernels.prefill import paged_prefill  # noqa: E402
-from kvcap.kernels.store_kv import store_kv  # noqa: E402
 
 DEV = kernel_device()
 pytestmark = needs_kernels()
@@ -48,27 +49,6 @@ DECODE = [(40, 1), (3, 1), (70, 1), (15, 1)]
 _DT = QUERY_DTYPE
 _err = rel_err
 _reference = twin_output
-
-
-def _check(case, out, kv_dtype, twin=None):
-    nt = case.meta.num_tokens
-    assert (out[nt:] == SENTINEL).all(), "padding rows were written"
-    assert torch.isfinite(out[:nt]).all()
-    exp = dense_expected(case)
-    assert _err(out[:nt], exp) < TOL[kv_dtype]
-    if twin is not None:
-        assert _err(out[:nt], twin[:nt]) < TOL[kv_dtype]
-
-
-def _decode(case, **kw):
-    m = case.meta
-    store_kv(case.k, case.v, case.cache.k_cache, case.cache.v_cache, m.slot_mapping,
-             case.cache.k_scale, case.cache.v_scale)
-    out = case.out_buffer()
-    paged_decode(case.q, case.cache.k_cache, case.cache.v_cache, out, m.block_tables,
-                 m.seq_lens, m.query_start_loc, case.softmax_scale, m.max_seq_len,
-                 case.cache.k_scale, case.cache.v_scale, **kw)
-    return out
 
 
 @pytest.mark.parametrize("kv_dtype,fp8_mode", [("fp16", "auto"), ("fp8_e4m3", "native"),
@@ -275,10 +255,8 @@ def test_mixed_batch_backend(kv_dtype, fp8_mode):
 def test_prefill_serves_decode_rows_too(hq, hkv, d):
     """skip_decode=False: the prefill kernel alone handles a mixed batch."""
     case = make_case(MIXED[:4], hq, hkv, d, kv_dtype="fp8_e4m3", seed=5, device=DEV)
-    m = case.meta
-    store_kv(case.k, case.v, case.cache.k_cache, case.cache.v_cache, m.slot_mapping,
-             case.cache.k_scale, case.cache.v_scale)
-    out = case.out_buffer()
+    store_new_kv(case)
+    m, out = case.meta, case.out_buffer()
     paged_prefill(case.q, case.cache.k_cache, case.cache.v_cache, out, m.block_tables,
                   m.seq_lens, m.query_start_loc, case.softmax_scale, m.max_query_len,
                   case.cache.k_scale, case.cache.v_scale, skip_decode=False)

@@ -209,3 +209,36 @@ def needs_kernels():
     return pytest.mark.skipif(
         kernel_device() == "cpu" and type(_decode_kernel).__name__ != "InterpretedFunction",
         reason="no CUDA: run with TRITON_INTERPRET=1 set before triton is imported")
+
+
+def check_output(case: Case, out: torch.Tensor, kv_dtype: str,
+                 twin: torch.Tensor | None = None) -> None:
+    """A kernel's output: padding rows untouched, every row finite (a poisoned position read
+    shows as NaN), within TOL of the float64 computation and of the torch twin's output."""
+    nt = case.meta.num_tokens
+    assert (out[nt:] == SENTINEL).all(), "padding rows were written"
+    assert torch.isfinite(out[:nt]).all(), "a poisoned (unused or out-of-window) position was read"
+    assert rel_err(out[:nt], dense_expected(case)) < TOL[kv_dtype]
+    if twin is not None:
+        assert rel_err(out[:nt], twin[:nt]) < TOL[kv_dtype]
+
+
+def store_new_kv(case: Case) -> None:
+    """The case's new tokens' K/V into its cache through the store_kv kernel."""
+    from kvcap.kernels.store_kv import store_kv
+
+    m, c = case.meta, case.cache
+    store_kv(case.k, case.v, c.k_cache, c.v_cache, m.slot_mapping, c.k_scale, c.v_scale)
+
+
+def run_decode(case: Case, **knobs) -> torch.Tensor:
+    """store_new_kv, then paged_decode over the case (its layer's window included) with
+    `knobs`; returns the output buffer."""
+    from kvcap.kernels.decode import paged_decode
+
+    store_new_kv(case)
+    m, c, out = case.meta, case.cache, case.out_buffer()
+    paged_decode(case.q, c.k_cache, c.v_cache, out, m.block_tables, m.seq_lens,
+                 m.query_start_loc, case.softmax_scale, m.max_seq_len, c.k_scale, c.v_scale,
+                 window=c.window, **knobs)
+    return out

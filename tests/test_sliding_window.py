@@ -18,20 +18,18 @@ if not torch.cuda.is_available():
 
 from test_kernels_cases import (  # noqa: E402
     QUERY_DTYPE,
-    SENTINEL,
-    TOL,
-    dense_expected,
     kernel_device,
     make_case,
     needs_kernels,
-    rel_err,
+    store_new_kv,
     twin_output,
 )
+from test_kernels_cases import check_output as _check  # noqa: E402
+from test_kernels_cases import run_decode as _decode  # noqa: E402
 
 from kvcap.attention.triton_backend import TritonBackend  # noqa: E402
 from kvcap.kernels.decode import paged_decode  # noqa: E402
 from kvcap.kernels.prefill import paged_prefill  # noqa: E402
-from kvcap.kernels.store_kv import store_kv  # noqa: E402
 
 DEV = kernel_device()
 kernels = needs_kernels()
@@ -39,31 +37,7 @@ kernels = needs_kernels()
 # Contexts below, at, across and far past a 20-token window (not a multiple of any tile).
 DECODE = [(40, 1), (3, 1), (70, 1), (19, 1), (20, 1), (133, 1)]
 MIXED = [(0, 7), (20, 1), (13, 5), (45, 1), (0, 30), (16, 19), (50, 12)]
-_DT, _err, _twin = QUERY_DTYPE, rel_err, twin_output
-
-
-def _check(case, out, kv_dtype, twin=None):
-    nt = case.meta.num_tokens
-    assert (out[nt:] == SENTINEL).all(), "padding rows were written"
-    assert torch.isfinite(out[:nt]).all(), "a position outside the window was read"
-    assert _err(out[:nt], dense_expected(case)) < TOL[kv_dtype]
-    if twin is not None:
-        assert _err(out[:nt], twin[:nt]) < TOL[kv_dtype]
-
-
-def _store(case):
-    m = case.meta
-    store_kv(case.k, case.v, case.cache.k_cache, case.cache.v_cache, m.slot_mapping,
-             case.cache.k_scale, case.cache.v_scale)
-
-
-def _decode(case, **kw):
-    _store(case)
-    m, out = case.meta, case.out_buffer()
-    paged_decode(case.q, case.cache.k_cache, case.cache.v_cache, out, m.block_tables,
-                 m.seq_lens, m.query_start_loc, case.softmax_scale, m.max_seq_len,
-                 case.cache.k_scale, case.cache.v_scale, window=case.cache.window, **kw)
-    return out
+_DT, _twin = QUERY_DTYPE, twin_output
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp8_e4m3"])
@@ -131,7 +105,7 @@ def test_backend_mixed_batch(kv_dtype, fp8_mode, window):
 def test_prefill_serves_decode_rows_in_a_window(block_m, block_n):
     """skip_decode=False: the prefill kernel alone, at tiles of several sizes."""
     case = make_case(MIXED, 8, 2, 32, kv_dtype="fp8_e4m3", seed=block_m + block_n, window=11)
-    _store(case)
+    store_new_kv(case)
     m, out = case.meta, case.out_buffer()
     paged_prefill(case.q, case.cache.k_cache, case.cache.v_cache, out, m.block_tables,
                   m.seq_lens, m.query_start_loc, case.softmax_scale, m.max_query_len,
