@@ -179,12 +179,6 @@ class LLM:
             raise ConfigError(f"QSA cannot serve a sliding-window model (layers "
                               f"{_layer_list(self.spec.sliding_layers)} attend to the last "
                               f"{self.spec.sliding_window} tokens only): drop qsa=")
-        if self.spec.sliding_window is not None:
-            every = len(self.spec.sliding_layers) == self.spec.num_layers
-            logger.info("sliding-window attention: layers %s attend to the last %d tokens (%s)",
-                        _layer_list(self.spec.sliding_layers), self.spec.sliding_window,
-                        "blocks behind the window go back to the pool" if every else
-                        "the full layers read every token: the cache keeps them all")
         if self.model_dir is not None:
             # Tensor-parallel workers never detokenize: rank 0 does.
             self.tokenizer = (None if tensor_parallel_size > 1 and _in_tp_worker()
@@ -269,9 +263,15 @@ class LLM:
                         no_graphs or "enforce_eager / KVCAP_ENFORCE_EAGER=1")
         if kv_observer is not None:  # after capture: under TP this messages the workers
             self.set_kv_observer(kv_observer)
+        released = self.pool.spec.released_window
         self.block_manager = BlockManager(self.pool.num_blocks, self.config.block_size,
                                           enable_prefix_caching=self.config.enable_prefix_caching,
-                                          window=self.pool.spec.released_window)
+                                          window=released)
+        if self.spec.sliding_window is not None:
+            logger.info("sliding-window attention: layers %s attend to the last %d tokens (%s)",
+                        _layer_list(self.spec.sliding_layers), self.spec.sliding_window,
+                        "blocks behind the window go back to the pool" if released else
+                        "the full layers read every token: the cache keeps them all")
         eos = set(self.spec.eos_token_ids)
         eos.update(loader.read_generation_eos(self.model_dir, self.spec.vocab_size))
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
