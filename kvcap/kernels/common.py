@@ -265,9 +265,13 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> 
 
 
 def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         out: torch.Tensor, k_scale, v_scale) -> tuple[int, int, int, bool]:
+                         out: torch.Tensor, k_scale, v_scale, window: int | None = None
+                         ) -> tuple[int, int, int, bool]:
     """The checks every paged attention launcher makes: (query heads, KV heads, head_dim,
-    E4M3 cache?) of q [T, Hq, D] over caches [blocks, Hkv, block_size, D]."""
+    E4M3 cache?) of q [T, Hq, D] over caches [blocks, Hkv, block_size, D], with a sliding
+    `window` of at least one token where there is one."""
+    if window is not None and window < 1:
+        raise ValueError(f"window={window}: a sliding window holds at least one token")
     _, hq, d = q.shape
     hkv = k_cache.shape[1]
     check_cache(k_cache, v_cache, d)

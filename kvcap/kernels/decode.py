@@ -899,12 +899,10 @@ def decode_launcher(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     `window`: the layer's sliding window (LayerKVCache.window): each query reads only its last
     `window` positions, and that span, not max_seq_len, drives the heuristics."""
     num_seqs = seq_lens.shape[0]
-    hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
+    hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale, window)
     if num_seqs == 0:
         return None
     if window is not None:
-        if window < 1:
-            raise ValueError(f"window={window}: a sliding window holds at least one token")
         max_seq_len = min(max_seq_len, window)
     group = hq // hkv
     software, software_v = fp8_decoders(q.device, fp8_mode) if fp8 else (False, False)

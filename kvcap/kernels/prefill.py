@@ -169,11 +169,9 @@ def prefill_launcher(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     as these, or None when there is nothing to launch. `window`: the layer's sliding window
     (LayerKVCache.window): query at position p sees only p - window + 1 .. p."""
     num_seqs = seq_lens.shape[0]
-    hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale)
+    hq, hkv, d, fp8 = check_attention_args(q, k_cache, v_cache, out, k_scale, v_scale, window)
     if num_seqs == 0 or max_query_len < 1:
         return None
-    if window is not None and window < 1:
-        raise ValueError(f"window={window}: a sliding window holds at least one token")
     group = hq // hkv
     software = fp8 and use_software_fp8(q.device, fp8_mode)
     block_g = triton.next_power_of_2(group)
