@@ -68,13 +68,15 @@ def test_logits_match_transformers(kind, tmp_path):
 
 
 def _init_without_tokenizer(llm: LLM, path, **kw) -> None:
+    """LLM.__init__ on a checkpoint that ships no tokenizer (FP32 on CPU, 64 blocks, 64-token
+    steps unless `kw` says otherwise)."""
     from kvcap.models import loader
 
     real = loader.load_tokenizer
     loader.load_tokenizer = lambda _dir: None
     try:
-        LLM.__init__(llm, model=str(path), device="cpu", dtype="float32",
-                     max_num_batched_tokens=64, num_blocks=64, **kw)
+        LLM.__init__(llm, **{"model": str(path), "device": "cpu", "dtype": "float32",
+                             "max_num_batched_tokens": 64, "num_blocks": 64, **kw})
     finally:
         loader.load_tokenizer = real
 
@@ -237,16 +239,8 @@ def test_sliding_window_releases_blocks_so_long_sequences_fit_a_small_pool(backe
         want = [hf.generate(p[None], max_new_tokens=70, do_sample=False)[0, 60:].tolist()
                 for p in prompts]
     llm = LLM.__new__(LLM)
-    from kvcap.models import loader
-
-    real = loader.load_tokenizer
-    loader.load_tokenizer = lambda _dir: None
-    try:
-        LLM.__init__(llm, model=str(tmp_path), device="cpu", dtype="float32", num_blocks=8,
-                     max_num_batched_tokens=16, attention_backend=backend,
-                     num_speculative_tokens=drafts)
-    finally:
-        loader.load_tokenizer = real
+    _init_without_tokenizer(llm, tmp_path, num_blocks=8, max_num_batched_tokens=16,
+                            attention_backend=backend, num_speculative_tokens=drafts)
     assert llm.block_manager.window == 24
     llm.engine.overlap = overlap
     params = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)
