@@ -174,3 +174,23 @@ def test_fp8_weights_dequantize_on_the_gpu(tmp_path, monkeypatch):
     _, ids = _fp8_checkpoint(tmp_path, (48, 40), "weight_scale", _compressed("block", (48, 40)))
     cpu = _logits(tmp_path, ids, monkeypatch)
     assert (_logits(tmp_path, ids, monkeypatch, "cuda") - cpu).abs().max().item() < 1e-3
+
+
+def test_a_scale_may_come_before_its_weight():
+    """Across shards a scale can stream in before its weight: each E4M3 weight is paired with
+    its scale whichever comes first, and what passes through keeps its place."""
+    from kvcap.models.fp8_weights import FP8Weights, dequantized
+
+    w = torch.randn(4, 8)
+    s = w.abs().amax(dim=1, keepdim=True) / 448
+    w8 = (w / s).to(torch.float8_e4m3fn)
+    norm = torch.ones(8)
+    stream = [("a.weight", w8), ("a.weight_scale", s), ("n.weight", norm),
+              ("b.weight_scale", s), ("b.input_scale", torch.tensor([0.1])), ("b.weight", w8)]
+    out = list(dequantized(stream, FP8Weights("compressed-tensors")))
+    assert [n for n, _ in out] == ["a.weight", "n.weight", "b.weight"]
+    assert torch.equal(out[0][1], w8.float() * s) and torch.equal(out[2][1], w8.float() * s)
+    assert out[1][1] is norm
+    with pytest.raises(ModelLoadError,
+                       match="1 weight scales have no FP8 weight in the checkpoint, e.g. b$"):
+        list(dequantized(stream[:4], FP8Weights("compressed-tensors")))

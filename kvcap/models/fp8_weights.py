@@ -121,38 +121,36 @@ def dequantized(tensors: Iterable[tuple[str, torch.Tensor]], fmt: FP8Weights,
     scale and activation-scale tensors taken out. With `device` (the model's) the FP8 bytes
     travel there and are multiplied out there: a GPU does it faster than the host, and the
     copy moves one byte a value instead of four."""
-    weights: dict[str, torch.Tensor] = {}  # module prefix -> E4M3 weight waiting for its scale
-    scales: dict[str, torch.Tensor] = {}
+    # module prefix -> what has come of its pair: "weight" (E4M3) and "scale" (name, tensor)
+    pending: dict[str, dict[str, Any]] = {}
     count = 0
     for name, tensor in tensors:
         if name.endswith(DROPPED_SUFFIXES):
             continue
         suffix = next((s for s in WEIGHT_SCALE_SUFFIXES if name.endswith(s)), None)
-        if device is not None and (suffix is not None or tensor.dtype == torch.float8_e4m3fn):
-            tensor = tensor.to(device)
         if suffix is not None:
-            prefix = name[: -len(suffix)]
-            if prefix in weights:
-                yield f"{prefix}.weight", dequantize(name, weights.pop(prefix), tensor, fmt.block)
-                count += 1
-            else:
-                scales[prefix] = tensor
-            continue
-        if tensor.dtype == torch.float8_e4m3fn and name.endswith(".weight"):
-            prefix = name[: -len(".weight")]
-            if prefix in scales:
-                yield name, dequantize(name, tensor, scales.pop(prefix), fmt.block)
-                count += 1
-            else:
-                weights[prefix] = tensor
-            continue
-        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            prefix, part, tensor = name[: -len(suffix)], "scale", (name, tensor)
+        elif tensor.dtype == torch.float8_e4m3fn and name.endswith(".weight"):
+            prefix, part = name[: -len(".weight")], "weight"
+        elif tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise ModelLoadError(f"{name}: an FP8 ({tensor.dtype}) tensor kvcap cannot dequantize")
-        yield name, tensor
-    if weights:
-        raise ModelLoadError(f"{len(weights)} FP8 weights have no weight_scale in the "
-                             f"checkpoint, e.g. {next(iter(weights))}.weight")
-    if scales:
-        raise ModelLoadError(f"{len(scales)} weight scales have no FP8 weight in the "
-                             f"checkpoint, e.g. {next(iter(scales))}")
+        else:
+            yield name, tensor
+            continue
+        pair = pending.setdefault(prefix, {})
+        pair[part] = tensor
+        if len(pair) == 2:
+            del pending[prefix]
+            (scale_name, scale), weight = pair["scale"], pair["weight"]
+            if device is not None:  # one byte a value over the copy, the multiply on the GPU
+                weight, scale = weight.to(device), scale.to(device)
+            yield f"{prefix}.weight", dequantize(scale_name, weight, scale, fmt.block)
+            count += 1
+    lone_weights = [p for p, pair in pending.items() if "weight" in pair]
+    if lone_weights:
+        raise ModelLoadError(f"{len(lone_weights)} FP8 weights have no weight_scale in the "
+                             f"checkpoint, e.g. {lone_weights[0]}.weight")
+    if pending:
+        raise ModelLoadError(f"{len(pending)} weight scales have no FP8 weight in the "
+                             f"checkpoint, e.g. {next(iter(pending))}")
     logger.info("%d weights dequantized from %s", count, fmt.describe())
