@@ -30,6 +30,7 @@ from kvcap.errors import ConfigError, ScaleGateError
 from kvcap.kv_cache.pool import KVCachePool
 from kvcap.kv_cache.spec import KVCacheSpec
 from kvcap.models import loader
+from kvcap.models.fp8_linear import resolve_keep
 from kvcap.models.registry import load_model
 from kvcap.models.text_prompt import encode_prompt
 from kvcap.qsa import enable as qsa_wiring
@@ -135,6 +136,7 @@ class LLM:
         prompt_lookup_max: int = 4,
         prompt_lookup_min: int = 2,
         speculative_disable_by_batch_size: int | None = None,
+        fp8_weights: str = "auto",
     ):
         # What a tensor-parallel worker needs to build the same LLM (taken before any local).
         worker_args = {k: v for k, v in locals().items()
@@ -173,6 +175,9 @@ class LLM:
             self.model_dir = loader.resolve_model_dir(model)
             self.spec = loader.read_spec(self.model_dir)
         self.max_model_len = _max_model_len(self.spec, max_model_len)
+        # an FP8 checkpoint's linear weights: kept FP8 (on CUDA by default) or dequantized
+        self.keep_fp8 = resolve_keep(fp8_weights, self.spec.fp8_weights, self.device,
+                                     tensor_parallel_size)
         if self.qsa is not None and self.spec.sliding_window is not None:
             # QSA's selection ranks every cached block; past a layer's window it would pick
             # blocks the model never attends to.
@@ -214,7 +219,8 @@ class LLM:
         max_num_seqs = self.config.max_num_seqs
         _check_kernel_head_dim(self.spec.head_dim, attention_backend, self.device)
         self.model, found_scales = load_model(self.spec, self.model_dir, self.device,
-                                              self.dtype, dummy_seed=seed, tp=mp)
+                                              self.dtype, dummy_seed=seed, tp=mp,
+                                              keep_fp8=self.keep_fp8)
         backend = select_backend(attention_backend, self.device)
         self._activation_bytes = self._profile_activations(backend)
         if self.qsa is not None:  # QSA's transient buffers (the profile runs dense)

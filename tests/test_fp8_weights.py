@@ -86,11 +86,12 @@ def _fp8_checkpoint(tmp_path, granularity, scale_name: str, qc: dict, arch: str 
     return hf, ids
 
 
-def _logits(tmp_path, ids, monkeypatch, device: str = "cpu") -> torch.Tensor:
+def _logits(tmp_path, ids, monkeypatch, device: str = "cpu", **engine) -> torch.Tensor:
     from kvcap.models import loader
 
     monkeypatch.setattr(loader, "load_tokenizer", lambda _dir: None)
-    llm = LLM(model=str(tmp_path), device=device, dtype="float32", num_blocks=16)
+    engine.setdefault("dtype", "float32")
+    llm = LLM(model=str(tmp_path), device=device, num_blocks=16, **engine)
     return llm.prompt_logits([ids[0].tolist()])[0].cpu()
 
 

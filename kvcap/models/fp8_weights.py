@@ -1,13 +1,14 @@
-"""FP8 (E4M3) weight checkpoints, dequantized as they load.
+"""FP8 (E4M3) weight checkpoints: each weight paired with its scale as they load.
 
-kvcap computes in 16 bits and quantizes only the KV cache, so a checkpoint whose linear weights
-are stored in FP8 -- compressed-tensors `float-quantized` (per-tensor, per-channel or block
-scales in `weight_scale`), transformers' fine-grained FP8 (`quant_method: fp8`, block scales
-in `weight_scale_inv`) or FBGEMM FP8 (per-channel `weight_scale`) -- loads with each weight
-multiplied back by its scale: W = w_e4m3 * s, s broadcast over its tensor, row or block. The
-activation scales these formats carry (`input_scale`, `input_scale_ub`) are for FP8 matmuls
-kvcap does not run, and are dropped. What is not FP8 (norms, embeddings, an `ignore`d lm_head)
-passes through unchanged.
+A checkpoint whose linear weights are stored in FP8 -- compressed-tensors `float-quantized`
+(per-tensor, per-channel or block scales in `weight_scale`), transformers' fine-grained FP8
+(`quant_method: fp8`, block scales in `weight_scale_inv`) or FBGEMM FP8 (per-channel
+`weight_scale`) -- streams in as FP8Tensor pairs (`fp8_tensors`): kept in FP8 by
+kvcap.models.fp8_linear (on CUDA, by default), or multiplied back to W = w_e4m3 * s
+(`dequantized`), s broadcast over its tensor, row or block. The activation scales these
+formats carry (`input_scale`, `input_scale_ub`) are for FP8 x FP8 matmuls kvcap does not run
+(its activations stay 16-bit), and are dropped. What is not FP8 (norms, embeddings, an
+`ignore`d lm_head) passes through unchanged.
 """
 
 from __future__ import annotations
@@ -93,34 +94,111 @@ def _block(value: Any, what: str) -> tuple[int, int]:
     return int(value[0]), int(value[1])
 
 
-def dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor,
-               block: tuple[int, int] | None) -> torch.Tensor:
-    """FP32 w * s for an E4M3 weight [out, in] and its scale: one value, one per row
-    ([out] or [out, 1]), or one per `block` ([ceil(out / b0), ceil(in / b1)])."""
+def _scale_kind(name: str, scale: torch.Tensor, shape: tuple[int, int],
+                block: tuple[int, int] | None) -> str:
+    """How a scale covers its [out, in] weight: "tensor" (one value), "row" (one per row) or
+    "block" (one per `block`); a misshaped scale is an error naming the scale tensor."""
     if scale.dtype == torch.uint8:
         raise ModelLoadError(f"{name}: uint8 (E8M0) weight scales are not supported")
-    out, cols = weight.shape
-    w = weight.float()
-    s = scale.float()
+    out, cols = shape
     grid = None if block is None else (-(-out // block[0]), -(-cols // block[1]))
-    if grid is not None and s.dim() == 2 and tuple(s.shape) == grid:
-        s = s.repeat_interleave(block[0], 0)[:out].repeat_interleave(block[1], 1)[:, :cols]
-        return w * s
-    if s.numel() == 1:
-        return w * s.reshape(())
-    if s.numel() == out and s.shape[0] == out:
-        return w * s.reshape(out, 1)
+    if grid is not None and scale.dim() == 2 and tuple(scale.shape) == grid:
+        return "block"
+    if scale.numel() == 1:
+        return "tensor"
+    if scale.numel() == out and scale.shape[0] == out:
+        return "row"
     raise ModelLoadError(f"{name}: scale of shape {tuple(scale.shape)} fits neither the tensor, "
                          f"its {out} rows nor {block} blocks of its {out} x {cols} weight")
 
 
-def dequantized(tensors: Iterable[tuple[str, torch.Tensor]], fmt: FP8Weights,
-                device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's (name, tensor) stream with every E4M3 weight replaced by its FP32
-    dequantized value (held until its scale arrives, or the scale until its weight) and the
-    scale and activation-scale tensors taken out. With `device` (the model's) the FP8 bytes
-    travel there and are multiplied out there: a GPU does it faster than the host, and the
-    copy moves one byte a value instead of four."""
+def dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor,
+               block: tuple[int, int] | None) -> torch.Tensor:
+    """FP32 w * s for an E4M3 weight [out, in] and its scale: one value, one per row
+    ([out] or [out, 1]), or one per `block` ([ceil(out / b0), ceil(in / b1)])."""
+    out, cols = weight.shape
+    kind = _scale_kind(name, scale, (out, cols), block)
+    w = weight.float()
+    s = scale.float()
+    if kind == "block":
+        assert block is not None
+        s = s.repeat_interleave(block[0], 0)[:out].repeat_interleave(block[1], 1)[:, :cols]
+        return w * s
+    if kind == "tensor":
+        return w * s.reshape(())
+    return w * s.reshape(out, 1)
+
+
+@dataclass
+class FP8Tensor:
+    """An E4M3 checkpoint weight [out, in] with its scale, as the checkpoint gives them (`name`:
+    the scale tensor's, for errors). It slices along its rows like a tensor (fused q/k/v and
+    gate/up tensors split, tensor-parallel rows), its scale rows with it."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    name: str
+    block: tuple[int, int] | None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def dim(self) -> int:
+        return self.weight.dim()
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self.name, self.weight, self.scale, self.block)
+
+    def _kind(self) -> str:
+        return _scale_kind(self.name, self.scale, tuple(self.weight.shape), self.block)
+
+    def narrow(self, dim: int, start: int, length: int) -> FP8Tensor:
+        if dim != 0:
+            raise ModelLoadError(f"{self.name}: an FP8 weight kept in FP8 is sliced along its "
+                                 "rows only")
+        kind, w = self._kind(), self.weight.narrow(0, start, length)
+        if kind == "tensor":
+            return FP8Tensor(w, self.scale, self.name, self.block)
+        if kind == "row":
+            return FP8Tensor(w, self.scale.reshape(-1, 1)[start:start + length], self.name, None)
+        assert self.block is not None
+        b0, b1 = self.block
+        if start % b0 == 0:
+            rows = self.scale[start // b0: -(-(start + length) // b0)]
+            return FP8Tensor(w, rows, self.name, self.block)
+        # a slice inside a block: one scale row per weight row, the block's along K
+        per_row = self.scale.repeat_interleave(b0, 0)[start:start + length]
+        return FP8Tensor(w, per_row, self.name, (1, b1))
+
+    def split(self, sizes: list[int]) -> list[FP8Tensor]:
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [self.narrow(0, a, n) for a, n in zip(starts, sizes, strict=True)]
+
+    def grouped(self, row_block: int, k_group: int, where: str) -> torch.Tensor:
+        """The FP32 scale per (row_block x k_group) group of the weight, where the checkpoint's
+        scales are constant over each group (kvcap.models.fp8_linear.layout chose them so)."""
+        out, cols = self.weight.shape
+        kind, s = self._kind(), self.scale.float()
+        grid = (-(-out // row_block), -(-cols // k_group))
+        if kind == "tensor":
+            return s.reshape(1, 1).expand(grid)
+        b0, b1 = (1, cols) if kind == "row" else self.block  # type: ignore[misc]
+        if min(b1, cols) != k_group or (row_block != 1 and row_block != b0):
+            raise ModelLoadError(f"{where}: {kind} scales in {b0} x {b1} blocks do not fit the "
+                                 f"layer's {row_block} x {k_group} scale groups; load with "
+                                 "fp8_weights='dequantize'")
+        s = s.reshape(-1, 1) if kind == "row" else s
+        return s if row_block == b0 else s.repeat_interleave(b0, 0)[:out]
+
+
+def fp8_tensors(tensors: Iterable[tuple[str, torch.Tensor]], fmt: FP8Weights,
+                device: torch.device | None = None
+                ) -> Iterator[tuple[str, torch.Tensor | FP8Tensor]]:
+    """The checkpoint's (name, tensor) stream with every E4M3 weight paired with its scale into
+    an FP8Tensor (held until its scale arrives, or the scale until its weight) and the scale
+    and activation-scale tensors taken out. With `device` (the model's) the FP8 bytes travel
+    there, one byte a value."""
     # module prefix -> what has come of its pair: "weight" (E4M3) and "scale" (name, tensor)
     pending: dict[str, dict[str, Any]] = {}
     count = 0
@@ -142,9 +220,10 @@ def dequantized(tensors: Iterable[tuple[str, torch.Tensor]], fmt: FP8Weights,
         if len(pair) == 2:
             del pending[prefix]
             (scale_name, scale), weight = pair["scale"], pair["weight"]
-            if device is not None:  # one byte a value over the copy, the multiply on the GPU
+            if device is not None:
                 weight, scale = weight.to(device), scale.to(device)
-            yield f"{prefix}.weight", dequantize(scale_name, weight, scale, fmt.block)
+            _scale_kind(scale_name, scale, tuple(weight.shape), fmt.block)
+            yield f"{prefix}.weight", FP8Tensor(weight, scale, scale_name, fmt.block)
             count += 1
     lone_weights = [p for p, pair in pending.items() if "weight" in pair]
     if lone_weights:
@@ -153,4 +232,13 @@ def dequantized(tensors: Iterable[tuple[str, torch.Tensor]], fmt: FP8Weights,
     if pending:
         raise ModelLoadError(f"{len(pending)} weight scales have no FP8 weight in the "
                              f"checkpoint, e.g. {next(iter(pending))}")
-    logger.info("%d weights dequantized from %s", count, fmt.describe())
+    logger.info("%d FP8 weights paired with their scales (%s)", count, fmt.describe())
+
+
+def dequantized(tensors: Iterable[tuple[str, torch.Tensor]], fmt: FP8Weights,
+                device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """fp8_tensors' stream with every E4M3 weight replaced by its FP32 dequantized value. With
+    `device` the multiply runs there: a GPU does it faster than the host, and the copy moves
+    one byte a value instead of four."""
+    for name, tensor in fp8_tensors(tensors, fmt, device):
+        yield name, tensor.dequantize() if isinstance(tensor, FP8Tensor) else tensor

@@ -27,6 +27,8 @@ from kvcap.distributed.partition import TPShard, full_shard
 from kvcap.errors import ModelLoadError
 from kvcap.kv_cache.pool import KVCachePool
 from kvcap.models import decode_gemm
+from kvcap.models.fp8_linear import FP8Linear, layout
+from kvcap.models.fp8_weights import FP8Weights
 
 if TYPE_CHECKING:
     from kvcap.distributed.layers import ModelParallel
@@ -154,13 +156,25 @@ class Rotary(nn.Module):
         return cos[:, None, :], sin[:, None, :]  # [T, 1, D]
 
 
+def _linear(in_features: int, out_features: int, kind: str | None,
+            fp8: FP8Weights | None = None, parts: list[int] | None = None,
+            bias: bool = False) -> nn.Module:
+    """A single-process linear: FP8 weights kept where `fp8` is the checkpoint's format (output
+    rows stored as the checkpoint tensors `parts`), else 16-bit with `kind`'s decode_gemm rule
+    (None: cuBLAS; biased linears always run cuBLAS)."""
+    if fp8 is not None:
+        row_block, k_group = layout(fp8, in_features, parts or [out_features])
+        return FP8Linear(in_features, out_features, row_block, k_group, bias)
+    if bias or kind is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return decode_gemm.DecodeLinear(in_features, out_features, kind)
+
+
 def _row_linear(in_features: int, out_features: int, tp: ModelParallel | None,
-                kind: str | None = None) -> nn.Linear:
+                kind: str | None = None, fp8: FP8Weights | None = None) -> nn.Module:
     """Bias-free row-parallel linear; `kind` names its decode_gemm rule (None: cuBLAS)."""
     if tp is None:
-        if kind is None:
-            return nn.Linear(in_features, out_features, bias=False)
-        return decode_gemm.DecodeLinear(in_features, out_features, kind)
+        return _linear(in_features, out_features, kind, fp8)
     from kvcap.distributed.layers import RowParallelLinear
 
     return RowParallelLinear(in_features, out_features, tp.comm, kind)
@@ -168,7 +182,7 @@ def _row_linear(in_features: int, out_features: int, tp: ModelParallel | None,
 
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int, shard: TPShard,
-                 tp: ModelParallel | None = None):
+                 tp: ModelParallel | None = None, fp8: FP8Weights | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = shard.num_q_heads, shard.num_kv_heads
@@ -176,9 +190,9 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         qkv_out = self.q_size + 2 * self.kv_size
-        self.qkv_proj = (nn.Linear(spec.hidden_size, qkv_out, bias=True) if spec.qkv_bias
-                         else decode_gemm.DecodeLinear(spec.hidden_size, qkv_out, "qkv_proj"))
-        self.o_proj = _row_linear(self.q_size, spec.hidden_size, tp, "o_proj")
+        self.qkv_proj = _linear(spec.hidden_size, qkv_out, "qkv_proj", fp8,
+                                [self.q_size, self.kv_size, self.kv_size], spec.qkv_bias)
+        self.o_proj = _row_linear(self.q_size, spec.hidden_size, tp, "o_proj", fp8)
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
@@ -240,11 +254,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, shard: TPShard, tp: ModelParallel | None = None):
+    def __init__(self, spec: ModelSpec, shard: TPShard, tp: ModelParallel | None = None,
+                 fp8: FP8Weights | None = None):
         super().__init__()
         self.inter = shard.inter_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = _row_linear(self.inter, spec.hidden_size, tp, "down_proj")
+        self.gate_up_proj = _linear(spec.hidden_size, 2 * self.inter, None, fp8,
+                                    [self.inter, self.inter])
+        self.down_proj = _row_linear(self.inter, spec.hidden_size, tp, "down_proj", fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = decode_gemm.swiglu(x, self.gate_up_proj.weight)  # decode rows: one kernel
@@ -260,10 +276,10 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int, shard: TPShard,
-                 tp: ModelParallel | None = None):
+                 tp: ModelParallel | None = None, fp8: FP8Weights | None = None):
         super().__init__()
-        self.self_attn = Attention(spec, layer_idx, shard, tp)
-        self.mlp = MLP(spec, shard, tp)
+        self.self_attn = Attention(spec, layer_idx, shard, tp, fp8)
+        self.mlp = MLP(spec, shard, tp, fp8)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -300,10 +316,16 @@ class ForwardContext:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: ModelParallel | None = None):
+    def __init__(self, spec: ModelSpec, tp: ModelParallel | None = None,
+                 fp8: FP8Weights | None = None):
+        """`fp8`: the checkpoint's FP8 weight format, to keep its linears' weights in FP8
+        (kvcap.models.fp8_linear; single process only), or None for 16-bit weights."""
         super().__init__()
+        if fp8 is not None and tp is not None:
+            raise ValueError("FP8 weights are kept in single-process models only")
         self.spec = spec
         self.tp = tp
+        self.fp8 = fp8
         self.shard = tp.shard if tp is not None else full_shard(spec)
         # Registration order fixes named_parameters() order (dummy weights depend on it).
         self.embed_tokens: nn.Embedding
@@ -314,7 +336,7 @@ class LlamaModel(nn.Module):
 
             self.embed_tokens = VocabParallelEmbedding(self.shard.vocab, spec.hidden_size,
                                                        tp.comm)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, self.shard, tp)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, self.shard, tp, fp8)
                                     for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = Rotary(spec)

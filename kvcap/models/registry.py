@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcap.config import ModelSpec
-from kvcap.models.fp8_weights import dequantized
+from kvcap.models.fp8_weights import dequantized, fp8_tensors
 from kvcap.models.llama import LlamaModel, rope_inv_freq
 from kvcap.models.loader import iter_safetensors
 from kvcap.models.phi3 import split_fused
@@ -22,11 +22,12 @@ logger = logging.getLogger(__name__)
 
 
 def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-                tp: ModelParallel | None = None) -> LlamaModel:
+                tp: ModelParallel | None = None, keep_fp8: bool = False) -> LlamaModel:
     """Allocate parameters directly on `device` in `dtype` (no wasted random init); with `tp`,
-    only this tensor-parallel rank's shard."""
+    only this tensor-parallel rank's shard; with `keep_fp8`, the linears of an FP8 checkpoint
+    in FP8 (kvcap.models.fp8_linear)."""
     with torch.device("meta"):
-        model = LlamaModel(spec, tp)
+        model = LlamaModel(spec, tp, spec.fp8_weights if keep_fp8 else None)
     model = model.to_empty(device=device).to(dtype)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -36,11 +37,19 @@ def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype,
 
 
 def load_model(spec: ModelSpec, model_dir: Path | None, device: torch.device,
-               dtype: torch.dtype, dummy_seed: int = 0, tp: ModelParallel | None = None
-               ) -> tuple[LlamaModel, dict[str, torch.Tensor]]:
-    """Returns the model and the K/V scale tensors found in the checkpoint (for the gate)."""
-    model = build_model(spec, device, dtype, tp)
+               dtype: torch.dtype, dummy_seed: int = 0, tp: ModelParallel | None = None,
+               keep_fp8: bool = False) -> tuple[LlamaModel, dict[str, torch.Tensor]]:
+    """Returns the model and the K/V scale tensors found in the checkpoint (for the gate).
+    `keep_fp8`: an FP8 checkpoint's linear weights stay FP8 (kvcap.models.fp8_linear
+    .resolve_keep decides), else they are dequantized to `dtype` as they load."""
+    keep_fp8 = keep_fp8 and spec.fp8_weights is not None
+    model = build_model(spec, device, dtype, tp, keep_fp8)
     where = "" if tp is None else f", tensor-parallel rank {tp.shard.rank}/{tp.shard.world}"
+    if keep_fp8:
+        assert spec.fp8_weights is not None
+        gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+        logger.info("%s: kept in FP8 on %s (%.2f GiB of weights; activations %s)",
+                    spec.fp8_weights.describe(), device, gib, dtype)
     if model_dir is None:
         if tp is None:
             init_dummy_weights(model, dummy_seed)
@@ -50,9 +59,12 @@ def load_model(spec: ModelSpec, model_dir: Path | None, device: torch.device,
                     where)
         return model, {}
     tensors = iter_safetensors(model_dir)
-    if spec.fp8_weights is not None:
-        logger.info("%s: dequantized to %s as they load (kvcap computes in 16 bits; the FP8 "
-                    "checkpoint saves disk, not GPU memory)", spec.fp8_weights.describe(), dtype)
+    if keep_fp8:
+        tensors = fp8_tensors(tensors, spec.fp8_weights, device)
+    elif spec.fp8_weights is not None:
+        logger.info("%s: dequantized to %s as they load (the FP8 checkpoint saves disk, not "
+                    "memory; fp8_weights='keep' keeps them FP8)", spec.fp8_weights.describe(),
+                    dtype)
         tensors = dequantized(tensors, spec.fp8_weights, device)
     if spec.architecture == "phi3":
         tensors = split_fused(tensors, spec)

@@ -8,6 +8,9 @@ A tensor-parallel model (`model.shard` not full) takes its slice of each checkpo
 query/KV head rows of q/k/v_proj, MLP rows of gate/up_proj, the matching input columns of
 o_proj/down_proj, vocabulary rows of embed_tokens/lm_head; the full checkpoint dimension is
 checked before slicing, so a wrong-sized checkpoint is refused as strictly as without TP.
+
+FP8 weights arrive as FP8Tensor pairs (kvcap.models.fp8_weights): a layer that keeps FP8
+(FP8Linear) takes the bytes and its scales; a 16-bit parameter takes them dequantized.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import torch
 
 from kvcap.config import ModelSpec
 from kvcap.errors import ModelLoadError
+from kvcap.models.fp8_linear import fp8_linears, init_dummy
+from kvcap.models.fp8_weights import FP8Tensor
 from kvcap.models.llama import LlamaModel
 
 _SCALE_RE = re.compile(r"\.(k_scale|v_scale|output_scale|q_scale|prob_scale)$")
@@ -79,7 +84,8 @@ def _target(model: LlamaModel, name: str
     return params[local], None, src
 
 
-def _take(name: str, tensor: torch.Tensor, src: Source | None, full: bool) -> torch.Tensor:
+def _take(name: str, tensor: torch.Tensor | FP8Tensor, src: Source | None, full: bool
+          ) -> torch.Tensor | FP8Tensor:
     """This rank's slice of a checkpoint tensor (the tensor itself without TP)."""
     if src is None or full:
         return tensor
@@ -90,12 +96,16 @@ def _take(name: str, tensor: torch.Tensor, src: Source | None, full: bool) -> to
     return tensor.narrow(dim, lo, hi - lo)
 
 
-def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor]]
+def load_weights(model: LlamaModel,
+                 tensors: Iterable[tuple[str, torch.Tensor | FP8Tensor]]
                  ) -> dict[str, torch.Tensor]:
     """Fill `model` from (name, tensor) pairs. Returns the K/V-scale-like tensors found."""
     scales: dict[str, torch.Tensor] = {}
     written: dict[str, int] = {}  # param name -> rows written (fused params collect slices)
     ids = {id(p): n for n, p in model.named_parameters()}
+    fp8_layers = fp8_linears(model)  # id(weight) -> FP8Linear
+    # an FP8 layer's scales are written with its weight rows (FP8Linear.load_rows)
+    scale_params = {ids[id(m.weight_scale)] for m in fp8_layers.values()}
     tied = model.spec.tie_word_embeddings
     with torch.no_grad():
         for name, tensor in tensors:
@@ -108,14 +118,25 @@ def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor]]
                 continue
             param, rows, src = _target(model, name)
             tensor = _take(name, tensor, src, model.shard.is_full)
-            dest = param if rows is None else param[rows]
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ModelLoadError(f"shape mismatch for {name}: checkpoint "
-                                     f"{tuple(tensor.shape)} vs model {tuple(dest.shape)}")
-            dest.copy_(tensor.to(param.dtype))
+            layer = fp8_layers.get(id(param))
+            if layer is not None:
+                if not isinstance(tensor, FP8Tensor):
+                    raise ModelLoadError(f"{name} is {tensor.dtype}, not FP8, in the checkpoint, "
+                                         "but its layer keeps FP8 weights; load with "
+                                         "fp8_weights='dequantize'")
+                layer.load_rows(name, rows, tensor)
+            else:
+                if isinstance(tensor, FP8Tensor):  # an FP8 tensor into a 16-bit parameter
+                    tensor = tensor.dequantize()
+                dest = param if rows is None else param[rows]
+                if tuple(dest.shape) != tuple(tensor.shape):
+                    raise ModelLoadError(f"shape mismatch for {name}: checkpoint "
+                                         f"{tuple(tensor.shape)} vs model {tuple(dest.shape)}")
+                dest.copy_(tensor.to(param.dtype))
             key = ids[id(param)]
             written[key] = written.get(key, 0) + tensor.shape[0]
-    missing = [n for n, p in model.named_parameters() if written.get(n, 0) != p.shape[0]]
+    missing = [n for n, p in model.named_parameters()
+               if n not in scale_params and written.get(n, 0) != p.shape[0]]
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
     return scales
@@ -125,8 +146,13 @@ def init_dummy_weights(model: LlamaModel, seed: int = 0) -> None:
     """Random weights of the right shapes (performance work without a download)."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
+    fp8_params = {id(p) for m in fp8_linears(model).values() for p in m.parameters()}
     with torch.no_grad():
+        for m in fp8_linears(model).values():
+            init_dummy(m, gen)
         for name, p in model.named_parameters():
+            if id(p) in fp8_params:
+                continue
             if "norm" in name:
                 p.fill_(1.0)
             else:

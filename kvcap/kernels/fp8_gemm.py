@@ -1,0 +1,193 @@
+"""Y = X @ (W * S)^T with W kept in FP8 (E4M3) on the GPU: weight-only FP8 linears.
+
+A checkpoint whose linear weights are E4M3 with FP32 scales (kvcap.models.fp8_weights) can stay
+in one byte a weight on the GPU: half the memory of FP16/BF16 weights (more room for the KV
+cache) and half the bytes a decode step streams. The scales come in groups: one per
+ROW_BLOCK output rows x K_GROUP input columns (a whole row: per-tensor / per-channel formats;
+128 x 128 blocks: transformers' fine-grained FP8). Activations stay FP16/BF16.
+
+- `fp8_linear`: the streaming GEMM for up to MAX_ROWS rows (decode and small mixed steps).
+  Each program walks K for its BLOCK_M x BLOCK_N output tile, loads the weight tile as bytes,
+  decodes it to the activation dtype -- the hardware conversion on SM89+, the exact packed
+  software decoder (kernels.common.convert_tile) below -- and multiplies on tensor cores with
+  FP32 accumulation. The scale multiplies the FP32 dot, not the weight: once in the epilogue
+  when a row has one scale, once per K step when the scales change along K (BLOCK_K divides
+  K_GROUP, so a step sits in one group). The software decoder yields value * 2^-8 exactly; the
+  2^8 is folded into the scale (exact: a power of two).
+- `dequantize_into`: W * S rounded to the activation dtype, into a caller's buffer, for the
+  large-M GEMMs (prefill chunks) that cuBLAS runs on the 16-bit weight -- there the GEMM is
+  compute-bound and the extra write/read of the weight costs little. The bytes equal
+  `(w.float() * s_full).to(dtype)`, the dequantize-at-load path's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcap.kernels.common import (
+    FP_FUSION,
+    convert_tile,
+    dot_dtype,
+    pdl_launch,
+    pdl_mode,
+    pdl_release,
+    pdl_wait,
+    use_software_fp8,
+)
+
+MAX_ROWS = 256
+# The software decoder's results are the E4M3 value times 2^-8.
+_SOFTWARE_FACTOR = 256.0
+
+
+@triton.jit
+def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
+                     stride_sn, stride_ym, scale_factor,
+                     ROW_BLOCK: tl.constexpr, K_GROUP: tl.constexpr, GROUPED_K: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SOFTWARE: tl.constexpr,
+                     DOT_DTYPE: tl.constexpr, GDC: tl.constexpr = 0):
+    pdl_wait(GDC)  # x comes from the kernel before (common.pdl_launch)
+    # M is the fast grid axis: the programs that share a weight tile run side by side, so
+    # the tile is read from memory once and from L2 by the others.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mmask = rm < M
+    nmask = rn < N
+    xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    wp = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    # each output column's scale row (its weight row's group of ROW_BLOCK rows)
+    sp = s_ptr + (rn // ROW_BLOCK).to(tl.int64) * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(xp, mask=mmask[:, None], other=0.0)
+            w = tl.load(wp, mask=nmask[:, None], other=0)
+        else:
+            kmask = (k + rk) < K
+            x = tl.load(xp, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(wp, mask=nmask[:, None] & kmask[None, :], other=0)
+        x = x.to(DOT_DTYPE)
+        wt = convert_tile(w, True, SOFTWARE, DOT_DTYPE)
+        if GROUPED_K:
+            s = tl.load(sp + k // K_GROUP, mask=nmask, other=0.0)
+            acc += tl.dot(x, tl.trans(wt)) * s[None, :]
+        else:
+            acc += tl.dot(x, tl.trans(wt))
+        xp += BLOCK_K
+        wp += BLOCK_K
+    if not GROUPED_K:
+        acc = acc * tl.load(sp, mask=nmask, other=0.0)[None, :]
+    acc = acc * scale_factor
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    yp = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    pdl_release(GDC)
+
+
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+                       scale_factor, ROW_BLOCK: tl.constexpr, K_GROUP: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFTWARE: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rn < N)[:, None] & (rk < K)[None, :]
+    w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :], mask=mask, other=0)
+    s = tl.load(s_ptr + (rn // ROW_BLOCK)[:, None].to(tl.int64) * stride_sn
+                + (rk // K_GROUP)[None, :], mask=mask, other=0.0)
+    v = convert_tile(w, True, SOFTWARE, tl.float32)
+    # v * (s * 2^8) == value * s exactly: the same FP32 product the torch dequantization rounds
+    tl.store(out_ptr + rn[:, None].to(tl.int64) * stride_on + rk[None, :],
+             (v * (s * scale_factor)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def check_operands(w: torch.Tensor, scale: torch.Tensor, row_block: int, k_group: int) -> None:
+    """w: E4M3 (or its uint8 bytes) [N, K], K contiguous; scale: FP32 [ceil(N / row_block),
+    ceil(K / k_group)]."""
+    if w.dim() != 2 or w.dtype not in (torch.uint8, torch.float8_e4m3fn) or w.stride(1) != 1:
+        raise ValueError(f"the FP8 weight must be E4M3 bytes [N, K], K contiguous; got "
+                         f"{w.dtype} {tuple(w.shape)}")
+    n, k = w.shape
+    want = (-(-n // row_block), -(-k // k_group))
+    if scale.dtype != torch.float32 or tuple(scale.shape) != want or scale.stride(1) != 1:
+        raise ValueError(f"the scale of a {n} x {k} FP8 weight in {row_block} x {k_group} groups "
+                         f"must be FP32 {want}; got {scale.dtype} {tuple(scale.shape)}")
+
+
+def gemm_config(m: int, k_group: int, k: int, device: torch.device
+                ) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). BLOCK_K divides the K group where the
+    scales change along K. Decode rows: 16-row tiles (the MMA minimum) and 64 output columns
+    (each K step reads 64 x 128 bytes, the 32-column 16-bit tile's bytes); wider M tiles as
+    rows grow, so the weight is read fewer times. Not yet swept on a GPU."""
+    bk = 128
+    if k_group < k:
+        while k_group % bk:
+            bk //= 2
+    if device.type != "cuda":
+        return 16, 16, min(bk, 32), 1, 1
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    return bm, 64, bk, 4, 4
+
+
+def _as_bytes(w: torch.Tensor) -> torch.Tensor:
+    return w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_block: int,
+               k_group: int, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, fp8_mode: str = "auto") -> torch.Tensor:
+    """x [M, K] FP16/BF16 (M <= MAX_ROWS) @ (w * scale)^T (+ bias) -> [M, N] in x's dtype.
+    fp8_mode: "auto" (hardware conversion where the GPU has it), "native" or "software"."""
+    check_operands(w, scale, row_block, k_group)
+    if x.dim() != 2 or x.shape[1] != w.shape[1] or x.stride(1) != 1:
+        raise ValueError(f"fp8_linear needs x [M, {w.shape[1]}] contiguous along K; got "
+                         f"{tuple(x.shape)}")
+    m, k = x.shape
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"fp8_linear handles 1..{MAX_ROWS} rows, got {m}")
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"fp8_linear computes in FP16/BF16, got {x.dtype}")
+    n = w.shape[0]
+    grouped = k_group < k
+    if grouped and k_group % 16:
+        raise ValueError(f"K groups of {k_group} columns: fp8_linear needs a multiple of 16")
+    bm, bn, bk, nw, ns = gemm_config(m, k_group, k, x.device)
+    software = use_software_fp8(x.device, fp8_mode)
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    pdl = pdl_launch(x.device, m)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _fp8_gemm_kernel[grid](
+        x, _as_bytes(w), scale, bias if bias is not None else scale, out, m, n, k,
+        x.stride(0), w.stride(0), scale.stride(0), out.stride(0),
+        _SOFTWARE_FACTOR if software else 1.0,
+        ROW_BLOCK=row_block, K_GROUP=k_group if grouped else k, GROUPED_K=grouped,
+        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
+        SOFTWARE=software, DOT_DTYPE=dot_dtype(x.dtype)[0], GDC=pdl_mode(pdl, grid, x.device),
+        num_warps=nw, num_stages=ns,
+        **pdl, **FP_FUSION)
+    return out
+
+
+def dequantize_into(w: torch.Tensor, scale: torch.Tensor, row_block: int, k_group: int,
+                    out: torch.Tensor, fp8_mode: str = "auto") -> torch.Tensor:
+    """out [N, K] (FP16/BF16/FP32) <- w * scale, rounded once to out's dtype."""
+    check_operands(w, scale, row_block, k_group)
+    if tuple(out.shape) != tuple(w.shape) or out.stride(1) != 1:
+        raise ValueError(f"dequantize_into needs out {tuple(w.shape)}, got {tuple(out.shape)}")
+    n, k = w.shape
+    software = use_software_fp8(w.device, fp8_mode)
+    bn, bk = (32, 128) if w.device.type == "cuda" else (16, 32)
+    grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
+    _dequantize_kernel[grid](
+        _as_bytes(w), scale, out, n, k, w.stride(0), scale.stride(0), out.stride(0),
+        _SOFTWARE_FACTOR if software else 1.0, ROW_BLOCK=row_block, K_GROUP=k_group,
+        BLOCK_N=bn, BLOCK_K=bk, SOFTWARE=software, num_warps=4)
+    return out

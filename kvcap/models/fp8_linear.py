@@ -1,0 +1,195 @@
+"""Linear layers whose weights stay FP8 (E4M3) on the device, with their FP32 scales.
+
+An FP8-weight checkpoint (kvcap.models.fp8_weights) is either dequantized to 16 bits as it
+loads or kept: one byte a weight instead of two -- half the weight memory, which goes to the
+KV cache, and half the bytes a decode step streams. Kept weights run through
+kvcap.kernels.fp8_gemm on CUDA: its streaming GEMM for up to `max_rows()` rows (decode steps),
+and for larger steps (prefill chunks, compute-bound) the weight dequantized into one shared
+scratch buffer and cuBLAS. On the CPU the same arithmetic runs in torch (the kernels' twin).
+
+The scales are kept per group of `row_block` output rows x `k_group` input columns (one group
+per row for per-tensor and per-channel formats, the checkpoint's blocks for block formats;
+`layout`). Weight bytes and scale bits are held in integer tensors: `model.to(dtype)` converts
+floating-point parameters and must leave both alone.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvcap.errors import ConfigError, ModelLoadError
+from kvcap.models.fp8_weights import FP8Tensor, FP8Weights
+
+MAX_ROWS_ENV = "KVCAP_FP8_GEMM_MAX_ROWS"
+# kvcap.kernels.fp8_gemm.MAX_ROWS, not imported: a CPU install need not have triton.
+KERNEL_MAX_ROWS = 256
+FP8_WEIGHT_MODES = ("auto", "keep", "dequantize")
+
+
+def max_rows() -> int:
+    """Rows up to which the streaming kernel runs (KVCAP_FP8_GEMM_MAX_ROWS=N for
+    measurements; 0: always dequantize + cuBLAS)."""
+    raw = os.environ.get(MAX_ROWS_ENV, "").strip()
+    if not raw:
+        return KERNEL_MAX_ROWS
+    try:
+        return min(max(0, int(raw)), KERNEL_MAX_ROWS)
+    except ValueError:
+        raise ValueError(f"{MAX_ROWS_ENV}={raw!r} is not an integer row count") from None
+
+
+def layout(fmt: FP8Weights, in_features: int, parts: Sequence[int]) -> tuple[int, int]:
+    """(row_block, k_group) for a linear of `in_features` inputs whose output rows are the
+    checkpoint tensors `parts` (fused q/k/v, gate/up): the checkpoint's blocks where every
+    part starts on a block, else one scale row per output row."""
+    if fmt.block is None:
+        return 1, in_features
+    b0, b1 = fmt.block
+    k_group = min(b1, in_features)
+    if k_group < in_features and k_group % 16:
+        raise ConfigError(f"{fmt.describe()}: kvcap's FP8 GEMM needs K blocks of a multiple of "
+                          f"16 columns, not {b1}; load with fp8_weights='dequantize'")
+    starts = [sum(parts[:i]) for i in range(1, len(parts))]
+    return (b0 if all(a % b0 == 0 for a in starts) else 1), k_group
+
+
+def keep_refusal(fmt: FP8Weights | None, tensor_parallel_size: int) -> str | None:
+    """Why such a checkpoint's weights cannot stay FP8 here (None: they can)."""
+    if fmt is None:
+        return "the checkpoint's weights are not FP8"
+    if tensor_parallel_size > 1:
+        return "tensor parallelism slices 16-bit weights only"
+    if fmt.block is not None and fmt.block[1] % 16:
+        return f"K blocks of {fmt.block[1]} columns (the FP8 GEMM needs a multiple of 16)"
+    return None
+
+
+def resolve_keep(mode: str, fmt: FP8Weights | None, device: torch.device,
+                 tensor_parallel_size: int) -> bool:
+    """Whether an FP8 checkpoint's weights stay FP8: "keep" (an error where they cannot),
+    "dequantize", or "auto" (kept on CUDA wherever they can be)."""
+    if mode not in FP8_WEIGHT_MODES:
+        raise ConfigError(f"fp8_weights must be one of {', '.join(FP8_WEIGHT_MODES)}, got "
+                          f"{mode!r}")
+    if fmt is None or mode == "dequantize":
+        return False
+    refusal = keep_refusal(fmt, tensor_parallel_size)
+    if mode == "keep":
+        if refusal is not None:
+            raise ConfigError(f"fp8_weights='keep': {refusal}; use fp8_weights='dequantize'")
+        return True
+    return device.type == "cuda" and refusal is None
+
+
+def dequantize_reference(w: torch.Tensor, scale: torch.Tensor, row_block: int,
+                         k_group: int) -> torch.Tensor:
+    """FP32 w * s of E4M3 bytes [N, K] and FP32 group scales: the kernels' torch twin."""
+    n, k = w.shape
+    s = scale.repeat_interleave(row_block, 0)[:n].repeat_interleave(k_group, 1)[:, :k]
+    return w.view(torch.float8_e4m3fn).float() * s
+
+
+_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _scratch(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """One dequantization buffer per device and dtype, grown to the largest weight. Grown only
+    outside CUDA graph capture (the warm-up's largest step reaches every size first)."""
+    buf = _SCRATCH.get((device, dtype))
+    if buf is None or buf.numel() < numel:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("an FP8 weight is dequantized for the first time inside CUDA "
+                               "graph capture: run a step of this size before capturing")
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        _SCRATCH[(device, dtype)] = buf
+    return buf[:numel]
+
+
+class FP8Linear(nn.Module):
+    """y = x @ (w * s)^T (+ bias), w [out, in] E4M3 bytes, s FP32 per (row_block x k_group)."""
+
+    def __init__(self, in_features: int, out_features: int, row_block: int, k_group: int,
+                 bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.row_block, self.k_group = row_block, k_group
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.uint8),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(  # FP32 bits (int32: model.to(dtype) keeps them)
+            torch.empty(math.ceil(out_features / row_block), math.ceil(in_features / k_group),
+                        dtype=torch.int32), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.weight_scale.view(torch.float32)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, E4M3 "
+                f"scales per {self.row_block} x {self.k_group}, bias={self.bias is not None}")
+
+    def load_rows(self, name: str, rows: slice | None, t: FP8Tensor) -> None:
+        """Write checkpoint tensor `t` into output rows `rows` (all when None): its bytes, and
+        its scales regrouped into this layer's groups."""
+        start = 0 if rows is None else rows.start
+        n = t.weight.shape[0]
+        stop = start + n
+        if t.weight.shape[1] != self.in_features or stop > self.out_features:
+            raise ModelLoadError(f"shape mismatch for {name}: checkpoint "
+                                 f"{tuple(t.weight.shape)} vs model rows {start}:{stop} of "
+                                 f"{self.out_features} x {self.in_features}")
+        if start % self.row_block or (stop % self.row_block and stop != self.out_features):
+            raise ModelLoadError(f"{name}: rows {start}:{stop} do not start on this layer's "
+                                 f"{self.row_block}-row scale blocks")
+        scale = t.grouped(self.row_block, self.k_group, name)
+        self.weight[start:stop].copy_(t.weight.view(torch.uint8))
+        first = start // self.row_block
+        self.scale[first:first + scale.shape[0]].copy_(scale)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """w * s rounded to `dtype` ([out, in]; on CUDA a view of the shared scratch buffer)."""
+        if self.weight.is_cuda:
+            from kvcap.kernels import fp8_gemm
+
+            out = _scratch(self.weight.device, dtype, self.weight.numel())
+            return fp8_gemm.dequantize_into(self.weight, self.scale, self.row_block,
+                                            self.k_group, out.view(self.weight.shape))
+        return dequantize_reference(self.weight, self.scale, self.row_block,
+                                    self.k_group).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        rows = x2.shape[0]
+        if (x2.is_cuda and x2.dtype in (torch.float16, torch.bfloat16)
+                and 1 <= rows <= max_rows()):
+            from kvcap.kernels import fp8_gemm
+
+            y = fp8_gemm.fp8_linear(x2.contiguous(), self.weight, self.scale, self.row_block,
+                                    self.k_group, self.bias)
+        else:
+            y = F.linear(x2, self.dequantized(x2.dtype), self.bias)
+        return y.reshape(*lead, self.out_features)
+
+
+def fp8_linears(model: nn.Module) -> dict[int, FP8Linear]:
+    """id(weight parameter) -> its FP8Linear, for the weight loader."""
+    return {id(m.weight): m for m in model.modules() if isinstance(m, FP8Linear)}
+
+
+def init_dummy(layer: FP8Linear, gen: torch.Generator, std: float = 0.02) -> None:
+    """Random weights for performance runs: N(0, std) quantized to E4M3 under one scale that
+    puts the spread well inside E4M3's range (448 = 7 standard deviations)."""
+    s = 7 * std / 448
+    w = torch.empty(layer.weight.shape, device=layer.weight.device)
+    w.normal_(0.0, std, generator=gen)
+    layer.weight.copy_((w / s).to(torch.float8_e4m3fn).view(torch.uint8))
+    layer.scale.fill_(s)
+    if layer.bias is not None:
+        layer.bias.zero_()

@@ -1,0 +1,238 @@
+"""FP8 weights kept in FP8: the weight-only FP8 GEMM and dequantization kernels against their
+torch twin (CPU interpreter; compiled on a GPU), FP8Linear's scale layouts, and whole models
+loaded with fp8_weights='keep' against the dequantized load and transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from test_fp8_weights import _compressed, _fp8_checkpoint, _logits  # noqa: E402
+
+from kvcap.errors import ConfigError, ModelLoadError  # noqa: E402
+from kvcap.models.fp8_linear import FP8Linear, dequantize_reference  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+kernels = pytest.mark.skipif(DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+                             reason="needs CUDA or the Triton interpreter")
+
+
+def _weights(n: int, k: int, row_block: int, k_group: int, seed: int):
+    """Random E4M3 bytes spread over the whole format (subnormals to 448, both signs, no NaN)
+    and FP32 group scales of different sizes."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = torch.rand(-(-n // row_block), -(-k // k_group), generator=g) * 1e-2 + 1e-4
+    return w.view(torch.uint8).to(DEV), s.to(DEV)
+
+
+@kernels
+@pytest.mark.parametrize("m,n,k,row_block,k_group", [
+    (1, 48, 64, 1, 64),      # one scale a row
+    (16, 40, 96, 16, 32),    # 16 x 32 blocks, N not a whole tile
+    (5, 33, 80, 1, 16),      # groups of 16 along K, odd N
+    (17, 64, 128, 32, 128),  # 17 rows: two 16-row tiles on the CPU
+    (70, 64, 80, 1, 80),     # K not a multiple of the K step
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["native", "software"])
+def test_gemm_matches_its_twin(m, n, k, row_block, k_group, dtype, mode):
+    from kvcap.kernels.fp8_gemm import fp8_linear
+
+    w, s = _weights(n, k, row_block, k_group, m * n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEV, dtype)
+    bias = torch.randn(n).to(DEV, dtype)
+    want = x.float() @ dequantize_reference(w, s, row_block, k_group).t() + bias.float()
+    got = fp8_linear(x, w, s, row_block, k_group, bias, fp8_mode=mode)
+    assert got.shape == (m, n) and got.dtype == dtype
+    # the twin's FP32 sum against FP32 accumulation, one rounding to the output dtype
+    tol = 8e-3 if dtype == torch.bfloat16 else 1e-3
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["native", "software"])
+def test_dequantize_gives_the_bytes_of_the_torch_dequantization(dtype, mode):
+    from kvcap.kernels.fp8_gemm import dequantize_into
+
+    w, s = _weights(70, 200, 16, 48, 3)
+    out = torch.full((70, 200), 7.0, dtype=dtype, device=DEV)
+    got = dequantize_into(w, s, 16, 48, out, fp8_mode=mode)
+    want = dequantize_reference(w, s, 16, 48).to(dtype)
+    if dtype == torch.bfloat16 and DEV == "cpu":
+        # the CPU interpreter rounds FP32 -> BF16 toward zero; the GPU rounds to nearest
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(got, want)
+
+
+@kernels
+def test_kernels_refuse_what_they_cannot_do():
+    from kvcap.kernels.fp8_gemm import fp8_linear
+
+    w, s = _weights(32, 64, 1, 64, 0)
+    x = torch.randn(4, 64, dtype=torch.float16, device=DEV)
+    with pytest.raises(ValueError, match="1..256 rows"):
+        fp8_linear(torch.randn(257, 64, dtype=torch.float16, device=DEV), w, s, 1, 64)
+    with pytest.raises(ValueError, match=r"must be FP32 \(32, 1\)"):
+        fp8_linear(x, w, s[:16], 1, 64)
+    with pytest.raises(ValueError, match="E4M3 bytes"):
+        fp8_linear(x, w.to(torch.float16), s, 1, 64)
+    with pytest.raises(ValueError, match="FP16/BF16"):
+        fp8_linear(x.float(), w, s, 1, 64)
+    w8, s8 = _weights(32, 64, 1, 8, 0)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fp8_linear(x, w8, s8, 1, 8)
+
+
+def test_layout_keeps_checkpoint_blocks_where_every_part_starts_on_one():
+    from kvcap.models.fp8_linear import layout
+    from kvcap.models.fp8_weights import FP8Weights
+
+    block = FP8Weights("fp8", (128, 128))
+    assert layout(block, 4096, [4096, 1024, 1024]) == (128, 128)
+    assert layout(block, 576, [576, 192, 192]) == (1, 128)  # k/v of 192 rows: one per row
+    assert layout(block, 64, [64]) == (128, 64)  # K within one block: one group along K
+    assert layout(FP8Weights("compressed-tensors"), 4096, [4096]) == (1, 4096)
+    with pytest.raises(ConfigError, match="multiple of 16"):
+        layout(FP8Weights("fp8", (128, 40)), 4096, [4096])
+
+
+def test_modes_resolve_and_refuse_by_name():
+    from kvcap.models.fp8_linear import resolve_keep
+    from kvcap.models.fp8_weights import FP8Weights
+
+    fmt, cpu, gpu = FP8Weights("fp8", (128, 128)), torch.device("cpu"), torch.device("cuda")
+    assert resolve_keep("auto", fmt, gpu, 1) and not resolve_keep("auto", fmt, cpu, 1)
+    assert not resolve_keep("auto", fmt, gpu, 2)  # TP slices 16-bit weights
+    assert resolve_keep("keep", fmt, cpu, 1) and not resolve_keep("dequantize", fmt, gpu, 1)
+    assert not resolve_keep("keep", None, gpu, 1)  # nothing to keep in a 16-bit checkpoint
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        resolve_keep("keep", fmt, gpu, 2)
+    with pytest.raises(ConfigError, match="K blocks of 40"):
+        resolve_keep("keep", FP8Weights("fp8", (48, 40)), gpu, 1)
+    with pytest.raises(ConfigError, match="fp8_weights must be one of"):
+        resolve_keep("fp8", fmt, gpu, 1)
+
+
+@pytest.mark.parametrize("granularity, qc, scale_name, arch", [
+    ("tensor", _compressed("tensor"), "weight_scale", "llama"),
+    ("channel", {"quant_method": "fbgemm_fp8"}, "weight_scale", "llama"),
+    ((32, 32), {"quant_method": "fp8", "weight_block_size": [32, 32]}, "weight_scale_inv",
+     "llama"),
+    # 48-row blocks: q/k/v (64/32/32 rows) do not start on one, gate/up (96 + 96) do; 32 x 64
+    # K groups; blocks cut at the weights' edges
+    ((48, 32), _compressed("block", (48, 32)), "weight_scale", "llama"),
+    ("tensor", _compressed("tensor"), "weight_scale", "phi3"),  # fused tensors split in FP8
+])
+def test_kept_weights_give_the_logits_of_the_dequantized_load(tmp_path, monkeypatch,
+                                                              granularity, qc, scale_name, arch):
+    hf, ids = _fp8_checkpoint(tmp_path, granularity, scale_name, qc, arch)
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+    kept = _logits(tmp_path, ids, monkeypatch, fp8_weights="keep")
+    assert (kept - ref).abs().max().item() < 1e-4
+    assert (kept - _logits(tmp_path, ids, monkeypatch)).abs().max().item() < 1e-4
+
+
+def test_kept_model_holds_one_byte_a_weight(tmp_path, monkeypatch):
+    from kvcap import LLM
+    from kvcap.models import loader
+
+    _fp8_checkpoint(tmp_path, (48, 32), "weight_scale", _compressed("block", (48, 32)))
+    monkeypatch.setattr(loader, "load_tokenizer", lambda _dir: None)
+    llm = LLM(model=str(tmp_path), device="cpu", dtype="float32", num_blocks=16,
+              fp8_weights="keep")
+    layers = [m for m in llm.model.modules() if isinstance(m, FP8Linear)]
+    assert len(layers) == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
+    assert all(m.weight.dtype == torch.uint8 and m.scale.dtype == torch.float32
+               for m in layers)
+    mlp, attn = llm.model.layers[0].mlp, llm.model.layers[0].self_attn
+    assert (mlp.gate_up_proj.row_block, mlp.gate_up_proj.k_group) == (48, 32)
+    assert (attn.qkv_proj.row_block, attn.qkv_proj.k_group) == (1, 32)
+    assert llm.model.lm_head.weight.dtype == torch.float32  # not FP8 in the checkpoint
+
+
+def test_a_16_bit_tensor_for_a_kept_layer_is_refused(tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    _, ids = _fp8_checkpoint(tmp_path, "channel", "weight_scale", _compressed("channel"))
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    name = "model.layers.1.mlp.down_proj"
+    tensors[f"{name}.weight"] = tensors[f"{name}.weight"].float() * tensors.pop(
+        f"{name}.weight_scale")
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=f"{name}.weight is torch.float32, not FP8"):
+        _logits(tmp_path, ids, monkeypatch, fp8_weights="keep")
+    _logits(tmp_path, ids, monkeypatch, fp8_weights="dequantize")  # loads
+
+
+def test_dummy_fp8_model_runs(tmp_path):
+    """Random FP8 weights for performance runs: a dummy config with an FP8 quantization_config
+    builds FP8 layers, and the model generates."""
+    from kvcap import LLM, SamplingParams
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 64,
+           "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+           "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32]}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(model=f"dummy:{tmp_path}", device="cpu", num_blocks=16, fp8_weights="keep")
+    assert any(isinstance(m, FP8Linear) for m in llm.model.modules())
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 16, 64, 256])
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_gemm_at_8b_shapes_on_the_gpu(rows, block):
+    """The Llama-3.1-8B linears (QKV 6144 x 4096, down 4096 x 14336) against the twin in BF16,
+    both decoders."""
+    from kvcap.kernels.fp8_gemm import fp8_linear
+
+    for n, k in ((6144, 4096), (4096, 14336)):
+        rb, kg = block or (1, k)
+        w, s = _weights(n, k, rb, kg, rows)
+        w, s = w.cuda(), s.cuda()
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        want = x.float() @ dequantize_reference(w, s, rb, kg).t()
+        for mode in ("native", "software"):
+            got = fp8_linear(x, w, s, rb, kg, fp8_mode=mode).float()
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            assert err < 8e-3, (n, k, mode, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kept_model_on_the_gpu_matches_the_dequantized_one(tmp_path, monkeypatch):
+    """BF16 on the GPU: the kept model's prompt logits (large-M path: dequantized into the
+    scratch, cuBLAS) and its greedy decode (the streaming kernel, CUDA graphs) against the
+    dequantized model's."""
+    from kvcap import LLM, SamplingParams
+    from kvcap.models import loader
+
+    _, ids = _fp8_checkpoint(tmp_path, (32, 32), "weight_scale_inv",
+                             {"quant_method": "fp8", "weight_block_size": [32, 32]})
+    monkeypatch.setattr(loader, "load_tokenizer", lambda _dir: None)
+    prompts = [ids[0, :20].tolist(), ids[0, 20:45].tolist()]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    runs = {}
+    for mode in ("keep", "dequantize"):
+        llm = LLM(model=str(tmp_path), device="cuda", dtype="bfloat16", num_blocks=32,
+                  fp8_weights=mode)
+        assert any(isinstance(m, FP8Linear) for m in llm.model.modules()) == (mode == "keep")
+        runs[mode] = (llm.prompt_logits([ids[0].tolist()])[0].float().cpu(),
+                      [o.token_ids for o in llm.generate(prompts, params)])
+        del llm
+    assert (runs["keep"][0] - runs["dequantize"][0]).abs().max().item() < 5e-2
+    assert runs["keep"][1] == runs["dequantize"][1]
