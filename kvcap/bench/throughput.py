@@ -36,7 +36,12 @@ CONFIGS = Path(__file__).parent / "configs"
 SHAPES = {"llama-3.1-8b": f"dummy:{CONFIGS / 'llama-3.1-8b.json'}",
           "gqa6-d256": f"dummy:{CONFIGS / 'gqa6-d256.json'}", "embedded": "default",
           # Mistral-7B-v0.1's shape: every layer slides over 4,096 tokens
-          "mistral-7b-sw4k": f"dummy:{CONFIGS / 'mistral-7b-sw4k.json'}"}
+          "mistral-7b-sw4k": f"dummy:{CONFIGS / 'mistral-7b-sw4k.json'}",
+          # the 8B shape with FP8 (E4M3) linear weights kept in FP8: one scale a row
+          # (compressed-tensors, as Llama-3.1-8B-Instruct-FP8 ships), or 128 x 128 blocks
+          # (transformers' fine-grained FP8)
+          "llama-3.1-8b-fp8": f"dummy:{CONFIGS / 'llama-3.1-8b-fp8.json'}",
+          "llama-3.1-8b-fp8-block": f"dummy:{CONFIGS / 'llama-3.1-8b-fp8-block.json'}"}
 # KV mode -> (kv_cache_dtype, environment for the arm); "fp8" is the default E4M3 decode,
 # "fp8-mixed" K by the hardware conversion and V by the software decoder.
 KV_MODES = {"fp16": ("auto", {}), "fp8": ("fp8_e4m3", {}),

@@ -142,9 +142,11 @@ def _as_bytes(w: torch.Tensor) -> torch.Tensor:
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_block: int,
                k_group: int, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None, fp8_mode: str = "auto") -> torch.Tensor:
+               out: torch.Tensor | None = None, fp8_mode: str = "auto",
+               config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] FP16/BF16 (M <= MAX_ROWS) @ (w * scale)^T (+ bias) -> [M, N] in x's dtype.
-    fp8_mode: "auto" (hardware conversion where the GPU has it), "native" or "software"."""
+    fp8_mode: "auto" (hardware conversion where the GPU has it), "native" or "software".
+    `config`: gemm_config's tuple instead of its choice (benchmark sweeps)."""
     check_operands(w, scale, row_block, k_group)
     if x.dim() != 2 or x.shape[1] != w.shape[1] or x.stride(1) != 1:
         raise ValueError(f"fp8_linear needs x [M, {w.shape[1]}] contiguous along K; got "
@@ -158,7 +160,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_block:
     grouped = k_group < k
     if grouped and k_group % 16:
         raise ValueError(f"K groups of {k_group} columns: fp8_linear needs a multiple of 16")
-    bm, bn, bk, nw, ns = gemm_config(m, k_group, k, x.device)
+    bm, bn, bk, nw, ns = config or gemm_config(m, k_group, k, x.device)
+    if grouped and k_group % bk:
+        raise ValueError(f"BLOCK_K {bk} does not divide the K groups of {k_group} columns")
     software = use_software_fp8(x.device, fp8_mode)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
