@@ -236,3 +236,27 @@ def test_kept_model_on_the_gpu_matches_the_dequantized_one(tmp_path, monkeypatch
         del llm
     assert (runs["keep"][0] - runs["dequantize"][0]).abs().max().item() < 5e-2
     assert runs["keep"][1] == runs["dequantize"][1]
+
+
+@kernels
+@pytest.mark.parametrize("m,inter,k,row_block,k_group", [(3, 40, 64, 1, 64),
+                                                         (17, 48, 96, 16, 32)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_swiglu_equals_the_gemm_then_the_activation(m, inter, k, row_block, k_group, dtype):
+    """The fused [gate; up] kernel gives the bytes of the plain kernel followed by SiLU(gate) *
+    up rounded as torch rounds it (the unfused path: GEMM, then fused_ops.silu_mul)."""
+    from kvcap.kernels.fp8_gemm import fp8_linear
+
+    w, s = _weights(2 * inter, k, row_block, k_group, m + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEV, dtype)
+    gate, up = fp8_linear(x, w, s, row_block, k_group).chunk(2, dim=-1)
+    want = (torch.nn.functional.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
+    got = fp8_linear(x, w, s, row_block, k_group, swiglu=True)
+    assert got.shape == (m, inter)
+    if dtype == torch.bfloat16 and DEV == "cpu":  # the interpreter truncates FP32 -> BF16
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=1e-6)
+    else:
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="swiglu needs a bias-free"):
+        # odd rows, or up rows starting inside a scale block
+        fp8_linear(x, w[:-row_block], s[:-1], row_block, k_group, swiglu=True)

@@ -47,6 +47,11 @@ def sweep_configs(rows: int, grouped: bool) -> list[tuple[int, int, int, int, in
         bms, (32, 64, 128), bks, (4, 8), (3, 4, 5)) if bm * bn <= 64 * 128]
 
 
+def _swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).norm() / want.norm())
 
@@ -94,21 +99,25 @@ def bench_linear(name: str, n: int, k: int, rows: list[int], ceiling: float, lay
                 continue
             grouped = kg < k
             configs = [None] + (sweep_configs(m, grouped) if sweep else [])
-            for cfg in configs:
+            # gate/up also as the model's decode path: SiLU(gate) * up in the same kernel
+            fused = [False, True] if name == "gate_up_proj" else [False]
+            for cfg, swiglu in itertools.product(configs, fused):
+                ref = _swiglu_reference(want) if swiglu else want
                 try:
                     err = _rel_err(fp8_gemm.fp8_linear(x, ws[0], s, rb, kg, fp8_mode=mode,
-                                                       config=cfg), want)
+                                                       config=cfg, swiglu=swiglu), ref)
                     if err > 4 * cublas_err + 1e-3:
                         raise AssertionError(f"relative error {err:.2e} vs cuBLAS "
                                              f"{cublas_err:.2e}")
-                    ms = _graph_time([functools.partial(fp8_gemm.fp8_linear, x, w, s, rb, kg,
-                                                        fp8_mode=mode, config=cfg) for w in ws])
+                    ms = _graph_time([functools.partial(
+                        fp8_gemm.fp8_linear, x, w, s, rb, kg, fp8_mode=mode, config=cfg,
+                        swiglu=swiglu) for w in ws])
                 except Exception as e:  # noqa: BLE001 - a config that cannot run is reported
                     print(f"{name} m={m} {layout} {mode} {cfg}: {e!s:.120}", flush=True)
                     continue
-                out.append(row(f"fp8-{mode}", ms, moved8, rel_err=err,
-                               config=list(cfg or fp8_gemm.gemm_config(m, kg, k, x.device)),
-                               default=cfg is None))
+                out.append(row(f"fp8-{'swiglu-' if swiglu else ''}{mode}", ms, moved8,
+                               rel_err=err, default=cfg is None,
+                               config=list(cfg or fp8_gemm.gemm_config(m, kg, k, x.device))))
     del ws, w16
     torch.cuda.empty_cache()
     return out

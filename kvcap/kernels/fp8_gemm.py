@@ -13,7 +13,10 @@ ROW_BLOCK output rows x K_GROUP input columns (a whole row: per-tensor / per-cha
   FP32 accumulation. The scale multiplies the FP32 dot, not the weight: once in the epilogue
   when a row has one scale, once per K step when the scales change along K (BLOCK_K divides
   K_GROUP, so a step sits in one group). The software decoder yields value * 2^-8 exactly; the
-  2^8 is folded into the scale (exact: a power of two).
+  2^8 is folded into the scale (exact: a power of two). With `swiglu` the MLP's [gate; up]
+  weight runs as SiLU(gate) * up in the same kernel (each program walks its gate rows, then
+  its up rows), rounding where the unfused path rounds: no [M, 2I] intermediate, no second
+  kernel, nothing to break a decode step's chain of dependent launches.
 - `dequantize_into`: W * S rounded to the activation dtype, into a caller's buffer, for the
   large-M GEMMs (prefill chunks) that cuBLAS runs on the 16-bit weight -- there the GEMM is
   compute-bound and the extra write/read of the weight costs little. The bytes equal
@@ -27,7 +30,6 @@ import triton
 import triton.language as tl
 
 from kvcap.kernels.common import (
-    FP_FUSION,
     convert_tile,
     dot_dtype,
     pdl_launch,
@@ -43,26 +45,17 @@ _SOFTWARE_FACTOR = 256.0
 
 
 @triton.jit
-def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
-                     stride_sn, stride_ym, scale_factor,
-                     ROW_BLOCK: tl.constexpr, K_GROUP: tl.constexpr, GROUPED_K: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SOFTWARE: tl.constexpr,
-                     DOT_DTYPE: tl.constexpr, GDC: tl.constexpr = 0):
-    pdl_wait(GDC)  # x comes from the kernel before (common.pdl_launch)
-    # M is the fast grid axis: the programs that share a weight tile run side by side, so
-    # the tile is read from memory once and from L2 by the others.
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+def _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, K, stride_xm, stride_wn,
+                stride_sn, scale_factor, ROW_BLOCK: tl.constexpr, K_GROUP: tl.constexpr,
+                GROUPED_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SOFTWARE: tl.constexpr,
+                DOT_DTYPE: tl.constexpr):
+    """FP32 x[rm] @ (w[rows] * s)^T: the K loop over E4M3 weight rows `rows`."""
     rk = tl.arange(0, BLOCK_K)
-    mmask = rm < M
-    nmask = rn < N
     xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    wp = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    wp = w_ptr + rows[:, None].to(tl.int64) * stride_wn + rk[None, :]
     # each output column's scale row (its weight row's group of ROW_BLOCK rows)
-    sp = s_ptr + (rn // ROW_BLOCK).to(tl.int64) * stride_sn
+    sp = s_ptr + (rows // ROW_BLOCK).to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -83,11 +76,43 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stri
         wp += BLOCK_K
     if not GROUPED_K:
         acc = acc * tl.load(sp, mask=nmask, other=0.0)[None, :]
-    acc = acc * scale_factor
-    if HAS_BIAS:
+    return acc * scale_factor
+
+
+@triton.jit
+def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
+                     stride_sn, stride_ym, scale_factor,
+                     ROW_BLOCK: tl.constexpr, K_GROUP: tl.constexpr, GROUPED_K: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     SOFTWARE: tl.constexpr, DOT_DTYPE: tl.constexpr, GDC: tl.constexpr = 0):
+    """Y[:, rn] = X @ (W[rn] * S)^T (+ bias). SWIGLU: N is the intermediate size of a [gate; up]
+    weight, and Y = SiLU(X @ gate^T) * (X @ up^T), rounded where the unfused path rounds
+    (gate and up to the output dtype, SiLU rounded, the product rounded)."""
+    pdl_wait(GDC)  # x comes from the kernel before (common.pdl_launch)
+    # M is the fast grid axis: the programs that share a weight tile run side by side, so
+    # the tile is read from memory once and from L2 by the others.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = rm < M
+    nmask = rn < N
+    acc = _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rn, nmask, K, stride_xm, stride_wn,
+                      stride_sn, scale_factor, ROW_BLOCK, K_GROUP, GROUPED_K, BLOCK_M, BLOCK_N,
+                      BLOCK_K, EVEN_K, SOFTWARE, DOT_DTYPE)
+    dtype = y_ptr.dtype.element_ty
+    if SWIGLU:
+        up = _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rn + N, nmask, K, stride_xm,
+                         stride_wn, stride_sn, scale_factor, ROW_BLOCK, K_GROUP, GROUPED_K,
+                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SOFTWARE, DOT_DTYPE)
+        gate = acc.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+        acc = silu.to(tl.float32) * up.to(dtype).to(tl.float32)
+    elif HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
     yp = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
-    tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    tl.store(yp, acc.to(dtype), mask=mmask[:, None] & nmask[None, :])
     pdl_release(GDC)
 
 
@@ -143,10 +168,12 @@ def _as_bytes(w: torch.Tensor) -> torch.Tensor:
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_block: int,
                k_group: int, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None, fp8_mode: str = "auto",
-               config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+               config: tuple[int, int, int, int, int] | None = None,
+               swiglu: bool = False) -> torch.Tensor:
     """x [M, K] FP16/BF16 (M <= MAX_ROWS) @ (w * scale)^T (+ bias) -> [M, N] in x's dtype.
-    fp8_mode: "auto" (hardware conversion where the GPU has it), "native" or "software".
-    `config`: gemm_config's tuple instead of its choice (benchmark sweeps)."""
+    `swiglu`: w is a [gate; up] weight [2I, K] and the result SiLU(x @ gate^T) * (x @ up^T)
+    [M, I], in the same kernel. fp8_mode: "auto" (hardware conversion where the GPU has it),
+    "native" or "software". `config`: gemm_config's tuple instead of its choice (sweeps)."""
     check_operands(w, scale, row_block, k_group)
     if x.dim() != 2 or x.shape[1] != w.shape[1] or x.stride(1) != 1:
         raise ValueError(f"fp8_linear needs x [M, {w.shape[1]}] contiguous along K; got "
@@ -157,6 +184,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_block:
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"fp8_linear computes in FP16/BF16, got {x.dtype}")
     n = w.shape[0]
+    if swiglu:
+        if n % 2 or (n // 2) % row_block or bias is not None:
+            raise ValueError(f"swiglu needs a bias-free [gate; up] weight whose up rows start on "
+                             f"a {row_block}-row scale block; got {n} rows")
+        n //= 2
     grouped = k_group < k
     if grouped and k_group % 16:
         raise ValueError(f"K groups of {k_group} columns: fp8_linear needs a multiple of 16")
@@ -173,10 +205,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_block:
         x.stride(0), w.stride(0), scale.stride(0), out.stride(0),
         _SOFTWARE_FACTOR if software else 1.0,
         ROW_BLOCK=row_block, K_GROUP=k_group if grouped else k, GROUPED_K=grouped,
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
-        SOFTWARE=software, DOT_DTYPE=dot_dtype(x.dtype)[0], GDC=pdl_mode(pdl, grid, x.device),
-        num_warps=nw, num_stages=ns,
-        **pdl, **FP_FUSION)
+        HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        EVEN_K=k % bk == 0, SOFTWARE=software, DOT_DTYPE=dot_dtype(x.dtype)[0],
+        GDC=pdl_mode(pdl, grid, x.device), num_warps=nw, num_stages=ns, enable_fp_fusion=False,
+        **pdl)
     return out
 
 

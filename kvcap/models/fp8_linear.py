@@ -163,12 +163,15 @@ class FP8Linear(nn.Module):
         return dequantize_reference(self.weight, self.scale, self.row_block,
                                     self.k_group).to(dtype)
 
+    def _streams(self, x: torch.Tensor) -> bool:
+        """Whether x [M, in] runs the streaming kernel (else dequantize + cuBLAS / torch)."""
+        return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+                and 1 <= x.shape[0] <= max_rows())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        rows = x2.shape[0]
-        if (x2.is_cuda and x2.dtype in (torch.float16, torch.bfloat16)
-                and 1 <= rows <= max_rows()):
+        if self._streams(x2):
             from kvcap.kernels import fp8_gemm
 
             y = fp8_gemm.fp8_linear(x2.contiguous(), self.weight, self.scale, self.row_block,
@@ -176,6 +179,16 @@ class FP8Linear(nn.Module):
         else:
             y = F.linear(x2, self.dequantized(x2.dtype), self.bias)
         return y.reshape(*lead, self.out_features)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """SiLU(x @ gate^T) * (x @ up^T) of this [gate; up] layer in one kernel where x [M, in]
+        streams, else None (the caller runs forward and its activation)."""
+        if x.dim() != 2 or not self._streams(x) or self.bias is not None:
+            return None
+        from kvcap.kernels import fp8_gemm
+
+        return fp8_gemm.fp8_linear(x.contiguous(), self.weight, self.scale, self.row_block,
+                                   self.k_group, swiglu=True)
 
 
 def fp8_linears(model: nn.Module) -> dict[int, FP8Linear]:

@@ -263,7 +263,11 @@ class MLP(nn.Module):
         self.down_proj = _row_linear(self.inter, spec.hidden_size, tp, "down_proj", fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = decode_gemm.swiglu(x, self.gate_up_proj.weight)  # decode rows: one kernel
+        # decode rows: the GEMM and the activation in one kernel
+        if isinstance(self.gate_up_proj, FP8Linear):
+            act = self.gate_up_proj.swiglu(x)
+        else:
+            act = decode_gemm.swiglu(x, self.gate_up_proj.weight)
         if act is not None:
             return self.down_proj(act)
         gate_up = self.gate_up_proj(x)
