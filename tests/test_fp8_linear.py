@@ -105,6 +105,18 @@ def test_layout_keeps_checkpoint_blocks_where_every_part_starts_on_one():
         layout(FP8Weights("fp8", (128, 40)), 4096, [4096])
 
 
+def test_unquantized_modules_are_read_from_the_config():
+    from kvcap.models.fp8_weights import read_weight_quant
+
+    qc = _compressed("channel")
+    assert read_weight_quant(qc).unquantized == ()  # ignore: ["lm_head"]
+    qc["ignore"] = ["lm_head", "model.layers.0.mlp.down_proj"]
+    assert read_weight_quant(qc).unquantized == ("model.layers.0.mlp.down_proj",)
+    fine = {"quant_method": "fp8", "weight_block_size": [128, 128],
+            "modules_to_not_convert": ["model.layers.3.self_attn.o_proj"]}
+    assert read_weight_quant(fine).unquantized == ("model.layers.3.self_attn.o_proj",)
+
+
 def test_modes_resolve_and_refuse_by_name():
     from kvcap.models.fp8_linear import resolve_keep
     from kvcap.models.fp8_weights import FP8Weights
@@ -118,6 +130,10 @@ def test_modes_resolve_and_refuse_by_name():
         resolve_keep("keep", fmt, gpu, 2)
     with pytest.raises(ConfigError, match="K blocks of 40"):
         resolve_keep("keep", FP8Weights("fp8", (48, 40)), gpu, 1)
+    partial = FP8Weights("compressed-tensors", None, ("re:.*down_proj",))
+    assert not resolve_keep("auto", partial, gpu, 1)
+    with pytest.raises(ConfigError, match="leaves 1 module patterns unquantized"):
+        resolve_keep("keep", partial, gpu, 1)
     with pytest.raises(ConfigError, match="fp8_weights must be one of"):
         resolve_keep("fp8", fmt, gpu, 1)
 

@@ -65,6 +65,9 @@ def keep_refusal(fmt: FP8Weights | None, tensor_parallel_size: int) -> str | Non
         return "the checkpoint's weights are not FP8"
     if tensor_parallel_size > 1:
         return "tensor parallelism slices 16-bit weights only"
+    if fmt.unquantized:
+        return (f"the checkpoint leaves {len(fmt.unquantized)} module patterns unquantized "
+                f"(e.g. {fmt.unquantized[0]!r})")
     if fmt.block is not None and fmt.block[1] % 16:
         return f"K blocks of {fmt.block[1]} columns (the FP8 GEMM needs a multiple of 16)"
     return None

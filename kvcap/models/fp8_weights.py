@@ -35,6 +35,10 @@ class FP8Weights:
 
     method: str
     block: tuple[int, int] | None = None
+    # modules the config leaves unquantized besides the LM head (compressed-tensors `ignore`,
+    # transformers' `modules_to_not_convert`): a model keeping FP8 cannot hold their 16-bit
+    # weights in its FP8 layers
+    unquantized: tuple[str, ...] = ()
 
     def describe(self) -> str:
         where = f"{self.block[0]} x {self.block[1]} blocks" if self.block else "tensor or row"
@@ -58,16 +62,24 @@ def read_weight_quant(qc: Any) -> FP8Weights | None:
         if len(blocks) > 1:
             raise ConfigError(f"compressed-tensors config_groups use different weight blocks "
                               f"{sorted(map(str, blocks))}: not supported")
-        return FP8Weights(method, blocks.pop())
+        return FP8Weights(method, blocks.pop(), _unquantized(qc.get("ignore")))
     if method == "fp8":
         block = qc.get("weight_block_size")
-        return FP8Weights(method, _block(block, "weight_block_size") if block else None)
+        return FP8Weights(method, _block(block, "weight_block_size") if block else None,
+                          _unquantized(qc.get("modules_to_not_convert")))
     if method == "fbgemm_fp8":
-        return FP8Weights(method)
+        return FP8Weights(method, None, _unquantized(qc.get("modules_to_not_convert")))
     raise ConfigError(f"the checkpoint's weights are quantized (quantization_config quant_method "
                       f"{method!r}): kvcap loads FP32/FP16/BF16 weights and FP8 (E4M3) weights "
                       "(compressed-tensors float, quant_method fp8 or fbgemm_fp8); use the "
                       "unquantized checkpoint")
+
+
+def _unquantized(names: Any) -> tuple[str, ...]:
+    """The config's unquantized-module list without the LM head (16-bit in kvcap either way)."""
+    if not isinstance(names, (list, tuple)):
+        return ()
+    return tuple(str(n) for n in names if str(n) not in ("lm_head", "re:.*lm_head", "re:lm_head"))
 
 
 def _compressed_tensors_group(name: str, group: Any) -> tuple[int, int] | None:
