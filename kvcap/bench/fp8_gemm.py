@@ -117,7 +117,8 @@ def bench_linear(name: str, n: int, k: int, rows: list[int], ceiling: float, lay
                     continue
                 out.append(row(f"fp8-{'swiglu-' if swiglu else ''}{mode}", ms, moved8,
                                rel_err=err, default=cfg is None,
-                               config=list(cfg or fp8_gemm.gemm_config(m, kg, k, x.device))))
+                               config=list(cfg or fp8_gemm.gemm_config(
+                                   m, n // 2 if swiglu else n, kg, k, x.device))))
     del ws, w16
     torch.cuda.empty_cache()
     return out

@@ -30,12 +30,15 @@ import triton
 import triton.language as tl
 
 from kvcap.kernels.common import (
+    _SHARED_PER_SM,
     convert_tile,
+    device_properties,
     dot_dtype,
     pdl_launch,
     pdl_mode,
     pdl_release,
     pdl_wait,
+    sm_count,
     use_software_fp8,
 )
 
@@ -145,20 +148,37 @@ def check_operands(w: torch.Tensor, scale: torch.Tensor, row_block: int, k_group
                          f"must be FP32 {want}; got {scale.dtype} {tuple(scale.shape)}")
 
 
-def gemm_config(m: int, k_group: int, k: int, device: torch.device
+def gemm_config(m: int, n: int, k_group: int, k: int, device: torch.device
                 ) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). BLOCK_K divides the K group where the
-    scales change along K. Decode rows: 16-row tiles (the MMA minimum) and 64 output columns
-    (each K step reads 64 x 128 bytes, the 32-column 16-bit tile's bytes); wider M tiles as
-    rows grow, so the weight is read fewer times. Not yet swept on a GPU."""
-    bk = 128
+    scales change along K. Decode rows stream the weight: 16-row tiles (the MMA minimum), 32
+    output columns unless 64 still give every SM two programs, and deep pipelines -- 256-byte
+    K steps, or 128-byte ones in twice the stages where the scales change every 128 columns --
+    so that each SM keeps ~32 KB of weight in flight (the 16-bit skinny kernel's winners had
+    40 KB). Wider M tiles as rows grow, so the weight is read fewer times. A first guess from
+    the 16-bit kernel's sweep; `python -m kvcap.bench.fp8_gemm --sweep` measures the space."""
+    bk = 256
     if k_group < k:
         while k_group % bk:
             bk //= 2
     if device.type != "cuda":
         return 16, 16, min(bk, 32), 1, 1
-    bm = 16 if m <= 16 else 32 if m <= 32 else 64
-    return bm, 64, bk, 4, 4
+    if m <= 64:
+        bm = 16 if m <= 16 else 32 if m <= 32 else 64
+        bn = 64 if triton.cdiv(n, 64) >= 2 * sm_count(device) else 32
+        bk = min(bk, 256 if bm <= 32 else 128)
+        stages = max(2, min(8, (32 << 10) // (bn * bk)))
+    else:
+        bm, bn, bk, stages = 64, 64, min(bk, 128), 4
+    # each stage holds an activation and a weight tile in shared memory: stay within what one
+    # program may have on this GPU (~100 KB on consumer parts, 164-228 KB on A100 / H100)
+    props = device_properties(device)
+    cc = (props.major, props.minor)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 0) or _SHARED_PER_SM.get(
+        cc, 100 << 10)
+    per_stage = bm * bk * 2 + bn * bk
+    stages = max(1, min(stages, (smem * 3 // 4) // per_stage))
+    return bm, bn, bk, 4, stages
 
 
 def _as_bytes(w: torch.Tensor) -> torch.Tensor:
@@ -192,7 +212,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_block:
     grouped = k_group < k
     if grouped and k_group % 16:
         raise ValueError(f"K groups of {k_group} columns: fp8_linear needs a multiple of 16")
-    bm, bn, bk, nw, ns = config or gemm_config(m, k_group, k, x.device)
+    bm, bn, bk, nw, ns = config or gemm_config(m, n, k_group, k, x.device)
     if grouped and k_group % bk:
         raise ValueError(f"BLOCK_K {bk} does not divide the K groups of {k_group} columns")
     software = use_software_fp8(x.device, fp8_mode)
