@@ -231,9 +231,9 @@ def test_gemm_at_8b_shapes_on_the_gpu(rows, block):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kept_model_on_the_gpu_matches_the_dequantized_one(tmp_path, monkeypatch):
-    """BF16 on the GPU: the kept model's prompt logits (large-M path: dequantized into the
-    scratch, cuBLAS) and its greedy decode (the streaming kernel, CUDA graphs) against the
-    dequantized model's."""
+    """BF16 on the GPU: the kept model's prompt logits through the streaming kernel and through
+    the large-step path (dequantized into the scratch, cuBLAS: KVCAP_FP8_GEMM_MAX_ROWS=0)
+    against the dequantized model's; its greedy decode the same with CUDA graphs and eager."""
     from kvcap import LLM, SamplingParams
     from kvcap.models import loader
 
@@ -242,16 +242,24 @@ def test_kept_model_on_the_gpu_matches_the_dequantized_one(tmp_path, monkeypatch
     monkeypatch.setattr(loader, "load_tokenizer", lambda _dir: None)
     prompts = [ids[0, :20].tolist(), ids[0, 20:45].tolist()]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    runs = {}
-    for mode in ("keep", "dequantize"):
+    logits, tokens = {}, {}
+    for arm, mode, max_rows, eager in (("dequantize", "dequantize", None, False),
+                                       ("keep", "keep", None, False),
+                                       ("keep-eager", "keep", None, True),
+                                       ("keep-cublas", "keep", "0", True)):
+        if max_rows is None:
+            monkeypatch.delenv("KVCAP_FP8_GEMM_MAX_ROWS", raising=False)
+        else:
+            monkeypatch.setenv("KVCAP_FP8_GEMM_MAX_ROWS", max_rows)
         llm = LLM(model=str(tmp_path), device="cuda", dtype="bfloat16", num_blocks=32,
-                  fp8_weights=mode)
+                  fp8_weights=mode, enforce_eager=eager)
         assert any(isinstance(m, FP8Linear) for m in llm.model.modules()) == (mode == "keep")
-        runs[mode] = (llm.prompt_logits([ids[0].tolist()])[0].float().cpu(),
-                      [o.token_ids for o in llm.generate(prompts, params)])
+        logits[arm] = llm.prompt_logits([ids[0].tolist()])[0].float().cpu()
+        tokens[arm] = [o.token_ids for o in llm.generate(prompts, params)]
         del llm
-    assert (runs["keep"][0] - runs["dequantize"][0]).abs().max().item() < 5e-2
-    assert runs["keep"][1] == runs["dequantize"][1]
+    for arm in ("keep", "keep-cublas"):
+        assert (logits[arm] - logits["dequantize"]).abs().max().item() < 5e-2, arm
+    assert tokens["keep"] == tokens["keep-eager"]
 
 
 @kernels
