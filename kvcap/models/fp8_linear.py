@@ -114,6 +114,18 @@ def _scratch(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tens
     return buf[:numel]
 
 
+def reserve_scratch(model: nn.Module, dtype: torch.dtype) -> int:
+    """Allocate the dequantization buffer for the model's largest FP8 weight now, on its
+    device: before the warm-up and the CUDA graph captures (a piecewise graph of a bucket
+    larger than any warm-up step must find it), and counted with the weights when the KV
+    pool is sized. Returns its bytes (0 without FP8 layers or off CUDA)."""
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear) and m.weight.is_cuda]
+    if not layers:
+        return 0
+    big = max(layers, key=lambda m: m.weight.numel()).weight
+    return _scratch(big.device, dtype, big.numel()).numel() * dtype.itemsize
+
+
 class FP8Linear(nn.Module):
     """y = x @ (w * s)^T (+ bias), w [out, in] E4M3 bytes, s FP32 per (row_block x k_group)."""
 

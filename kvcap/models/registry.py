@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcap.config import ModelSpec
+from kvcap.models.fp8_linear import reserve_scratch
 from kvcap.models.fp8_weights import dequantized, fp8_tensors
 from kvcap.models.llama import LlamaModel, rope_inv_freq
 from kvcap.models.loader import iter_safetensors
@@ -48,8 +49,10 @@ def load_model(spec: ModelSpec, model_dir: Path | None, device: torch.device,
     if keep_fp8:
         assert spec.fp8_weights is not None
         gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
-        logger.info("%s: kept in FP8 on %s (%.2f GiB of weights; activations %s)",
-                    spec.fp8_weights.describe(), device, gib, dtype)
+        scratch = reserve_scratch(model, dtype) / 2**30
+        logger.info("%s: kept in FP8 on %s (%.2f GiB of weights, a %.2f GiB buffer to "
+                    "dequantize one for large steps; activations %s)",
+                    spec.fp8_weights.describe(), device, gib, scratch, dtype)
     if model_dir is None:
         if tp is None:
             init_dummy_weights(model, dummy_seed)
