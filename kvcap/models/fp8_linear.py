@@ -98,32 +98,19 @@ def dequantize_reference(w: torch.Tensor, scale: torch.Tensor, row_block: int,
     return w.view(torch.float8_e4m3fn).float() * s
 
 
-_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-
-def _scratch(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
-    """One dequantization buffer per device and dtype, grown to the largest weight. Grown only
-    outside CUDA graph capture (the warm-up's largest step reaches every size first)."""
-    buf = _SCRATCH.get((device, dtype))
-    if buf is None or buf.numel() < numel:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("an FP8 weight is dequantized for the first time inside CUDA "
-                               "graph capture: run a step of this size before capturing")
-        buf = torch.empty(numel, dtype=dtype, device=device)
-        _SCRATCH[(device, dtype)] = buf
-    return buf[:numel]
-
-
 def reserve_scratch(model: nn.Module, dtype: torch.dtype) -> int:
-    """Allocate the dequantization buffer for the model's largest FP8 weight now, on its
-    device: before the warm-up and the CUDA graph captures (a piecewise graph of a bucket
-    larger than any warm-up step must find it), and counted with the weights when the KV
-    pool is sized. Returns its bytes (0 without FP8 layers or off CUDA)."""
+    """Give the model's FP8 layers one shared buffer, sized for the largest weight, to
+    dequantize into for large steps: allocated now, with the weights (so the KV pool sizing
+    counts it as theirs and no step allocates it), and freed with the model. Returns its bytes
+    (0 without FP8 layers on CUDA)."""
     layers = [m for m in model.modules() if isinstance(m, FP8Linear) and m.weight.is_cuda]
     if not layers:
         return 0
-    big = max(layers, key=lambda m: m.weight.numel()).weight
-    return _scratch(big.device, dtype, big.numel()).numel() * dtype.itemsize
+    numel = max(m.weight.numel() for m in layers)
+    buf = torch.empty(numel, dtype=dtype, device=layers[0].weight.device)
+    for m in layers:
+        m.scratch = buf
+    return numel * dtype.itemsize
 
 
 class FP8Linear(nn.Module):
@@ -140,6 +127,8 @@ class FP8Linear(nn.Module):
             torch.empty(math.ceil(out_features / row_block), math.ceil(in_features / k_group),
                         dtype=torch.int32), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        # reserve_scratch's shared dequantization buffer (None: a step allocates its own)
+        self.scratch: torch.Tensor | None = None
 
     @property
     def scale(self) -> torch.Tensor:
@@ -172,9 +161,12 @@ class FP8Linear(nn.Module):
         if self.weight.is_cuda:
             from kvcap.kernels import fp8_gemm
 
-            out = _scratch(self.weight.device, dtype, self.weight.numel())
+            buf = self.scratch
+            if buf is None or buf.dtype != dtype:
+                buf = torch.empty(self.weight.numel(), dtype=dtype, device=self.weight.device)
+            out = buf[:self.weight.numel()].view(self.weight.shape)
             return fp8_gemm.dequantize_into(self.weight, self.scale, self.row_block,
-                                            self.k_group, out.view(self.weight.shape))
+                                            self.k_group, out)
         return dequantize_reference(self.weight, self.scale, self.row_block,
                                     self.k_group).to(dtype)
 
