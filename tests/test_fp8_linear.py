@@ -117,25 +117,103 @@ def test_unquantized_modules_are_read_from_the_config():
     assert read_weight_quant(fine).unquantized == ("model.layers.3.self_attn.o_proj",)
 
 
+def _spec(qc: dict | None, **over):
+    from kvcap.config import ModelSpec
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 64,
+           "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+           **over}
+    if qc is not None:
+        cfg["quantization_config"] = qc
+    return ModelSpec.from_hf_config(cfg)
+
+
+def _fine(b0: int, b1: int) -> dict:
+    return {"quant_method": "fp8", "weight_block_size": [b0, b1]}
+
+
 def test_modes_resolve_and_refuse_by_name():
     from kvcap.models.fp8_linear import resolve_keep
-    from kvcap.models.fp8_weights import FP8Weights
 
-    fmt, cpu, gpu = FP8Weights("fp8", (128, 128)), torch.device("cpu"), torch.device("cuda")
-    assert resolve_keep("auto", fmt, gpu, 1) and not resolve_keep("auto", fmt, cpu, 1)
-    assert not resolve_keep("auto", fmt, gpu, 2)  # TP slices 16-bit weights
-    assert resolve_keep("keep", fmt, cpu, 1) and not resolve_keep("dequantize", fmt, gpu, 1)
-    assert not resolve_keep("keep", None, gpu, 1)  # nothing to keep in a 16-bit checkpoint
-    with pytest.raises(ConfigError, match="tensor parallelism"):
-        resolve_keep("keep", fmt, gpu, 2)
+    spec, cpu, gpu = _spec(_fine(16, 16)), torch.device("cpu"), torch.device("cuda")
+    assert resolve_keep("auto", spec, gpu, 1) and not resolve_keep("auto", spec, cpu, 1)
+    assert resolve_keep("auto", spec, gpu, 2)  # rank 1: o_proj from column 32, down from 48
+    assert resolve_keep("keep", spec, cpu, 1) and not resolve_keep("dequantize", spec, gpu, 1)
+    assert not resolve_keep("keep", _spec(None), gpu, 1)  # nothing to keep: 16-bit weights
+    misaligned = _spec(_fine(32, 32))  # down_proj's second half starts at column 48
+    assert not resolve_keep("auto", misaligned, gpu, 2)
+    with pytest.raises(ConfigError, match="rank 1's down_proj inputs start at column 48"):
+        resolve_keep("keep", misaligned, gpu, 2)
     with pytest.raises(ConfigError, match="K blocks of 40"):
-        resolve_keep("keep", FP8Weights("fp8", (48, 40)), gpu, 1)
-    partial = FP8Weights("compressed-tensors", None, ("re:.*down_proj",))
+        resolve_keep("keep", _spec(_fine(48, 40)), gpu, 1)
+    partial = _spec({**_compressed("channel"), "ignore": ["re:.*down_proj"]})
     assert not resolve_keep("auto", partial, gpu, 1)
     with pytest.raises(ConfigError, match="leaves 1 module patterns unquantized"):
         resolve_keep("keep", partial, gpu, 1)
     with pytest.raises(ConfigError, match="fp8_weights must be one of"):
-        resolve_keep("fp8", fmt, gpu, 1)
+        resolve_keep("fp8", spec, gpu, 1)
+
+
+@pytest.mark.parametrize("qc", [_fine(16, 16), _compressed("channel")])
+def test_dummy_fp8_checkpoint_is_the_tp1_dummy_model_and_shards_slice_it(qc):
+    """The random FP8 model a tensor-parallel rank slices is the TP1 one: bytes and scales."""
+    from kvcap.distributed.comm import Communicator
+    from kvcap.distributed.layers import ModelParallel, RowParallelFP8Linear
+    from kvcap.distributed.partition import plan_shard
+    from kvcap.models.registry import build_model
+    from kvcap.models.weights import dummy_checkpoint, init_dummy_weights, load_weights
+
+    spec, cpu = _spec(qc), torch.device("cpu")
+    a = build_model(spec, cpu, torch.float32, keep_fp8=True)
+    init_dummy_weights(a, seed=5)
+    b = build_model(spec, cpu, torch.float32, keep_fp8=True)
+    load_weights(b, dummy_checkpoint(spec, cpu, torch.float32, seed=5, keep_fp8=True))
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+    shard = plan_shard(spec, 2, 1)  # query heads 2-3, KV head 1, MLP columns 48-95
+    part = build_model(spec, cpu, torch.float32, ModelParallel(shard, Communicator(1, 2, cpu)),
+                       keep_fp8=True)
+    load_weights(part, dummy_checkpoint(spec, cpu, torch.float32, seed=5, keep_fp8=True))
+    fa, pa_ = a.layers[1].self_attn, part.layers[1].self_attn
+    assert isinstance(pa_.o_proj, RowParallelFP8Linear)
+    want = dequantize_reference(fa.o_proj.weight, fa.o_proj.scale, fa.o_proj.row_block,
+                                fa.o_proj.k_group)[:, 32:64]
+    got = dequantize_reference(pa_.o_proj.weight, pa_.o_proj.scale, pa_.o_proj.row_block,
+                               pa_.o_proj.k_group)
+    assert torch.equal(got, want)
+    d = spec.head_dim
+    full_qkv = dequantize_reference(fa.qkv_proj.weight, fa.qkv_proj.scale,
+                                    fa.qkv_proj.row_block, fa.qkv_proj.k_group)
+    part_qkv = dequantize_reference(pa_.qkv_proj.weight, pa_.qkv_proj.scale,
+                                    pa_.qkv_proj.row_block, pa_.qkv_proj.k_group)
+    assert torch.equal(part_qkv[:2 * d], full_qkv[2 * d:4 * d])  # q heads 2-3
+    assert torch.equal(part_qkv[2 * d:3 * d], full_qkv[5 * d:6 * d])  # k head 1
+    fm, pm = a.layers[0].mlp, part.layers[0].mlp
+    full_down = dequantize_reference(fm.down_proj.weight, fm.down_proj.scale,
+                                     fm.down_proj.row_block, fm.down_proj.k_group)
+    assert torch.equal(dequantize_reference(pm.down_proj.weight, pm.down_proj.scale,
+                                            pm.down_proj.row_block, pm.down_proj.k_group),
+                       full_down[:, 48:96])
+
+
+def test_kept_fp8_weights_under_tensor_parallelism(tmp_path, monkeypatch):
+    """A 16 x 16-block FP8 checkpoint kept in FP8 on two CPU ranks: the TP1 kept model's
+    logits and greedy tokens."""
+    from kvcap import LLM, SamplingParams
+    from kvcap.models import loader
+
+    _, ids = _fp8_checkpoint(tmp_path, (16, 16), "weight_scale_inv", _fine(16, 16))
+    monkeypatch.setattr(loader, "load_tokenizer", lambda _dir: None)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    out = {}
+    for world in (1, 2):
+        with LLM(model=str(tmp_path), device="cpu", dtype="float32", num_blocks=16,
+                 fp8_weights="keep", tensor_parallel_size=world) as llm:
+            out[world] = (llm.prompt_logits([ids[0].tolist()])[0],
+                          llm.generate([ids[0, :20].tolist()], params)[0].token_ids)
+    assert (out[2][0] - out[1][0]).abs().max().item() < 1e-4
+    assert out[2][1] == out[1][1]
 
 
 @pytest.mark.parametrize("granularity, qc, scale_name, arch", [

@@ -22,6 +22,7 @@ from torch import nn
 from kvcap.distributed.comm import Communicator
 from kvcap.distributed.partition import TPShard, split_range
 from kvcap.models.decode_gemm import linear
+from kvcap.models.fp8_linear import FP8Linear
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,19 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight) if self.kind is None else linear(x, self.weight, self.kind)
         return self.comm.all_reduce(y)
+
+
+class RowParallelFP8Linear(FP8Linear):
+    """RowParallelLinear with its weight kept in FP8 (kvcap.models.fp8_linear): this rank's
+    input columns, the partial products all-reduced."""
+
+    def __init__(self, in_local: int, out_features: int, row_block: int, k_group: int,
+                 comm: Communicator):
+        super().__init__(in_local, out_features, row_block, k_group)
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(super().forward(x))
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -15,9 +15,11 @@ floating-point parameters and must leave both alone.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +27,11 @@ from torch import nn
 
 from kvcap.errors import ConfigError, ModelLoadError
 from kvcap.models.fp8_weights import FP8Tensor, FP8Weights
+
+if TYPE_CHECKING:
+    from kvcap.config import ModelSpec
+
+logger = logging.getLogger(__name__)
 
 MAX_ROWS_ENV = "KVCAP_FP8_GEMM_MAX_ROWS"
 # kvcap.kernels.fp8_gemm.MAX_ROWS, not imported: a CPU install need not have triton.
@@ -44,10 +51,13 @@ def max_rows() -> int:
         raise ValueError(f"{MAX_ROWS_ENV}={raw!r} is not an integer row count") from None
 
 
-def layout(fmt: FP8Weights, in_features: int, parts: Sequence[int]) -> tuple[int, int]:
+def layout(fmt: FP8Weights, in_features: int, parts: Sequence[int],
+           row_offsets: Sequence[int] = (), k_offset: int = 0) -> tuple[int, int]:
     """(row_block, k_group) for a linear of `in_features` inputs whose output rows are the
-    checkpoint tensors `parts` (fused q/k/v, gate/up): the checkpoint's blocks where every
-    part starts on a block, else one scale row per output row."""
+    checkpoint tensors `parts` (fused q/k/v, gate/up), each taken from `row_offsets` of its
+    checkpoint tensor (a tensor-parallel rank's rows; 0 without TP), its inputs from column
+    `k_offset`: the checkpoint's blocks where every part starts on one, else one scale row
+    per output row. A rank's inputs must start on a K block."""
     if fmt.block is None:
         return 1, in_features
     b0, b1 = fmt.block
@@ -55,38 +65,54 @@ def layout(fmt: FP8Weights, in_features: int, parts: Sequence[int]) -> tuple[int
     if k_group < in_features and k_group % 16:
         raise ConfigError(f"{fmt.describe()}: kvcap's FP8 GEMM needs K blocks of a multiple of "
                           f"16 columns, not {b1}; load with fp8_weights='dequantize'")
-    starts = [sum(parts[:i]) for i in range(1, len(parts))]
+    if k_offset % b1:
+        raise ConfigError(f"{fmt.describe()}: this tensor-parallel rank's inputs start at column "
+                          f"{k_offset}, inside a {b1}-column scale block; load with "
+                          "fp8_weights='dequantize' or use another tensor_parallel_size")
+    starts = [sum(parts[:i]) for i in range(1, len(parts))] + list(row_offsets)
     return (b0 if all(a % b0 == 0 for a in starts) else 1), k_group
 
 
-def keep_refusal(fmt: FP8Weights | None, tensor_parallel_size: int) -> str | None:
-    """Why such a checkpoint's weights cannot stay FP8 here (None: they can)."""
+def keep_refusal(spec: ModelSpec, tensor_parallel_size: int) -> str | None:
+    """Why `spec`'s checkpoint weights cannot stay FP8 here (None: they can)."""
+    fmt = spec.fp8_weights
     if fmt is None:
         return "the checkpoint's weights are not FP8"
-    if tensor_parallel_size > 1:
-        return "tensor parallelism slices 16-bit weights only"
     if fmt.unquantized:
         return (f"the checkpoint leaves {len(fmt.unquantized)} module patterns unquantized "
                 f"(e.g. {fmt.unquantized[0]!r})")
-    if fmt.block is not None and fmt.block[1] % 16:
+    if fmt.block is None:
+        return None
+    if fmt.block[1] % 16:
         return f"K blocks of {fmt.block[1]} columns (the FP8 GEMM needs a multiple of 16)"
+    from kvcap.distributed.partition import plan_shard
+
+    for rank in range(1, tensor_parallel_size):  # row-parallel inputs start on a K block
+        shard = plan_shard(spec, tensor_parallel_size, rank)
+        for what, col in (("o_proj", shard.q_heads[0] * spec.head_dim),
+                          ("down_proj", shard.inter[0])):
+            if col % fmt.block[1]:
+                return (f"tensor-parallel rank {rank}'s {what} inputs start at column {col}, "
+                        f"inside a {fmt.block[1]}-column scale block")
     return None
 
 
-def resolve_keep(mode: str, fmt: FP8Weights | None, device: torch.device,
-                 tensor_parallel_size: int) -> bool:
+def resolve_keep(mode: str, spec: ModelSpec, device: torch.device,
+                 tensor_parallel_size: int = 1) -> bool:
     """Whether an FP8 checkpoint's weights stay FP8: "keep" (an error where they cannot),
     "dequantize", or "auto" (kept on CUDA wherever they can be)."""
     if mode not in FP8_WEIGHT_MODES:
         raise ConfigError(f"fp8_weights must be one of {', '.join(FP8_WEIGHT_MODES)}, got "
                           f"{mode!r}")
-    if fmt is None or mode == "dequantize":
+    if spec.fp8_weights is None or mode == "dequantize":
         return False
-    refusal = keep_refusal(fmt, tensor_parallel_size)
+    refusal = keep_refusal(spec, tensor_parallel_size)
     if mode == "keep":
         if refusal is not None:
             raise ConfigError(f"fp8_weights='keep': {refusal}; use fp8_weights='dequantize'")
         return True
+    if refusal is not None and device.type == "cuda":
+        logger.info("FP8 weights dequantized to 16 bits: %s", refusal)
     return device.type == "cuda" and refusal is None
 
 
@@ -203,13 +229,23 @@ def fp8_linears(model: nn.Module) -> dict[int, FP8Linear]:
     return {id(m.weight): m for m in model.modules() if isinstance(m, FP8Linear)}
 
 
-def init_dummy(layer: FP8Linear, gen: torch.Generator, std: float = 0.02) -> None:
-    """Random weights for performance runs: N(0, std) quantized to E4M3 under one scale that
-    puts the spread well inside E4M3's range (448 = 7 standard deviations)."""
+def dummy_fp8(shape: tuple[int, int], row_block: int, k_group: int, device: torch.device,
+              gen: torch.Generator, std: float = 0.02) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random FP8 weights for performance runs, as (E4M3 bytes, FP32 group scales): N(0, std)
+    quantized under one scale that puts the spread well inside E4M3's range (448 = 7
+    standard deviations)."""
     s = 7 * std / 448
-    w = torch.empty(layer.weight.shape, device=layer.weight.device)
+    w = torch.empty(shape, device=device)
     w.normal_(0.0, std, generator=gen)
-    layer.weight.copy_((w / s).to(torch.float8_e4m3fn).view(torch.uint8))
-    layer.scale.fill_(s)
+    scale = torch.full((math.ceil(shape[0] / row_block), math.ceil(shape[1] / k_group)), s,
+                       device=device)
+    return (w / s).to(torch.float8_e4m3fn).view(torch.uint8), scale
+
+
+def init_dummy(layer: FP8Linear, gen: torch.Generator) -> None:
+    w, scale = dummy_fp8(tuple(layer.weight.shape), layer.row_block, layer.k_group,
+                         layer.weight.device, gen)
+    layer.weight.copy_(w)
+    layer.scale.copy_(scale)
     if layer.bias is not None:
         layer.bias.zero_()

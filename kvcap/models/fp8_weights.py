@@ -166,10 +166,17 @@ class FP8Tensor:
         return _scale_kind(self.name, self.scale, tuple(self.weight.shape), self.block)
 
     def narrow(self, dim: int, start: int, length: int) -> FP8Tensor:
-        if dim != 0:
-            raise ModelLoadError(f"{self.name}: an FP8 weight kept in FP8 is sliced along its "
-                                 "rows only")
-        kind, w = self._kind(), self.weight.narrow(0, start, length)
+        kind, w = self._kind(), self.weight.narrow(dim, start, length)
+        if dim == 1:  # a tensor-parallel rank's input columns
+            if kind != "block" or self.scale.shape[1] == 1:  # one scale along K
+                return FP8Tensor(w, self.scale, self.name, self.block)
+            assert self.block is not None
+            b1 = self.block[1]
+            if start % b1:
+                raise ModelLoadError(f"{self.name}: columns {start}:{start + length} start "
+                                     f"inside a {b1}-column scale block")
+            cols = self.scale[:, start // b1: -(-(start + length) // b1)]
+            return FP8Tensor(w, cols, self.name, self.block)
         if kind == "tensor":
             return FP8Tensor(w, self.scale, self.name, self.block)
         if kind == "row":

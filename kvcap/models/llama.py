@@ -158,12 +158,13 @@ class Rotary(nn.Module):
 
 def _linear(in_features: int, out_features: int, kind: str | None,
             fp8: FP8Weights | None = None, parts: list[int] | None = None,
-            bias: bool = False) -> nn.Module:
-    """A single-process linear: FP8 weights kept where `fp8` is the checkpoint's format (output
-    rows stored as the checkpoint tensors `parts`), else 16-bit with `kind`'s decode_gemm rule
-    (None: cuBLAS; biased linears always run cuBLAS)."""
+            row_offsets: tuple[int, ...] = (), bias: bool = False) -> nn.Module:
+    """A linear whose output rows need no communication (single process, or column-parallel):
+    FP8 weights kept where `fp8` is the checkpoint's format (output rows stored as the
+    checkpoint tensors `parts`, taken from `row_offsets` of them: fp8_linear.layout), else
+    16-bit with `kind`'s decode_gemm rule (None: cuBLAS; biased linears always run cuBLAS)."""
     if fp8 is not None:
-        row_block, k_group = layout(fp8, in_features, parts or [out_features])
+        row_block, k_group = layout(fp8, in_features, parts or [out_features], row_offsets)
         return FP8Linear(in_features, out_features, row_block, k_group, bias)
     if bias or kind is None:
         return nn.Linear(in_features, out_features, bias=bias)
@@ -171,12 +172,17 @@ def _linear(in_features: int, out_features: int, kind: str | None,
 
 
 def _row_linear(in_features: int, out_features: int, tp: ModelParallel | None,
-                kind: str | None = None, fp8: FP8Weights | None = None) -> nn.Module:
-    """Bias-free row-parallel linear; `kind` names its decode_gemm rule (None: cuBLAS)."""
+                kind: str | None = None, fp8: FP8Weights | None = None,
+                k_offset: int = 0) -> nn.Module:
+    """Bias-free row-parallel linear (this rank's inputs start at checkpoint column
+    `k_offset`); `kind` names its decode_gemm rule (None: cuBLAS)."""
     if tp is None:
         return _linear(in_features, out_features, kind, fp8)
-    from kvcap.distributed.layers import RowParallelLinear
+    from kvcap.distributed.layers import RowParallelFP8Linear, RowParallelLinear
 
+    if fp8 is not None:
+        row_block, k_group = layout(fp8, in_features, [out_features], k_offset=k_offset)
+        return RowParallelFP8Linear(in_features, out_features, row_block, k_group, tp.comm)
     return RowParallelLinear(in_features, out_features, tp.comm, kind)
 
 
@@ -190,9 +196,11 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         qkv_out = self.q_size + 2 * self.kv_size
+        q_at, kv_at = shard.q_heads[0] * self.head_dim, shard.kv_heads[0] * self.head_dim
         self.qkv_proj = _linear(spec.hidden_size, qkv_out, "qkv_proj", fp8,
-                                [self.q_size, self.kv_size, self.kv_size], spec.qkv_bias)
-        self.o_proj = _row_linear(self.q_size, spec.hidden_size, tp, "o_proj", fp8)
+                                [self.q_size, self.kv_size, self.kv_size], (q_at, kv_at, kv_at),
+                                spec.qkv_bias)
+        self.o_proj = _row_linear(self.q_size, spec.hidden_size, tp, "o_proj", fp8, q_at)
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
@@ -259,8 +267,9 @@ class MLP(nn.Module):
         super().__init__()
         self.inter = shard.inter_size
         self.gate_up_proj = _linear(spec.hidden_size, 2 * self.inter, None, fp8,
-                                    [self.inter, self.inter])
-        self.down_proj = _row_linear(self.inter, spec.hidden_size, tp, "down_proj", fp8)
+                                    [self.inter, self.inter], (shard.inter[0],) * 2)
+        self.down_proj = _row_linear(self.inter, spec.hidden_size, tp, "down_proj", fp8,
+                                     shard.inter[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # decode rows: the GEMM and the activation in one kernel
@@ -323,10 +332,8 @@ class LlamaModel(nn.Module):
     def __init__(self, spec: ModelSpec, tp: ModelParallel | None = None,
                  fp8: FP8Weights | None = None):
         """`fp8`: the checkpoint's FP8 weight format, to keep its linears' weights in FP8
-        (kvcap.models.fp8_linear; single process only), or None for 16-bit weights."""
+        (kvcap.models.fp8_linear), or None for 16-bit weights."""
         super().__init__()
-        if fp8 is not None and tp is not None:
-            raise ValueError("FP8 weights are kept in single-process models only")
         self.spec = spec
         self.tp = tp
         self.fp8 = fp8

@@ -57,7 +57,7 @@ def load_model(spec: ModelSpec, model_dir: Path | None, device: torch.device,
         if tp is None:
             init_dummy_weights(model, dummy_seed)
         else:  # the same random model as TP1, sliced
-            load_weights(model, dummy_checkpoint(spec, device, dtype, dummy_seed))
+            load_weights(model, dummy_checkpoint(spec, device, dtype, dummy_seed, keep_fp8))
         logger.info("model: %s with random (dummy) weights, %s%s", spec.architecture, dtype,
                     where)
         return model, {}

@@ -22,7 +22,7 @@ import torch
 
 from kvcap.config import ModelSpec
 from kvcap.errors import ModelLoadError
-from kvcap.models.fp8_linear import fp8_linears, init_dummy
+from kvcap.models.fp8_linear import dummy_fp8, fp8_linears, init_dummy
 from kvcap.models.fp8_weights import FP8Tensor
 from kvcap.models.llama import LlamaModel
 
@@ -159,28 +159,49 @@ def init_dummy_weights(model: LlamaModel, seed: int = 0) -> None:
                 p.normal_(0.0, 0.02, generator=gen)
 
 
-def dummy_checkpoint(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed: int = 0
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+def dummy_checkpoint(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                     keep_fp8: bool = False
+                     ) -> Iterator[tuple[str, torch.Tensor | FP8Tensor]]:
     """The weights `init_dummy_weights` gives the full model, as HF-named checkpoint tensors,
-    one at a time: a tensor-parallel rank loads its slices of exactly the TP1 dummy model."""
+    one at a time: a tensor-parallel rank loads its slices of exactly the TP1 dummy model.
+    `keep_fp8`: the model of an FP8 spec keeps FP8 weights, which come as FP8Tensor pairs
+    (generated first, as init_dummy_weights does)."""
     with torch.device("meta"):
-        full = LlamaModel(spec)
+        full = LlamaModel(spec, None, spec.fp8_weights if keep_fp8 else None)
     gen = torch.Generator(device=device).manual_seed(seed)
+    names = {id(p): n for n, p in full.named_parameters()}
+    layers = fp8_linears(full)
+    for layer in layers.values():
+        w, scale = dummy_fp8(tuple(layer.weight.shape), layer.row_block, layer.k_group,
+                             device, gen)
+        fp8 = FP8Tensor(w.view(torch.float8_e4m3fn), scale, "dummy",
+                        (layer.row_block, layer.k_group))
+        yield from _hf_named(full, names[id(layer.weight)], fp8)
+    fp8_params = {id(p) for m in layers.values() for p in m.parameters()}
     for name, p in full.named_parameters():
+        if id(p) in fp8_params:
+            continue
         t = torch.empty(p.shape, dtype=dtype, device=device)
         if "norm" in name:
             t.fill_(1.0)
         else:
             t.normal_(0.0, 0.02, generator=gen)
-        hf = name if name == "lm_head.weight" else f"model.{name}"
-        if ".qkv_proj." in hf:
-            attn = full.layers[int(name.split(".")[1])].self_attn
-            parts = t.split([attn.q_size, attn.kv_size, attn.kv_size])
-            for proj, part in zip("qkv", parts, strict=True):
-                yield hf.replace("qkv_proj", f"{proj}_proj"), part
-        elif ".gate_up_proj." in hf:
-            gate, up = t.chunk(2)
-            yield hf.replace("gate_up_proj", "gate_proj"), gate
-            yield hf.replace("gate_up_proj", "up_proj"), up
-        else:
-            yield hf, t
+        yield from _hf_named(full, name, t)
+
+
+def _hf_named(full: LlamaModel, name: str, t: torch.Tensor | FP8Tensor
+              ) -> Iterator[tuple[str, torch.Tensor | FP8Tensor]]:
+    """kvcap parameter `name` as the checkpoint tensors it is loaded from (q/k/v and gate/up
+    fused in kvcap)."""
+    hf = name if name == "lm_head.weight" else f"model.{name}"
+    if ".qkv_proj." in hf:
+        attn = full.layers[int(name.split(".")[1])].self_attn
+        parts = t.split([attn.q_size, attn.kv_size, attn.kv_size])
+        for proj, part in zip("qkv", parts, strict=True):
+            yield hf.replace("qkv_proj", f"{proj}_proj"), part
+    elif ".gate_up_proj." in hf:
+        gate, up = t.split([t.shape[0] // 2] * 2)
+        yield hf.replace("gate_up_proj", "gate_proj"), gate
+        yield hf.replace("gate_up_proj", "up_proj"), up
+    else:
+        yield hf, t
