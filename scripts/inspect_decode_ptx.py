@@ -49,11 +49,12 @@ def compile_kernel(fn, consts: dict, fp8: bool, sm: int, num_warps: int, num_sta
                 k_ptr=f"*{qtype}", v_ptr=f"*{qtype}", slot_ptr="*i64", kc_ptr=cache,
                 vc_ptr=cache, out_ptr=f"*{qtype}", po_ptr="*fp32",
                 plse_ptr="*fp32", bt_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
-                ks_ptr="*fp32", vs_ptr="*fp32", tok_ptr="*i32", seq_ptr="*i32", cnt_ptr="*i32")
+                ks_ptr="*fp32", vs_ptr="*fp32", tok_ptr="*i32", seq_ptr="*i32", cnt_ptr="*i32",
+                x_ptr=f"*{qtype}", w_ptr="*u8", s_ptr="*fp32", b_ptr="*fp32", y_ptr=f"*{qtype}")
     sig, attrs = {}, {}
     for i, p in enumerate(params):
         sig[p] = ("constexpr" if p in consts else ptrs.get(p)
-                  or ("fp32" if p == "sm_scale" else "i32"))
+                  or ("fp32" if p in ("sm_scale", "scale_factor") else "i32"))
         if p in ptrs or p.startswith("stride"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", sm, 32),
@@ -81,6 +82,34 @@ def inspect_rope(args, fp8: bool) -> int:
     print(f"  sass instructions      {len(lines)}")
     for op in ("F2FP", "FCHK", "LDG", "STG"):
         print(f"  sass {op:17s} {count_op([t for _, t in lines], op)}")
+    return 0
+
+
+def inspect_fp8_gemm(args) -> int:
+    """The weight-only FP8 GEMM (kernels/fp8_gemm.py) at launch_config's launch for --sm, for
+    --rows rows of an --n x --k weight whose scales change every --k-group columns (--k-group
+    0: one scale a row), 132 SMs; --cache software: the packed decoder."""
+    from kvcap.kernels import fp8_gemm
+
+    k_group = args.k_group or args.k
+    bm, bn, bk, nw, ns = fp8_gemm.launch_config(args.rows, args.n, k_group, args.k,
+                                                target_properties(args.sm), 132)
+    grouped = k_group < args.k
+    consts = dict(ROW_BLOCK=128 if grouped else 1, K_GROUP=k_group, GROUPED_K=grouped,
+                  HAS_BIAS=False, SWIGLU=args.swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                  EVEN_K=args.k % bk == 0, SOFTWARE=args.cache == "software",
+                  DOT_DTYPE=tl.bfloat16 if args.dtype == "bf16" else tl.float16, GDC=0)
+    k = compile_kernel(fp8_gemm._fp8_gemm_kernel, consts, True, args.sm, nw, ns, None,
+                       args.dtype, fp_fusion=False)
+    print(f"triton {triton.__version__}, sm_{args.sm}, fp8_gemm, {args.rows} rows of "
+          f"{args.n} x {args.k}, K groups {k_group}, decoder {args.cache}, {args.dtype}, "
+          f"BLOCK {bm} x {bn} x {bk}, {nw} warps, {ns} stages")
+    ptx = k.asm["ptx"]
+    for pattern in ("cvt.rn.f16x2.e4m3x2", "prmt", "mma.sync", "wgmma"):
+        print(f"  {pattern:22s} {ptx.count(pattern)}")
+    print(f"  shared memory bytes    {k.metadata.shared}")
+    for key, value in ptxas_usage(ptx, args.sm).items():
+        print(f"  {key:22s} {value}")
     return 0
 
 
@@ -224,10 +253,17 @@ def main() -> int:
     ap.add_argument("--block-m", type=int,
                     help="prefill: dot rows of this tile (with --block-n/--num-warps/"
                          "--num-stages) instead of prefill_config's")
-    ap.add_argument("--kernel", choices=["decode", "prefill", "qsa", "rope"], default="decode",
+    ap.add_argument("--kernel", choices=["decode", "prefill", "qsa", "rope", "fp8_gemm"],
+                    default="decode",
                     help="prefill: the chunked-prefill kernel, qsa: the sparse (QSA) attention "
                          "kernel, both group 4 at their launchers' tiles for --sm; rope: the "
-                         "fused RoPE kernel writing the cache")
+                         "fused RoPE kernel writing the cache; fp8_gemm: the FP8-weight GEMM "
+                         "(--rows, --n, --k, --k-group, --swiglu)")
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--k-group", type=int, default=0)
+    ap.add_argument("--swiglu", action="store_true")
     ap.add_argument("--gdc", type=int, choices=[0, 1, 2], default=0,
                     help="decode: programmatic dependent launch form (common.pdl_mode: 0 an "
                          "ordinary launch, 1 release at the end, 2 release at once; sm_90+)")
@@ -243,6 +279,8 @@ def main() -> int:
     fp8 = args.cache != "fp16"
     if args.kernel == "rope":
         return inspect_rope(args, fp8)
+    if args.kernel == "fp8_gemm":
+        return inspect_fp8_gemm(args)
     if args.kernel != "decode":
         return inspect_other(args, fp8)
     if args.defaults:

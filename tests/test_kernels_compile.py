@@ -354,3 +354,21 @@ def test_sliding_window_launches_compile_like_the_full_ones(kernel, cache, sm, h
     def resident(c: dict) -> int:  # every one of these launches runs 4 warps
         return programs_per_sm(target_properties(sm), c["shared memory bytes"], c["registers"], 4)
     assert resident(windowed) == resident(full)
+
+
+@pytest.mark.parametrize("sm,rows,k_group", [(70, 16, 0), (75, 64, 128), (80, 16, 128),
+                                             (86, 256, 0), (89, 16, 128), (90, 16, 0),
+                                             (90, 64, 128), (90, 256, 128)])
+def test_fp8_weight_gemm_compiles_for_every_gpu(sm, rows, k_group):
+    """The FP8-weight GEMM (kernels/fp8_gemm.py) at launch_config's launch for each target, on
+    the 8B down_proj (4096 x 14336): the hardware conversion from sm_89, the packed software
+    decoder below it and no FP8 instruction there, MMA from sm_80 (wgmma for Hopper's 64-row
+    tiles), and no register spills."""
+    software = sm < 89
+    c = _counts("--kernel", "fp8_gemm", "--sm", str(sm), "--rows", str(rows), "--n", "4096",
+                "--k", "14336", "--k-group", str(k_group), "--cache",
+                "software" if software else "native", "--dtype", "bf16" if sm >= 80 else "fp16")
+    assert (c["cvt.rn.f16x2.e4m3x2"] > 0) == (not software)
+    assert (c["prmt"] > 0) == software
+    assert (c["mma.sync"] + c["wgmma"] > 0) == (sm >= 80)
+    assert c["spill store bytes"] == 0

@@ -150,30 +150,41 @@ def check_operands(w: torch.Tensor, scale: torch.Tensor, row_block: int, k_group
 
 def gemm_config(m: int, n: int, k_group: int, k: int, device: torch.device
                 ) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). BLOCK_K divides the K group where the
-    scales change along K. Decode rows stream the weight: 16-row tiles (the MMA minimum), 32
-    output columns unless 64 still give every SM two programs, and deep pipelines -- 256-byte
-    K steps, or 128-byte ones in twice the stages where the scales change every 128 columns --
-    so that each SM keeps ~32 KB of weight in flight (the 16-bit skinny kernel's winners had
-    40 KB). Wider M tiles as rows grow, so the weight is read fewer times. A first guess from
-    the 16-bit kernel's sweep; `python -m kvcap.bench.fp8_gemm --sweep` measures the space."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the launch for this shape on
+    `device` (launch_config of its properties; the CPU interpreter takes small tiles)."""
+    if device.type != "cuda":
+        bk = 32 if k_group >= k or k_group % 32 == 0 else 16
+        return 16, 16, bk, 1, 1
+    return launch_config(m, n, k_group, k, device_properties(device), sm_count(device))
+
+
+def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int
+                  ) -> tuple[int, int, int, int, int]:
+    """The launch on a GPU of `props` (compute capability, shared memory) with `sms` SMs.
+    BLOCK_K divides the K group where the scales change along K. Decode rows stream the
+    weight: 16-row tiles (the MMA minimum), 32 output columns unless 64 still give every SM
+    two programs, and deep pipelines -- 256-byte K steps, or 128-byte ones in twice the stages
+    where the scales change every 128 columns -- so that each SM keeps ~32 KB of weight in
+    flight (the 16-bit skinny kernel's winners had 40 KB). Wider M tiles as rows grow, so the
+    weight is read fewer times. Without MMA (Volta, Turing: FMA dots) 32-wide K steps in two
+    stages, which compile without spills there. A first guess from the 16-bit kernel's sweep;
+    `python -m kvcap.bench.fp8_gemm --sweep` measures the space."""
     bk = 256
     if k_group < k:
         while k_group % bk:
             bk //= 2
-    if device.type != "cuda":
-        return 16, 16, min(bk, 32), 1, 1
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    cc = (props.major, props.minor)
+    if cc < (8, 0):
+        return bm, 32, min(bk, 32), 4, 2
     if m <= 64:
-        bm = 16 if m <= 16 else 32 if m <= 32 else 64
-        bn = 64 if triton.cdiv(n, 64) >= 2 * sm_count(device) else 32
+        bn = 64 if triton.cdiv(n, 64) >= 2 * sms else 32
         bk = min(bk, 256 if bm <= 32 else 128)
         stages = max(2, min(8, (32 << 10) // (bn * bk)))
     else:
-        bm, bn, bk, stages = 64, 64, min(bk, 128), 4
+        bn, bk, stages = 64, min(bk, 128), 4
     # each stage holds an activation and a weight tile in shared memory: stay within what one
     # program may have on this GPU (~100 KB on consumer parts, 164-228 KB on A100 / H100)
-    props = device_properties(device)
-    cc = (props.major, props.minor)
     smem = getattr(props, "shared_memory_per_multiprocessor", 0) or _SHARED_PER_SM.get(
         cc, 100 << 10)
     per_stage = bm * bk * 2 + bn * bk
