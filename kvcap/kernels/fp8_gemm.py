@@ -256,5 +256,6 @@ def dequantize_into(w: torch.Tensor, scale: torch.Tensor, row_block: int, k_grou
     _dequantize_kernel[grid](
         _as_bytes(w), scale, out, n, k, w.stride(0), scale.stride(0), out.stride(0),
         _SOFTWARE_FACTOR if software else 1.0, ROW_BLOCK=row_block, K_GROUP=k_group,
-        BLOCK_N=bn, BLOCK_K=bk, SOFTWARE=software, num_warps=4)
+        BLOCK_N=bn, BLOCK_K=bk, SOFTWARE=software, num_warps=4,
+        enable_fp_fusion=False)  # one product, rounded as torch rounds it
     return out
