@@ -245,6 +245,12 @@ class LLM:
             check_e4m3_decoders(self.device, set(fp8_decoders(self.device, backend.fp8_mode)))
             if hardware_e4m3_encode(self.device, backend.fp8_mode):
                 check_e4m3_encoder(self.device)
+        if self.keep_fp8 and self.device.type == "cuda":
+            from kvcap.kernels.common import use_software_fp8
+            from kvcap.kernels.decoder_check import check_e4m3_decoders
+
+            # the conversion the FP8-weight GEMM decodes the weights with, on all 256 codes
+            check_e4m3_decoders(self.device, {use_software_fp8(self.device)})
 
         if self.tp is not None and self.tp.is_driver:
             from kvcap.distributed.runner import DriverRunner
