@@ -155,8 +155,10 @@ def test_modes_resolve_and_refuse_by_name():
         resolve_keep("fp8", spec, gpu, 1)
 
 
-@pytest.mark.parametrize("qc", [_fine(16, 16), _compressed("channel")])
-def test_dummy_fp8_checkpoint_is_the_tp1_dummy_model_and_shards_slice_it(qc):
+@pytest.mark.parametrize("qc, arch", [(_fine(16, 16), "LlamaForCausalLM"),
+                                      (_compressed("channel"), "LlamaForCausalLM"),
+                                      (_fine(16, 16), "Qwen2ForCausalLM")])  # qkv bias
+def test_dummy_fp8_checkpoint_is_the_tp1_dummy_model_and_shards_slice_it(qc, arch):
     """The random FP8 model a tensor-parallel rank slices is the TP1 one: bytes and scales."""
     from kvcap.distributed.comm import Communicator
     from kvcap.distributed.layers import ModelParallel, RowParallelFP8Linear
@@ -164,7 +166,7 @@ def test_dummy_fp8_checkpoint_is_the_tp1_dummy_model_and_shards_slice_it(qc):
     from kvcap.models.registry import build_model
     from kvcap.models.weights import dummy_checkpoint, init_dummy_weights, load_weights
 
-    spec, cpu = _spec(qc), torch.device("cpu")
+    spec, cpu = _spec(qc, architectures=[arch]), torch.device("cpu")
     a = build_model(spec, cpu, torch.float32, keep_fp8=True)
     init_dummy_weights(a, seed=5)
     b = build_model(spec, cpu, torch.float32, keep_fp8=True)

@@ -177,6 +177,9 @@ def dummy_checkpoint(spec: ModelSpec, device: torch.device, dtype: torch.dtype, 
         fp8 = FP8Tensor(w.view(torch.float8_e4m3fn), scale, "dummy",
                         (layer.row_block, layer.k_group))
         yield from _hf_named(full, names[id(layer.weight)], fp8)
+        if layer.bias is not None:  # init_dummy's zeros
+            yield from _hf_named(full, names[id(layer.bias)],
+                                 torch.zeros(layer.bias.shape, dtype=dtype, device=device))
     fp8_params = {id(p) for m in layers.values() for p in m.parameters()}
     for name, p in full.named_parameters():
         if id(p) in fp8_params:
