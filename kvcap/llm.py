@@ -136,7 +136,9 @@ class LLM:
         prompt_lookup_max: int = 4,
         prompt_lookup_min: int = 2,
         speculative_disable_by_batch_size: int | None = None,
-        fp8_weights: str = "auto",
+        # FP8-weight checkpoints: dequantized until the FP8 GEMM has run on a GPU (see
+        # kvcap.models.fp8_linear); "keep" / "auto" keep them FP8
+        fp8_weights: str = "dequantize",
     ):
         # What a tensor-parallel worker needs to build the same LLM (taken before any local).
         worker_args = {k: v for k, v in locals().items()

@@ -100,6 +100,7 @@ def calibrated_scales(model: str, dtype: str, tokens: int = CALIBRATION_TOKENS
             maxes[(layer, name)] = max(maxes.get((layer, name), 0.0), m)
 
     llm = LLM(model=model, dtype=dtype, kv_cache_memory_gib=2, enforce_eager=True,
+              fp8_weights="auto",
               kv_observer=observe)
     if model.startswith("dummy:"):
         gen = torch.Generator().manual_seed(1)
@@ -385,7 +386,8 @@ def main(argv=None) -> int:
                           kv_scales=scales if kv_dtype == "fp8_e4m3" else None,
                           max_num_seqs=max(args.concurrency), max_model_len=max_ctx,
                           max_num_batched_tokens=8192, block_size=args.block_size,
-                          tensor_parallel_size=args.tensor_parallel_size, qsa=args.qsa, **kw)
+                          tensor_parallel_size=args.tensor_parallel_size, qsa=args.qsa,
+                          fp8_weights="auto", **kw)  # the -fp8 shapes keep FP8 weights
                 if pass_i == 0:
                     report["capacity"].append({"shape": shape, "kv": mode,
                                                "tokens": llm.pool.num_tokens,
