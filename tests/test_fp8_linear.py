@@ -364,3 +364,16 @@ def test_swiglu_equals_the_gemm_then_the_activation(m, inter, k, row_block, k_gr
     with pytest.raises(ValueError, match="swiglu needs a bias-free"):
         # odd rows, or up rows starting inside a scale block
         fp8_linear(x, w[:-row_block], s[:-1], row_block, k_group, swiglu=True)
+
+
+def test_cli_flag_reaches_the_engine():
+    import argparse
+
+    from kvcap.commands.common import add_engine_arguments, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    assert engine_kwargs(p.parse_args([]))["fp8_weights"] == "dequantize"
+    assert engine_kwargs(p.parse_args(["--fp8-weights", "keep"]))["fp8_weights"] == "keep"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--fp8-weights", "fp8"])
