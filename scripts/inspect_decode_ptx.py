@@ -98,14 +98,16 @@ def inspect_fp8_gemm(args) -> int:
     consts = dict(ROW_BLOCK=128 if grouped else 1, K_GROUP=k_group, GROUPED_K=grouped,
                   HAS_BIAS=False, SWIGLU=args.swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                   EVEN_K=args.k % bk == 0, SOFTWARE=args.cache == "software",
-                  DOT_DTYPE=tl.bfloat16 if args.dtype == "bf16" else tl.float16, GDC=0)
+                  DOT_DTYPE=tl.bfloat16 if args.dtype == "bf16" else tl.float16,
+                  GDC=args.gdc)
     k = compile_kernel(fp8_gemm._fp8_gemm_kernel, consts, True, args.sm, nw, ns, None,
                        args.dtype, fp_fusion=False)
     print(f"triton {triton.__version__}, sm_{args.sm}, fp8_gemm, {args.rows} rows of "
           f"{args.n} x {args.k}, K groups {k_group}, decoder {args.cache}, {args.dtype}, "
           f"BLOCK {bm} x {bn} x {bk}, {nw} warps, {ns} stages")
     ptx = k.asm["ptx"]
-    for pattern in ("cvt.rn.f16x2.e4m3x2", "prmt", "mma.sync", "wgmma"):
+    for pattern in ("cvt.rn.f16x2.e4m3x2", "prmt", "mma.sync", "wgmma", "griddepcontrol.wait",
+                    "griddepcontrol.launch_dependents"):
         print(f"  {pattern:22s} {ptx.count(pattern)}")
     print(f"  shared memory bytes    {k.metadata.shared}")
     for key, value in ptxas_usage(ptx, args.sm).items():

@@ -372,3 +372,13 @@ def test_fp8_weight_gemm_compiles_for_every_gpu(sm, rows, k_group):
     assert (c["prmt"] > 0) == software
     assert (c["mma.sync"] + c["wgmma"] > 0) == (sm >= 80)
     assert c["spill store bytes"] == 0
+
+
+@pytest.mark.parametrize("gdc", [1, 2])
+def test_fp8_weight_gemm_dependent_launch_compiles_on_hopper(gdc):
+    """At decode rows on sm_90 the FP8-weight GEMM launches as a programmatic dependent like
+    the other decode kernels: one wait, one release, in both release forms, no spills."""
+    c = _counts("--kernel", "fp8_gemm", "--sm", "90", "--rows", "16", "--n", "6144", "--k",
+                "4096", "--dtype", "bf16", "--gdc", str(gdc))
+    assert c["griddepcontrol.wait"] == 1 and c["griddepcontrol.launch_dependents"] == 1
+    assert c["spill store bytes"] == 0
