@@ -377,3 +377,24 @@ def test_cli_flag_reaches_the_engine():
     assert engine_kwargs(p.parse_args(["--fp8-weights", "keep"]))["fp8_weights"] == "keep"
     with pytest.raises(SystemExit):
         p.parse_args(["--fp8-weights", "fp8"])
+
+
+def test_fp8_tensor_slices_carry_their_scales():
+    """Rows and K-block-aligned columns slice with their scales (dequantized slices equal the
+    slices of the dequantized weight); a column slice inside a K block is refused by name."""
+    from kvcap.models.fp8_weights import FP8Tensor
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 64, generator=g) * 50).to(torch.float8_e4m3fn)
+    block = FP8Tensor(w, torch.rand(3, 4, generator=g) + 0.1, "b.weight_scale", (32, 16))
+    row = FP8Tensor(w, torch.rand(96, 1, generator=g) + 0.1, "r.weight_scale", None)
+    tensor = FP8Tensor(w, torch.tensor([0.3]), "t.weight_scale", None)
+    for t in (block, row, tensor):
+        full = t.dequantize()
+        for dim, start, length in ((0, 32, 64), (0, 40, 24), (1, 16, 32), (1, 48, 16)):
+            got = t.narrow(dim, start, length).dequantize()
+            assert torch.equal(got, full.narrow(dim, start, length)), (t.name, dim, start)
+    with pytest.raises(ModelLoadError, match=r"b.weight_scale: columns 8:40 start inside a "
+                                             r"16-column scale block"):
+        block.narrow(1, 8, 32)
+    assert row.narrow(1, 8, 32).scale is row.scale  # one scale along K: any columns
