@@ -177,7 +177,7 @@ class LLM:
             self.model_dir = loader.resolve_model_dir(model)
             self.spec = loader.read_spec(self.model_dir)
         self.max_model_len = _max_model_len(self.spec, max_model_len)
-        # an FP8 checkpoint's linear weights: kept FP8 (on CUDA by default) or dequantized
+        # an FP8 checkpoint's linear weights: dequantized (the default) or kept FP8
         self.keep_fp8 = resolve_keep(fp8_weights, self.spec, self.device, tensor_parallel_size)
         if self.qsa is not None and self.spec.sliding_window is not None:
             # QSA's selection ranks every cached block; past a layer's window it would pick

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcap.errors import ConfigError, ModelLoadError
-from kvcap.models.fp8_weights import FP8Tensor, FP8Weights
+from kvcap.models.fp8_weights import FP8Tensor, FP8Weights, expand_scale
 
 if TYPE_CHECKING:
     from kvcap.config import ModelSpec
@@ -122,9 +122,8 @@ def resolve_keep(mode: str, spec: ModelSpec, device: torch.device,
 def dequantize_reference(w: torch.Tensor, scale: torch.Tensor, row_block: int,
                          k_group: int) -> torch.Tensor:
     """FP32 w * s of E4M3 bytes [N, K] and FP32 group scales: the kernels' torch twin."""
-    n, k = w.shape
-    s = scale.repeat_interleave(row_block, 0)[:n].repeat_interleave(k_group, 1)[:, :k]
-    return w.view(torch.float8_e4m3fn).float() * s
+    return w.view(torch.float8_e4m3fn).float() * expand_scale(scale, row_block, k_group,
+                                                              tuple(w.shape))
 
 
 def reserve_scratch(model: nn.Module, dtype: torch.dtype) -> int:

@@ -3,9 +3,9 @@
 A checkpoint whose linear weights are stored in FP8 -- compressed-tensors `float-quantized`
 (per-tensor, per-channel or block scales in `weight_scale`), transformers' fine-grained FP8
 (`quant_method: fp8`, block scales in `weight_scale_inv`) or FBGEMM FP8 (per-channel
-`weight_scale`) -- streams in as FP8Tensor pairs (`fp8_tensors`): kept in FP8 by
-kvcap.models.fp8_linear (on CUDA, by default), or multiplied back to W = w_e4m3 * s
-(`dequantized`), s broadcast over its tensor, row or block. The activation scales these
+`weight_scale`) -- streams in as FP8Tensor pairs (`fp8_tensors`): multiplied back to
+W = w_e4m3 * s (`dequantized`, the default), s broadcast over its tensor, row or block, or
+kept in FP8 by kvcap.models.fp8_linear (fp8_weights "keep" / "auto"). The activation scales these
 formats carry (`input_scale`, `input_scale_ub`) are for FP8 x FP8 matmuls kvcap does not run
 (its activations stay 16-bit), and are dropped. What is not FP8 (norms, embeddings, an
 `ignore`d lm_head) passes through unchanged.
@@ -124,6 +124,14 @@ def _scale_kind(name: str, scale: torch.Tensor, shape: tuple[int, int],
                          f"its {out} rows nor {block} blocks of its {out} x {cols} weight")
 
 
+def expand_scale(scale: torch.Tensor, row_block: int, k_group: int,
+                 shape: tuple[int, int]) -> torch.Tensor:
+    """Group scales [ceil(out / row_block), ceil(in / k_group)] -> one per element of an
+    [out, in] weight (the last groups cut at the weight's edges)."""
+    out, cols = shape
+    return scale.repeat_interleave(row_block, 0)[:out].repeat_interleave(k_group, 1)[:, :cols]
+
+
 def dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor,
                block: tuple[int, int] | None) -> torch.Tensor:
     """FP32 w * s for an E4M3 weight [out, in] and its scale: one value, one per row
@@ -134,8 +142,7 @@ def dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor,
     s = scale.float()
     if kind == "block":
         assert block is not None
-        s = s.repeat_interleave(block[0], 0)[:out].repeat_interleave(block[1], 1)[:, :cols]
-        return w * s
+        return w * expand_scale(s, block[0], block[1], (out, cols))
     if kind == "tensor":
         return w * s.reshape(())
     return w * s.reshape(out, 1)

@@ -146,9 +146,10 @@ def init_dummy_weights(model: LlamaModel, seed: int = 0) -> None:
     """Random weights of the right shapes (performance work without a download)."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
-    fp8_params = {id(p) for m in fp8_linears(model).values() for p in m.parameters()}
+    fp8_layers = fp8_linears(model).values()
+    fp8_params = {id(p) for m in fp8_layers for p in m.parameters()}
     with torch.no_grad():
-        for m in fp8_linears(model).values():
+        for m in fp8_layers:
             init_dummy(m, gen)
         for name, p in model.named_parameters():
             if id(p) in fp8_params:
