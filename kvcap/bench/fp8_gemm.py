@@ -16,7 +16,6 @@ into a scratch buffer, then cuBLAS. Writes JSON (atomically) and prints a table 
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import itertools
 import json
@@ -25,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvcap.bench.gemm import linear_shapes
-from kvcap.bench.kernels import _graph_time, measure_ceilings
+from kvcap.bench.gemm import linear_shapes, start_report
+from kvcap.bench.kernels import _graph_time
 from kvcap.bench.throughput import CONFIGS
 from kvcap.commands.common import positive_int, require_cuda
 from kvcap.kernels import fp8_gemm
@@ -137,15 +136,7 @@ def main(argv=None) -> int:
                     help="a .json file, or a directory for fp8-gemm-DATE.json")
     args = ap.parse_args(argv)
     require_cuda(ap)
-    from kvcap.bench.provenance import result_path, stamp
-    from kvcap.config import ModelSpec
-
-    spec = ModelSpec.from_hf_config(json.loads(args.config.read_text()))
-    ceil = measure_ceilings()["read_tbs"]
-    report = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-              **stamp(), "torch": torch.__version__, "config": args.config.name,
-              "read_ceiling_tbs": ceil, "rows": []}
-    out = result_path(args.out, f"fp8-gemm-{report['date']}")
+    spec, ceil, report, out = start_report(args.config, "fp8-gemm", args.out)
     shapes = linear_shapes(spec)
     for name, layout in itertools.product(args.linears, args.layouts):
         n, k = shapes[name]

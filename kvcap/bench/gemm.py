@@ -121,6 +121,21 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], ceiling: float,
     return out
 
 
+def start_report(config: Path, prefix: str, out: Path):
+    """(model spec, read ceiling in TB/s, report header, result path) of a GEMM benchmark run
+    on `config`'s linears: the ceiling measured now, the path `prefix`-DATE.json under `out`
+    unless `out` names a file."""
+    from kvcap.bench.provenance import result_path, stamp
+    from kvcap.config import ModelSpec
+
+    spec = ModelSpec.from_hf_config(json.loads(config.read_text()))
+    ceil = measure_ceilings()["read_tbs"]
+    report = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+              **stamp(), "torch": torch.__version__, "config": config.name,
+              "read_ceiling_tbs": ceil, "rows": []}
+    return spec, ceil, report, result_path(out, f"{prefix}-{report['date']}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", type=Path, default=CONFIGS / "llama-3.1-8b.json")
@@ -140,15 +155,7 @@ def main(argv=None) -> int:
                          "that exists: an earlier run is never overwritten)")
     args = ap.parse_args(argv)
     require_cuda(ap)
-    from kvcap.bench.provenance import result_path, stamp
-    from kvcap.config import ModelSpec
-
-    spec = ModelSpec.from_hf_config(json.loads(args.config.read_text()))
-    ceil = measure_ceilings()["read_tbs"]
-    report = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-              **stamp(), "torch": torch.__version__, "config": args.config.name,
-              "read_ceiling_tbs": ceil, "rows": []}
-    out = result_path(args.out, f"gemm-{report['date']}")
+    spec, ceil, report, out = start_report(args.config, "gemm", args.out)
     shapes = {**linear_shapes(spec), "swiglu": linear_shapes(spec)["gate_up_proj"]}
     shapes = {name: nk for name, nk in shapes.items() if not args.linears or name in args.linears}
     for name, (n, k) in shapes.items():
