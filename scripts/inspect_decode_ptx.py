@@ -50,12 +50,14 @@ def compile_kernel(fn, consts: dict, fp8: bool, sm: int, num_warps: int, num_sta
                 vc_ptr=cache, out_ptr=f"*{qtype}", po_ptr="*fp32",
                 plse_ptr="*fp32", bt_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32",
                 ks_ptr="*fp32", vs_ptr="*fp32", tok_ptr="*i32", seq_ptr="*i32", cnt_ptr="*i32",
-                x_ptr=f"*{qtype}", w_ptr="*u8", s_ptr="*fp32", b_ptr="*fp32", y_ptr=f"*{qtype}")
+                x_ptr=f"*{qtype}", w_ptr="*u8", s_ptr="*fp32", b_ptr="*fp32", y_ptr=f"*{qtype}",
+                ws_ptr="*fp32")
     sig, attrs = {}, {}
     for i, p in enumerate(params):
         sig[p] = ("constexpr" if p in consts else ptrs.get(p)
                   or ("fp32" if p in ("sm_scale", "scale_factor") else "i32"))
-        if p in ptrs or p.startswith("stride"):
+        # k_split: split-K GEMMs' K range per program, whole BLOCK_K steps (>= 16 columns)
+        if p in ptrs or p.startswith("stride") or p == "k_split":
             attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", sm, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages,
@@ -99,15 +101,15 @@ def inspect_fp8_gemm(args) -> int:
                   HAS_BIAS=False, SWIGLU=args.swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                   EVEN_K=args.k % bk == 0, SOFTWARE=args.cache == "software",
                   DOT_DTYPE=tl.bfloat16 if args.dtype == "bf16" else tl.float16,
-                  GDC=args.gdc)
+                  SPLIT_K=args.split_k, GDC=args.gdc)
     k = compile_kernel(fp8_gemm._fp8_gemm_kernel, consts, True, args.sm, nw, ns, None,
                        args.dtype, fp_fusion=False)
     print(f"triton {triton.__version__}, sm_{args.sm}, fp8_gemm, {args.rows} rows of "
           f"{args.n} x {args.k}, K groups {k_group}, decoder {args.cache}, {args.dtype}, "
-          f"BLOCK {bm} x {bn} x {bk}, {nw} warps, {ns} stages")
+          f"BLOCK {bm} x {bn} x {bk}, {nw} warps, {ns} stages, K split {args.split_k}")
     ptx = k.asm["ptx"]
     for pattern in ("cvt.rn.f16x2.e4m3x2", "prmt", "mma.sync", "wgmma", "griddepcontrol.wait",
-                    "griddepcontrol.launch_dependents"):
+                    "griddepcontrol.launch_dependents", "atom.global"):
         print(f"  {pattern:22s} {ptx.count(pattern)}")
     print(f"  shared memory bytes    {k.metadata.shared}")
     for key, value in ptxas_usage(ptx, args.sm).items():
@@ -260,12 +262,13 @@ def main() -> int:
                     help="prefill: the chunked-prefill kernel, qsa: the sparse (QSA) attention "
                          "kernel, both group 4 at their launchers' tiles for --sm; rope: the "
                          "fused RoPE kernel writing the cache; fp8_gemm: the FP8-weight GEMM "
-                         "(--rows, --n, --k, --k-group, --swiglu)")
+                         "(--rows, --n, --k, --k-group, --swiglu, --split-k)")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--k-group", type=int, default=0)
     ap.add_argument("--swiglu", action="store_true")
+    ap.add_argument("--split-k", type=int, default=1, help="fp8_gemm: SPLIT_K (grid axis 2)")
     ap.add_argument("--gdc", type=int, choices=[0, 1, 2], default=0,
                     help="decode: programmatic dependent launch form (common.pdl_mode: 0 an "
                          "ordinary launch, 1 release at the end, 2 release at once; sm_90+)")

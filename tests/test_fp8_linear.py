@@ -4,6 +4,7 @@ loaded with fp8_weights='keep' against the dequantized load and transformers."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -54,6 +55,43 @@ def test_gemm_matches_its_twin(m, n, k, row_block, k_group, dtype, mode):
     # the twin's FP32 sum against FP32 accumulation, one rounding to the output dtype
     tol = 8e-3 if dtype == torch.bfloat16 else 1e-3
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@kernels
+@pytest.mark.parametrize("m,n,k,row_block,k_group,split", [
+    (3, 40, 96, 1, 96, 2),     # one scale a row: the partials carry it
+    (16, 48, 160, 16, 32, 3),  # K groups: each split a whole number of groups
+    (17, 33, 80, 1, 16, 4),    # K not a multiple of the split: the last split is short
+    (5, 32, 64, 1, 64, 8),     # more splits than K steps: empty ones are dropped
+])
+def test_split_k_is_exact_deterministic_and_reusable(m, n, k, row_block, k_group, split,
+                                                     monkeypatch):
+    """K split over programs and reduced in the kernel (the skinny GEMM's scheme): the twin's
+    result, the same bytes on every call (partials added in split order whatever order the
+    programs finish in), the bias added once, and the arrival counters back at 0."""
+    from kvcap.kernels import skinny_gemm
+    from kvcap.kernels.fp8_gemm import fp8_linear, gemm_config
+
+    monkeypatch.setattr(skinny_gemm, "_SPLIT_STATE", {})
+
+    dtype = torch.float16
+    w, s = _weights(n, k, row_block, k_group, m + n + k + split)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(split)).to(DEV, dtype)
+    bias = torch.randn(n).to(DEV, dtype)
+    want = x.float() @ dequantize_reference(w, s, row_block, k_group).t() + bias.float()
+    cfg = gemm_config(m, n, k_group, k, x.device)
+    first = fp8_linear(x, w, s, row_block, k_group, bias, split_k=split, config=cfg)
+    torch.testing.assert_close(first.float(), want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+    unsplit = fp8_linear(x, w, s, row_block, k_group, bias, config=cfg)
+    torch.testing.assert_close(first, unsplit, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+    for _ in range(2):
+        assert torch.equal(fp8_linear(x, w, s, row_block, k_group, bias, split_k=split,
+                                      config=cfg), first)
+    (key, (_, cnt)), = skinny_gemm._SPLIT_STATE.items()  # one split launch shape, reused
+    assert key[2] > 1 and int(cnt.abs().sum()) == 0
+    with pytest.raises(ValueError, match="1 with swiglu"):
+        fp8_linear(x, torch.cat([w, w]), torch.cat([s, s]), row_block, k_group, split_k=2,
+                   swiglu=True)
 
 
 @kernels
@@ -293,7 +331,8 @@ def test_dummy_fp8_model_runs(tmp_path):
 @pytest.mark.parametrize("block", [None, (128, 128)])
 def test_gemm_at_8b_shapes_on_the_gpu(rows, block):
     """The Llama-3.1-8B linears (QKV 6144 x 4096, down 4096 x 14336) against the twin in BF16,
-    both decoders."""
+    both decoders, K whole and split in 2 and 4 (compiled, the split-K reduction's atomics and
+    barriers run on real concurrent programs)."""
     from kvcap.kernels.fp8_gemm import fp8_linear
 
     for n, k in ((6144, 4096), (4096, 14336)):
@@ -302,10 +341,13 @@ def test_gemm_at_8b_shapes_on_the_gpu(rows, block):
         w, s = w.cuda(), s.cuda()
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         want = x.float() @ dequantize_reference(w, s, rb, kg).t()
-        for mode in ("native", "software"):
-            got = fp8_linear(x, w, s, rb, kg, fp8_mode=mode).float()
+        for mode, split in itertools.product(("native", "software"), (1, 2, 4)):
+            got = fp8_linear(x, w, s, rb, kg, fp8_mode=mode, split_k=split).float()
             err = ((got - want).abs().max() / want.abs().max()).item()
-            assert err < 8e-3, (n, k, mode, err)
+            assert err < 8e-3, (n, k, mode, split, err)
+            if split > 1:  # deterministic across calls
+                again = fp8_linear(x, w, s, rb, kg, fp8_mode=mode, split_k=split).float()
+                assert torch.equal(got, again), (n, k, mode, split)
 
 
 @pytest.mark.gpu

@@ -382,3 +382,19 @@ def test_fp8_weight_gemm_dependent_launch_compiles_on_hopper(gdc):
                 "4096", "--dtype", "bf16", "--gdc", str(gdc))
     assert c["griddepcontrol.wait"] == 1 and c["griddepcontrol.launch_dependents"] == 1
     assert c["spill store bytes"] == 0
+
+
+@pytest.mark.parametrize("sm,k_group", [(80, 0), (90, 0), (90, 128)])
+def test_fp8_weight_gemm_split_k_keeps_its_pipeline(sm, k_group):
+    """Split K (an o_proj-shaped 4096 x 4096 at 16 rows, 2 splits): the reduction adds one
+    arrival atomic and no spills, and the K loop stays software-pipelined -- the same shared
+    memory (stages of cp.async buffers) as the unsplit launch. Each program's K range starts
+    at program_id * k_split, which the JIT marks 16-divisible as it is; without that the loads
+    could not be proven aligned and would not be pipelined."""
+    args = ["--kernel", "fp8_gemm", "--sm", str(sm), "--rows", "16", "--n", "4096", "--k",
+            "4096", "--k-group", str(k_group), "--cache", "native" if sm >= 89 else "software",
+            "--dtype", "bf16"]
+    whole, split = _counts(*args), _counts(*args, "--split-k", "2")
+    assert whole["atom.global"] == 0 and split["atom.global"] == 1
+    assert split["shared memory bytes"] == whole["shared memory bytes"] > 0
+    assert split["spill store bytes"] == 0

@@ -74,7 +74,7 @@ def test_split_state_is_never_created_during_graph_capture(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(ValueError, match="make one call of this shape before capturing"):
-        skinny_gemm._split_state(torch.device("cuda", 0), 7, 3, 16, 32)
+        skinny_gemm.split_state(torch.device("cuda", 0), 7, 3, 16, 32)
     assert (torch.device("cuda", 0), 7, 3, 16, 32) not in skinny_gemm._SPLIT_STATE
 
 

@@ -3,7 +3,7 @@ weights it replaces (cuBLAS, and kvcap's skinny kernel where the model uses it) 
 of a model, at decode and prefill row counts, per scale layout and E4M3 decoder.
 
     python -m kvcap.bench.fp8_gemm [--config kvcap/bench/configs/llama-3.1-8b.json] \
-        [--rows 1 16 64 128 256 2048] [--sweep] [--out FILE]
+        [--rows 1 16 64 128 256 2048] [--splits 1 2] [--sweep] [--out FILE]
 
 Checks the kernel against its torch twin first (relative error vs cuBLAS on the dequantized
 weight), then times every arm in CUDA graphs over enough weight copies to defeat L2 (median of
@@ -56,7 +56,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def bench_linear(name: str, n: int, k: int, rows: list[int], ceiling: float, layout: str,
-                 modes: list[str], sweep: bool) -> list[dict]:
+                 modes: list[str], sweep: bool, splits: list[int]) -> list[dict]:
     rb, kg = LAYOUTS[layout] or (1, k)
     w_bytes = n * k
     copies = max(2, -(-(400 << 20) // w_bytes))  # > 8x the H200's 50 MB L2
@@ -98,24 +98,26 @@ def bench_linear(name: str, n: int, k: int, rows: list[int], ceiling: float, lay
                 continue
             grouped = kg < k
             configs = [None] + (sweep_configs(m, grouped) if sweep else [])
-            # gate/up also as the model's decode path: SiLU(gate) * up in the same kernel
-            fused = [False, True] if name == "gate_up_proj" else [False]
-            for cfg, swiglu in itertools.product(configs, fused):
+            # gate/up also as the model's decode path: SiLU(gate) * up in the same kernel;
+            # K splits (not with SiLU) at decode rows, where programs are few
+            arms = [(False, sk) for sk in (splits if m <= 64 else [1])]
+            arms += [(True, 1)] if name == "gate_up_proj" else []
+            for cfg, (swiglu, sk) in itertools.product(configs, arms):
                 ref = _swiglu_reference(want) if swiglu else want
+                call = functools.partial(fp8_gemm.fp8_linear, fp8_mode=mode, config=cfg,
+                                         swiglu=swiglu, split_k=sk)
                 try:
-                    err = _rel_err(fp8_gemm.fp8_linear(x, ws[0], s, rb, kg, fp8_mode=mode,
-                                                       config=cfg, swiglu=swiglu), ref)
+                    err = _rel_err(call(x, ws[0], s, rb, kg), ref)
                     if err > 4 * cublas_err + 1e-3:
                         raise AssertionError(f"relative error {err:.2e} vs cuBLAS "
                                              f"{cublas_err:.2e}")
-                    ms = _graph_time([functools.partial(
-                        fp8_gemm.fp8_linear, x, w, s, rb, kg, fp8_mode=mode, config=cfg,
-                        swiglu=swiglu) for w in ws])
+                    ms = _graph_time([functools.partial(call, x, w, s, rb, kg) for w in ws])
                 except Exception as e:  # noqa: BLE001 - a config that cannot run is reported
-                    print(f"{name} m={m} {layout} {mode} {cfg}: {e!s:.120}", flush=True)
+                    print(f"{name} m={m} {layout} {mode} {cfg} split {sk}: {e!s:.120}",
+                          flush=True)
                     continue
                 out.append(row(f"fp8-{'swiglu-' if swiglu else ''}{mode}", ms, moved8,
-                               rel_err=err, default=cfg is None,
+                               rel_err=err, default=cfg is None and sk == 1, split_k=sk,
                                config=list(cfg or fp8_gemm.gemm_config(
                                    m, n // 2 if swiglu else n, kg, k, x.device))))
     del ws, w16
@@ -132,6 +134,8 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", nargs="+", default=["native", "software"],
                     choices=["native", "software"])
     ap.add_argument("--sweep", action="store_true", help="also every launch configuration")
+    ap.add_argument("--splits", type=positive_int, nargs="+", default=[1, 2],
+                    help="K splits timed at <= 64 rows (not for the fused SwiGLU)")
     ap.add_argument("--out", type=Path, default=Path("."),
                     help="a .json file, or a directory for fp8-gemm-DATE.json")
     args = ap.parse_args(argv)
@@ -141,11 +145,11 @@ def main(argv=None) -> int:
     for name, layout in itertools.product(args.linears, args.layouts):
         n, k = shapes[name]
         report["rows"] += bench_linear(name, n, k, args.rows, ceil, layout, args.modes,
-                                       args.sweep)
+                                       args.sweep, args.splits)
         atomic_write_text(out, json.dumps(report, indent=1))
     print(f"read ceiling {ceil:.2f} TB/s")
     print(f"{'linear':13} {'layout':8} {'m':>4} {'bf16 us':>8} {'fp8 arm':>24} {'us':>8} "
-          f"{'%ceil':>6} {'speedup':>7}  config (BM, BN, BK, warps, stages)")
+          f"{'%ceil':>6} {'speedup':>7}  config (BM, BN, BK, warps, stages), K splits")
     for name, layout, m in itertools.product(args.linears, args.layouts, args.rows):
         rows = [r for r in report["rows"]
                 if (r["linear"], r["layout"], r["m"]) == (name, layout, m)]
@@ -154,7 +158,8 @@ def main(argv=None) -> int:
             best = min((r for r in rows if r["impl"] == impl), key=lambda r: r["us"])
             print(f"{name:13} {layout:8} {m:4d} {best16 or 0:8.1f} {impl:>24} {best['us']:8.1f} "
                   f"{best['pct_ceiling']:6.1f} {best16 / best['us'] if best16 else 0:7.2f}  "
-                  f"{best.get('config', '')}{'' if best.get('default', True) else ' (swept)'}")
+                  f"{best.get('config', '')} x{best.get('split_k', 1)}"
+                  f"{'' if best.get('default', True) else ' (not the default)'}")
     print(f"wrote {out}")
     return 0
 

@@ -41,6 +41,7 @@ from kvcap.kernels.common import (
     sm_count,
     use_software_fp8,
 )
+from kvcap.kernels.skinny_gemm import reduce_splits, split_state
 
 MAX_ROWS = 256
 # The software decoder's results are the E4M3 value times 2^-8.
@@ -48,24 +49,25 @@ _SOFTWARE_FACTOR = 256.0
 
 
 @triton.jit
-def _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, K, stride_xm, stride_wn,
+def _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, k0, k_end, stride_xm, stride_wn,
                 stride_sn, scale_factor, ROW_BLOCK: tl.constexpr, K_GROUP: tl.constexpr,
                 GROUPED_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SOFTWARE: tl.constexpr,
                 DOT_DTYPE: tl.constexpr):
-    """FP32 x[rm] @ (w[rows] * s)^T: the K loop over E4M3 weight rows `rows`."""
+    """FP32 x[rm, k0:k_end] @ (w[rows, k0:k_end] * s)^T: the K loop over E4M3 weight rows
+    `rows`. Scales apply to this range's sum, so split-K partials add up to the whole product."""
     rk = tl.arange(0, BLOCK_K)
-    xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    wp = w_ptr + rows[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :]
+    wp = w_ptr + rows[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :]
     # each output column's scale row (its weight row's group of ROW_BLOCK rows)
     sp = s_ptr + (rows // ROW_BLOCK).to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k in range(0, K, BLOCK_K):
+    for k in range(k0, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(xp, mask=mmask[:, None], other=0.0)
             w = tl.load(wp, mask=nmask[:, None], other=0)
         else:
-            kmask = (k + rk) < K
+            kmask = (k + rk) < k_end
             x = tl.load(xp, mask=mmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(wp, mask=nmask[:, None] & kmask[None, :], other=0)
         x = x.to(DOT_DTYPE)
@@ -83,15 +85,18 @@ def _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, K, stride_xm, strid
 
 
 @triton.jit
-def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
-                     stride_sn, stride_ym, scale_factor,
+def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_split,
+                     stride_xm, stride_wn, stride_sn, stride_ym, scale_factor,
                      ROW_BLOCK: tl.constexpr, K_GROUP: tl.constexpr, GROUPED_K: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     SOFTWARE: tl.constexpr, DOT_DTYPE: tl.constexpr, GDC: tl.constexpr = 0):
+                     SOFTWARE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                     SPLIT_K: tl.constexpr = 1, GDC: tl.constexpr = 0):
     """Y[:, rn] = X @ (W[rn] * S)^T (+ bias). SWIGLU: N is the intermediate size of a [gate; up]
     weight, and Y = SiLU(X @ gate^T) * (X @ up^T), rounded where the unfused path rounds
-    (gate and up to the output dtype, SiLU rounded, the product rounded)."""
+    (gate and up to the output dtype, SiLU rounded, the product rounded). SPLIT_K > 1: the
+    grid's third axis splits K in ranges of k_split columns, reduced in the kernel as
+    skinny_gemm reduces them (never with SWIGLU)."""
     pdl_wait(GDC)  # x comes from the kernel before (common.pdl_launch)
     # M is the fast grid axis: the programs that share a weight tile run side by side, so
     # the tile is read from memory once and from L2 by the others.
@@ -101,21 +106,38 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stri
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = rm < M
     nmask = rn < N
-    acc = _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rn, nmask, K, stride_xm, stride_wn,
-                      stride_sn, scale_factor, ROW_BLOCK, K_GROUP, GROUPED_K, BLOCK_M, BLOCK_N,
-                      BLOCK_K, EVEN_K, SOFTWARE, DOT_DTYPE)
+    if SPLIT_K == 1:
+        k0 = 0
+        k_end = K
+    else:
+        k0 = tl.program_id(2) * k_split
+        k_end = tl.minimum(k0 + k_split, K)
+    acc = _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rn, nmask, k0, k_end, stride_xm,
+                      stride_wn, stride_sn, scale_factor, ROW_BLOCK, K_GROUP, GROUPED_K,
+                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SOFTWARE, DOT_DTYPE)
     dtype = y_ptr.dtype.element_ty
+    yp = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    ymask = mmask[:, None] & nmask[None, :]
     if SWIGLU:
-        up = _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rn + N, nmask, K, stride_xm,
+        up = _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rn + N, nmask, k0, k_end, stride_xm,
                          stride_wn, stride_sn, scale_factor, ROW_BLOCK, K_GROUP, GROUPED_K,
                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SOFTWARE, DOT_DTYPE)
         gate = acc.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
         acc = silu.to(tl.float32) * up.to(dtype).to(tl.float32)
-    elif HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    yp = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
-    tl.store(yp, acc.to(dtype), mask=mmask[:, None] & nmask[None, :])
+        tl.store(yp, acc.to(dtype), mask=ymask)
+    elif SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(yp, acc.to(dtype), mask=ymask)
+    else:
+        tile_id = pid_n * tl.num_programs(0) + pid_m
+        last, total = reduce_splits(acc, ws_ptr, cnt_ptr, tile_id, tl.program_id(2), SPLIT_K,
+                                    BLOCK_M, BLOCK_N)
+        if last:  # the bias once, on the sum
+            if HAS_BIAS:
+                total += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            tl.store(yp, total.to(dtype), mask=ymask)
     pdl_release(GDC)
 
 
@@ -200,11 +222,14 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_block:
                k_group: int, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None, fp8_mode: str = "auto",
                config: tuple[int, int, int, int, int] | None = None,
-               swiglu: bool = False) -> torch.Tensor:
+               swiglu: bool = False, split_k: int = 1) -> torch.Tensor:
     """x [M, K] FP16/BF16 (M <= MAX_ROWS) @ (w * scale)^T (+ bias) -> [M, N] in x's dtype.
     `swiglu`: w is a [gate; up] weight [2I, K] and the result SiLU(x @ gate^T) * (x @ up^T)
     [M, I], in the same kernel. fp8_mode: "auto" (hardware conversion where the GPU has it),
-    "native" or "software". `config`: gemm_config's tuple instead of its choice (sweeps)."""
+    "native" or "software". `config`: gemm_config's tuple instead of its choice (sweeps).
+    `split_k` > 1 splits K over that many programs per output tile, in whole BLOCK_K steps,
+    reduced deterministically inside the kernel (not with
+    `swiglu`); for sweeps until a GPU has measured where it pays."""
     check_operands(w, scale, row_block, k_group)
     if x.dim() != 2 or x.shape[1] != w.shape[1] or x.stride(1) != 1:
         raise ValueError(f"fp8_linear needs x [M, {w.shape[1]}] contiguous along K; got "
@@ -226,20 +251,27 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_block:
     bm, bn, bk, nw, ns = config or gemm_config(m, n, k_group, k, x.device)
     if grouped and k_group % bk:
         raise ValueError(f"BLOCK_K {bk} does not divide the K groups of {k_group} columns")
+    if split_k < 1 or (split_k > 1 and swiglu):
+        raise ValueError(f"split_k must be >= 1, and 1 with swiglu; got {split_k}")
     software = use_software_fp8(x.device, fp8_mode)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    k_split = triton.cdiv(triton.cdiv(k, split_k), bk) * bk  # whole BLOCK_K steps per split
+    split_k = triton.cdiv(k, k_split)  # a split never starts past K
+    tiles = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    ws, cnt = (split_state(x.device, tiles[0] * tiles[1], split_k, bm, bn) if split_k > 1
+               else (out, out))  # unused when SPLIT_K == 1
     pdl = pdl_launch(x.device, m)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    grid = tiles + (split_k,)
     _fp8_gemm_kernel[grid](
-        x, _as_bytes(w), scale, bias if bias is not None else scale, out, m, n, k,
-        x.stride(0), w.stride(0), scale.stride(0), out.stride(0),
+        x, _as_bytes(w), scale, bias if bias is not None else scale, out, ws, cnt, m, n, k,
+        k_split, x.stride(0), w.stride(0), scale.stride(0), out.stride(0),
         _SOFTWARE_FACTOR if software else 1.0,
         ROW_BLOCK=row_block, K_GROUP=k_group if grouped else k, GROUPED_K=grouped,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         EVEN_K=k % bk == 0, SOFTWARE=software, DOT_DTYPE=dot_dtype(x.dtype)[0],
-        GDC=pdl_mode(pdl, grid, x.device), num_warps=nw, num_stages=ns, enable_fp_fusion=False,
-        **pdl)
+        SPLIT_K=split_k, GDC=pdl_mode(pdl, grid, x.device), num_warps=nw, num_stages=ns,
+        enable_fp_fusion=False, **pdl)
     return out
 
 

@@ -70,23 +70,34 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, 
     if SPLIT_K == 1:
         tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=ymask)
     else:
-        # Deterministic split-K: each split stores its FP32 partial, counts itself in (after a
-        # barrier, acq_rel), and the last to arrive adds the partials in split order -- the
-        # same sum whatever the arrival order -- writes Y and resets the counter for the next
-        # call or graph replay. No workspace zeroing, no second kernel.
-        tile = rm[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        ws = ws_ptr + pid.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
-        tl.store(ws + tl.program_id(1) * (BLOCK_M * BLOCK_N) + tile, acc)
-        tl.debug_barrier()
-        prev = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-        tl.debug_barrier()
-        if prev == SPLIT_K - 1:
-            tl.store(cnt_ptr + pid, 0)
-            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                total += tl.load(ws + s * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
+        last, total = reduce_splits(acc, ws_ptr, cnt_ptr, pid, tl.program_id(1), SPLIT_K,
+                                    BLOCK_M, BLOCK_N)
+        if last:
             tl.store(yp, total.to(y_ptr.dtype.element_ty), mask=ymask)
     pdl_release(GDC)
+
+
+@triton.jit
+def reduce_splits(acc, ws_ptr, cnt_ptr, tile_id, split_id, SPLIT_K: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Deterministic split-K: each split stores its FP32 partial of output tile `tile_id`,
+    counts itself in (after a barrier, acq_rel), and the last to arrive adds the partials in
+    split order -- the same sum whatever the arrival order -- and resets the counter for the
+    next call or graph replay. No workspace zeroing, no second kernel. Returns (whether this
+    program arrived last, the sum: valid only in that program, which writes the output)."""
+    tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    ws = ws_ptr + tile_id.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
+    tl.store(ws + split_id * (BLOCK_M * BLOCK_N) + tile, acc)
+    tl.debug_barrier()
+    prev = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
+    tl.debug_barrier()
+    last = prev == SPLIT_K - 1
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if last:
+        tl.store(cnt_ptr + tile_id, 0)
+        for s in tl.static_range(SPLIT_K):
+            total += tl.load(ws + s * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
+    return last, total
 
 
 @triton.jit
@@ -199,19 +210,19 @@ def skinny_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | 
 _SPLIT_STATE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _split_state(device: torch.device, tiles: int, split_k: int, block_m: int,
+def split_state(device: torch.device, tiles: int, split_k: int, block_m: int,
                  block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP32 partials and the zeroed arrival counters of one split-K launch shape, kept per
     device and shape: allocated by the first (eager) call, so CUDA graphs capture a fixed
     address, and the counters are back at 0 after every call. Calls of one shape share them,
     so they must be ordered on one stream (a model's forward is). Never created during CUDA
     graph capture: the graph's private pool would own them, and their zeroing would only
-    happen when the graph replays."""
+    happen when the graph replays. Shared by the 16-bit and the FP8-weight (fp8_gemm) GEMMs."""
     key = (device, tiles, split_k, block_m, block_n)
     state = _SPLIT_STATE.get(key)
     if state is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise ValueError(f"a split-K skinny_linear of {tiles} tiles x {split_k} splits runs "
+            raise ValueError(f"a split-K GEMM of {tiles} tiles x {split_k} splits runs "
                              "for the first time inside CUDA graph capture: make one call of "
                              "this shape before capturing")
         state = (torch.empty(tiles * split_k * block_m * block_n, dtype=torch.float32,
@@ -239,7 +250,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     tiles = triton.cdiv(n, bn)
     k_split = triton.cdiv(triton.cdiv(k, sk), bk) * bk  # whole BLOCK_K steps per split
     sk = triton.cdiv(k, k_split)  # a split never starts past K
-    ws, cnt = (_split_state(x.device, tiles, sk, block_m, bn) if sk > 1
+    ws, cnt = (split_state(x.device, tiles, sk, block_m, bn) if sk > 1
                else (out, out))  # unused when SPLIT_K == 1
     pdl = pdl_launch(x.device, m)
     grid = (tiles, sk)
