@@ -131,13 +131,10 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K
             acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
         tl.store(yp, acc.to(dtype), mask=ymask)
     else:
-        tile_id = pid_n * tl.num_programs(0) + pid_m
-        last, total = reduce_splits(acc, ws_ptr, cnt_ptr, tile_id, tl.program_id(2), SPLIT_K,
-                                    BLOCK_M, BLOCK_N)
-        if last:  # the bias once, on the sum
-            if HAS_BIAS:
-                total += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-            tl.store(yp, total.to(dtype), mask=ymask)
+        # the bias once, on the sum
+        reduce_splits(acc, ws_ptr, cnt_ptr, pid_n * tl.num_programs(0) + pid_m,
+                      tl.program_id(2), yp, ymask, b_ptr, rn, nmask, HAS_BIAS, SPLIT_K,
+                      BLOCK_M, BLOCK_N)
     pdl_release(GDC)
 
 

@@ -70,34 +70,34 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_split, 
     if SPLIT_K == 1:
         tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=ymask)
     else:
-        last, total = reduce_splits(acc, ws_ptr, cnt_ptr, pid, tl.program_id(1), SPLIT_K,
-                                    BLOCK_M, BLOCK_N)
-        if last:
-            tl.store(yp, total.to(y_ptr.dtype.element_ty), mask=ymask)
+        reduce_splits(acc, ws_ptr, cnt_ptr, pid, tl.program_id(1), yp, ymask, y_ptr, rn, nmask,
+                      False, SPLIT_K, BLOCK_M, BLOCK_N)
     pdl_release(GDC)
 
 
 @triton.jit
-def reduce_splits(acc, ws_ptr, cnt_ptr, tile_id, split_id, SPLIT_K: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Deterministic split-K: each split stores its FP32 partial of output tile `tile_id`,
-    counts itself in (after a barrier, acq_rel), and the last to arrive adds the partials in
-    split order -- the same sum whatever the arrival order -- and resets the counter for the
-    next call or graph replay. No workspace zeroing, no second kernel. Returns (whether this
-    program arrived last, the sum: valid only in that program, which writes the output)."""
+def reduce_splits(acc, ws_ptr, cnt_ptr, tile_id, split_id, yp, ymask, b_ptr, rn, nmask,
+                  HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """Deterministic split-K: each split stores its FP32 partial `acc` of output tile
+    `tile_id`, counts itself in (after a barrier, acq_rel), and the last to arrive adds the
+    partials in split order -- the same sum whatever the arrival order -- adds the bias
+    b_ptr[rn] (HAS_BIAS), writes the tile to `yp` and resets the counter for the next call or
+    graph replay. No workspace zeroing, no second kernel."""
     tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     ws = ws_ptr + tile_id.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
     tl.store(ws + split_id * (BLOCK_M * BLOCK_N) + tile, acc)
     tl.debug_barrier()
     prev = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
     tl.debug_barrier()
-    last = prev == SPLIT_K - 1
-    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if last:
+    if prev == SPLIT_K - 1:
         tl.store(cnt_ptr + tile_id, 0)
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for s in tl.static_range(SPLIT_K):
             total += tl.load(ws + s * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
-    return last, total
+        if HAS_BIAS:
+            total += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(yp, total.to(yp.dtype.element_ty), mask=ymask)
 
 
 @triton.jit
