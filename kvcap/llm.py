@@ -136,9 +136,9 @@ class LLM:
         prompt_lookup_max: int = 4,
         prompt_lookup_min: int = 2,
         speculative_disable_by_batch_size: int | None = None,
-        # FP8-weight checkpoints: dequantized until the FP8 GEMM has run on a GPU (see
-        # kvcap.models.fp8_linear); "keep" / "auto" keep them FP8
-        fp8_weights: str = "dequantize",
+        # FP8-weight checkpoints: "auto" keeps them FP8 on CUDA GPUs of compute capability
+        # 8.0+ where the layout allows, "keep" / "dequantize" (kvcap.models.fp8_linear)
+        fp8_weights: str = "auto",
     ):
         # What a tensor-parallel worker needs to build the same LLM (taken before any local).
         worker_args = {k: v for k, v in locals().items()
@@ -177,7 +177,7 @@ class LLM:
             self.model_dir = loader.resolve_model_dir(model)
             self.spec = loader.read_spec(self.model_dir)
         self.max_model_len = _max_model_len(self.spec, max_model_len)
-        # an FP8 checkpoint's linear weights: dequantized (the default) or kept FP8
+        # an FP8 checkpoint's linear weights: kept FP8 (auto on CUDA sm_80+, keep) or dequantized
         self.keep_fp8 = resolve_keep(fp8_weights, self.spec, self.device, tensor_parallel_size)
         if self.qsa is not None and self.spec.sliding_window is not None:
             # QSA's selection ranks every cached block; past a layer's window it would pick

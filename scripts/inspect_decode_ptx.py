@@ -95,7 +95,7 @@ def inspect_fp8_gemm(args) -> int:
 
     k_group = args.k_group or args.k
     bm, bn, bk, nw, ns = fp8_gemm.launch_config(args.rows, args.n, k_group, args.k,
-                                                target_properties(args.sm), 132)
+                                                target_properties(args.sm), 132, args.swiglu)
     grouped = k_group < args.k
     consts = dict(ROW_BLOCK=128 if grouped else 1, K_GROUP=k_group, GROUPED_K=grouped,
                   HAS_BIAS=False, SWIGLU=args.swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,

@@ -79,7 +79,9 @@ def test_split_k_is_exact_deterministic_and_reusable(m, n, k, row_block, k_group
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(split)).to(DEV, dtype)
     bias = torch.randn(n).to(DEV, dtype)
     want = x.float() @ dequantize_reference(w, s, row_block, k_group).t() + bias.float()
-    cfg = gemm_config(m, n, k_group, k, x.device)
+    # 16 x 16 tiles, 16- or 32-wide K steps: several K steps to split on the GPU as on the CPU
+    bk = 32 if k_group % 32 == 0 else 16
+    cfg = (16, 16, bk, *gemm_config(m, n, k_group, k, x.device)[3:])
     first = fp8_linear(x, w, s, row_block, k_group, bias, split_k=split, config=cfg)
     torch.testing.assert_close(first.float(), want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
     unsplit = fp8_linear(x, w, s, row_block, k_group, bias, config=cfg)
@@ -130,6 +132,34 @@ def test_kernels_refuse_what_they_cannot_do():
         fp8_linear(x, w8, s8, 1, 8)
 
 
+def test_launches_follow_the_h100_measurements():
+    """launch_config and gemm_split on an H100 (sm_90, 132 SMs) for the 8B linears give the
+    launches measured best on 2026-12-06 (fp8-gemm-2026-12-06-h100-8b.json, the 64-row
+    gate/up sweep): decode rows as before, K split in two where the tiles leave SMs without a
+    second program, the sweep's 64-row winners, and a SwiGLU stage counting both weight
+    tiles."""
+    from kvcap.kernels.common import target_properties
+    from kvcap.kernels.fp8_gemm import gemm_split, launch_config
+
+    h100 = target_properties(90)
+
+    def launch(m, n, k, swiglu=False, k_group=None):
+        return launch_config(m, n, k_group or k, k, h100, 132, swiglu)
+
+    assert launch(16, 4096, 14336) == (16, 32, 256, 4, 4)          # down_proj
+    assert launch(16, 14336, 4096, swiglu=True) == (16, 32, 256, 4, 4)
+    assert launch(16, 4096, 14336, k_group=128) == (16, 32, 128, 4, 8)
+    assert launch(64, 28672, 4096) == (64, 128, 128, 4, 3)         # the sweep's winners
+    assert launch(64, 14336, 4096, swiglu=True) == (64, 64, 128, 4, 3)
+    assert launch(64, 6144, 4096) == (64, 32, 128, 4, 4)           # narrow: 4 stages
+    for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):       # QKV, o_proj, down
+        assert gemm_split(16, n, launch(16, n, k)[1], 132) == 2
+        assert gemm_split(64, n, launch(64, n, k)[1], 132) == 1    # decode rows only
+    assert gemm_split(16, 14336, 32, 132, swiglu=True) == 1
+    assert gemm_split(16, 28672, 64, 132) == 1                     # 448 tiles: enough
+    assert gemm_split(16, 4096, 32, 0) == 1                        # the CPU
+
+
 def test_layout_keeps_checkpoint_blocks_where_every_part_starts_on_one():
     from kvcap.models.fp8_linear import layout
     from kvcap.models.fp8_weights import FP8Weights
@@ -171,11 +201,16 @@ def _fine(b0: int, b1: int) -> dict:
     return {"quant_method": "fp8", "weight_block_size": [b0, b1]}
 
 
-def test_modes_resolve_and_refuse_by_name():
+def test_modes_resolve_and_refuse_by_name(monkeypatch):
     from kvcap.models.fp8_linear import resolve_keep
 
+    capability = [(9, 0)]  # what the "GPU" below reports
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     spec, cpu, gpu = _spec(_fine(16, 16)), torch.device("cpu"), torch.device("cuda")
     assert resolve_keep("auto", spec, gpu, 1) and not resolve_keep("auto", spec, cpu, 1)
+    capability[0] = (7, 5)  # FMA dots only: auto dequantizes, keep still keeps
+    assert not resolve_keep("auto", spec, gpu, 1) and resolve_keep("keep", spec, gpu, 1)
+    capability[0] = (8, 0)
     assert resolve_keep("auto", spec, gpu, 2)  # rank 1: o_proj from column 32, down from 48
     assert resolve_keep("keep", spec, cpu, 1) and not resolve_keep("dequantize", spec, gpu, 1)
     assert not resolve_keep("keep", _spec(None), gpu, 1)  # nothing to keep: 16-bit weights
@@ -415,7 +450,7 @@ def test_cli_flag_reaches_the_engine():
 
     p = argparse.ArgumentParser()
     add_engine_arguments(p)
-    assert engine_kwargs(p.parse_args([]))["fp8_weights"] == "dequantize"
+    assert engine_kwargs(p.parse_args([]))["fp8_weights"] == "auto"
     assert engine_kwargs(p.parse_args(["--fp8-weights", "keep"]))["fp8_weights"] == "keep"
     with pytest.raises(SystemExit):
         p.parse_args(["--fp8-weights", "fp8"])

@@ -107,12 +107,16 @@ def _compressed(strategy: str, block=None) -> dict:
 
 def test_fine_grained_fp8_matches_transformers_own_load(tmp_path, monkeypatch):
     """quant_method fp8, 32 x 32 blocks in weight_scale_inv: transformers dequantizes such a
-    checkpoint itself on a machine without a GPU; kvcap's logits equal its logits."""
+    checkpoint itself on a machine without a GPU; kvcap's logits equal its logits. (With a GPU
+    transformers would run its own FP8 kernels, from the `kernels` package, instead: the
+    reference load is made to see none.)"""
     import transformers as tf
 
     qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]}
     _, ids = _fp8_checkpoint(tmp_path, (32, 32), "weight_scale_inv", qc)
-    ref_model = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with monkeypatch.context() as cpu_only:
+        cpu_only.setattr(torch.cuda, "is_available", lambda: False)
+        ref_model = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = ref_model(ids).logits[0]
     assert (_logits(tmp_path, ids, monkeypatch) - ref).abs().max().item() < 1e-5

@@ -29,6 +29,7 @@ from kvcap.bench.kernels import _graph_time
 from kvcap.bench.throughput import CONFIGS
 from kvcap.commands.common import positive_int, require_cuda
 from kvcap.kernels import fp8_gemm
+from kvcap.kernels.common import sm_count
 from kvcap.kernels.skinny_gemm import skinny_linear
 from kvcap.models.decode_gemm import ROW_LIMITS
 from kvcap.models.fp8_linear import dequantize_reference
@@ -116,10 +117,12 @@ def bench_linear(name: str, n: int, k: int, rows: list[int], ceiling: float, lay
                     print(f"{name} m={m} {layout} {mode} {cfg} split {sk}: {e!s:.120}",
                           flush=True)
                     continue
+                n_out = n // 2 if swiglu else n
+                launch = cfg or fp8_gemm.gemm_config(m, n_out, kg, k, x.device, swiglu)
+                default = cfg is None and sk == fp8_gemm.gemm_split(
+                    m, n_out, launch[1], sm_count(x.device), swiglu)
                 out.append(row(f"fp8-{'swiglu-' if swiglu else ''}{mode}", ms, moved8,
-                               rel_err=err, default=cfg is None and sk == 1, split_k=sk,
-                               config=list(cfg or fp8_gemm.gemm_config(
-                                   m, n // 2 if swiglu else n, kg, k, x.device))))
+                               rel_err=err, default=default, split_k=sk, config=list(launch)))
     del ws, w16
     torch.cuda.empty_cache()
     return out

@@ -95,11 +95,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-disable-by-batch-size", type=positive_int, default=None,
                    metavar="N", help="no drafts while more than N requests run (default: "
                                      "drafts at any batch size)")
-    p.add_argument("--fp8-weights", default="dequantize",
+    p.add_argument("--fp8-weights", default="auto",
                    choices=["auto", "keep", "dequantize"],
-                   help="an FP8 (E4M3) weight checkpoint's linears: dequantized to --dtype as "
-                        "they load (default), or kept in FP8 -- half the weight memory and "
-                        "bytes per step (keep; auto: keep on CUDA wherever the layout allows)")
+                   help="an FP8 (E4M3) weight checkpoint's linears: kept in FP8 -- half the "
+                        "weight memory and bytes per step -- or dequantized to --dtype as they "
+                        "load (auto, the default: keep on CUDA GPUs of compute capability 8.0+ "
+                        "wherever the layout allows, else dequantize)")
     p.add_argument("--qsa", default=None, metavar="PRESET",
                    help="query-aware sparse attention: every4, all-but-2, ... with an optional "
                         ":TOKENS budget (default 2048), e.g. every4:1024 (docs/qsa.md)")

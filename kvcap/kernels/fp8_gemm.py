@@ -167,46 +167,74 @@ def check_operands(w: torch.Tensor, scale: torch.Tensor, row_block: int, k_group
                          f"must be FP32 {want}; got {scale.dtype} {tuple(scale.shape)}")
 
 
-def gemm_config(m: int, n: int, k_group: int, k: int, device: torch.device
-                ) -> tuple[int, int, int, int, int]:
+def gemm_config(m: int, n: int, k_group: int, k: int, device: torch.device,
+                swiglu: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the launch for this shape on
-    `device` (launch_config of its properties; the CPU interpreter takes small tiles)."""
+    `device` (launch_config of its properties; the CPU interpreter takes small tiles). With
+    `swiglu`, n is the intermediate size (each program reads 2 x BLOCK_N weight rows)."""
     if device.type != "cuda":
         bk = 32 if k_group >= k or k_group % 32 == 0 else 16
         return 16, 16, bk, 1, 1
-    return launch_config(m, n, k_group, k, device_properties(device), sm_count(device))
+    return launch_config(m, n, k_group, k, device_properties(device), sm_count(device), swiglu)
 
 
-def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int
+def gemm_split(m: int, n: int, block_n: int, sms: int, swiglu: bool = False) -> int:
+    """The default K split: 2 at decode rows (<= 16) where the output tiles do not give every
+    SM two programs (the 8B QKV, o_proj and down_proj: 128-192 tiles on 132 SMs), else 1.
+    H100, `python -m kvcap.bench.fp8_gemm` (fp8-gemm-2026-12-06-h100-8b.json), 1 and 16 rows,
+    us unsplit -> split in two: down_proj 26.0-26.9 -> 23.8-24.5 with per-row scales and
+    36.2-39.4 -> 28.0-30.5 with 128 x 128 blocks, QKV 12.2-13.7 -> 12.2-12.6 and 15.4-16.8 ->
+    13.5-14.4, o_proj 9.1-9.3 -> 8.9-9.5 and 11.4-12.3 -> 10.6-11.3; the gate/up GEMM (448
+    tiles) lost (43 -> 58). Never with the fused SwiGLU; `sms` 0 (the CPU): 1."""
+    if not sms or swiglu or m > 16:
+        return 1
+    return 2 if triton.cdiv(n, block_n) < 2 * sms else 1
+
+
+def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu: bool = False
                   ) -> tuple[int, int, int, int, int]:
     """The launch on a GPU of `props` (compute capability, shared memory) with `sms` SMs.
-    BLOCK_K divides the K group where the scales change along K. Decode rows stream the
-    weight: 16-row tiles (the MMA minimum), 32 output columns unless 64 still give every SM
-    two programs, and deep pipelines -- 256-byte K steps, or 128-byte ones in twice the stages
-    where the scales change every 128 columns -- so that each SM keeps ~32 KB of weight in
-    flight (the 16-bit skinny kernel's winners had 40 KB). Wider M tiles as rows grow, so the
-    weight is read fewer times. Without MMA (Volta, Turing: FMA dots) 32-wide K steps in two
-    stages, which compile without spills there. A first guess from the 16-bit kernel's sweep;
-    `python -m kvcap.bench.fp8_gemm --sweep` measures the space."""
+    BLOCK_K divides the K group where the scales change along K. Decode rows (<= 32) stream
+    the weight: 16-row tiles (the MMA minimum), 32 output columns unless 64 still give every
+    SM two programs, and deep pipelines -- 256-byte K steps, or 128-byte ones in twice the
+    stages where the scales change every 128 columns -- so that each SM keeps ~32 KB of weight
+    in flight; on the H100 (with gemm_split's K split) these run the 8B linears at 1-16 rows
+    1.52-1.74x faster than BF16 weights with per-row scales, 1.27-1.66x with 128 x 128 blocks
+    (fp8-gemm-2026-12-06-h100-8b.json). At 33-64 rows the GEMM does
+    16x more math per byte: 128-byte K steps in 3 stages with 128 weight rows a step (128
+    columns, or 64 gate + 64 up with SWIGLU) where that still gives every SM a program, the H100
+    sweep's winners on the 8B gate/up (fp8-gemm-sweep-2026-12-06-h100-8b-64rows-gate-up.json:
+    58.1 / 66.5 us plain / SwiGLU against 69.4 / 124.2 for the decode-style launch -- 8 stages
+    of 32 columns fit one program an SM -- and 83.5 for BF16 cuBLAS); narrower linears 4 stages
+    (that sweep's best for 32-column tiles). Without MMA (Volta, Turing: FMA dots) 32-wide K
+    steps in two stages, which compile without spills there. `python -m kvcap.bench.fp8_gemm
+    --sweep` measures the space."""
     bk = 256
     if k_group < k:
         while k_group % bk:
             bk //= 2
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    tiles = 2 if swiglu else 1  # weight tiles a program reads per K step
     cc = (props.major, props.minor)
     if cc < (8, 0):
         return bm, 32, min(bk, 32), 4, 2
-    if m <= 64:
-        bn = 64 if triton.cdiv(n, 64) >= 2 * sms else 32
-        bk = min(bk, 256 if bm <= 32 else 128)
-        stages = max(2, min(8, (32 << 10) // (bn * bk)))
-    else:
+    if m > 64:
         bn, bk, stages = 64, min(bk, 128), 4
-    # each stage holds an activation and a weight tile in shared memory: stay within what one
-    # program may have on this GPU (~100 KB on consumer parts, 164-228 KB on A100 / H100)
+    elif bm == 64:
+        bk = min(bk, 128)
+        if triton.cdiv(n * tiles, 128) >= sms:
+            bn, stages = 128 // tiles, 3
+        else:
+            bn, stages = 64 if triton.cdiv(n, 64) >= 2 * sms else 32, 4
+    else:
+        bn = 64 if triton.cdiv(n, 64) >= 2 * sms else 32
+        bk = min(bk, 256)
+        stages = max(2, min(8, (32 << 10) // (bn * bk)))
+    # each stage holds an activation and the weight tiles in shared memory: stay within what
+    # one program may have on this GPU (~100 KB on consumer parts, 164-228 KB on A100 / H100)
     smem = getattr(props, "shared_memory_per_multiprocessor", 0) or _SHARED_PER_SM.get(
         cc, 100 << 10)
-    per_stage = bm * bk * 2 + bn * bk
+    per_stage = bm * bk * 2 + tiles * bn * bk
     stages = max(1, min(stages, (smem * 3 // 4) // per_stage))
     return bm, bn, bk, 4, stages
 
@@ -219,14 +247,14 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_block:
                k_group: int, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None, fp8_mode: str = "auto",
                config: tuple[int, int, int, int, int] | None = None,
-               swiglu: bool = False, split_k: int = 1) -> torch.Tensor:
+               swiglu: bool = False, split_k: int | None = None) -> torch.Tensor:
     """x [M, K] FP16/BF16 (M <= MAX_ROWS) @ (w * scale)^T (+ bias) -> [M, N] in x's dtype.
     `swiglu`: w is a [gate; up] weight [2I, K] and the result SiLU(x @ gate^T) * (x @ up^T)
     [M, I], in the same kernel. fp8_mode: "auto" (hardware conversion where the GPU has it),
     "native" or "software". `config`: gemm_config's tuple instead of its choice (sweeps).
     `split_k` > 1 splits K over that many programs per output tile, in whole BLOCK_K steps,
-    reduced deterministically inside the kernel (not with
-    `swiglu`); for sweeps until a GPU has measured where it pays."""
+    reduced deterministically inside the kernel (not with `swiglu`); None: gemm_split's
+    choice with the default launch, 1 with a given `config`."""
     check_operands(w, scale, row_block, k_group)
     if x.dim() != 2 or x.shape[1] != w.shape[1] or x.stride(1) != 1:
         raise ValueError(f"fp8_linear needs x [M, {w.shape[1]}] contiguous along K; got "
@@ -245,7 +273,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_block:
     grouped = k_group < k
     if grouped and k_group % 16:
         raise ValueError(f"K groups of {k_group} columns: fp8_linear needs a multiple of 16")
-    bm, bn, bk, nw, ns = config or gemm_config(m, n, k_group, k, x.device)
+    bm, bn, bk, nw, ns = config or gemm_config(m, n, k_group, k, x.device, swiglu)
+    if split_k is None:
+        sms = sm_count(x.device) if x.device.type == "cuda" else 0
+        split_k = 1 if config else gemm_split(m, n, bn, sms, swiglu)
     if grouped and k_group % bk:
         raise ValueError(f"BLOCK_K {bk} does not divide the K groups of {k_group} columns")
     if split_k < 1 or (split_k > 1 and swiglu):

@@ -4,11 +4,12 @@ A checkpoint whose linear weights are stored in FP8 -- compressed-tensors `float
 (per-tensor, per-channel or block scales in `weight_scale`), transformers' fine-grained FP8
 (`quant_method: fp8`, block scales in `weight_scale_inv`) or FBGEMM FP8 (per-channel
 `weight_scale`) -- streams in as FP8Tensor pairs (`fp8_tensors`): multiplied back to
-W = w_e4m3 * s (`dequantized`, the default), s broadcast over its tensor, row or block, or
-kept in FP8 by kvcap.models.fp8_linear (fp8_weights "keep" / "auto"). The activation scales these
-formats carry (`input_scale`, `input_scale_ub`) are for FP8 x FP8 matmuls kvcap does not run
-(its activations stay 16-bit), and are dropped. What is not FP8 (norms, embeddings, an
-`ignore`d lm_head) passes through unchanged.
+W = w_e4m3 * s (`dequantized`: fp8_weights "dequantize", and "auto" on a CPU or a GPU below
+compute capability 8.0), s broadcast over its tensor, row or block, or kept in FP8 by
+kvcap.models.fp8_linear (fp8_weights "keep", and "auto", the default, on other CUDA GPUs).
+The activation scales these formats carry (`input_scale`, `input_scale_ub`) are for FP8 x FP8
+matmuls kvcap does not run (its activations stay 16-bit), and are dropped. What is not FP8
+(norms, embeddings, an `ignore`d lm_head) passes through unchanged.
 """
 
 from __future__ import annotations
