@@ -159,6 +159,10 @@ def test_model_dtype_labels_and_no_mixing(tmp_path):
     assert "| 16 x 1K | 3,000 | 3,100 (1.03x) |" in table
     assert "2,800 (BF16 does not fit)" in table
     assert "(BF16 weights) decode tok/s (E4M3/BF16 in parentheses)" in table
+    for cell in bf16["cells"]:  # the same run with an FP8 checkpoint's linears kept FP8
+        cell["fp8_weights"] = True
+    table = tr.markdown_table(tr.load_cells([_write(tmp_path, "fp8w.json", bf16)]))
+    assert "(FP8 weights) decode tok/s (E4M3/BF16 in parentheses)" in table
     fp16 = _write(tmp_path, "fp16.json", _report([_cell("fp16", 16, 1024, 2900.0)]))
     with pytest.raises(tr.ReportError, match="mix model dtypes"):
         tr.markdown_table(tr.load_cells([path, fp16]))

@@ -395,7 +395,8 @@ def main(argv=None) -> int:
                                                **startup_seconds(llm, started)})
                 for ctx in args.context:
                     for c in args.concurrency:
-                        cell = {"shape": shape, "kv": mode, "concurrency": c, "context": ctx}
+                        cell = {"shape": shape, "kv": mode, "concurrency": c, "context": ctx,
+                                "fp8_weights": llm.keep_fp8}
                         need = c * (-(-ctx // llm.config.block_size))
                         if ctx > llm.max_model_len:  # the embedded model holds 8K tokens
                             cell["skip"] = (f"context {ctx} is over the model's maximum length "

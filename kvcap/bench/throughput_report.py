@@ -138,6 +138,12 @@ def _unquantized(sel: dict[tuple[str, int, int], dict]) -> str:
     return DTYPE_NAMES.get(dtype, dtype)
 
 
+def _weights(sel: dict[tuple[str, int, int], dict]) -> str:
+    """The weights' format: FP8 where the run kept an FP8 checkpoint's linears in FP8
+    (`fp8_weights` in its cells), else the model dtype."""
+    return "FP8" if any(c.get("fp8_weights") for c in sel.values()) else _unquantized(sel)
+
+
 def _columns(sel: dict[tuple[str, int, int], dict]) -> list[tuple[str, str, str]]:
     kv16 = _unquantized(sel)
     return [(kv, f"{kv16} KV" if kv == "fp16" else title, colour)
@@ -204,7 +210,7 @@ def markdown_table(cells: list[dict], shape: str = DEFAULT_SHAPE) -> str:
                  for kv, _, _ in columns]
         lines.append(f"| {row_label(conc, ctx)} | " + " | ".join(texts) + " |")
     cs = list(sel.values())
-    lines += ["", f"{shape} ({kv16} weights) decode tok/s (E4M3/{kv16} in parentheses), "
+    lines += ["", f"{shape} ({_weights(sel)} weights) decode tok/s (E4M3/{kv16} in parentheses), "
               f"{_each(cs, '{gpu}')}, {_each(cs, '{date}')}; source: "
               f"{_each(cs, '`{source}` (commit {commit})')}"]
     if any(CROSS_RUN in line for line in lines[2:-2]):
@@ -216,7 +222,7 @@ def markdown_table(cells: list[dict], shape: str = DEFAULT_SHAPE) -> str:
 def _title(sel: dict[tuple[str, int, int], dict], shape: str) -> str:
     cs = list(sel.values())
     commits = _each(cs, "{commit}")
-    return (f"kvcap decode throughput: {_each(cs, '{gpu}')}, {shape} ({_unquantized(sel)} "
+    return (f"kvcap decode throughput: {_each(cs, '{gpu}')}, {shape} ({_weights(sel)} "
             f"weights), {_each(cs, '{date}')}, commit{'s' if ',' in commits else ''} {commits}")
 
 
