@@ -41,7 +41,7 @@ from kvcap.kernels.common import (
     sm_count,
     use_software_fp8,
 )
-from kvcap.kernels.skinny_gemm import reduce_splits, split_state
+from kvcap.kernels.skinny_gemm import reduce_splits, split_plan, split_state
 
 MAX_ROWS = 256
 # The software decoder's results are the E4M3 value times 2^-8.
@@ -200,15 +200,15 @@ def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu:
     stages where the scales change every 128 columns -- so that each SM keeps ~32 KB of weight
     in flight; on the H100 (with gemm_split's K split) these run the 8B linears at 1-16 rows
     1.52-1.74x faster than BF16 weights with per-row scales, 1.27-1.66x with 128 x 128 blocks
-    (fp8-gemm-2026-12-06-h100-8b.json). At 33-64 rows the GEMM does
-    16x more math per byte: 128-byte K steps in 3 stages with 128 weight rows a step (128
-    columns, or 64 gate + 64 up with SWIGLU) where that still gives every SM a program, the H100
-    sweep's winners on the 8B gate/up (fp8-gemm-sweep-2026-12-06-h100-8b-64rows-gate-up.json:
-    58.1 / 66.5 us plain / SwiGLU against 69.4 / 124.2 for the decode-style launch -- 8 stages
-    of 32 columns fit one program an SM -- and 83.5 for BF16 cuBLAS); narrower linears 4 stages
-    (that sweep's best for 32-column tiles). Without MMA (Volta, Turing: FMA dots) 32-wide K
-    steps in two stages, which compile without spills there. `python -m kvcap.bench.fp8_gemm
-    --sweep` measures the space."""
+    (fp8-gemm-2026-12-06-h100-8b.json). At 33-64 rows the GEMM does 16x more math per byte:
+    128-byte K steps in 3 stages with 128 weight rows a step (128 columns, or 64 gate + 64 up
+    with SWIGLU) where that still gives every SM a program, the H100 sweep's winners on the 8B
+    gate/up (fp8-gemm-sweep-2026-12-06-h100-8b-64rows-gate-up.json: 58.1 / 66.5 us plain /
+    SwiGLU against 69.4 / 124.2 for the decode-style launch -- 8 stages of 32 columns fit one
+    program an SM -- and 83.5 for BF16 cuBLAS); narrower linears 4 stages (that sweep's best
+    for 32-column tiles). Without MMA (Volta, Turing: FMA dots) 32-wide K steps in two stages,
+    which compile without spills there. `python -m kvcap.bench.fp8_gemm --sweep` measures
+    the space."""
     bk = 256
     if k_group < k:
         while k_group % bk:
@@ -218,17 +218,14 @@ def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu:
     cc = (props.major, props.minor)
     if cc < (8, 0):
         return bm, 32, min(bk, 32), 4, 2
+    narrow = 64 if triton.cdiv(n, 64) >= 2 * sms else 32  # columns that still fill the SMs
     if m > 64:
         bn, bk, stages = 64, min(bk, 128), 4
     elif bm == 64:
         bk = min(bk, 128)
-        if triton.cdiv(n * tiles, 128) >= sms:
-            bn, stages = 128 // tiles, 3
-        else:
-            bn, stages = 64 if triton.cdiv(n, 64) >= 2 * sms else 32, 4
+        bn, stages = (128 // tiles, 3) if triton.cdiv(n * tiles, 128) >= sms else (narrow, 4)
     else:
-        bn = 64 if triton.cdiv(n, 64) >= 2 * sms else 32
-        bk = min(bk, 256)
+        bn = narrow
         stages = max(2, min(8, (32 << 10) // (bn * bk)))
     # each stage holds an activation and the weight tiles in shared memory: stay within what
     # one program may have on this GPU (~100 KB on consumer parts, 164-228 KB on A100 / H100)
@@ -284,8 +281,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_block:
     software = use_software_fp8(x.device, fp8_mode)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    k_split = triton.cdiv(triton.cdiv(k, split_k), bk) * bk  # whole BLOCK_K steps per split
-    split_k = triton.cdiv(k, k_split)  # a split never starts past K
+    k_split, split_k = split_plan(k, split_k, bk)
     tiles = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     ws, cnt = (split_state(x.device, tiles[0] * tiles[1], split_k, bm, bn) if split_k > 1
                else (out, out))  # unused when SPLIT_K == 1

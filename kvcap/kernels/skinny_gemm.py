@@ -210,6 +210,13 @@ def skinny_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | 
 _SPLIT_STATE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+def split_plan(k: int, split_k: int, block_k: int) -> tuple[int, int]:
+    """(columns per split, splits) for K split about `split_k` ways in whole BLOCK_K steps;
+    fewer splits where the last would start past K."""
+    k_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    return k_split, triton.cdiv(k, k_split)
+
+
 def split_state(device: torch.device, tiles: int, split_k: int, block_m: int,
                  block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP32 partials and the zeroed arrival counters of one split-K launch shape, kept per
@@ -248,8 +255,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
     tiles = triton.cdiv(n, bn)
-    k_split = triton.cdiv(triton.cdiv(k, sk), bk) * bk  # whole BLOCK_K steps per split
-    sk = triton.cdiv(k, k_split)  # a split never starts past K
+    k_split, sk = split_plan(k, sk, bk)
     ws, cnt = (split_state(x.device, tiles, sk, block_m, bn) if sk > 1
                else (out, out))  # unused when SPLIT_K == 1
     pdl = pdl_launch(x.device, m)
