@@ -94,23 +94,35 @@ def inspect_fp8_gemm(args) -> int:
     from kvcap.kernels import fp8_gemm
 
     k_group = args.k_group or args.k
-    bm, bn, bk, nw, ns = fp8_gemm.launch_config(args.rows, args.n, k_group, args.k,
-                                                target_properties(args.sm), 132, args.swiglu)
+    bm, bn, bk, nw, ns, swap = fp8_gemm.launch_config(args.rows, args.n, k_group, args.k,
+                                                      target_properties(args.sm), 132,
+                                                      args.swiglu)
+    if args.gemm_tile:  # a sweep's launch instead of the default
+        (bm, bn, bk, nw, ns), swap = args.gemm_tile, args.swap_ab
     grouped = k_group < args.k
     consts = dict(ROW_BLOCK=128 if grouped else 1, K_GROUP=k_group, GROUPED_K=grouped,
                   HAS_BIAS=False, SWIGLU=args.swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                   EVEN_K=args.k % bk == 0, SOFTWARE=args.cache == "software",
                   DOT_DTYPE=tl.bfloat16 if args.dtype == "bf16" else tl.float16,
-                  SPLIT_K=args.split_k, GDC=args.gdc)
+                  SPLIT_K=args.split_k, GDC=args.gdc, SWAP_AB=swap)
     k = compile_kernel(fp8_gemm._fp8_gemm_kernel, consts, True, args.sm, nw, ns, None,
                        args.dtype, fp_fusion=False)
     print(f"triton {triton.__version__}, sm_{args.sm}, fp8_gemm, {args.rows} rows of "
           f"{args.n} x {args.k}, K groups {k_group}, decoder {args.cache}, {args.dtype}, "
-          f"BLOCK {bm} x {bn} x {bk}, {nw} warps, {ns} stages, K split {args.split_k}")
+          f"BLOCK {bm} x {bn} x {bk}, {nw} warps, {ns} stages, K split {args.split_k}"
+          f"{', operands swapped' if swap else ''}")
     ptx = k.asm["ptx"]
+    if args.dump:
+        args.dump.mkdir(parents=True, exist_ok=True)
+        (args.dump / "fp8_gemm.ttgir").write_text(k.asm["ttgir"])
+        (args.dump / "fp8_gemm.ptx").write_text(ptx)
     for pattern in ("cvt.rn.f16x2.e4m3x2", "prmt", "mma.sync", "wgmma", "griddepcontrol.wait",
                     "griddepcontrol.launch_dependents", "atom.global"):
         print(f"  {pattern:22s} {ptx.count(pattern)}")
+    # warpgroup MMAs whose A operand is registers ("{acc}, {a regs}, b-descriptor"), not a
+    # shared-memory descriptor: the swapped launch's decoded weight tile
+    wgmma_reg_a = len(re.findall(r"wgmma\.mma_async[^;]*\}, \{", ptx))
+    print(f"  {'wgmma register A':22s} {wgmma_reg_a}")
     print(f"  shared memory bytes    {k.metadata.shared}")
     for key, value in ptxas_usage(ptx, args.sm).items():
         print(f"  {key:22s} {value}")
@@ -269,6 +281,10 @@ def main() -> int:
     ap.add_argument("--k-group", type=int, default=0)
     ap.add_argument("--swiglu", action="store_true")
     ap.add_argument("--split-k", type=int, default=1, help="fp8_gemm: SPLIT_K (grid axis 2)")
+    ap.add_argument("--swap-ab", action="store_true",
+                    help="fp8_gemm with --gemm-tile: weight rows as the MMA's M (SWAP_AB)")
+    ap.add_argument("--gemm-tile", type=int, nargs=5, metavar=("BM", "BN", "BK", "WARPS", "STAGES"),
+                    help="fp8_gemm: this launch instead of launch_config's")
     ap.add_argument("--gdc", type=int, choices=[0, 1, 2], default=0,
                     help="decode: programmatic dependent launch form (common.pdl_mode: 0 an "
                          "ordinary launch, 1 release at the end, 2 release at once; sm_90+)")

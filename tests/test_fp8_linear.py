@@ -58,13 +58,14 @@ def test_gemm_matches_its_twin(m, n, k, row_block, k_group, dtype, mode):
 
 
 @kernels
-@pytest.mark.parametrize("m,n,k,row_block,k_group,split", [
-    (3, 40, 96, 1, 96, 2),     # one scale a row: the partials carry it
-    (16, 48, 160, 16, 32, 3),  # K groups: each split a whole number of groups
-    (17, 33, 80, 1, 16, 4),    # K not a multiple of the split: the last split is short
-    (5, 32, 64, 1, 64, 8),     # more splits than K steps: empty ones are dropped
+@pytest.mark.parametrize("m,n,k,row_block,k_group,split,swap", [
+    (3, 40, 96, 1, 96, 2, False),     # one scale a row: the partials carry it
+    (16, 48, 160, 16, 32, 3, False),  # K groups: each split a whole number of groups
+    (17, 33, 80, 1, 16, 4, False),    # K not a multiple of the split: the last split is short
+    (5, 32, 64, 1, 64, 8, False),     # more splits than K steps: empty ones are dropped
+    (20, 48, 96, 16, 32, 2, True),    # operands swapped: partials of transposed tiles
 ])
-def test_split_k_is_exact_deterministic_and_reusable(m, n, k, row_block, k_group, split,
+def test_split_k_is_exact_deterministic_and_reusable(m, n, k, row_block, k_group, split, swap,
                                                      monkeypatch):
     """K split over programs and reduced in the kernel (the skinny GEMM's scheme): the twin's
     result, the same bytes on every call (partials added in split order whatever order the
@@ -81,7 +82,7 @@ def test_split_k_is_exact_deterministic_and_reusable(m, n, k, row_block, k_group
     want = x.float() @ dequantize_reference(w, s, row_block, k_group).t() + bias.float()
     # 16 x 16 tiles, 16- or 32-wide K steps: several K steps to split on the GPU as on the CPU
     bk = 32 if k_group % 32 == 0 else 16
-    cfg = (16, 16, bk, *gemm_config(m, n, k_group, k, x.device)[3:])
+    cfg = (16, 16, bk, *gemm_config(m, n, k_group, k, x.device)[3:5], swap)
     first = fp8_linear(x, w, s, row_block, k_group, bias, split_k=split, config=cfg)
     torch.testing.assert_close(first.float(), want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
     unsplit = fp8_linear(x, w, s, row_block, k_group, bias, config=cfg)
@@ -132,6 +133,41 @@ def test_kernels_refuse_what_they_cannot_do():
         fp8_linear(x, w8, s8, 1, 8)
 
 
+@kernels
+@pytest.mark.parametrize("m,n,k,row_block,k_group,block", [
+    (40, 48, 64, 1, 64, (32, 16, 32)),     # one scale a row, two row tiles
+    (17, 40, 96, 16, 32, (32, 32, 32)),    # K groups, N not a whole tile
+    (70, 33, 80, 1, 16, (64, 16, 16)),     # odd N, K groups of 16
+    (33, 64, 80, 1, 80, (16, 32, 32)),     # K not a multiple of the step, three row tiles
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["native", "software"])
+def test_swapped_operands_match_the_twin(m, n, k, row_block, k_group, block, dtype, mode):
+    """SWAP_AB (weight rows as the MMA's M, Hopper's launch above 32 rows): the twin's result
+    for plain, biased and SwiGLU calls, and the unswapped kernel's within FP32 summation order."""
+    from kvcap.kernels.fp8_gemm import fp8_linear
+
+    w, s = _weights(n, k, row_block, k_group, m + n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEV, dtype)
+    bias = torch.randn(n).to(DEV, dtype)
+    dense = dequantize_reference(w, s, row_block, k_group)
+    want = x.float() @ dense.t() + bias.float()
+    cfg = (*block, 4, 2, True)
+    got = fp8_linear(x, w, s, row_block, k_group, bias, fp8_mode=mode, config=cfg)
+    tol = 8e-3 if dtype == torch.bfloat16 else 1e-3
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+    plain = fp8_linear(x, w, s, row_block, k_group, bias, fp8_mode=mode,
+                       config=(*block, 4, 2, False))
+    torch.testing.assert_close(got, plain, rtol=tol, atol=tol * want.abs().max().item())
+    if n % (2 * row_block) == 0:  # [gate; up] halves on scale-block boundaries
+        fused = fp8_linear(x, w, s, row_block, k_group, fp8_mode=mode, config=cfg, swiglu=True)
+        gate_up = (x.float() @ dense.t()).to(dtype).float()
+        gate, up = gate_up.chunk(2, dim=-1)
+        ref = (torch.nn.functional.silu(gate).to(dtype).float() * up)
+        torch.testing.assert_close(fused.float(), ref, rtol=2 * tol,
+                                   atol=2 * tol * ref.abs().max().item())
+
+
 def test_launches_follow_the_h100_measurements():
     """launch_config and gemm_split on an H100 (sm_90, 132 SMs) for the 8B linears give the
     launches measured best on 2026-12-06 (fp8-gemm-2026-12-06-h100-8b.json, the 64-row
@@ -146,18 +182,16 @@ def test_launches_follow_the_h100_measurements():
     def launch(m, n, k, swiglu=False, k_group=None):
         return launch_config(m, n, k_group or k, k, h100, 132, swiglu)
 
-    assert launch(16, 4096, 14336) == (16, 32, 256, 4, 4)          # down_proj
-    assert launch(16, 14336, 4096, swiglu=True) == (16, 32, 256, 4, 4)
-    assert launch(16, 4096, 14336, k_group=128) == (16, 32, 128, 4, 8)
-    assert launch(64, 28672, 4096) == (64, 128, 128, 4, 3)         # the sweep's winners
-    assert launch(64, 14336, 4096, swiglu=True) == (64, 64, 128, 4, 3)
-    assert launch(64, 6144, 4096) == (64, 32, 128, 4, 4)           # narrow: 4 stages
+    assert launch(16, 4096, 14336) == (16, 32, 256, 4, 4, False)   # down_proj
+    assert launch(16, 14336, 4096, swiglu=True) == (16, 32, 256, 4, 4, False)
+    assert launch(16, 4096, 14336, k_group=128) == (16, 32, 128, 4, 8, False)
+    a100 = launch_config(64, 28672, 4096, 4096, target_properties(80), 108)
+    assert a100 == (64, 128, 128, 4, 3, False)                     # the gate/up sweep's winner
     for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):       # QKV, o_proj, down
-        assert gemm_split(16, n, launch(16, n, k)[1], 132) == 2
-        assert gemm_split(64, n, launch(64, n, k)[1], 132) == 1    # decode rows only
-    assert gemm_split(16, 14336, 32, 132, swiglu=True) == 1
-    assert gemm_split(16, 28672, 64, 132) == 1                     # 448 tiles: enough
-    assert gemm_split(16, 4096, 32, 0) == 1                        # the CPU
+        assert gemm_split(16, n, launch(16, n, k), 132) == 2
+    assert gemm_split(16, 14336, launch(16, 14336, 4096, True), 132, swiglu=True) == 1
+    assert gemm_split(16, 28672, launch(16, 28672, 4096), 132) == 1  # 448 tiles: enough
+    assert gemm_split(16, 4096, launch(16, 4096, 4096), 0) == 1      # the CPU
 
 
 def test_layout_keeps_checkpoint_blocks_where_every_part_starts_on_one():

@@ -3,7 +3,7 @@ weights it replaces (cuBLAS, and kvcap's skinny kernel where the model uses it) 
 of a model, at decode and prefill row counts, per scale layout and E4M3 decoder.
 
     python -m kvcap.bench.fp8_gemm [--config kvcap/bench/configs/llama-3.1-8b.json] \
-        [--rows 1 16 64 128 256 2048] [--splits 1 2] [--sweep] [--out FILE]
+        [--rows 1 16 64 128 256 2048] [--splits 1 2] [--sweep [all|swap]] [--out FILE]
 
 Checks the kernel against its torch twin first (relative error vs cuBLAS on the dequantized
 weight), then times every arm in CUDA graphs over enough weight copies to defeat L2 (median of
@@ -40,11 +40,19 @@ KINDS = {"qkv_proj": "qkv_proj", "o_proj": "o_proj", "gate_up_proj": "swiglu",
          "down_proj": "down_proj"}
 
 
-def sweep_configs(rows: int, grouped: bool) -> list[tuple[int, int, int, int, int]]:
+def sweep_configs(rows: int, grouped: bool, hopper: bool) -> list[fp8_gemm.Launch]:
+    """Launches to time at `rows`: the unswapped tiles, and on Hopper above 16 rows the
+    swapped ones (weight rows as the warpgroup MMA's M: 64 or 128 a program)."""
     bms = sorted({16 if rows <= 16 else 32 if rows <= 32 else 64, 64 if rows > 64 else 16})
     bks = (64, 128) if grouped else (64, 128, 256)
-    return [(bm, bn, bk, nw, ns) for bm, bn, bk, nw, ns in itertools.product(
+    out = [(bm, bn, bk, nw, ns, False) for bm, bn, bk, nw, ns in itertools.product(
         bms, (32, 64, 128), bks, (4, 8), (3, 4, 5)) if bm * bn <= 64 * 128]
+    if hopper and rows > 32:
+        # 64 weight rows in one warpgroup, or 64 / 128 in two (one spills at 128 x 128)
+        tokens = (64,) if rows <= 64 else (64, 128)
+        out += [(bm, bn, 128, nw, ns, True) for bm, (bn, nw), ns in itertools.product(
+            tokens, ((64, 4), (64, 8), (128, 8)), (3, 4))]
+    return out
 
 
 def _swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -57,7 +65,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def bench_linear(name: str, n: int, k: int, rows: list[int], ceiling: float, layout: str,
-                 modes: list[str], sweep: bool, splits: list[int]) -> list[dict]:
+                 modes: list[str], sweep: str | None, splits: list[int]) -> list[dict]:
     rb, kg = LAYOUTS[layout] or (1, k)
     w_bytes = n * k
     copies = max(2, -(-(400 << 20) // w_bytes))  # > 8x the H200's 50 MB L2
@@ -98,10 +106,12 @@ def bench_linear(name: str, n: int, k: int, rows: list[int], ceiling: float, lay
                     [functools.partial(deq_mm, w) for w in ws]), moved8, rel_err=err))
                 continue
             grouped = kg < k
-            configs = [None] + (sweep_configs(m, grouped) if sweep else [])
+            hopper = torch.cuda.get_device_capability() >= (9, 0)
+            configs = [None] + [c for c in (sweep_configs(m, grouped, hopper) if sweep else [])
+                                if sweep == "all" or c[5]]
             # gate/up also as the model's decode path: SiLU(gate) * up in the same kernel;
-            # K splits (not with SiLU) at decode rows, where programs are few
-            arms = [(False, sk) for sk in (splits if m <= 64 else [1])]
+            # K splits (not with SiLU)
+            arms = [(False, sk) for sk in splits]
             arms += [(True, 1)] if name == "gate_up_proj" else []
             for cfg, (swiglu, sk) in itertools.product(configs, arms):
                 ref = _swiglu_reference(want) if swiglu else want
@@ -120,7 +130,7 @@ def bench_linear(name: str, n: int, k: int, rows: list[int], ceiling: float, lay
                 n_out = n // 2 if swiglu else n
                 launch = cfg or fp8_gemm.gemm_config(m, n_out, kg, k, x.device, swiglu)
                 default = cfg is None and sk == fp8_gemm.gemm_split(
-                    m, n_out, launch[1], sm_count(x.device), swiglu)
+                    m, n_out, launch, sm_count(x.device), swiglu)
                 out.append(row(f"fp8-{'swiglu-' if swiglu else ''}{mode}", ms, moved8,
                                rel_err=err, default=default, split_k=sk, config=list(launch)))
     del ws, w16
@@ -136,9 +146,10 @@ def main(argv=None) -> int:
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--modes", nargs="+", default=["native", "software"],
                     choices=["native", "software"])
-    ap.add_argument("--sweep", action="store_true", help="also every launch configuration")
+    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "swap"],
+                    help="also every launch configuration (swap: only the swapped operands)")
     ap.add_argument("--splits", type=positive_int, nargs="+", default=[1, 2],
-                    help="K splits timed at <= 64 rows (not for the fused SwiGLU)")
+                    help="K splits timed (not for the fused SwiGLU)")
     ap.add_argument("--out", type=Path, default=Path("."),
                     help="a .json file, or a directory for fp8-gemm-DATE.json")
     args = ap.parse_args(argv)
@@ -152,7 +163,7 @@ def main(argv=None) -> int:
         atomic_write_text(out, json.dumps(report, indent=1))
     print(f"read ceiling {ceil:.2f} TB/s")
     print(f"{'linear':13} {'layout':8} {'m':>4} {'bf16 us':>8} {'fp8 arm':>24} {'us':>8} "
-          f"{'%ceil':>6} {'speedup':>7}  config (BM, BN, BK, warps, stages), K splits")
+          f"{'%ceil':>6} {'speedup':>7}  config (BM, BN, BK, warps, stages, swap), K splits")
     for name, layout, m in itertools.product(args.linears, args.layouts, args.rows):
         rows = [r for r in report["rows"]
                 if (r["linear"], r["layout"], r["m"]) == (name, layout, m)]

@@ -85,18 +85,73 @@ def _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, k0, k_end, stride_x
 
 
 @triton.jit
+def _scaled_dot_t(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, k0, k_end, stride_xm, stride_wn,
+                  stride_sn, scale_factor, ROW_BLOCK: tl.constexpr, K_GROUP: tl.constexpr,
+                  GROUPED_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SOFTWARE: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr):
+    """_scaled_dot with the operands swapped: (W * s) @ X^T, weight rows as the MMA's M and
+    the activation rows as its N, returned transposed ([BLOCK_M, BLOCK_N], as _scaled_dot). On
+    Hopper the decoded weight tile is then the warpgroup MMA's register operand -- no round
+    trip through shared memory -- and one program decodes each weight tile once for all its
+    BLOCK_M rows, where the unswapped tiles decode it once per 64 rows."""
+    rk = tl.arange(0, BLOCK_K)
+    xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :]
+    wp = w_ptr + rows[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :]
+    sp = s_ptr + (rows // ROW_BLOCK).to(tl.int64) * stride_sn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k in range(k0, k_end, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(xp, mask=mmask[:, None], other=0.0)
+            w = tl.load(wp, mask=nmask[:, None], other=0)
+        else:
+            kmask = (k + rk) < k_end
+            x = tl.load(xp, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(wp, mask=nmask[:, None] & kmask[None, :], other=0)
+        wt = convert_tile(w, True, SOFTWARE, DOT_DTYPE)
+        if GROUPED_K:
+            s = tl.load(sp + k // K_GROUP, mask=nmask, other=0.0)
+            acc += tl.dot(wt, tl.trans(x.to(DOT_DTYPE))) * s[:, None]
+        else:
+            acc += tl.dot(wt, tl.trans(x.to(DOT_DTYPE)))
+        xp += BLOCK_K
+        wp += BLOCK_K
+    if not GROUPED_K:
+        acc = acc * tl.load(sp, mask=nmask, other=0.0)[:, None]
+    return tl.trans(acc * scale_factor)
+
+
+@triton.jit
+def _tile_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, k0, k_end, stride_xm, stride_wn,
+              stride_sn, scale_factor, ROW_BLOCK: tl.constexpr, K_GROUP: tl.constexpr,
+              GROUPED_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SOFTWARE: tl.constexpr,
+              DOT_DTYPE: tl.constexpr, SWAP_AB: tl.constexpr):
+    if SWAP_AB:
+        acc = _scaled_dot_t(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, k0, k_end, stride_xm,
+                            stride_wn, stride_sn, scale_factor, ROW_BLOCK, K_GROUP, GROUPED_K,
+                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SOFTWARE, DOT_DTYPE)
+    else:
+        acc = _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, k0, k_end, stride_xm,
+                          stride_wn, stride_sn, scale_factor, ROW_BLOCK, K_GROUP, GROUPED_K,
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SOFTWARE, DOT_DTYPE)
+    return acc
+
+
+@triton.jit
 def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_split,
                      stride_xm, stride_wn, stride_sn, stride_ym, scale_factor,
                      ROW_BLOCK: tl.constexpr, K_GROUP: tl.constexpr, GROUPED_K: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                      SOFTWARE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                     SPLIT_K: tl.constexpr = 1, GDC: tl.constexpr = 0):
+                     SPLIT_K: tl.constexpr = 1, GDC: tl.constexpr = 0,
+                     SWAP_AB: tl.constexpr = False):
     """Y[:, rn] = X @ (W[rn] * S)^T (+ bias). SWIGLU: N is the intermediate size of a [gate; up]
     weight, and Y = SiLU(X @ gate^T) * (X @ up^T), rounded where the unfused path rounds
     (gate and up to the output dtype, SiLU rounded, the product rounded). SPLIT_K > 1: the
     grid's third axis splits K in ranges of k_split columns, reduced in the kernel as
-    skinny_gemm reduces them (never with SWIGLU)."""
+    skinny_gemm reduces them (never with SWIGLU). SWAP_AB: the K loop of _scaled_dot_t."""
     pdl_wait(GDC)  # x comes from the kernel before (common.pdl_launch)
     # M is the fast grid axis: the programs that share a weight tile run side by side, so
     # the tile is read from memory once and from L2 by the others.
@@ -112,16 +167,16 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K
     else:
         k0 = tl.program_id(2) * k_split
         k_end = tl.minimum(k0 + k_split, K)
-    acc = _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rn, nmask, k0, k_end, stride_xm,
-                      stride_wn, stride_sn, scale_factor, ROW_BLOCK, K_GROUP, GROUPED_K,
-                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SOFTWARE, DOT_DTYPE)
+    acc = _tile_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rn, nmask, k0, k_end, stride_xm,
+                    stride_wn, stride_sn, scale_factor, ROW_BLOCK, K_GROUP, GROUPED_K, BLOCK_M,
+                    BLOCK_N, BLOCK_K, EVEN_K, SOFTWARE, DOT_DTYPE, SWAP_AB)
     dtype = y_ptr.dtype.element_ty
     yp = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
     ymask = mmask[:, None] & nmask[None, :]
     if SWIGLU:
-        up = _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rn + N, nmask, k0, k_end, stride_xm,
-                         stride_wn, stride_sn, scale_factor, ROW_BLOCK, K_GROUP, GROUPED_K,
-                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SOFTWARE, DOT_DTYPE)
+        up = _tile_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rn + N, nmask, k0, k_end, stride_xm,
+                       stride_wn, stride_sn, scale_factor, ROW_BLOCK, K_GROUP, GROUPED_K,
+                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SOFTWARE, DOT_DTYPE, SWAP_AB)
         gate = acc.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
         acc = silu.to(tl.float32) * up.to(dtype).to(tl.float32)
@@ -167,32 +222,42 @@ def check_operands(w: torch.Tensor, scale: torch.Tensor, row_block: int, k_group
                          f"must be FP32 {want}; got {scale.dtype} {tuple(scale.shape)}")
 
 
+Launch = tuple[int, int, int, int, int, bool]
+
+
 def gemm_config(m: int, n: int, k_group: int, k: int, device: torch.device,
-                swiglu: bool = False) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the launch for this shape on
-    `device` (launch_config of its properties; the CPU interpreter takes small tiles). With
+                swiglu: bool = False) -> Launch:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, swap_ab) of the launch for this shape
+    on `device` (launch_config of its properties; the CPU interpreter takes small tiles). With
     `swiglu`, n is the intermediate size (each program reads 2 x BLOCK_N weight rows)."""
     if device.type != "cuda":
         bk = 32 if k_group >= k or k_group % 32 == 0 else 16
-        return 16, 16, bk, 1, 1
+        return 16, 16, bk, 1, 1, False
     return launch_config(m, n, k_group, k, device_properties(device), sm_count(device), swiglu)
 
 
-def gemm_split(m: int, n: int, block_n: int, sms: int, swiglu: bool = False) -> int:
-    """The default K split: 2 at decode rows (<= 16) where the output tiles do not give every
-    SM two programs (the 8B QKV, o_proj and down_proj: 128-192 tiles on 132 SMs), else 1.
-    H100, `python -m kvcap.bench.fp8_gemm` (fp8-gemm-2026-12-06-h100-8b.json), 1 and 16 rows,
-    us unsplit -> split in two: down_proj 26.0-26.9 -> 23.8-24.5 with per-row scales and
-    36.2-39.4 -> 28.0-30.5 with 128 x 128 blocks, QKV 12.2-13.7 -> 12.2-12.6 and 15.4-16.8 ->
-    13.5-14.4, o_proj 9.1-9.3 -> 8.9-9.5 and 11.4-12.3 -> 10.6-11.3; the gate/up GEMM (448
-    tiles) lost (43 -> 58). Never with the fused SwiGLU; `sms` 0 (the CPU): 1."""
-    if not sms or swiglu or m > 16:
+def gemm_split(m: int, n: int, launch: Launch, sms: int, swiglu: bool = False) -> int:
+    """The default K split of `launch` (gemm_config's). Decode rows (<= 16): 2 where the
+    output tiles do not give every SM two programs (the 8B QKV, o_proj and down_proj: 128-192
+    tiles on 132 SMs), else 1. H100, `python -m kvcap.bench.fp8_gemm`
+    (fp8-gemm-2026-12-06-h100-8b.json), 1 and 16 rows, us unsplit -> split in two: down_proj
+    26.0-26.9 -> 23.8-24.5 with per-row scales and 36.2-39.4 -> 28.0-30.5 with 128 x 128
+    blocks, QKV 12.2-13.7 -> 12.2-12.6 and 15.4-16.8 -> 13.5-14.4, o_proj 9.1-9.3 -> 8.9-9.5
+    and 11.4-12.3 -> 10.6-11.3; the gate/up GEMM (448 tiles) lost (43 -> 58). With the
+    operands swapped (more rows, one program per 64 weight rows): 2 where the programs do not
+    cover the SMs. Never with the fused SwiGLU; `sms` 0 (the CPU): 1."""
+    bm, bn, swap = launch[0], launch[1], launch[5]
+    if not sms or swiglu:
         return 1
-    return 2 if triton.cdiv(n, block_n) < 2 * sms else 1
+    if swap:
+        return 2 if triton.cdiv(m, bm) * triton.cdiv(n, bn) < sms else 1
+    if m > 16:
+        return 1
+    return 2 if triton.cdiv(n, bn) < 2 * sms else 1
 
 
 def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu: bool = False
-                  ) -> tuple[int, int, int, int, int]:
+                  ) -> Launch:
     """The launch on a GPU of `props` (compute capability, shared memory) with `sms` SMs.
     BLOCK_K divides the K group where the scales change along K. Decode rows (<= 32) stream
     the weight: 16-row tiles (the MMA minimum), 32 output columns unless 64 still give every
@@ -200,15 +265,14 @@ def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu:
     stages where the scales change every 128 columns -- so that each SM keeps ~32 KB of weight
     in flight; on the H100 (with gemm_split's K split) these run the 8B linears at 1-16 rows
     1.52-1.74x faster than BF16 weights with per-row scales, 1.27-1.66x with 128 x 128 blocks
-    (fp8-gemm-2026-12-06-h100-8b.json). At 33-64 rows the GEMM does 16x more math per byte:
-    128-byte K steps in 3 stages with 128 weight rows a step (128 columns, or 64 gate + 64 up
-    with SWIGLU) where that still gives every SM a program, the H100 sweep's winners on the 8B
-    gate/up (fp8-gemm-sweep-2026-12-06-h100-8b-64rows-gate-up.json: 58.1 / 66.5 us plain /
-    SwiGLU against 69.4 / 124.2 for the decode-style launch -- 8 stages of 32 columns fit one
-    program an SM -- and 83.5 for BF16 cuBLAS); narrower linears 4 stages (that sweep's best
-    for 32-column tiles). Without MMA (Volta, Turing: FMA dots) 32-wide K steps in two stages,
-    which compile without spills there. `python -m kvcap.bench.fp8_gemm --sweep` measures
-    the space."""
+    (fp8-gemm-2026-12-06-h100-8b.json). Above 32 rows on Hopper (SWAP_AB) the weight rows are
+    the warpgroup MMA's M, 64 a program, its decoded tile a register operand, and the
+    activation rows its N: up to 128 a program, so each weight tile is decoded once per 128
+    rows. Elsewhere at 33-64 rows 128-byte K steps in 3 stages with 128 weight rows a step
+    where that still gives every SM a program (the 2026-12-06 H100 gate/up sweep's winners),
+    else 32/64 columns in 4 stages. Without MMA (Volta, Turing: FMA dots) 32-wide K steps in
+    two stages, which compile without spills there. `python -m kvcap.bench.fp8_gemm --sweep`
+    measures the space."""
     bk = 256
     if k_group < k:
         while k_group % bk:
@@ -217,9 +281,15 @@ def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu:
     tiles = 2 if swiglu else 1  # weight tiles a program reads per K step
     cc = (props.major, props.minor)
     if cc < (8, 0):
-        return bm, 32, min(bk, 32), 4, 2
+        return bm, 32, min(bk, 32), 4, 2, False
     narrow = 64 if triton.cdiv(n, 64) >= 2 * sms else 32  # columns that still fill the SMs
-    if m > 64:
+    swap = cc >= (9, 0) and m > 32
+    warps = 4
+    if swap:
+        bm, bn, bk, stages = (64 if m <= 64 else 128), 64, min(bk, 128), 4
+        if bm == 128 and swiglu:
+            warps = 8  # two 64 x 128 accumulators spill in one warpgroup's registers
+    elif m > 64:
         bn, bk, stages = 64, min(bk, 128), 4
     elif bm == 64:
         bk = min(bk, 128)
@@ -233,7 +303,7 @@ def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu:
         cc, 100 << 10)
     per_stage = bm * bk * 2 + tiles * bn * bk
     stages = max(1, min(stages, (smem * 3 // 4) // per_stage))
-    return bm, bn, bk, 4, stages
+    return bm, bn, bk, warps, stages, swap
 
 
 def _as_bytes(w: torch.Tensor) -> torch.Tensor:
@@ -248,7 +318,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_block:
     """x [M, K] FP16/BF16 (M <= MAX_ROWS) @ (w * scale)^T (+ bias) -> [M, N] in x's dtype.
     `swiglu`: w is a [gate; up] weight [2I, K] and the result SiLU(x @ gate^T) * (x @ up^T)
     [M, I], in the same kernel. fp8_mode: "auto" (hardware conversion where the GPU has it),
-    "native" or "software". `config`: gemm_config's tuple instead of its choice (sweeps).
+    "native" or "software". `config`: a launch tuple (gemm_config's form) instead of its
+    choice (sweeps, tests).
     `split_k` > 1 splits K over that many programs per output tile, in whole BLOCK_K steps,
     reduced deterministically inside the kernel (not with `swiglu`); None: gemm_split's
     choice with the default launch, 1 with a given `config`."""
@@ -270,10 +341,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_block:
     grouped = k_group < k
     if grouped and k_group % 16:
         raise ValueError(f"K groups of {k_group} columns: fp8_linear needs a multiple of 16")
-    bm, bn, bk, nw, ns = config or gemm_config(m, n, k_group, k, x.device, swiglu)
+    launch = config or gemm_config(m, n, k_group, k, x.device, swiglu)
+    bm, bn, bk, nw, ns, swap = launch
     if split_k is None:
         sms = sm_count(x.device) if x.device.type == "cuda" else 0
-        split_k = 1 if config else gemm_split(m, n, bn, sms, swiglu)
+        split_k = 1 if config else gemm_split(m, n, launch, sms, swiglu)
     if grouped and k_group % bk:
         raise ValueError(f"BLOCK_K {bk} does not divide the K groups of {k_group} columns")
     if split_k < 1 or (split_k > 1 and swiglu):
@@ -294,7 +366,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_block:
         ROW_BLOCK=row_block, K_GROUP=k_group if grouped else k, GROUPED_K=grouped,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         EVEN_K=k % bk == 0, SOFTWARE=software, DOT_DTYPE=dot_dtype(x.dtype)[0],
-        SPLIT_K=split_k, GDC=pdl_mode(pdl, grid, x.device), num_warps=nw, num_stages=ns,
+        SPLIT_K=split_k, GDC=pdl_mode(pdl, grid, x.device), SWAP_AB=swap, num_warps=nw,
+        num_stages=ns,
         enable_fp_fusion=False, **pdl)
     return out
 
