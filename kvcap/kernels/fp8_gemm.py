@@ -265,14 +265,19 @@ def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu:
     stages where the scales change every 128 columns -- so that each SM keeps ~32 KB of weight
     in flight; on the H100 (with gemm_split's K split) these run the 8B linears at 1-16 rows
     1.52-1.74x faster than BF16 weights with per-row scales, 1.27-1.66x with 128 x 128 blocks
-    (fp8-gemm-2026-12-06-h100-8b.json). Above 32 rows on Hopper (SWAP_AB) the weight rows are
-    the warpgroup MMA's M, 64 a program, its decoded tile a register operand, and the
-    activation rows its N: up to 128 a program, so each weight tile is decoded once per 128
-    rows. Elsewhere at 33-64 rows 128-byte K steps in 3 stages with 128 weight rows a step
-    where that still gives every SM a program (the 2026-12-06 H100 gate/up sweep's winners),
-    else 32/64 columns in 4 stages. Without MMA (Volta, Turing: FMA dots) 32-wide K steps in
-    two stages, which compile without spills there. `python -m kvcap.bench.fp8_gemm --sweep`
-    measures the space."""
+    (fp8-gemm-2026-12-06-h100-8b.json). On Hopper above 64 rows, and at 33-64 rows where 128
+    weight rows a program would leave SMs idle (the 8B QKV, o_proj, down_proj), the operands
+    are swapped (SWAP_AB): 64 weight rows a program are the warpgroup MMA's M, their decoded
+    tile a register operand, and up to 128 activation rows its N, so a weight tile is decoded
+    once per 128 rows (3 stages above 64 rows; with SWIGLU 128 weight rows in two warpgroups,
+    which do not spill). H100 sweep, 8B linears (fp8-gemm-sweep-2026-12-06b-h100-8b-swap.json):
+    at 256 rows 44 / 29 / 173 / 94 us for QKV / o_proj / gate_up / down_proj against 68 / 35 /
+    259 / 121 unswapped (fp8-gemm-2026-12-06-h100-8b.json); QKV at 64 rows 22.0 against 32.4.
+    Elsewhere at 33-64 rows 128-byte K steps in 3 stages with 128 weight rows a step where that
+    fills the SMs (the 8B gate/up: 58.1 us, swapped 66.9), else 32/64 columns in 4 stages.
+    Without MMA (Volta, Turing: FMA dots) 32-wide K steps in two stages, which compile
+    without spills there. `python -m kvcap.bench.fp8_gemm --sweep [all|swap]` measures the
+    space."""
     bk = 256
     if k_group < k:
         while k_group % bk:
@@ -283,26 +288,29 @@ def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu:
     if cc < (8, 0):
         return bm, 32, min(bk, 32), 4, 2, False
     narrow = 64 if triton.cdiv(n, 64) >= 2 * sms else 32  # columns that still fill the SMs
-    swap = cc >= (9, 0) and m > 32
+    wide = triton.cdiv(n * tiles, 128) >= sms  # 128 weight rows a program still fill the SMs
+    swap = cc >= (9, 0) and (m > 64 or (m > 32 and not wide))
     warps = 4
     if swap:
-        bm, bn, bk, stages = (64 if m <= 64 else 128), 64, min(bk, 128), 4
+        bm, bn, bk, stages = (64, 64, min(bk, 128), 4) if m <= 64 else (128, 64, min(bk, 128), 3)
         if bm == 128 and swiglu:
-            warps = 8  # two 64 x 128 accumulators spill in one warpgroup's registers
+            # two 64 x 128 accumulators spill in one warpgroup's registers: two warpgroups
+            bn, warps = 128, 8
     elif m > 64:
         bn, bk, stages = 64, min(bk, 128), 4
     elif bm == 64:
         bk = min(bk, 128)
-        bn, stages = (128 // tiles, 3) if triton.cdiv(n * tiles, 128) >= sms else (narrow, 4)
+        bn, stages = (128 // tiles, 3) if wide else (narrow, 4)
     else:
         bn = narrow
         stages = max(2, min(8, (32 << 10) // (bn * bk)))
     # each stage holds an activation and the weight tiles in shared memory: stay within what
-    # one program may have on this GPU (~100 KB on consumer parts, 164-228 KB on A100 / H100)
+    # one program may have on this GPU (~100 KB on consumer parts, 164-228 KB on A100 / H100;
+    # the swapped Hopper launches were measured up to the whole SM's)
     smem = getattr(props, "shared_memory_per_multiprocessor", 0) or _SHARED_PER_SM.get(
         cc, 100 << 10)
     per_stage = bm * bk * 2 + tiles * bn * bk
-    stages = max(1, min(stages, (smem * 3 // 4) // per_stage))
+    stages = max(1, min(stages, (smem if swap else smem * 3 // 4) // per_stage))
     return bm, bn, bk, warps, stages, swap
 
 
