@@ -203,6 +203,22 @@ def test_launches_follow_the_h100_measurements():
     assert gemm_split(16, 4096, launch(16, 4096, 4096), 0) == 1      # the CPU
 
 
+def test_swiglu_is_fused_where_it_was_measured_faster(monkeypatch):
+    """The fused SiLU-and-multiply everywhere but Hopper above 64 rows with scales along K,
+    where the unfused GEMM measured faster (swiglu_pays)."""
+    from types import SimpleNamespace
+
+    from kvcap.kernels import fp8_gemm
+
+    gpu = torch.device("cuda", 0)
+    for cc, m, k_group, want in [((9, 0), 64, 128, True), ((9, 0), 65, 128, False),
+                                 ((9, 0), 256, 4096, True), ((8, 0), 256, 128, True)]:
+        monkeypatch.setattr(fp8_gemm, "device_properties",
+                            lambda d, cc=cc: SimpleNamespace(major=cc[0], minor=cc[1]))
+        assert fp8_gemm.swiglu_pays(m, k_group, 4096, gpu) is want, (cc, m, k_group)
+    assert fp8_gemm.swiglu_pays(256, 128, 4096, torch.device("cpu"))
+
+
 def test_layout_keeps_checkpoint_blocks_where_every_part_starts_on_one():
     from kvcap.models.fp8_linear import layout
     from kvcap.models.fp8_weights import FP8Weights

@@ -256,6 +256,18 @@ def gemm_split(m: int, n: int, launch: Launch, sms: int, swiglu: bool = False) -
     return 2 if triton.cdiv(n, bn) < 2 * sms else 1
 
 
+def swiglu_pays(m: int, k_group: int, k: int, device: torch.device) -> bool:
+    """Whether SiLU(gate) * up fused into the GEMM is the faster way to run m rows. Not on
+    Hopper above 64 rows with scales along K: there the fused kernel's swapped tiles must be
+    64 x 64 (larger ones spill) and measured 135 / 229 us at 128 / 256 rows of the 8B gate/up
+    (128 x 128 blocks, H100, fp8-gemm-2026-12-06b-h100-8b-block-swiglu.json) against 107 / 191
+    for the unfused GEMM, to which SiLU-and-multiply adds one small kernel."""
+    if device.type != "cuda" or m <= 64 or k_group >= k:
+        return True
+    props = device_properties(device)
+    return (props.major, props.minor) < (9, 0)
+
+
 def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu: bool = False
                   ) -> Launch:
     """The launch on a GPU of `props` (compute capability, shared memory) with `sms` SMs.
@@ -294,8 +306,9 @@ def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu:
     if swap:
         bm, bn, bk, stages = (64, 64, min(bk, 128), 4) if m <= 64 else (128, 64, min(bk, 128), 3)
         if bm == 128 and swiglu and k_group < k:
-            # scales along K: the 128-row two-warpgroup tile spills (and measured 157 us at
-            # 128 rows of the 8B gate/up against 107 unfused); 64 x 64 tiles do not spill
+            # scales along K: the 128-row two-warpgroup tile spills (157 us at 128 rows of the
+            # 8B gate/up); 64 x 64 tiles do not (135 us), though the model runs these rows
+            # unfused (swiglu_pays)
             bm, bn, warps = 64, 64, 4
         elif bm == 128 and swiglu:
             # two 64 x 128 accumulators spill in one warpgroup's registers: two warpgroups
