@@ -369,8 +369,23 @@ def test_fp8_weight_gemm_compiles_for_every_gpu(sm, rows, k_group):
                 "--k", "14336", "--k-group", str(k_group), "--cache",
                 "software" if software else "native", "--dtype", "bf16" if sm >= 80 else "fp16")
     assert (c["cvt.rn.f16x2.e4m3x2"] > 0) == (not software)
-    assert (c["prmt"] > 0) == software
+    # the packed decoder permutes bytes (so does the swapped launch's register operand layout)
+    assert c["prmt"] > 0 or not software
     assert (c["mma.sync"] + c["wgmma"] > 0) == (sm >= 80)
+    assert c["spill store bytes"] == 0
+
+
+@pytest.mark.parametrize("rows,n,k,k_group,swiglu", [
+    (64, 6144, 4096, 0, False), (128, 4096, 14336, 128, False), (256, 14336, 4096, 0, True),
+    (256, 14336, 4096, 128, True)])
+def test_fp8_weight_gemm_swapped_operands_on_hopper(rows, n, k, k_group, swiglu):
+    """Above 32 rows on sm_90 launch_config swaps the operands (where 128-row tiles would leave
+    SMs idle, and always above 64 rows): every warpgroup MMA takes the decoded weight tile
+    from registers -- no shared-memory round trip -- and the launch does not spill."""
+    c = _counts("--kernel", "fp8_gemm", "--sm", "90", "--rows", str(rows), "--n", str(n),
+                "--k", str(k), "--k-group", str(k_group), "--dtype", "bf16",
+                *(["--swiglu"] if swiglu else []))
+    assert c["wgmma"] > 0 and c["wgmma register A"] > 0 and c["mma.sync"] == 0
     assert c["spill store bytes"] == 0
 
 

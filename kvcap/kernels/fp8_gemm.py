@@ -237,32 +237,38 @@ def gemm_config(m: int, n: int, k_group: int, k: int, device: torch.device,
 
 
 def gemm_split(m: int, n: int, launch: Launch, sms: int, swiglu: bool = False) -> int:
-    """The default K split of `launch` (gemm_config's). Decode rows (<= 16): 2 where the
+    """The default K split of `launch` (gemm_config's). Up to 32 rows: 2 where the
     output tiles do not give every SM two programs (the 8B QKV, o_proj and down_proj: 128-192
     tiles on 132 SMs), else 1. H100, `python -m kvcap.bench.fp8_gemm`
     (fp8-gemm-2026-12-06-h100-8b.json), 1 and 16 rows, us unsplit -> split in two: down_proj
     26.0-26.9 -> 23.8-24.5 with per-row scales and 36.2-39.4 -> 28.0-30.5 with 128 x 128
     blocks, QKV 12.2-13.7 -> 12.2-12.6 and 15.4-16.8 -> 13.5-14.4, o_proj 9.1-9.3 -> 8.9-9.5
-    and 11.4-12.3 -> 10.6-11.3; the gate/up GEMM (448 tiles) lost (43 -> 58). With the
-    operands swapped (more rows, one program per 64 weight rows): 2 where the programs do not
-    cover the SMs. Never with the fused SwiGLU; `sms` 0 (the CPU): 1."""
+    and 11.4-12.3 -> 10.6-11.3; the gate/up GEMM (448 tiles) lost (43 -> 58). The same at 17-32
+    rows (fp8-gemm-2026-12-06b-h100-8b-mid.json, 32 rows, per-row / block scales): down_proj
+    36.8 -> 32.6 / 54.8 -> 38.8, o_proj 12.3 -> 12.2 / 17.3 -> 14.4, QKV 17.8 -> 16.1 / 22.8 ->
+    23.3. With the operands swapped (more rows, one program per 64 weight rows): 2 where the
+    programs do not cover the SMs (64 rows: down_proj 71.0 -> 56.1 / 90.6 -> 44.9). Never with
+    the fused SwiGLU; `sms` 0 (the CPU): 1."""
     bm, bn, swap = launch[0], launch[1], launch[5]
     if not sms or swiglu:
         return 1
     if swap:
         return 2 if triton.cdiv(m, bm) * triton.cdiv(n, bn) < sms else 1
-    if m > 16:
+    if m > 32:
         return 1
     return 2 if triton.cdiv(n, bn) < 2 * sms else 1
 
 
 def swiglu_pays(m: int, k_group: int, k: int, device: torch.device) -> bool:
-    """Whether SiLU(gate) * up fused into the GEMM is the faster way to run m rows. Not on
-    Hopper above 64 rows with scales along K: there the fused kernel's swapped tiles must be
-    64 x 64 (larger ones spill) and measured 135 / 229 us at 128 / 256 rows of the 8B gate/up
-    (128 x 128 blocks, H100, fp8-gemm-2026-12-06b-h100-8b-block-swiglu.json) against 107 / 191
-    for the unfused GEMM, to which SiLU-and-multiply adds one small kernel."""
-    if device.type != "cuda" or m <= 64 or k_group >= k:
+    """Whether SiLU(gate) * up fused into the GEMM is the faster way to run m rows. On Hopper
+    only at decode rows (<= 16): above them the unfused GEMM, whose tiles hold one weight
+    tile a step, plus the small SiLU-and-multiply kernel measured as fast or faster on the 8B
+    gate/up (H100, us unfused GEMM / fused; fp8-gemm-2026-12-06b-h100-8b-mid.json and
+    -block-swiglu.json): 32 rows 51.9 / 64.0 (per-row scales), 49.9 / 80.3 (128 x 128 blocks);
+    64 rows 56.3 / 66.7, 66.5 / 77.9; 128 rows 93.2 / 89.4, 106.5 / 134.8; 256 rows 170.8 /
+    182.3, 190.5 / 228.9. Elsewhere (unmeasured) fused, as before. `k_group`, `k`: the scale
+    layout, kept for rules that need it."""
+    if device.type != "cuda" or m <= 16:
         return True
     props = device_properties(device)
     return (props.major, props.minor) < (9, 0)
