@@ -16,7 +16,11 @@ ROW_BLOCK output rows x K_GROUP input columns (a whole row: per-tensor / per-cha
   2^8 is folded into the scale (exact: a power of two). With `swiglu` the MLP's [gate; up]
   weight runs as SiLU(gate) * up in the same kernel (each program walks its gate rows, then
   its up rows), rounding where the unfused path rounds: no [M, 2I] intermediate, no second
-  kernel, nothing to break a decode step's chain of dependent launches.
+  kernel, nothing to break a decode step's chain of dependent launches. On Hopper above 32
+  rows, where the GEMM turns compute-bound, the operands swap (SWAP_AB; launch_config says
+  where): weight rows become
+  the warpgroup MMA's M and the decoded tile its register operand, so no tile goes back
+  through shared memory and each is decoded once per 128 activation rows.
 - `dequantize_into`: W * S rounded to the activation dtype, into a caller's buffer, for the
   large-M GEMMs (prefill chunks) that cuBLAS runs on the 16-bit weight -- there the GEMM is
   compute-bound and the extra write/read of the weight costs little. The bytes equal
@@ -127,6 +131,7 @@ def _tile_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, k0, k_end, stride_xm,
               GROUPED_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SOFTWARE: tl.constexpr,
               DOT_DTYPE: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The [BLOCK_M, BLOCK_N] FP32 tile of x @ (w[rows] * s)^T by the launch's route."""
     if SWAP_AB:
         acc = _scaled_dot_t(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, k0, k_end, stride_xm,
                             stride_wn, stride_sn, scale_factor, ROW_BLOCK, K_GROUP, GROUPED_K,
@@ -259,15 +264,14 @@ def gemm_split(m: int, n: int, launch: Launch, sms: int, swiglu: bool = False) -
     return 2 if triton.cdiv(n, bn) < 2 * sms else 1
 
 
-def swiglu_pays(m: int, k_group: int, k: int, device: torch.device) -> bool:
+def swiglu_pays(m: int, device: torch.device) -> bool:
     """Whether SiLU(gate) * up fused into the GEMM is the faster way to run m rows. On Hopper
     only at decode rows (<= 16): above them the unfused GEMM, whose tiles hold one weight
     tile a step, plus the small SiLU-and-multiply kernel measured as fast or faster on the 8B
     gate/up (H100, us unfused GEMM / fused; fp8-gemm-2026-12-06b-h100-8b-mid.json and
     -block-swiglu.json): 32 rows 51.9 / 64.0 (per-row scales), 49.9 / 80.3 (128 x 128 blocks);
     64 rows 56.3 / 66.7, 66.5 / 77.9; 128 rows 93.2 / 89.4, 106.5 / 134.8; 256 rows 170.8 /
-    182.3, 190.5 / 228.9. Elsewhere (unmeasured) fused, as before. `k_group`, `k`: the scale
-    layout, kept for rules that need it."""
+    182.3, 190.5 / 228.9. Elsewhere (unmeasured) fused, as before."""
     if device.type != "cuda" or m <= 16:
         return True
     props = device_properties(device)

@@ -229,7 +229,7 @@ class FP8Linear(nn.Module):
             return None
         from kvcap.kernels import fp8_gemm
 
-        if not fp8_gemm.swiglu_pays(x.shape[0], self.k_group, self.in_features, x.device):
+        if not fp8_gemm.swiglu_pays(x.shape[0], x.device):
             return None
         return fp8_gemm.fp8_linear(x.contiguous(), self.weight, self.scale, self.row_block,
                                    self.k_group, swiglu=True)
