@@ -4,12 +4,12 @@
 #                                           8B shapes, kept vs dequantized models, graphs)
 #   bash scripts/gpu_fp8_weights.sh gemm    the tests, then kvcap.bench.fp8_gemm's default launches
 #                                           on the 8B linears at 1-2048 rows (~4 min)
-#   bash scripts/gpu_fp8_weights.sh sweep   launch configurations of QKV, o_proj and down_proj at
-#                                           32 and 64 rows, hardware decoder (the 64-row gate/up
-#                                           sweep of 2026-12-06 set those launches)
+#   bash scripts/gpu_fp8_weights.sh sweep   swapped-operand launches of the 8B linears at 64-256
+#                                           rows, K split 1 / 2, hardware decoder (the open
+#                                           question: why 128-256 rows stay compute-bound)
 #   bash scripts/gpu_fp8_weights.sh e2e     8B decode end to end, BF16 weights against FP8
 #                                           weights (per-row and 128 x 128 scales), E4M3 KV,
-#                                           1 / 16 / 64 x 1K, 16 x 16K (~8 min)
+#                                           1 / 16 / 64 / 128 / 256 x 1K, 1 / 16 x 16K (~5 min)
 # Results under $OUT (default /tmp/out).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -28,12 +28,12 @@ gemm)
   timeout $((570 - SECONDS)) python3 -m kvcap.bench.fp8_gemm --rows 1 16 64 128 256 2048 \
     --out "$OUT/fp8-gemm.json" 2>&1 | grep -vE "^[a-z_]+ m=" | tail -60 ;;
 sweep)
-  timeout 560 python3 -m kvcap.bench.fp8_gemm --rows 32 64 --modes native --sweep --splits 1 \
-    --linears qkv_proj o_proj down_proj --layouts row \
-    --out "$OUT/fp8-gemm-sweep.json" 2>&1 | grep -vE "^[a-z_]+ m=" | tail -24 ;;
+  timeout 560 python3 -m kvcap.bench.fp8_gemm --rows 64 128 256 --modes native --sweep swap \
+    --splits 1 2 --layouts row --out "$OUT/fp8-gemm-sweep.json" 2>&1 \
+    | grep -vE "^[a-z_]+ m=" | tail -24 ;;
 e2e)
   timeout 580 python3 -m kvcap.bench.throughput --shapes llama-3.1-8b llama-3.1-8b-fp8 \
-    llama-3.1-8b-fp8-block --concurrency 1 16 64 --context 1024 16384 --kv fp8 \
+    llama-3.1-8b-fp8-block --concurrency 1 16 64 128 256 --context 1024 16384 --kv fp8 \
     --dtype bfloat16 --out-tokens 128 --repeats 1 --out "$OUT/throughput-fp8-weights.json" \
     2>&1 | grep -vE "^\{" | tail -30 ;;
 *) echo "usage: $0 tests|gemm|sweep|e2e"; exit 2 ;;

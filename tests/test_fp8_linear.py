@@ -204,6 +204,25 @@ def test_launches_follow_the_h100_measurements():
     assert gemm_split(16, 4096, launch(16, 4096, 4096), 0) == 1      # the CPU
 
 
+def test_the_swap_sweep_covers_the_default_launches():
+    """`kvcap.bench.fp8_gemm --sweep swap` times launches the defaults can be judged against:
+    on Hopper above 32 rows every swapped default of the 8B linears is among them, their K
+    steps divide a 128-column scale block, and no swapped launch is offered elsewhere."""
+    from kvcap.bench.fp8_gemm import sweep_configs
+    from kvcap.kernels.common import target_properties
+    from kvcap.kernels.fp8_gemm import launch_config
+
+    h100 = target_properties(90)
+    for rows, (n, k, swiglu) in itertools.product(
+            (64, 128, 256), ((6144, 4096, False), (4096, 4096, False), (4096, 14336, False),
+                             (28672, 4096, False), (14336, 4096, True))):
+        configs = sweep_configs(rows, grouped=False, hopper=True)
+        default = launch_config(rows, n, k, k, h100, 132, swiglu)
+        assert all(len(c) == 6 and 128 % c[2] == 0 for c in configs if c[5])
+        assert not default[5] or default in configs, (rows, n, swiglu, default)
+    assert not any(c[5] for c in sweep_configs(32, False, True) + sweep_configs(256, False, False))
+
+
 def test_swiglu_is_fused_where_it_was_measured_faster(monkeypatch):
     """The fused SiLU-and-multiply at decode rows, and above them where it was not measured
     slower: not on Hopper above 16 rows (swiglu_pays)."""

@@ -48,10 +48,12 @@ def sweep_configs(rows: int, grouped: bool, hopper: bool) -> list[fp8_gemm.Launc
     out = [(bm, bn, bk, nw, ns, False) for bm, bn, bk, nw, ns in itertools.product(
         bms, (32, 64, 128), bks, (4, 8), (3, 4, 5)) if bm * bn <= 64 * 128]
     if hopper and rows > 32:
-        # 64 weight rows in one warpgroup, or 64 / 128 in two (one spills at 128 x 128)
-        tokens = (64,) if rows <= 64 else (64, 128)
-        out += [(bm, bn, 128, nw, ns, True) for bm, (bn, nw), ns in itertools.product(
-            tokens, ((64, 4), (64, 8), (128, 8)), (3, 4))]
+        # 64 weight rows in one warpgroup, or 64 / 128 in two (one spills at 128 x 128); 256
+        # activation rows a program in 64-wide K steps (128-wide ones spill)
+        tokens = (64,) if rows <= 64 else (64, 128) if rows <= 128 else (128, 256)
+        out += [(bm, bn, 64 if bm > 128 else 128, nw, ns, True)
+                for bm, (bn, nw), ns in itertools.product(
+                    tokens, ((64, 4), (64, 8), (128, 8)), (3, 4))]
     return out
 
 
