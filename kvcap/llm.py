@@ -30,7 +30,7 @@ from kvcap.errors import ConfigError, ScaleGateError
 from kvcap.kv_cache.pool import KVCachePool
 from kvcap.kv_cache.spec import KVCacheSpec
 from kvcap.models import loader
-from kvcap.models.fp8_linear import resolve_keep
+from kvcap.models.fp8_linear import large_batch_note, resolve_keep
 from kvcap.models.registry import load_model
 from kvcap.models.text_prompt import encode_prompt
 from kvcap.qsa import enable as qsa_wiring
@@ -179,6 +179,9 @@ class LLM:
         self.max_model_len = _max_model_len(self.spec, max_model_len)
         # an FP8 checkpoint's linear weights: kept FP8 (auto on CUDA sm_80+, keep) or dequantized
         self.keep_fp8 = resolve_keep(fp8_weights, self.spec, self.device, tensor_parallel_size)
+        note = large_batch_note(self.keep_fp8, fp8_weights, max_num_seqs)
+        if note is not None:
+            logger.info(note)
         if self.qsa is not None and self.spec.sliding_window is not None:
             # QSA's selection ranks every cached block; past a layer's window it would pick
             # blocks the model never attends to.

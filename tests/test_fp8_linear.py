@@ -223,6 +223,18 @@ def test_the_swap_sweep_covers_the_default_launches():
     assert not any(c[5] for c in sweep_configs(32, False, True) + sweep_configs(256, False, False))
 
 
+def test_auto_says_what_kept_weights_cost_large_batches():
+    """An engine that keeps FP8 weights by default and batches more than 64 sequences is told
+    the measured cost and the switch; explicit choices and smaller batches are not."""
+    from kvcap.models.fp8_linear import large_batch_note
+
+    note = large_batch_note(True, "auto", 256)
+    assert "max_num_seqs=256" in note and "fp8_weights='dequantize'" in note
+    assert large_batch_note(True, "auto", 64) is None
+    assert large_batch_note(True, "keep", 256) is None
+    assert large_batch_note(False, "auto", 256) is None
+
+
 def test_swiglu_is_fused_where_it_was_measured_faster(monkeypatch):
     """The fused SiLU-and-multiply at decode rows, and above them where it was not measured
     slower: not on Hopper above 16 rows (swiglu_pays)."""
