@@ -49,11 +49,15 @@ def sweep_configs(rows: int, grouped: bool, hopper: bool) -> list[fp8_gemm.Launc
         bms, (32, 64, 128), bks, (4, 8), (3, 4, 5)) if bm * bn <= 64 * 128]
     if hopper and rows > 32:
         # 64 weight rows in one warpgroup, or 64 / 128 in two (one spills at 128 x 128); 256
-        # activation rows a program in 64-wide K steps (128-wide ones spill)
+        # activation rows a program in 64-wide K steps (128-wide ones spill). 64-wide K steps
+        # also halve a stage: 128 x 64 x 64 in 3-4 stages fits 2-3 programs an SM, where the
+        # 128-wide default fits one (114,688 bytes, triton 3.6): the untested suspect for the
+        # 128-256-row gap is one warpgroup an SM alternating decodes and MMAs
         tokens = (64,) if rows <= 64 else (64, 128) if rows <= 128 else (128, 256)
-        out += [(bm, bn, 64 if bm > 128 else 128, nw, ns, True)
-                for bm, (bn, nw), ns in itertools.product(
-                    tokens, ((64, 4), (64, 8), (128, 8)), (3, 4))]
+        out += [(bm, bn, bk, nw, ns, True)
+                for bm, (bn, nw), bk, ns in itertools.product(
+                    tokens, ((64, 4), (64, 8), (128, 8)), (64, 128), (3, 4))
+                if bm < 256 or bk == 64]
     return out
 
 
