@@ -57,15 +57,23 @@ def _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, k0, k_end, stride_x
                 stride_sn, scale_factor, ROW_BLOCK: tl.constexpr, K_GROUP: tl.constexpr,
                 GROUPED_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SOFTWARE: tl.constexpr,
-                DOT_DTYPE: tl.constexpr):
-    """FP32 x[rm, k0:k_end] @ (w[rows, k0:k_end] * s)^T: the K loop over E4M3 weight rows
-    `rows`. Scales apply to this range's sum, so split-K partials add up to the whole product."""
+                DOT_DTYPE: tl.constexpr, SWAP_AB: tl.constexpr):
+    """FP32 x[rm, k0:k_end] @ (w[rows, k0:k_end] * s)^T, [BLOCK_M, BLOCK_N]: the K loop over
+    E4M3 weight rows `rows`. Scales apply to this range's sum, so split-K partials add up to the
+    whole product. SWAP_AB computes the transposed tile, (W * s) @ X^T, and returns it
+    transposed back: weight rows are then the MMA's M and activation rows its N, so on Hopper
+    the decoded weight tile is the warpgroup MMA's register operand -- no round trip through
+    shared memory -- and one program decodes each weight tile once for all its BLOCK_M rows,
+    where the unswapped tiles decode it once per 64 rows."""
     rk = tl.arange(0, BLOCK_K)
     xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :]
     wp = w_ptr + rows[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :]
     # each output column's scale row (its weight row's group of ROW_BLOCK rows)
     sp = s_ptr + (rows // ROW_BLOCK).to(tl.int64) * stride_sn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(k0, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(xp, mask=mmask[:, None], other=0.0)
@@ -78,69 +86,25 @@ def _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, k0, k_end, stride_x
         wt = convert_tile(w, True, SOFTWARE, DOT_DTYPE)
         if GROUPED_K:
             s = tl.load(sp + k // K_GROUP, mask=nmask, other=0.0)
-            acc += tl.dot(x, tl.trans(wt)) * s[None, :]
+            if SWAP_AB:
+                acc += tl.dot(wt, tl.trans(x)) * s[:, None]
+            else:
+                acc += tl.dot(x, tl.trans(wt)) * s[None, :]
+        elif SWAP_AB:
+            acc += tl.dot(wt, tl.trans(x))
         else:
             acc += tl.dot(x, tl.trans(wt))
         xp += BLOCK_K
         wp += BLOCK_K
-    if not GROUPED_K:
-        acc = acc * tl.load(sp, mask=nmask, other=0.0)[None, :]
-    return acc * scale_factor
-
-
-@triton.jit
-def _scaled_dot_t(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, k0, k_end, stride_xm, stride_wn,
-                  stride_sn, scale_factor, ROW_BLOCK: tl.constexpr, K_GROUP: tl.constexpr,
-                  GROUPED_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SOFTWARE: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr):
-    """_scaled_dot with the operands swapped: (W * s) @ X^T, weight rows as the MMA's M and
-    the activation rows as its N, returned transposed ([BLOCK_M, BLOCK_N], as _scaled_dot). On
-    Hopper the decoded weight tile is then the warpgroup MMA's register operand -- no round
-    trip through shared memory -- and one program decodes each weight tile once for all its
-    BLOCK_M rows, where the unswapped tiles decode it once per 64 rows."""
-    rk = tl.arange(0, BLOCK_K)
-    xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :]
-    wp = w_ptr + rows[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :]
-    sp = s_ptr + (rows // ROW_BLOCK).to(tl.int64) * stride_sn
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k in range(k0, k_end, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(xp, mask=mmask[:, None], other=0.0)
-            w = tl.load(wp, mask=nmask[:, None], other=0)
-        else:
-            kmask = (k + rk) < k_end
-            x = tl.load(xp, mask=mmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(wp, mask=nmask[:, None] & kmask[None, :], other=0)
-        wt = convert_tile(w, True, SOFTWARE, DOT_DTYPE)
-        if GROUPED_K:
-            s = tl.load(sp + k // K_GROUP, mask=nmask, other=0.0)
-            acc += tl.dot(wt, tl.trans(x.to(DOT_DTYPE))) * s[:, None]
-        else:
-            acc += tl.dot(wt, tl.trans(x.to(DOT_DTYPE)))
-        xp += BLOCK_K
-        wp += BLOCK_K
-    if not GROUPED_K:
-        acc = acc * tl.load(sp, mask=nmask, other=0.0)[:, None]
-    return tl.trans(acc * scale_factor)
-
-
-@triton.jit
-def _tile_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, k0, k_end, stride_xm, stride_wn,
-              stride_sn, scale_factor, ROW_BLOCK: tl.constexpr, K_GROUP: tl.constexpr,
-              GROUPED_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SOFTWARE: tl.constexpr,
-              DOT_DTYPE: tl.constexpr, SWAP_AB: tl.constexpr):
-    """The [BLOCK_M, BLOCK_N] FP32 tile of x @ (w[rows] * s)^T by the launch's route."""
     if SWAP_AB:
-        acc = _scaled_dot_t(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, k0, k_end, stride_xm,
-                            stride_wn, stride_sn, scale_factor, ROW_BLOCK, K_GROUP, GROUPED_K,
-                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SOFTWARE, DOT_DTYPE)
+        if not GROUPED_K:
+            acc = acc * tl.load(sp, mask=nmask, other=0.0)[:, None]
+        out = tl.trans(acc * scale_factor)
     else:
-        acc = _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, k0, k_end, stride_xm,
-                          stride_wn, stride_sn, scale_factor, ROW_BLOCK, K_GROUP, GROUPED_K,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SOFTWARE, DOT_DTYPE)
-    return acc
+        if not GROUPED_K:
+            acc = acc * tl.load(sp, mask=nmask, other=0.0)[None, :]
+        out = acc * scale_factor
+    return out
 
 
 @triton.jit
@@ -156,7 +120,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K
     weight, and Y = SiLU(X @ gate^T) * (X @ up^T), rounded where the unfused path rounds
     (gate and up to the output dtype, SiLU rounded, the product rounded). SPLIT_K > 1: the
     grid's third axis splits K in ranges of k_split columns, reduced in the kernel as
-    skinny_gemm reduces them (never with SWIGLU). SWAP_AB: the K loop of _scaled_dot_t."""
+    skinny_gemm reduces them (never with SWIGLU). SWAP_AB: _scaled_dot's transposed tile."""
     pdl_wait(GDC)  # x comes from the kernel before (common.pdl_launch)
     # M is the fast grid axis: the programs that share a weight tile run side by side, so
     # the tile is read from memory once and from L2 by the others.
@@ -172,16 +136,16 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K
     else:
         k0 = tl.program_id(2) * k_split
         k_end = tl.minimum(k0 + k_split, K)
-    acc = _tile_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rn, nmask, k0, k_end, stride_xm,
-                    stride_wn, stride_sn, scale_factor, ROW_BLOCK, K_GROUP, GROUPED_K, BLOCK_M,
-                    BLOCK_N, BLOCK_K, EVEN_K, SOFTWARE, DOT_DTYPE, SWAP_AB)
+    acc = _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rn, nmask, k0, k_end, stride_xm,
+                      stride_wn, stride_sn, scale_factor, ROW_BLOCK, K_GROUP, GROUPED_K,
+                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SOFTWARE, DOT_DTYPE, SWAP_AB)
     dtype = y_ptr.dtype.element_ty
     yp = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
     ymask = mmask[:, None] & nmask[None, :]
     if SWIGLU:
-        up = _tile_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rn + N, nmask, k0, k_end, stride_xm,
-                       stride_wn, stride_sn, scale_factor, ROW_BLOCK, K_GROUP, GROUPED_K,
-                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SOFTWARE, DOT_DTYPE, SWAP_AB)
+        up = _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rn + N, nmask, k0, k_end, stride_xm,
+                         stride_wn, stride_sn, scale_factor, ROW_BLOCK, K_GROUP, GROUPED_K,
+                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SOFTWARE, DOT_DTYPE, SWAP_AB)
         gate = acc.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
         acc = silu.to(tl.float32) * up.to(dtype).to(tl.float32)
