@@ -41,8 +41,9 @@ KINDS = {"qkv_proj": "qkv_proj", "o_proj": "o_proj", "gate_up_proj": "swiglu",
 
 
 def sweep_configs(rows: int, grouped: bool, hopper: bool) -> list[fp8_gemm.Launch]:
-    """Launches to time at `rows`: the unswapped tiles, and on Hopper above 16 rows the
-    swapped ones (weight rows as the warpgroup MMA's M: 64 or 128 a program)."""
+    """Launches to time at `rows`: the unswapped tiles, and on Hopper above 32 rows (where
+    launch_config may swap) the swapped ones (weight rows as the warpgroup MMA's M: 64 or 128
+    a program)."""
     bms = sorted({16 if rows <= 16 else 32 if rows <= 32 else 64, 64 if rows > 64 else 16})
     bks = (64, 128) if grouped else (64, 128, 256)
     out = [(bm, bn, bk, nw, ns, False) for bm, bn, bk, nw, ns in itertools.product(
@@ -83,6 +84,7 @@ def bench_linear(name: str, n: int, k: int, rows: list[int], ceiling: float, lay
     w16 = [dense.to(torch.bfloat16)] + [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
                                        for _ in range(max(2, copies // 2) - 1)]
     scratch = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
+    hopper = torch.cuda.get_device_capability() >= (9, 0)  # where sweeps offer swapped launches
     out = []
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -112,7 +114,6 @@ def bench_linear(name: str, n: int, k: int, rows: list[int], ceiling: float, lay
                     [functools.partial(deq_mm, w) for w in ws]), moved8, rel_err=err))
                 continue
             grouped = kg < k
-            hopper = torch.cuda.get_device_capability() >= (9, 0)
             configs = [None] + [c for c in (sweep_configs(m, grouped, hopper) if sweep else [])
                                 if sweep == "all" or c[5]]
             # gate/up also as the model's decode path: SiLU(gate) * up in the same kernel;
