@@ -131,6 +131,8 @@ def test_kernels_refuse_what_they_cannot_do():
     w8, s8 = _weights(32, 64, 1, 8, 0)
     with pytest.raises(ValueError, match="multiple of 16"):
         fp8_linear(x, w8, s8, 1, 8)
+    with pytest.raises(ValueError, match=r"config must be .*swap_ab"):
+        fp8_linear(x, w, s, 1, 64, config=(16, 16, 32, 1, 1))  # the pre-swap 5-tuple
 
 
 @kernels

@@ -340,6 +340,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_block:
     grouped = k_group < k
     if grouped and k_group % 16:
         raise ValueError(f"K groups of {k_group} columns: fp8_linear needs a multiple of 16")
+    if config is not None and len(config) != 6:
+        raise ValueError(f"config must be (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, "
+                         f"swap_ab), gemm_config's form; got {config!r}")
     launch = config or gemm_config(m, n, k_group, k, x.device, swiglu)
     bm, bn, bk, nw, ns, swap = launch
     if split_k is None:
