@@ -173,7 +173,7 @@ def test_swapped_operands_match_the_twin(m, n, k, row_block, k_group, block, dty
 def test_launches_follow_the_h100_measurements():
     """launch_config and gemm_split on an H100 (sm_90, 132 SMs) for the 8B linears give the
     launches measured best on 2026-12-06 (fp8-gemm-2026-12-06-h100-8b.json, the 64-row
-    gate/up sweep, the swapped-operand sweep): decode rows as before, K split in two where the
+    gate/up sweep, the swapped-operand sweeps): decode rows as before, K split in two where the
     tiles leave SMs without a second program, the unswapped 64-row winners where 128 weight
     rows a program fill the SMs, swapped operands elsewhere above 32 rows, and a SwiGLU stage
     counting both weight tiles."""
@@ -192,15 +192,21 @@ def test_launches_follow_the_h100_measurements():
     assert a100 == (64, 128, 128, 4, 3, False)                     # the gate/up sweep's winner
     assert launch(64, 28672, 4096) == (64, 128, 128, 4, 3, False)  # gate/up fills the SMs
     assert launch(64, 14336, 4096, swiglu=True) == (64, 64, 128, 4, 3, False)
-    assert launch(64, 6144, 4096) == (64, 64, 128, 4, 4, True)     # swapped where it does not
-    assert launch(256, 6144, 4096) == (128, 64, 128, 4, 3, True)   # the swap sweep's 256 rows
+    assert launch(64, 6144, 4096) == (64, 128, 128, 8, 3, True)    # swapped where it does not
+    # swapped: 128 weight rows a program, the widest activation tile that keeps 2/3 of the SMs
+    assert launch(256, 6144, 4096) == (256, 128, 64, 8, 4, True)   # 48 tiles, split in two
+    assert launch(256, 28672, 4096) == (256, 128, 64, 8, 4, True)  # gate/up: 224 tiles
+    assert launch(256, 4096, 14336) == (128, 128, 128, 8, 3, True)  # down: 256 rows a tile: 64
+    assert launch(128, 4096, 14336) == (64, 128, 128, 8, 3, True)
+    assert launch(256, 6144, 4096, k_group=128) == (128, 128, 128, 8, 3, True)  # scaled steps
     assert launch(256, 14336, 4096, swiglu=True) == (128, 128, 128, 8, 3, True)
     assert launch(32, 6144, 4096)[5] is False                      # decode rows stream
     for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):       # QKV, o_proj, down
         assert gemm_split(16, n, launch(16, n, k), 132) == 2
         assert gemm_split(32, n, launch(32, n, k), 132) == 2
         assert gemm_split(64, n, launch(64, n, k), 132) == 2       # 64-96 swapped programs
-    assert gemm_split(256, 6144, launch(256, 6144, 4096), 132) == 1  # 192 programs
+    assert gemm_split(256, 6144, launch(256, 6144, 4096), 132) == 2    # 48 tiles
+    assert gemm_split(256, 28672, launch(256, 28672, 4096), 132) == 1  # 224 tiles
     assert gemm_split(16, 14336, launch(16, 14336, 4096, True), 132, swiglu=True) == 1
     assert gemm_split(16, 28672, launch(16, 28672, 4096), 132) == 1  # 448 tiles: enough
     assert gemm_split(16, 4096, launch(16, 4096, 4096), 0) == 1      # the CPU

@@ -376,7 +376,8 @@ def test_fp8_weight_gemm_compiles_for_every_gpu(sm, rows, k_group):
 
 
 @pytest.mark.parametrize("rows,n,k,k_group,swiglu", [
-    (64, 6144, 4096, 0, False), (128, 4096, 14336, 128, False), (256, 14336, 4096, 0, True),
+    (64, 6144, 4096, 0, False), (128, 4096, 14336, 128, False), (256, 28672, 4096, 0, False),
+    (256, 6144, 4096, 128, False), (256, 14336, 4096, 0, True),
     (256, 14336, 4096, 128, True)])
 def test_fp8_weight_gemm_swapped_operands_on_hopper(rows, n, k, k_group, swiglu):
     """Above 32 rows on sm_90 launch_config swaps the operands (where 128-row tiles would leave
