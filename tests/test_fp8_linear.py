@@ -198,7 +198,9 @@ def test_launches_follow_the_h100_measurements():
     assert launch(256, 28672, 4096) == (256, 128, 64, 8, 4, True)  # gate/up: 224 tiles
     assert launch(256, 4096, 14336) == (128, 128, 128, 8, 3, True)  # down: 256 rows a tile: 64
     assert launch(128, 4096, 14336) == (64, 128, 128, 8, 3, True)
-    assert launch(256, 6144, 4096, k_group=128) == (128, 128, 128, 8, 3, True)  # scaled steps
+    # scales along K: one warpgroup a program, 64 weight rows (measured faster there)
+    assert launch(256, 6144, 4096, k_group=128) == (128, 64, 128, 4, 3, True)
+    assert launch(64, 4096, 14336, k_group=128) == (64, 64, 128, 4, 4, True)
     assert launch(256, 14336, 4096, swiglu=True) == (128, 128, 128, 8, 3, True)
     assert launch(32, 6144, 4096)[5] is False                      # decode rows stream
     for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):       # QKV, o_proj, down

@@ -242,26 +242,24 @@ def swiglu_pays(m: int, device: torch.device) -> bool:
     return (props.major, props.minor) < (9, 0)
 
 
-def _swapped_tile(m: int, n: int, bk: int, scales_along_k: bool, sms: int
-                  ) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of a swapped launch without SwiGLU: 128 weight
-    rows a program in two warpgroups (64 each, the MMA's M), and the widest activation tile --
-    at most the rows, 256 (128 where scales change along K: the per-step scaled partial doubles
-    the accumulator registers) -- whose programs, split in two along K where gemm_split says,
-    still occupy two thirds of the SMs: each weight tile is decoded once per BLOCK_M rows, and
-    fewer, fatter programs won wherever they filled the GPU. H100 sweep, 8B linears, 64 / 128 /
-    256 rows (fp8-gemm-sweep-2026-12-06e-h100-8b-swap.json), us at this rule against the 64 x
-    64 / 128 x 64 tiles before it: QKV 20.9 / 28.9 / 41.2 against 23.8 / 30.4 / 46.4, o_proj
-    19.5 / 20.8 / 28.9 against 19.9 / 25.6 / 30.7, gate/up - / 92.3 / 144.4 against - / 93.9 /
-    170.8, down_proj 55.0 / 56.9 / 72.9 against 57.0 / 71.5 / 90.2. 256-row tiles take 64-wide
-    K steps (128-wide ones spill) in 4 stages, the others 128-wide in 3."""
-    widest = 128 if scales_along_k else 256
+def _swapped_tile(m: int, n: int, sms: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of a swapped launch with one scale a weight row
+    and no SwiGLU: 128 weight rows a program in two warpgroups (64 each, the MMA's M), and the
+    widest activation tile -- at most the rows, 256 -- whose programs, split in two along K
+    where gemm_split says, still occupy two thirds of the SMs: each weight tile is decoded
+    once per BLOCK_M rows, and fewer, fatter programs won wherever they filled the GPU. H100
+    sweep, 8B linears, 64 / 128 / 256 rows (fp8-gemm-sweep-2026-12-06e-h100-8b-swap.json), us
+    at this rule against the 64 x 64 / 128 x 64 tiles before it: QKV 20.9 / 28.9 / 41.2
+    against 23.8 / 30.4 / 46.4, o_proj 19.5 / 20.8 / 28.9 against 19.9 / 25.6 / 30.7, gate/up
+    - / 92.3 / 144.4 against - / 93.9 / 170.8, down_proj 55.0 / 56.9 / 72.9 against 57.0 /
+    71.5 / 90.2. 256-row tiles take 64-wide K steps (128-wide ones spill) in 4 stages, the
+    others 128-wide in 3."""
     bm = 64
-    while bm < min(m, widest):
+    while bm < min(m, 256):
         bm *= 2
     while bm > 64 and 3 * 2 * triton.cdiv(m, bm) * triton.cdiv(n, 128) < 2 * sms:
         bm //= 2
-    return (bm, 128, 64, 8, 4) if bm == 256 else (bm, 128, min(bk, 128), 8, 3)
+    return (bm, 128, 64, 8, 4) if bm == 256 else (bm, 128, 128, 8, 3)
 
 
 def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu: bool = False
@@ -277,10 +275,11 @@ def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu:
     weight rows a program would leave SMs idle (the 8B QKV, o_proj, down_proj), the operands
     are swapped (SWAP_AB): weight rows are the warpgroup MMA's M, their decoded tile a
     register operand, and the activation rows its N, so a weight tile is decoded once per
-    BLOCK_M rows (_swapped_tile; with SWIGLU 64 or 128 weight rows and up to 128 activation
-    rows). H100 sweeps, 8B linears (fp8-gemm-sweep-2026-12-06b-h100-8b-swap.json, -06e-):
-    at 256 rows 41 / 29 / 144 / 73 us for QKV / o_proj / gate_up / down_proj against 68 / 35 /
-    259 / 121 unswapped (fp8-gemm-2026-12-06-h100-8b.json); QKV at 64 rows 20.9 against 32.4.
+    BLOCK_M rows (_swapped_tile with per-row scales; 64 weight rows and up to 128 activation
+    rows with SWIGLU or scales along K). H100 sweeps, 8B linears, per-row scales
+    (fp8-gemm-sweep-2026-12-06b-h100-8b-swap.json, -06e-): at 256 rows 41 / 29 / 144 / 73 us
+    for QKV / o_proj / gate_up / down_proj against 68 / 35 / 259 / 121 unswapped
+    (fp8-gemm-2026-12-06-h100-8b.json); QKV at 64 rows 20.9 against 32.4.
     Elsewhere at 33-64 rows 128-byte K steps in 3 stages with 128 weight rows a step where that
     fills the SMs (the 8B gate/up: 58.1 us, swapped 66.9), else 32/64 columns in 4 stages.
     Without MMA (Volta, Turing: FMA dots) 32-wide K steps in two stages, which compile
@@ -299,16 +298,19 @@ def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu:
     wide = triton.cdiv(n * tiles, 128) >= sms  # 128 weight rows a program still fill the SMs
     swap = cc >= (9, 0) and (m > 64 or (m > 32 and not wide))
     warps = 4
-    if swap and not swiglu:
-        bm, bn, bk, warps, stages = _swapped_tile(m, n, bk, k_group < k, sms)
+    if swap and not swiglu and k_group >= k:
+        bm, bn, bk, warps, stages = _swapped_tile(m, n, sms)
     elif swap:
+        # one warpgroup a program, 64 weight rows: where the scales change along K each step's
+        # partial is scaled before it is added, and two or three such programs an SM beat
+        # _swapped_tile's (H100, fp8-gemm-2026-12-06e-h100-8b-defaults.json and -sweep-block)
         bm, bn, bk, stages = (64, 64, min(bk, 128), 4) if m <= 64 else (128, 64, min(bk, 128), 3)
-        if bm == 128 and k_group < k:
+        if bm == 128 and swiglu and k_group < k:
             # scales along K: the 128-row two-warpgroup tile spills (157 us at 128 rows of the
             # 8B gate/up); 64 x 64 tiles do not (135 us), though the model runs these rows
             # unfused (swiglu_pays)
             bm, bn, warps = 64, 64, 4
-        elif bm == 128:
+        elif bm == 128 and swiglu:
             # two 64 x 128 accumulators spill in one warpgroup's registers: two warpgroups
             bn, warps = 128, 8
     elif m > 64:
