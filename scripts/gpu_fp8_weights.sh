@@ -5,8 +5,9 @@
 #   bash scripts/gpu_fp8_weights.sh gemm    the tests, then kvcap.bench.fp8_gemm's default launches
 #                                           on the 8B linears at 1-2048 rows (~4 min)
 #   bash scripts/gpu_fp8_weights.sh sweep   swapped-operand launches of the 8B linears at 64-256
-#                                           rows, K split 1 / 2, hardware decoder (the open
-#                                           question: why 128-256 rows stay compute-bound)
+#                                           rows, K split 1 / 2, hardware decoder, per-row
+#                                           scales (what launch_config's _swapped_tile follows;
+#                                           add --layouts block128 for the block-scaled tiles)
 #   bash scripts/gpu_fp8_weights.sh e2e     8B decode end to end, BF16 weights against FP8
 #                                           weights (per-row and 128 x 128 scales), E4M3 KV,
 #                                           1 / 16 / 64 / 128 / 256 x 1K, 1 / 16 x 16K (~5 min)
