@@ -6,8 +6,8 @@
 #                                           on the 8B linears at 1-2048 rows (~4 min)
 #   bash scripts/gpu_fp8_weights.sh sweep   swapped-operand launches of the 8B linears at 64-256
 #                                           rows, K split 1 / 2, hardware decoder, per-row
-#                                           scales (what launch_config's _swapped_tile follows;
-#                                           add --layouts block128 for the block-scaled tiles)
+#                                           scales (what launch_config's _swapped_tile follows)
+#   bash scripts/gpu_fp8_weights.sh sweep-block  the same with 128 x 128 block scales (~3 min)
 #   bash scripts/gpu_fp8_weights.sh e2e     8B decode end to end, BF16 weights against FP8
 #                                           weights (per-row and 128 x 128 scales), E4M3 KV,
 #                                           1 / 16 / 64 / 128 / 256 x 1K, 1 / 16 x 16K (~5 min)
@@ -32,10 +32,14 @@ sweep)
   timeout 560 python3 -m kvcap.bench.fp8_gemm --rows 64 128 256 --modes native --sweep swap \
     --splits 1 2 --layouts row --out "$OUT/fp8-gemm-sweep.json" 2>&1 \
     | grep -vE "^[a-z_]+ m=" | tail -24 ;;
+sweep-block)
+  timeout 560 python3 -m kvcap.bench.fp8_gemm --rows 64 128 256 --modes native --sweep swap \
+    --splits 1 2 --layouts block128 --out "$OUT/fp8-gemm-sweep-block.json" 2>&1 \
+    | grep -vE "^[a-z_]+ m=" | tail -24 ;;
 e2e)
   timeout 580 python3 -m kvcap.bench.throughput --shapes llama-3.1-8b llama-3.1-8b-fp8 \
     llama-3.1-8b-fp8-block --concurrency 1 16 64 128 256 --context 1024 16384 --kv fp8 \
     --dtype bfloat16 --out-tokens 128 --repeats 1 --out "$OUT/throughput-fp8-weights.json" \
     2>&1 | grep -vE "^\{" | tail -30 ;;
-*) echo "usage: $0 tests|gemm|sweep|e2e"; exit 2 ;;
+*) echo "usage: $0 tests|gemm|sweep|sweep-block|e2e"; exit 2 ;;
 esac
