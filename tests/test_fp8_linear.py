@@ -196,7 +196,7 @@ def test_launches_follow_the_h100_measurements():
     # swapped: 128 weight rows a program, the widest activation tile that keeps 2/3 of the SMs
     assert launch(256, 6144, 4096) == (256, 128, 64, 8, 4, True)   # 48 tiles, split in two
     assert launch(256, 28672, 4096) == (256, 128, 64, 8, 4, True)  # gate/up: 224 tiles
-    assert launch(256, 4096, 14336) == (128, 128, 128, 8, 3, True)  # down: 256 rows a tile: 64
+    assert launch(256, 4096, 14336) == (128, 128, 128, 8, 3, True)  # 256-row tiles: 64 programs
     assert launch(128, 4096, 14336) == (64, 128, 128, 8, 3, True)
     # scales along K: one warpgroup a program, 64 weight rows (measured faster there)
     assert launch(256, 6144, 4096, k_group=128) == (128, 64, 128, 4, 3, True)

@@ -18,9 +18,9 @@ ROW_BLOCK output rows x K_GROUP input columns (a whole row: per-tensor / per-cha
   its up rows), rounding where the unfused path rounds: no [M, 2I] intermediate, no second
   kernel, nothing to break a decode step's chain of dependent launches. On Hopper above 32
   rows, where the GEMM turns compute-bound, the operands swap (SWAP_AB; launch_config says
-  where): weight rows become
-  the warpgroup MMA's M and the decoded tile its register operand, so no tile goes back
-  through shared memory and each is decoded once per 128 activation rows.
+  where): weight rows become the warpgroup MMA's M and the decoded tile its register operand,
+  so no tile goes back through shared memory and each is decoded once per BLOCK_M (up to 256)
+  activation rows.
 - `dequantize_into`: W * S rounded to the activation dtype, into a caller's buffer, for the
   large-M GEMMs (prefill chunks) that cuBLAS runs on the 16-bit weight -- there the GEMM is
   compute-bound and the extra write/read of the weight costs little. The bytes equal
@@ -222,10 +222,16 @@ def gemm_split(m: int, n: int, launch: Launch, sms: int, swiglu: bool = False) -
     if not sms or swiglu:
         return 1
     if swap:
-        return 2 if triton.cdiv(m, bm) * triton.cdiv(n, bn) < sms else 1
+        return _swapped_split(triton.cdiv(m, bm) * triton.cdiv(n, bn), sms)
     if m > 32:
         return 1
     return 2 if triton.cdiv(n, bn) < 2 * sms else 1
+
+
+def _swapped_split(tiles: int, sms: int) -> int:
+    """gemm_split of a swapped launch with `tiles` output tiles: 2 where they do not cover the
+    SMs."""
+    return 2 if tiles < sms else 1
 
 
 def swiglu_pays(m: int, device: torch.device) -> bool:
@@ -254,10 +260,14 @@ def _swapped_tile(m: int, n: int, sms: int) -> tuple[int, int, int, int, int]:
     - / 92.3 / 144.4 against - / 93.9 / 170.8, down_proj 55.0 / 56.9 / 72.9 against 57.0 /
     71.5 / 90.2. 256-row tiles take 64-wide K steps (128-wide ones spill) in 4 stages, the
     others 128-wide in 3."""
+    def programs(bm: int) -> int:
+        tiles = triton.cdiv(m, bm) * triton.cdiv(n, 128)
+        return tiles * _swapped_split(tiles, sms)
+
     bm = 64
     while bm < min(m, 256):
         bm *= 2
-    while bm > 64 and 3 * 2 * triton.cdiv(m, bm) * triton.cdiv(n, 128) < 2 * sms:
+    while bm > 64 and 3 * programs(bm) < 2 * sms:
         bm //= 2
     return (bm, 128, 64, 8, 4) if bm == 256 else (bm, 128, 128, 8, 3)
 
