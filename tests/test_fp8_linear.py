@@ -170,6 +170,29 @@ def test_swapped_operands_match_the_twin(m, n, k, row_block, k_group, block, dty
                                    atol=2 * tol * ref.abs().max().item())
 
 
+@kernels
+@pytest.mark.parametrize("mode", ["native", "software"])
+def test_swapped_block_scales_use_the_dequantized_weights(mode):
+    """With scales along K the swapped route scales each decoded tile and rounds it to the
+    activation dtype before its MMA: the product of dequantize_into's weights (prefill's),
+    rounded to FP16, up to FP32 summation order (a last-bit difference in a few outputs) --
+    where the product of the unrounded weights differs in ~40% of them."""
+    from kvcap.kernels.fp8_gemm import dequantize_into, fp8_linear
+
+    m, n, k, row_block, k_group = 24, 48, 128, 16, 32
+    w, s = _weights(n, k, row_block, k_group, 11)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5)).to(DEV, torch.float16)
+    got = fp8_linear(x, w, s, row_block, k_group, fp8_mode=mode,
+                     config=(16, 16, 32, 4, 2, True))
+    w16 = dequantize_into(w, s, row_block, k_group,
+                          torch.empty(n, k, dtype=torch.float16, device=DEV), fp8_mode=mode)
+    rounded = (x.float() @ w16.float().t()).half()
+    exact = (x.float() @ dequantize_reference(w, s, row_block, k_group).t()).half()
+    torch.testing.assert_close(got, rounded, rtol=2**-10, atol=0)
+    assert (got == rounded).float().mean() > 0.98
+    assert (got == exact).float().mean() < 0.8
+
+
 def test_launches_follow_the_h100_measurements():
     """launch_config and gemm_split on an H100 (sm_90, 132 SMs) for the 8B linears give the
     launches measured best on 2026-12-06 (fp8-gemm-2026-12-06-h100-8b.json, the 64-row

@@ -12,11 +12,14 @@ ROW_BLOCK output rows x K_GROUP input columns (a whole row: per-tensor / per-cha
   software decoder (kernels.common.convert_tile) below -- and multiplies on tensor cores with
   FP32 accumulation. The scale multiplies the FP32 dot, not the weight: once in the epilogue
   when a row has one scale, once per K step when the scales change along K (BLOCK_K divides
-  K_GROUP, so a step sits in one group). The software decoder yields value * 2^-8 exactly; the
-  2^8 is folded into the scale (exact: a power of two). With `swiglu` the MLP's [gate; up]
-  weight runs as SiLU(gate) * up in the same kernel (each program walks its gate rows, then
-  its up rows), rounding where the unfused path rounds: no [M, 2I] intermediate, no second
-  kernel, nothing to break a decode step's chain of dependent launches. On Hopper above 32
+  K_GROUP, so a step sits in one group) -- except on the swapped route below with scales
+  along K, where each step's decoded tile is multiplied by its scales and rounded to the
+  activation dtype, the weights dequantize_into gives prefill. The software decoder yields
+  value * 2^-8 exactly; the 2^8 is folded into the scale (exact: a power of two). With
+  `swiglu` the MLP's [gate; up] weight runs as SiLU(gate) * up in the same kernel (each
+  program walks its gate rows, then its up rows), rounding where the unfused path rounds: no
+  [M, 2I] intermediate, no second kernel, nothing to break a decode step's chain of dependent
+  launches. On Hopper above 32
   rows, where the GEMM turns compute-bound, the operands swap (SWAP_AB; launch_config says
   where): weight rows become the warpgroup MMA's M and the decoded tile its register operand,
   so no tile goes back through shared memory and each is decoded once per BLOCK_M (up to 256)
@@ -64,7 +67,8 @@ def _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, k0, k_end, stride_x
     transposed back: weight rows are then the MMA's M and activation rows its N, so on Hopper
     the decoded weight tile is the warpgroup MMA's register operand -- no round trip through
     shared memory -- and one program decodes each weight tile once for all its BLOCK_M rows,
-    where the unswapped tiles decode it once per 64 rows."""
+    where the unswapped tiles decode it once per 64 rows. With scales along K (GROUPED_K) the
+    swapped tile takes them before its MMA, rounded as dequantize_into rounds them."""
     rk = tl.arange(0, BLOCK_K)
     xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :]
     wp = w_ptr + rows[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :]
@@ -83,22 +87,30 @@ def _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, k0, k_end, stride_x
             x = tl.load(xp, mask=mmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(wp, mask=nmask[:, None] & kmask[None, :], other=0)
         x = x.to(DOT_DTYPE)
-        wt = convert_tile(w, True, SOFTWARE, DOT_DTYPE)
-        if GROUPED_K:
+        if GROUPED_K and SWAP_AB:
+            # the step's scales on the decoded register tile, rounded once to the dot dtype:
+            # the bytes dequantize_into gives (prefill's weights). Each step then accumulates
+            # in the MMA as with one scale a row, instead of a scaled partial a step that
+            # makes every warpgroup MMA wait for the one before
+            s = tl.load(sp + k // K_GROUP, mask=nmask, other=0.0) * scale_factor
+            v = convert_tile(w, True, SOFTWARE, tl.float32)
+            acc += tl.dot((v * s[:, None]).to(DOT_DTYPE), tl.trans(x))
+        elif GROUPED_K:
+            wt = convert_tile(w, True, SOFTWARE, DOT_DTYPE)
             s = tl.load(sp + k // K_GROUP, mask=nmask, other=0.0)
-            if SWAP_AB:
-                acc += tl.dot(wt, tl.trans(x)) * s[:, None]
-            else:
-                acc += tl.dot(x, tl.trans(wt)) * s[None, :]
+            acc += tl.dot(x, tl.trans(wt)) * s[None, :]
         elif SWAP_AB:
+            wt = convert_tile(w, True, SOFTWARE, DOT_DTYPE)
             acc += tl.dot(wt, tl.trans(x))
         else:
+            wt = convert_tile(w, True, SOFTWARE, DOT_DTYPE)
             acc += tl.dot(x, tl.trans(wt))
         xp += BLOCK_K
         wp += BLOCK_K
-    if SWAP_AB:
-        if not GROUPED_K:
-            acc = acc * tl.load(sp, mask=nmask, other=0.0)[:, None]
+    if SWAP_AB and GROUPED_K:
+        out = tl.trans(acc)  # scales and scale_factor are in the tiles
+    elif SWAP_AB:
+        acc = acc * tl.load(sp, mask=nmask, other=0.0)[:, None]
         out = tl.trans(acc * scale_factor)
     else:
         if not GROUPED_K:
