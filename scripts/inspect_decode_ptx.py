@@ -94,23 +94,23 @@ def inspect_fp8_gemm(args) -> int:
     from kvcap.kernels import fp8_gemm
 
     k_group = args.k_group or args.k
-    bm, bn, bk, nw, ns, swap = fp8_gemm.launch_config(args.rows, args.n, k_group, args.k,
-                                                      target_properties(args.sm), 132,
-                                                      args.swiglu)
+    bm, bn, bk, nw, ns, swap, tile_scales = fp8_gemm.launch_config(
+        args.rows, args.n, k_group, args.k, target_properties(args.sm), 132, args.swiglu)
     if args.gemm_tile:  # a sweep's launch instead of the default
-        (bm, bn, bk, nw, ns), swap = args.gemm_tile, args.swap_ab
+        (bm, bn, bk, nw, ns), swap, tile_scales = args.gemm_tile, args.swap_ab, args.tile_scales
     grouped = k_group < args.k
     consts = dict(ROW_BLOCK=128 if grouped else 1, K_GROUP=k_group, GROUPED_K=grouped,
                   HAS_BIAS=False, SWIGLU=args.swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                   EVEN_K=args.k % bk == 0, SOFTWARE=args.cache == "software",
                   DOT_DTYPE=tl.bfloat16 if args.dtype == "bf16" else tl.float16,
-                  SPLIT_K=args.split_k, GDC=args.gdc, SWAP_AB=swap)
+                  SPLIT_K=args.split_k, GDC=args.gdc, SWAP_AB=swap, TILE_SCALES=tile_scales)
     k = compile_kernel(fp8_gemm._fp8_gemm_kernel, consts, True, args.sm, nw, ns, None,
                        args.dtype, fp_fusion=False)
     print(f"triton {triton.__version__}, sm_{args.sm}, fp8_gemm, {args.rows} rows of "
           f"{args.n} x {args.k}, K groups {k_group}, decoder {args.cache}, {args.dtype}, "
           f"BLOCK {bm} x {bn} x {bk}, {nw} warps, {ns} stages, K split {args.split_k}"
-          f"{', operands swapped' if swap else ''}")
+          f"{', operands swapped' if swap else ''}"
+          f"{', scales on the decoded tiles' if tile_scales else ''}")
     ptx = k.asm["ptx"]
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
@@ -283,6 +283,9 @@ def main() -> int:
     ap.add_argument("--split-k", type=int, default=1, help="fp8_gemm: SPLIT_K (grid axis 2)")
     ap.add_argument("--swap-ab", action="store_true",
                     help="fp8_gemm with --gemm-tile: weight rows as the MMA's M (SWAP_AB)")
+    ap.add_argument("--tile-scales", action="store_true",
+                    help="fp8_gemm with --gemm-tile --swap-ab and --k-group: scales along K on "
+                         "the decoded tiles (TILE_SCALES)")
     ap.add_argument("--gemm-tile", type=int, nargs=5, metavar=("BM", "BN", "BK", "WARPS", "STAGES"),
                     help="fp8_gemm: this launch instead of launch_config's")
     ap.add_argument("--gdc", type=int, choices=[0, 1, 2], default=0,

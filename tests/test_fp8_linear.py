@@ -82,7 +82,7 @@ def test_split_k_is_exact_deterministic_and_reusable(m, n, k, row_block, k_group
     want = x.float() @ dequantize_reference(w, s, row_block, k_group).t() + bias.float()
     # 16 x 16 tiles, 16- or 32-wide K steps: several K steps to split on the GPU as on the CPU
     bk = 32 if k_group % 32 == 0 else 16
-    cfg = (16, 16, bk, *gemm_config(m, n, k_group, k, x.device)[3:5], swap)
+    cfg = (16, 16, bk, *gemm_config(m, n, k_group, k, x.device)[3:5], swap, False)
     first = fp8_linear(x, w, s, row_block, k_group, bias, split_k=split, config=cfg)
     torch.testing.assert_close(first.float(), want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
     unsplit = fp8_linear(x, w, s, row_block, k_group, bias, config=cfg)
@@ -131,8 +131,13 @@ def test_kernels_refuse_what_they_cannot_do():
     w8, s8 = _weights(32, 64, 1, 8, 0)
     with pytest.raises(ValueError, match="multiple of 16"):
         fp8_linear(x, w8, s8, 1, 8)
-    with pytest.raises(ValueError, match=r"config must be .*swap_ab"):
-        fp8_linear(x, w, s, 1, 64, config=(16, 16, 32, 1, 1))  # the pre-swap 5-tuple
+    with pytest.raises(ValueError, match=r"config must be .*swap_ab, tile_scales"):
+        fp8_linear(x, w, s, 1, 64, config=(16, 16, 32, 1, 1, True))  # before tile_scales
+    with pytest.raises(ValueError, match="tile_scales=True .* needs swap_ab=True and scales"):
+        fp8_linear(x, w, s, 1, 64, config=(16, 16, 32, 1, 1, True, True))  # one scale a row
+    wk, sk = _weights(32, 64, 1, 32, 0)
+    with pytest.raises(ValueError, match="tile_scales=True .* needs swap_ab=True"):
+        fp8_linear(x, wk, sk, 1, 32, config=(16, 16, 32, 1, 1, False, True))
 
 
 @kernels
@@ -154,12 +159,12 @@ def test_swapped_operands_match_the_twin(m, n, k, row_block, k_group, block, dty
     bias = torch.randn(n).to(DEV, dtype)
     dense = dequantize_reference(w, s, row_block, k_group)
     want = x.float() @ dense.t() + bias.float()
-    cfg = (*block, 4, 2, True)
+    cfg = (*block, 4, 2, True, False)
     got = fp8_linear(x, w, s, row_block, k_group, bias, fp8_mode=mode, config=cfg)
     tol = 8e-3 if dtype == torch.bfloat16 else 1e-3
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
     plain = fp8_linear(x, w, s, row_block, k_group, bias, fp8_mode=mode,
-                       config=(*block, 4, 2, False))
+                       config=(*block, 4, 2, False, False))
     torch.testing.assert_close(got, plain, rtol=tol, atol=tol * want.abs().max().item())
     if n % (2 * row_block) == 0:  # [gate; up] halves on scale-block boundaries
         fused = fp8_linear(x, w, s, row_block, k_group, fp8_mode=mode, config=cfg, swiglu=True)
@@ -173,17 +178,20 @@ def test_swapped_operands_match_the_twin(m, n, k, row_block, k_group, block, dty
 @kernels
 @pytest.mark.parametrize("mode", ["native", "software"])
 def test_swapped_block_scales_use_the_dequantized_weights(mode):
-    """With scales along K the swapped route scales each decoded tile and rounds it to the
-    activation dtype before its MMA: the product of dequantize_into's weights (prefill's),
-    rounded to FP16, up to FP32 summation order (a last-bit difference in a few outputs) --
-    where the product of the unrounded weights differs in ~40% of them."""
+    """With scales along K and tile_scales the swapped route scales each decoded tile and rounds
+    it to the activation dtype before its MMA: the product of dequantize_into's weights
+    (prefill's), rounded to FP16, up to FP32 summation order (a last-bit difference in a few
+    outputs) -- where the product of the unrounded weights differs in ~40% of them, and
+    where the launch that scales each step's partial lands."""
     from kvcap.kernels.fp8_gemm import dequantize_into, fp8_linear
 
     m, n, k, row_block, k_group = 24, 48, 128, 16, 32
     w, s = _weights(n, k, row_block, k_group, 11)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(5)).to(DEV, torch.float16)
     got = fp8_linear(x, w, s, row_block, k_group, fp8_mode=mode,
-                     config=(16, 16, 32, 4, 2, True))
+                     config=(16, 16, 32, 4, 2, True, True))
+    partials = fp8_linear(x, w, s, row_block, k_group, fp8_mode=mode,
+                          config=(16, 16, 32, 4, 2, True, False))
     w16 = dequantize_into(w, s, row_block, k_group,
                           torch.empty(n, k, dtype=torch.float16, device=DEV), fp8_mode=mode)
     rounded = (x.float() @ w16.float().t()).half()
@@ -191,6 +199,8 @@ def test_swapped_block_scales_use_the_dequantized_weights(mode):
     torch.testing.assert_close(got, rounded, rtol=2**-10, atol=0)
     assert (got == rounded).float().mean() > 0.98
     assert (got == exact).float().mean() < 0.8
+    torch.testing.assert_close(partials, exact, rtol=2**-10, atol=0)
+    assert (partials == exact).float().mean() > 0.98
 
 
 def test_launches_follow_the_h100_measurements():
@@ -198,8 +208,9 @@ def test_launches_follow_the_h100_measurements():
     launches measured best on 2026-12-06 (fp8-gemm-2026-12-06-h100-8b.json, the 64-row
     gate/up sweep, the swapped-operand sweeps): decode rows as before, K split in two where the
     tiles leave SMs without a second program, the unswapped 64-row winners where 128 weight
-    rows a program fill the SMs, swapped operands elsewhere above 32 rows, and a SwiGLU stage
-    counting both weight tiles."""
+    rows a program fill the SMs, swapped operands elsewhere above 32 rows, scales along K on
+    the decoded tiles where the swapped tiles fill the SMs, and a SwiGLU stage counting both
+    weight tiles."""
     from kvcap.kernels.common import target_properties
     from kvcap.kernels.fp8_gemm import gemm_split, launch_config
 
@@ -208,23 +219,33 @@ def test_launches_follow_the_h100_measurements():
     def launch(m, n, k, swiglu=False, k_group=None):
         return launch_config(m, n, k_group or k, k, h100, 132, swiglu)
 
-    assert launch(16, 4096, 14336) == (16, 32, 256, 4, 4, False)   # down_proj
-    assert launch(16, 14336, 4096, swiglu=True) == (16, 32, 256, 4, 4, False)
-    assert launch(16, 4096, 14336, k_group=128) == (16, 32, 128, 4, 8, False)
+    assert launch(16, 4096, 14336) == (16, 32, 256, 4, 4, False, False)   # down_proj
+    assert launch(16, 14336, 4096, swiglu=True) == (16, 32, 256, 4, 4, False, False)
+    assert launch(16, 4096, 14336, k_group=128) == (16, 32, 128, 4, 8, False, False)
     a100 = launch_config(64, 28672, 4096, 4096, target_properties(80), 108)
-    assert a100 == (64, 128, 128, 4, 3, False)                     # the gate/up sweep's winner
-    assert launch(64, 28672, 4096) == (64, 128, 128, 4, 3, False)  # gate/up fills the SMs
-    assert launch(64, 14336, 4096, swiglu=True) == (64, 64, 128, 4, 3, False)
-    assert launch(64, 6144, 4096) == (64, 128, 128, 8, 3, True)    # swapped where it does not
+    assert a100 == (64, 128, 128, 4, 3, False, False)  # the gate/up sweep's winner
+    assert launch(64, 28672, 4096) == (64, 128, 128, 4, 3, False, False)  # gate/up fills the SMs
+    assert launch(64, 14336, 4096, swiglu=True) == (64, 64, 128, 4, 3, False, False)
+    assert launch(64, 6144, 4096) == (64, 128, 128, 8, 3, True, False)  # swapped where it does not
     # swapped: 128 weight rows a program, the widest activation tile that keeps 2/3 of the SMs
-    assert launch(256, 6144, 4096) == (256, 128, 64, 8, 4, True)   # 48 tiles, split in two
-    assert launch(256, 28672, 4096) == (256, 128, 64, 8, 4, True)  # gate/up: 224 tiles
-    assert launch(256, 4096, 14336) == (128, 128, 128, 8, 3, True)  # 256-row tiles: 64 programs
-    assert launch(128, 4096, 14336) == (64, 128, 128, 8, 3, True)
-    # scales along K: one warpgroup a program, 64 weight rows (measured faster there)
-    assert launch(256, 6144, 4096, k_group=128) == (128, 64, 128, 4, 3, True)
-    assert launch(64, 4096, 14336, k_group=128) == (64, 64, 128, 4, 4, True)
-    assert launch(256, 14336, 4096, swiglu=True) == (128, 128, 128, 8, 3, True)
+    assert launch(256, 6144, 4096) == (256, 128, 64, 8, 4, True, False)   # 48 tiles, split in two
+    assert launch(256, 28672, 4096) == (256, 128, 64, 8, 4, True, False)  # gate/up: 224 tiles
+    # 256-row tiles: 64 programs
+    assert launch(256, 4096, 14336) == (128, 128, 128, 8, 3, True, False)
+    assert launch(128, 4096, 14336) == (64, 128, 128, 8, 3, True, False)
+    # scales along K: one warpgroup a program, 64 weight rows, each step's partial scaled,
+    # where those tiles need a K split to fill the SMs (measured faster there) ...
+    assert launch(64, 4096, 14336, k_group=128) == (64, 64, 128, 4, 4, True, False)
+    assert launch(128, 6144, 4096, k_group=128) == (128, 64, 128, 4, 3, True, False)  # 96 tiles
+    assert launch(256, 4096, 4096, k_group=128) == (128, 64, 128, 4, 3, True, False)  # 128 tiles
+    assert launch(256, 4096, 14336, k_group=128) == (128, 64, 128, 4, 3, True, False)
+    # ... and scaled decoded tiles where they fill it: 128 weight rows where those do too
+    assert launch(256, 6144, 4096, k_group=128) == (256, 64, 64, 4, 3, True, True)  # 192 tiles
+    assert launch(128, 28672, 4096, k_group=128) == (128, 128, 64, 8, 4, True, True)
+    assert launch(256, 28672, 4096, k_group=128) == (256, 128, 64, 8, 4, True, True)
+    assert launch(64, 28672, 4096, k_group=128)[5:] == (False, False)  # unswapped at 64 rows
+    assert launch(256, 14336, 4096, swiglu=True, k_group=128)[6] is False  # SwiGLU: partials
+    assert launch(256, 14336, 4096, swiglu=True) == (128, 128, 128, 8, 3, True, False)
     assert launch(32, 6144, 4096)[5] is False                      # decode rows stream
     for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):       # QKV, o_proj, down
         assert gemm_split(16, n, launch(16, n, k), 132) == 2
@@ -232,6 +253,8 @@ def test_launches_follow_the_h100_measurements():
         assert gemm_split(64, n, launch(64, n, k), 132) == 2       # 64-96 swapped programs
     assert gemm_split(256, 6144, launch(256, 6144, 4096), 132) == 2    # 48 tiles
     assert gemm_split(256, 28672, launch(256, 28672, 4096), 132) == 1  # 224 tiles
+    assert gemm_split(256, 6144, launch(256, 6144, 4096, k_group=128), 132) == 2  # 96 tiles
+    assert gemm_split(256, 28672, launch(256, 28672, 4096, k_group=128), 132) == 1
     assert gemm_split(16, 14336, launch(16, 14336, 4096, True), 132, swiglu=True) == 1
     assert gemm_split(16, 28672, launch(16, 28672, 4096), 132) == 1  # 448 tiles: enough
     assert gemm_split(16, 4096, launch(16, 4096, 4096), 0) == 1      # the CPU
@@ -239,8 +262,10 @@ def test_launches_follow_the_h100_measurements():
 
 def test_the_swap_sweep_covers_the_default_launches():
     """`kvcap.bench.fp8_gemm --sweep swap` times launches the defaults can be judged against:
-    on Hopper above 32 rows every swapped default of the 8B linears is among them, their K
-    steps divide a 128-column scale block, and no swapped launch is offered elsewhere."""
+    on Hopper above 32 rows every swapped default of the 8B linears is among them (with one
+    scale a row and with 128 x 128 blocks), their K steps divide a 128-column scale block, the
+    block sweep times each swapped launch both ways (partials scaled, tiles scaled), and no
+    swapped launch is offered elsewhere."""
     from kvcap.bench.fp8_gemm import sweep_configs
     from kvcap.kernels.common import target_properties
     from kvcap.kernels.fp8_gemm import launch_config
@@ -251,8 +276,13 @@ def test_the_swap_sweep_covers_the_default_launches():
                              (28672, 4096, False), (14336, 4096, True))):
         configs = sweep_configs(rows, grouped=False, hopper=True)
         default = launch_config(rows, n, k, k, h100, 132, swiglu)
-        assert all(len(c) == 6 and 128 % c[2] == 0 for c in configs if c[5])
+        assert all(len(c) == 7 and 128 % c[2] == 0 for c in configs if c[5])
         assert not default[5] or default in configs, (rows, n, swiglu, default)
+        assert not any(c[6] for c in configs)  # tile scales only with scales along K
+        blocks = sweep_configs(rows, grouped=True, hopper=True)
+        block_default = launch_config(rows, n, 128, k, h100, 132, swiglu)
+        assert not block_default[5] or block_default in blocks, (rows, n, swiglu, block_default)
+        assert {c[:6] for c in blocks if c[6]} == {c[:6] for c in blocks if c[5] and not c[6]}
     assert not any(c[5] for c in sweep_configs(32, False, True) + sweep_configs(256, False, False))
 
 

@@ -43,10 +43,11 @@ KINDS = {"qkv_proj": "qkv_proj", "o_proj": "o_proj", "gate_up_proj": "swiglu",
 def sweep_configs(rows: int, grouped: bool, hopper: bool) -> list[fp8_gemm.Launch]:
     """Launches to time at `rows`: the unswapped tiles, and on Hopper above 32 rows (where
     launch_config may swap) the swapped ones (weight rows as the warpgroup MMA's M: 64 or 128
-    a program)."""
+    a program); with scales along K (`grouped`) each swapped launch both ways: partials
+    scaled a K step, and tiles scaled before their MMA (tile_scales)."""
     bms = sorted({16 if rows <= 16 else 32 if rows <= 32 else 64, 64 if rows > 64 else 16})
     bks = (64, 128) if grouped else (64, 128, 256)
-    out = [(bm, bn, bk, nw, ns, False) for bm, bn, bk, nw, ns in itertools.product(
+    out = [(bm, bn, bk, nw, ns, False, False) for bm, bn, bk, nw, ns in itertools.product(
         bms, (32, 64, 128), bks, (4, 8), (3, 4, 5)) if bm * bn <= 64 * 128]
     if hopper and rows > 32:
         # 64 weight rows in one warpgroup, or 64 / 128 in two (one spills at 128 x 128); 256
@@ -54,10 +55,13 @@ def sweep_configs(rows: int, grouped: bool, hopper: bool) -> list[fp8_gemm.Launc
         # also halve a stage: 128 x 64 x 64 in 3-4 stages fits 2-3 programs an SM, where the
         # 128-wide default fits one (114,688 bytes, triton 3.6): the untested suspect for the
         # 128-256-row gap is one warpgroup an SM alternating decodes and MMAs
-        tokens = (64,) if rows <= 64 else (64, 128) if rows <= 128 else (128, 256)
-        out += [(bm, bn, bk, nw, ns, True)
-                for bm, (bn, nw), bk, ns in itertools.product(
-                    tokens, ((64, 4), (64, 8), (128, 8)), (64, 128), (3, 4))
+        # (64 activation rows at 256 rows too with scales along K: the SwiGLU default there)
+        tokens = ((64,) if rows <= 64 else (64, 128) if rows <= 128
+                  else (64, 128, 256) if grouped else (128, 256))
+        out += [(bm, bn, bk, nw, ns, True, scaled)
+                for scaled, bm, (bn, nw), bk, ns in itertools.product(
+                    (False, True) if grouped else (False,), tokens,
+                    ((64, 4), (64, 8), (128, 8)), (64, 128), (3, 4))
                 if bm < 256 or bk == 64]
     return out
 
@@ -170,7 +174,8 @@ def main(argv=None) -> int:
         atomic_write_text(out, json.dumps(report, indent=1))
     print(f"read ceiling {ceil:.2f} TB/s")
     print(f"{'linear':13} {'layout':8} {'m':>4} {'bf16 us':>8} {'fp8 arm':>24} {'us':>8} "
-          f"{'%ceil':>6} {'speedup':>7}  config (BM, BN, BK, warps, stages, swap), K splits")
+          f"{'%ceil':>6} {'speedup':>7}  config (BM, BN, BK, warps, stages, swap, tile scales), "
+          "K splits")
     for name, layout, m in itertools.product(args.linears, args.layouts, args.rows):
         rows = [r for r in report["rows"]
                 if (r["linear"], r["layout"], r["m"]) == (name, layout, m)]

@@ -12,9 +12,10 @@ ROW_BLOCK output rows x K_GROUP input columns (a whole row: per-tensor / per-cha
   software decoder (kernels.common.convert_tile) below -- and multiplies on tensor cores with
   FP32 accumulation. The scale multiplies the FP32 dot, not the weight: once in the epilogue
   when a row has one scale, once per K step when the scales change along K (BLOCK_K divides
-  K_GROUP, so a step sits in one group) -- except on the swapped route below with scales
-  along K, where each step's decoded tile is multiplied by its scales and rounded to the
-  activation dtype, the weights dequantize_into gives prefill. The software decoder yields
+  K_GROUP, so a step sits in one group) -- or, on the swapped route below with scales along
+  K where launch_config says (TILE_SCALES), on each step's decoded tile before its MMA,
+  rounded to the activation dtype: the weights dequantize_into gives prefill. The software
+  decoder yields
   value * 2^-8 exactly; the 2^8 is folded into the scale (exact: a power of two). With
   `swiglu` the MLP's [gate; up] weight runs as SiLU(gate) * up in the same kernel (each
   program walks its gate rows, then its up rows), rounding where the unfused path rounds: no
@@ -60,15 +61,16 @@ def _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, k0, k_end, stride_x
                 stride_sn, scale_factor, ROW_BLOCK: tl.constexpr, K_GROUP: tl.constexpr,
                 GROUPED_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SOFTWARE: tl.constexpr,
-                DOT_DTYPE: tl.constexpr, SWAP_AB: tl.constexpr):
+                DOT_DTYPE: tl.constexpr, SWAP_AB: tl.constexpr, TILE_SCALES: tl.constexpr):
     """FP32 x[rm, k0:k_end] @ (w[rows, k0:k_end] * s)^T, [BLOCK_M, BLOCK_N]: the K loop over
     E4M3 weight rows `rows`. Scales apply to this range's sum, so split-K partials add up to the
     whole product. SWAP_AB computes the transposed tile, (W * s) @ X^T, and returns it
     transposed back: weight rows are then the MMA's M and activation rows its N, so on Hopper
     the decoded weight tile is the warpgroup MMA's register operand -- no round trip through
     shared memory -- and one program decodes each weight tile once for all its BLOCK_M rows,
-    where the unswapped tiles decode it once per 64 rows. With scales along K (GROUPED_K) the
-    swapped tile takes them before its MMA, rounded as dequantize_into rounds them."""
+    where the unswapped tiles decode it once per 64 rows. With scales along K (GROUPED_K)
+    each step's partial is scaled before it is added, or with TILE_SCALES (swapped only) the
+    decoded tile takes them before its MMA, rounded as dequantize_into rounds them."""
     rk = tl.arange(0, BLOCK_K)
     xp = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :]
     wp = w_ptr + rows[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :]
@@ -87,7 +89,7 @@ def _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, k0, k_end, stride_x
             x = tl.load(xp, mask=mmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(wp, mask=nmask[:, None] & kmask[None, :], other=0)
         x = x.to(DOT_DTYPE)
-        if GROUPED_K and SWAP_AB:
+        if GROUPED_K and TILE_SCALES:
             # the step's scales on the decoded register tile, rounded once to the dot dtype:
             # the bytes dequantize_into gives (prefill's weights). Each step then accumulates
             # in the MMA as with one scale a row, instead of a scaled partial a step that
@@ -98,7 +100,10 @@ def _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, k0, k_end, stride_x
         elif GROUPED_K:
             wt = convert_tile(w, True, SOFTWARE, DOT_DTYPE)
             s = tl.load(sp + k // K_GROUP, mask=nmask, other=0.0)
-            acc += tl.dot(x, tl.trans(wt)) * s[None, :]
+            if SWAP_AB:
+                acc += tl.dot(wt, tl.trans(x)) * s[:, None]
+            else:
+                acc += tl.dot(x, tl.trans(wt)) * s[None, :]
         elif SWAP_AB:
             wt = convert_tile(w, True, SOFTWARE, DOT_DTYPE)
             acc += tl.dot(wt, tl.trans(x))
@@ -107,10 +112,11 @@ def _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, k0, k_end, stride_x
             acc += tl.dot(x, tl.trans(wt))
         xp += BLOCK_K
         wp += BLOCK_K
-    if SWAP_AB and GROUPED_K:
+    if GROUPED_K and TILE_SCALES:
         out = tl.trans(acc)  # scales and scale_factor are in the tiles
     elif SWAP_AB:
-        acc = acc * tl.load(sp, mask=nmask, other=0.0)[:, None]
+        if not GROUPED_K:
+            acc = acc * tl.load(sp, mask=nmask, other=0.0)[:, None]
         out = tl.trans(acc * scale_factor)
     else:
         if not GROUPED_K:
@@ -127,12 +133,13 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                      SOFTWARE: tl.constexpr, DOT_DTYPE: tl.constexpr,
                      SPLIT_K: tl.constexpr = 1, GDC: tl.constexpr = 0,
-                     SWAP_AB: tl.constexpr = False):
+                     SWAP_AB: tl.constexpr = False, TILE_SCALES: tl.constexpr = False):
     """Y[:, rn] = X @ (W[rn] * S)^T (+ bias). SWIGLU: N is the intermediate size of a [gate; up]
     weight, and Y = SiLU(X @ gate^T) * (X @ up^T), rounded where the unfused path rounds
     (gate and up to the output dtype, SiLU rounded, the product rounded). SPLIT_K > 1: the
     grid's third axis splits K in ranges of k_split columns, reduced in the kernel as
-    skinny_gemm reduces them (never with SWIGLU). SWAP_AB: _scaled_dot's transposed tile."""
+    skinny_gemm reduces them (never with SWIGLU). SWAP_AB: _scaled_dot's transposed tile;
+    TILE_SCALES: its scales along K on the decoded tiles."""
     pdl_wait(GDC)  # x comes from the kernel before (common.pdl_launch)
     # M is the fast grid axis: the programs that share a weight tile run side by side, so
     # the tile is read from memory once and from L2 by the others.
@@ -150,14 +157,16 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K
         k_end = tl.minimum(k0 + k_split, K)
     acc = _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rn, nmask, k0, k_end, stride_xm,
                       stride_wn, stride_sn, scale_factor, ROW_BLOCK, K_GROUP, GROUPED_K,
-                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SOFTWARE, DOT_DTYPE, SWAP_AB)
+                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SOFTWARE, DOT_DTYPE, SWAP_AB,
+                      TILE_SCALES)
     dtype = y_ptr.dtype.element_ty
     yp = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
     ymask = mmask[:, None] & nmask[None, :]
     if SWIGLU:
         up = _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rn + N, nmask, k0, k_end, stride_xm,
                          stride_wn, stride_sn, scale_factor, ROW_BLOCK, K_GROUP, GROUPED_K,
-                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SOFTWARE, DOT_DTYPE, SWAP_AB)
+                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SOFTWARE, DOT_DTYPE, SWAP_AB,
+                         TILE_SCALES)
         gate = acc.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
         acc = silu.to(tl.float32) * up.to(dtype).to(tl.float32)
@@ -203,17 +212,19 @@ def check_operands(w: torch.Tensor, scale: torch.Tensor, row_block: int, k_group
                          f"must be FP32 {want}; got {scale.dtype} {tuple(scale.shape)}")
 
 
-Launch = tuple[int, int, int, int, int, bool]
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, swap_ab, tile_scales)
+Launch = tuple[int, int, int, int, int, bool, bool]
 
 
 def gemm_config(m: int, n: int, k_group: int, k: int, device: torch.device,
                 swiglu: bool = False) -> Launch:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, swap_ab) of the launch for this shape
-    on `device` (launch_config of its properties; the CPU interpreter takes small tiles). With
-    `swiglu`, n is the intermediate size (each program reads 2 x BLOCK_N weight rows)."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, swap_ab, tile_scales) of the launch
+    for this shape on `device` (launch_config of its properties; the CPU interpreter takes small
+    tiles). With `swiglu`, n is the intermediate size (each program reads 2 x BLOCK_N weight
+    rows)."""
     if device.type != "cuda":
         bk = 32 if k_group >= k or k_group % 32 == 0 else 16
-        return 16, 16, bk, 1, 1, False
+        return 16, 16, bk, 1, 1, False, False
     return launch_config(m, n, k_group, k, device_properties(device), sm_count(device), swiglu)
 
 
@@ -284,6 +295,29 @@ def _swapped_tile(m: int, n: int, sms: int) -> tuple[int, int, int, int, int]:
     return (bm, 128, 64, 8, 4) if bm == 256 else (bm, 128, 128, 8, 3)
 
 
+def _tile_scaled(m: int, n: int, sms: int) -> tuple[int, int, int, int, int] | None:
+    """The swapped launch (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) with scales along K taken on
+    each decoded tile (TILE_SCALES), or None for the one-warpgroup launch whose K steps scale
+    their partials. Where the one-warpgroup tiles (64 weight rows, up to 128 activation rows)
+    fill the SMs without a K split, the programs are bound by their K loop, and a partial
+    scaled each step makes every warpgroup MMA wait for the one before; scaled tiles keep the
+    MMAs chained: the activation rows rounded up to 128 / 256 a program, 128 weight rows in
+    two warpgroups where those tiles still fill the SMs, else 64 in one (split in two by
+    gemm_split). H100, 8B linears, us, this rule against the one-warpgroup launch
+    (fp8-gemm-sweep-2026-12-06h-h100-8b-block-tile-scales.json against the same sweep of the
+    partials, -06e-h100-8b-block.json): gate/up 92.8 / 169.6 against 104.4 / 199.5 at
+    128 / 256 rows, QKV 45.7 against 51.3 at 256; where the tiles do not fill the SMs the
+    partials stayed faster (o_proj 20.5 / 29.2 against 22.6 / 32.3 at the scaled tiles' best,
+    down_proj 58.6 / 88.6 against 61.6 / 92.3 at 128 / 256 rows, QKV 28.8 against 29.3 at
+    128)."""
+    if m <= 64 or triton.cdiv(m, 128) * triton.cdiv(n, 64) < sms:
+        return None
+    bm = 128 if m <= 128 else 256
+    if triton.cdiv(m, bm) * triton.cdiv(n, 128) >= sms:
+        return bm, 128, 64, 8, 4
+    return bm, 64, 64, 4, 3
+
+
 def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu: bool = False
                   ) -> Launch:
     """The launch on a GPU of `props` (compute capability, shared memory) with `sms` SMs.
@@ -315,13 +349,16 @@ def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu:
     tiles = 2 if swiglu else 1  # weight tiles a program reads per K step
     cc = (props.major, props.minor)
     if cc < (8, 0):
-        return bm, 32, min(bk, 32), 4, 2, False
+        return bm, 32, min(bk, 32), 4, 2, False, False
     narrow = 64 if triton.cdiv(n, 64) >= 2 * sms else 32  # columns that still fill the SMs
     wide = triton.cdiv(n * tiles, 128) >= sms  # 128 weight rows a program still fill the SMs
     swap = cc >= (9, 0) and (m > 64 or (m > 32 and not wide))
     warps = 4
+    scaled = swap and not swiglu and k_group < k and _tile_scaled(m, n, sms)
     if swap and not swiglu and k_group >= k:
         bm, bn, bk, warps, stages = _swapped_tile(m, n, sms)
+    elif scaled:
+        bm, bn, bk, warps, stages = scaled
     elif swap:
         # one warpgroup a program, 64 weight rows: where the scales change along K each step's
         # partial is scaled before it is added, and two or three such programs an SM beat
@@ -350,7 +387,7 @@ def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu:
         cc, 100 << 10)
     per_stage = bm * bk * 2 + tiles * bn * bk
     stages = max(1, min(stages, (smem if swap else smem * 3 // 4) // per_stage))
-    return bm, bn, bk, warps, stages, swap
+    return bm, bn, bk, warps, stages, swap, bool(scaled)
 
 
 def _as_bytes(w: torch.Tensor) -> torch.Tensor:
@@ -360,13 +397,14 @@ def _as_bytes(w: torch.Tensor) -> torch.Tensor:
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_block: int,
                k_group: int, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None, fp8_mode: str = "auto",
-               config: tuple[int, int, int, int, int] | None = None,
+               config: Launch | None = None,
                swiglu: bool = False, split_k: int | None = None) -> torch.Tensor:
     """x [M, K] FP16/BF16 (M <= MAX_ROWS) @ (w * scale)^T (+ bias) -> [M, N] in x's dtype.
     `swiglu`: w is a [gate; up] weight [2I, K] and the result SiLU(x @ gate^T) * (x @ up^T)
     [M, I], in the same kernel. fp8_mode: "auto" (hardware conversion where the GPU has it),
     "native" or "software". `config`: a launch tuple (gemm_config's form) instead of its
-    choice (sweeps, tests).
+    choice (sweeps, tests); its tile_scales (with swap_ab and scales along K) scales each
+    decoded weight tile before its MMA instead of each K step's partial (_tile_scaled).
     `split_k` > 1 splits K over that many programs per output tile, in whole BLOCK_K steps,
     reduced deterministically inside the kernel (not with `swiglu`); None: gemm_split's
     choice with the default launch, 1 with a given `config`."""
@@ -388,11 +426,14 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_block:
     grouped = k_group < k
     if grouped and k_group % 16:
         raise ValueError(f"K groups of {k_group} columns: fp8_linear needs a multiple of 16")
-    if config is not None and len(config) != 6:
+    if config is not None and len(config) != 7:
         raise ValueError(f"config must be (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, "
-                         f"swap_ab), gemm_config's form; got {config!r}")
+                         f"swap_ab, tile_scales), gemm_config's form; got {config!r}")
     launch = config or gemm_config(m, n, k_group, k, x.device, swiglu)
-    bm, bn, bk, nw, ns, swap = launch
+    bm, bn, bk, nw, ns, swap, tile_scales = launch
+    if tile_scales and not (swap and grouped):
+        raise ValueError("tile_scales=True scales the swapped route's decoded tiles along K: it "
+                         "needs swap_ab=True and scales that change along K")
     if split_k is None:
         sms = sm_count(x.device) if x.device.type == "cuda" else 0
         split_k = 1 if config else gemm_split(m, n, launch, sms, swiglu)
@@ -416,9 +457,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_block:
         ROW_BLOCK=row_block, K_GROUP=k_group if grouped else k, GROUPED_K=grouped,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         EVEN_K=k % bk == 0, SOFTWARE=software, DOT_DTYPE=dot_dtype(x.dtype)[0],
-        SPLIT_K=split_k, GDC=pdl_mode(pdl, grid, x.device), SWAP_AB=swap, num_warps=nw,
-        num_stages=ns,
-        enable_fp_fusion=False, **pdl)
+        SPLIT_K=split_k, GDC=pdl_mode(pdl, grid, x.device), SWAP_AB=swap,
+        TILE_SCALES=tile_scales, num_warps=nw, num_stages=ns, enable_fp_fusion=False, **pdl)
     return out
 
 
