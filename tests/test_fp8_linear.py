@@ -181,8 +181,9 @@ def test_swapped_block_scales_use_the_dequantized_weights(mode):
     """With scales along K and tile_scales the swapped route scales each decoded tile and rounds
     it to the activation dtype before its MMA: the product of dequantize_into's weights
     (prefill's), rounded to FP16, up to FP32 summation order (a last-bit difference in a few
-    outputs) -- where the product of the unrounded weights differs in ~40% of them, and
-    where the launch that scales each step's partial lands."""
+    outputs) -- where the product of the unrounded weights differs in ~40% of them; the
+    launch that scales each step's partial gives that product instead (within FP32 summation
+    order: the GPU's MMAs sum in another order than the twin)."""
     from kvcap.kernels.fp8_gemm import dequantize_into, fp8_linear
 
     m, n, k, row_block, k_group = 24, 48, 128, 16, 32
@@ -200,7 +201,7 @@ def test_swapped_block_scales_use_the_dequantized_weights(mode):
     assert (got == rounded).float().mean() > 0.98
     assert (got == exact).float().mean() < 0.8
     torch.testing.assert_close(partials, exact, rtol=2**-10, atol=0)
-    assert (partials == exact).float().mean() > 0.98
+    assert (partials == got).float().mean() < 0.8  # tile_scales picks the rounding
 
 
 def test_launches_follow_the_h100_measurements():

@@ -130,13 +130,13 @@ def large_batch_note(kept: bool, mode: str, max_num_seqs: int) -> str | None:
     """What auto's choice costs an engine that batches more than 64 sequences a step: there
     the FP8 GEMM is compute-bound and kept FP8 weights decoded the 8B shape at 0.91x / 0.85x
     the speed of the dequantized checkpoint at 128 / 256 x 1K on an H100 with per-row scales,
-    0.88x / 0.75x with 128 x 128 blocks (throughput-2026-12-06e-h100-8b-fp8-weights-64-256.json).
+    0.93x / 0.80x with 128 x 128 blocks (throughput-2026-12-06h-h100-8b-fp8-weights-64-256.json).
     None where it does not apply (dequantized, chosen with "keep", or at most 64 sequences a
     step)."""
     if not kept or mode != "auto" or max_num_seqs <= 64:
         return None
     return (f"FP8 weights kept (fp8_weights='auto') with max_num_seqs={max_num_seqs}: decode "
-            f"steps of more than 64 sequences measured 0.75-0.91x the speed of 16-bit weights "
+            f"steps of more than 64 sequences measured 0.80-0.93x the speed of 16-bit weights "
             f"on an H100 (the FP8 GEMM is compute-bound there); fp8_weights='dequantize' "
             f"trades the weight memory back for that speed")
 
