@@ -182,8 +182,8 @@ def test_swapped_block_scales_use_the_dequantized_weights(mode):
     it to the activation dtype before its MMA: the product of dequantize_into's weights
     (prefill's), rounded to FP16, up to FP32 summation order (a last-bit difference in a few
     outputs) -- where the product of the unrounded weights differs in ~40% of them; the
-    launch that scales each step's partial gives that product instead (within FP32 summation
-    order: the GPU's MMAs sum in another order than the twin)."""
+    launch that scales each step's partial lands nearer that product (its FP32 sums are
+    ordered otherwise on the GPU's MMAs than in the twin, so not bit for bit)."""
     from kvcap.kernels.fp8_gemm import dequantize_into, fp8_linear
 
     m, n, k, row_block, k_group = 24, 48, 128, 16, 32
@@ -200,8 +200,12 @@ def test_swapped_block_scales_use_the_dequantized_weights(mode):
     torch.testing.assert_close(got, rounded, rtol=2**-10, atol=0)
     assert (got == rounded).float().mean() > 0.98
     assert (got == exact).float().mean() < 0.8
-    torch.testing.assert_close(partials, exact, rtol=2**-10, atol=0)
-    assert (partials == got).float().mean() < 0.8  # tile_scales picks the rounding
+    # (an absolute bound too: an output that cancels to near 0 differs relatively)
+    torch.testing.assert_close(partials, exact, rtol=2**-10,
+                               atol=2**-10 * exact.abs().max().item())
+    # tile_scales picks the rounding: the partials land nearer the unrounded weights' product
+    fp32 = x.float() @ dequantize_reference(w, s, row_block, k_group).t()
+    assert (partials.float() - fp32).abs().mean() < 0.9 * (got.float() - fp32).abs().mean()
 
 
 def test_launches_follow_the_h100_measurements():
