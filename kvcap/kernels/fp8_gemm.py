@@ -15,16 +15,14 @@ ROW_BLOCK output rows x K_GROUP input columns (a whole row: per-tensor / per-cha
   K_GROUP, so a step sits in one group) -- or, on the swapped route below with scales along
   K where launch_config says (TILE_SCALES), on each step's decoded tile before its MMA,
   rounded to the activation dtype: the weights dequantize_into gives prefill. The software
-  decoder yields
-  value * 2^-8 exactly; the 2^8 is folded into the scale (exact: a power of two). With
-  `swiglu` the MLP's [gate; up] weight runs as SiLU(gate) * up in the same kernel (each
-  program walks its gate rows, then its up rows), rounding where the unfused path rounds: no
-  [M, 2I] intermediate, no second kernel, nothing to break a decode step's chain of dependent
-  launches. On Hopper above 32
-  rows, where the GEMM turns compute-bound, the operands swap (SWAP_AB; launch_config says
-  where): weight rows become the warpgroup MMA's M and the decoded tile its register operand,
-  so no tile goes back through shared memory and each is decoded once per BLOCK_M (up to 256)
-  activation rows.
+  decoder yields value * 2^-8 exactly; the 2^8 is folded into the scale (exact: a power of
+  two). With `swiglu` the MLP's [gate; up] weight runs as SiLU(gate) * up in the same kernel
+  (each program walks its gate rows, then its up rows), rounding where the unfused path
+  rounds: no [M, 2I] intermediate, no second kernel, nothing to break a decode step's chain
+  of dependent launches. On Hopper above 32 rows, where the GEMM turns compute-bound, the
+  operands swap (SWAP_AB; launch_config says where): weight rows become the warpgroup MMA's M
+  and the decoded tile its register operand, so no tile goes back through shared memory and
+  each is decoded once per BLOCK_M (up to 256) activation rows.
 - `dequantize_into`: W * S rounded to the activation dtype, into a caller's buffer, for the
   large-M GEMMs (prefill chunks) that cuBLAS runs on the 16-bit weight -- there the GEMM is
   compute-bound and the extra write/read of the weight costs little. The bytes equal
@@ -331,8 +329,9 @@ def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu:
     weight rows a program would leave SMs idle (the 8B QKV, o_proj, down_proj), the operands
     are swapped (SWAP_AB): weight rows are the warpgroup MMA's M, their decoded tile a
     register operand, and the activation rows its N, so a weight tile is decoded once per
-    BLOCK_M rows (_swapped_tile with per-row scales; 64 weight rows and up to 128 activation
-    rows with SWIGLU or scales along K). H100 sweeps, 8B linears, per-row scales
+    BLOCK_M rows (_swapped_tile with per-row scales; with scales along K _tile_scaled's
+    tile-scaled launch where it fills the SMs; else 64 weight rows and up to 128 activation
+    rows). H100 sweeps, 8B linears, per-row scales
     (fp8-gemm-sweep-2026-12-06b-h100-8b-swap.json, -06e-): at 256 rows 41 / 29 / 144 / 73 us
     for QKV / o_proj / gate_up / down_proj against 68 / 35 / 259 / 121 unswapped
     (fp8-gemm-2026-12-06-h100-8b.json); QKV at 64 rows 20.9 against 32.4.
