@@ -249,6 +249,9 @@ def test_launches_follow_the_h100_measurements():
     assert launch(128, 28672, 4096, k_group=128) == (128, 128, 64, 8, 4, True, True)
     assert launch(256, 28672, 4096, k_group=128) == (256, 128, 64, 8, 4, True, True)
     assert launch(64, 28672, 4096, k_group=128)[5:] == (False, False)  # unswapped at 64 rows
+    # K steps still divide smaller K groups
+    assert launch(256, 28672, 4096, k_group=32) == (256, 128, 32, 8, 4, True, True)
+    assert launch(256, 6144, 4096, k_group=16)[2] == 16
     assert launch(256, 14336, 4096, swiglu=True, k_group=128)[6] is False  # SwiGLU: partials
     assert launch(256, 14336, 4096, swiglu=True) == (128, 128, 128, 8, 3, True, False)
     assert launch(32, 6144, 4096)[5] is False                      # decode rows stream

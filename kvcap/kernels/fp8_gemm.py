@@ -357,7 +357,8 @@ def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu:
     if swap and not swiglu and k_group >= k:
         bm, bn, bk, warps, stages = _swapped_tile(m, n, sms)
     elif scaled:
-        bm, bn, bk, warps, stages = scaled
+        bm, bn, tile_k, warps, stages = scaled
+        bk = min(bk, tile_k)  # still a divisor of the K groups (16- or 32-column ones)
     elif swap:
         # one warpgroup a program, 64 weight rows: where the scales change along K each step's
         # partial is scaled before it is added, and two or three such programs an SM beat
