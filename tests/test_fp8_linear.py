@@ -64,6 +64,7 @@ def test_gemm_matches_its_twin(m, n, k, row_block, k_group, dtype, mode):
     (17, 33, 80, 1, 16, 4, False),    # K not a multiple of the split: the last split is short
     (5, 32, 64, 1, 64, 8, False),     # more splits than K steps: empty ones are dropped
     (20, 48, 96, 16, 32, 2, True),    # operands swapped: partials of transposed tiles
+    (20, 48, 96, 16, 32, 2, "tiles"),  # ... whose K groups scale the decoded tiles
 ])
 def test_split_k_is_exact_deterministic_and_reusable(m, n, k, row_block, k_group, split, swap,
                                                      monkeypatch):
@@ -82,7 +83,8 @@ def test_split_k_is_exact_deterministic_and_reusable(m, n, k, row_block, k_group
     want = x.float() @ dequantize_reference(w, s, row_block, k_group).t() + bias.float()
     # 16 x 16 tiles, 16- or 32-wide K steps: several K steps to split on the GPU as on the CPU
     bk = 32 if k_group % 32 == 0 else 16
-    cfg = (16, 16, bk, *gemm_config(m, n, k_group, k, x.device)[3:5], swap, False)
+    cfg = (16, 16, bk, *gemm_config(m, n, k_group, k, x.device)[3:5], bool(swap),
+           swap == "tiles")
     first = fp8_linear(x, w, s, row_block, k_group, bias, split_k=split, config=cfg)
     torch.testing.assert_close(first.float(), want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
     unsplit = fp8_linear(x, w, s, row_block, k_group, bias, config=cfg)
