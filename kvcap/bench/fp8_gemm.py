@@ -51,11 +51,9 @@ def sweep_configs(rows: int, grouped: bool, hopper: bool) -> list[fp8_gemm.Launc
         bms, (32, 64, 128), bks, (4, 8), (3, 4, 5)) if bm * bn <= 64 * 128]
     if hopper and rows > 32:
         # 64 weight rows in one warpgroup, or 64 / 128 in two (one spills at 128 x 128); 256
-        # activation rows a program in 64-wide K steps (128-wide ones spill). 64-wide K steps
-        # also halve a stage: 128 x 64 x 64 in 3-4 stages fits 2-3 programs an SM, where the
-        # 128-wide default fits one (114,688 bytes, triton 3.6): the untested suspect for the
-        # 128-256-row gap is one warpgroup an SM alternating decodes and MMAs
-        # (64 activation rows at 256 rows too with scales along K: the SwiGLU default there)
+        # activation rows a program in 64-wide K steps (128-wide ones spill); 64-wide K steps
+        # also halve a stage, so 2-3 programs fit an SM where a 128-wide one fits one. With
+        # scales along K also 64 activation rows at 256 rows (the SwiGLU default there).
         tokens = ((64,) if rows <= 64 else (64, 128) if rows <= 128
                   else (64, 128, 256) if grouped else (128, 256))
         out += [(bm, bn, bk, nw, ns, True, scaled)
