@@ -95,19 +95,18 @@ def _scaled_dot(x_ptr, w_ptr, s_ptr, rm, mmask, rows, nmask, k0, k_end, stride_x
             s = tl.load(sp + k // K_GROUP, mask=nmask, other=0.0) * scale_factor
             v = convert_tile(w, True, SOFTWARE, tl.float32)
             acc += tl.dot((v * s[:, None]).to(DOT_DTYPE), tl.trans(x))
-        elif GROUPED_K:
-            wt = convert_tile(w, True, SOFTWARE, DOT_DTYPE)
-            s = tl.load(sp + k // K_GROUP, mask=nmask, other=0.0)
-            if SWAP_AB:
-                acc += tl.dot(wt, tl.trans(x)) * s[:, None]
-            else:
-                acc += tl.dot(x, tl.trans(wt)) * s[None, :]
-        elif SWAP_AB:
-            wt = convert_tile(w, True, SOFTWARE, DOT_DTYPE)
-            acc += tl.dot(wt, tl.trans(x))
         else:
             wt = convert_tile(w, True, SOFTWARE, DOT_DTYPE)
-            acc += tl.dot(x, tl.trans(wt))
+            if GROUPED_K:
+                s = tl.load(sp + k // K_GROUP, mask=nmask, other=0.0)
+                if SWAP_AB:
+                    acc += tl.dot(wt, tl.trans(x)) * s[:, None]
+                else:
+                    acc += tl.dot(x, tl.trans(wt)) * s[None, :]
+            elif SWAP_AB:
+                acc += tl.dot(wt, tl.trans(x))
+            else:
+                acc += tl.dot(x, tl.trans(wt))
         xp += BLOCK_K
         wp += BLOCK_K
     if GROUPED_K and TILE_SCALES:
@@ -308,10 +307,10 @@ def _tile_scaled(m: int, n: int, sms: int) -> tuple[int, int, int, int, int] | N
     partials stayed faster (o_proj 20.5 / 29.2 against 22.6 / 32.3 at the scaled tiles' best,
     down_proj 58.6 / 88.6 against 61.6 / 92.3 at 128 / 256 rows, QKV 28.8 against 29.3 at
     128)."""
-    if m <= 64 or triton.cdiv(m, 128) * triton.cdiv(n, 64) < sms:
+    if m <= 64 or _swapped_split(triton.cdiv(m, 128) * triton.cdiv(n, 64), sms) > 1:
         return None
     bm = 128 if m <= 128 else 256
-    if triton.cdiv(m, bm) * triton.cdiv(n, 128) >= sms:
+    if _swapped_split(triton.cdiv(m, bm) * triton.cdiv(n, 128), sms) == 1:
         return bm, 128, 64, 8, 4
     return bm, 64, 64, 4, 3
 
