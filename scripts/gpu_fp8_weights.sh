@@ -9,7 +9,7 @@
 #                                           scales (what launch_config's _swapped_tile follows)
 #   bash scripts/gpu_fp8_weights.sh sweep-block  the same with 128 x 128 block scales, each swapped
 #                                           launch with scaled partials and scaled tiles (132
-#                                           swapped launches; with 54 it took 139 s)
+#                                           swapped launches against the per-row sweep's 54)
 #   bash scripts/gpu_fp8_weights.sh e2e     8B decode end to end, BF16 weights against FP8
 #                                           weights (per-row and 128 x 128 scales), E4M3 KV,
 #                                           1 / 16 / 64 / 128 / 256 x 1K, 1 / 16 x 16K (~5 min)
