@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Device calls: issue 6's end-to-end cells for the 8B shape (BF16 weights, BF16 / E4M3 /
+# software-decoder E4M3 KV, 256 output tokens, two scored repeats), judged by
+# kvcap.bench.throughput_targets.
+#   bash scripts/gpu_throughput.sh short    concurrency 16 / 64 x context 1K / 4K (~6 min warm)
+#   bash scripts/gpu_throughput.sh auto     `short` on an H200 (where issue 6 is judged), the
+#                                           GPU test suite (scripts/gpu_matrix.sh tests) elsewhere
+# Results under $OUT (default /tmp/out); the benchmark saves after every cell.
+set -uo pipefail
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export KVCAP_COMMIT=${KVCAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+short() {
+  timeout ${SHORT_S:-570} python3 -m kvcap.bench.throughput --shapes llama-3.1-8b \
+    --concurrency 16 64 --context 1024 4096 --kv fp16 fp8 fp8-software --dtype bfloat16 \
+    --out-tokens 256 --repeats 2 --out "$OUT/throughput-8b-short.json" 2>&1 \
+    | grep -vE "^\{" | tail -24
+  python3 -m kvcap.bench.throughput_targets "$OUT/throughput-8b-short.json"
+}
+case "${1:-}" in
+short) short ;;
+auto)
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  echo "GPU: $gpu"
+  if [[ "$gpu" == *H200* ]]; then short; else bash scripts/gpu_matrix.sh tests; fi ;;
+*) echo "usage: $0 short|auto"; exit 2 ;;
+esac
