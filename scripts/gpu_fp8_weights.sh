@@ -10,6 +10,10 @@
 #   bash scripts/gpu_fp8_weights.sh sweep-block  the same with 128 x 128 block scales, each swapped
 #                                           launch with scaled partials and scaled tiles (132
 #                                           swapped launches against the per-row sweep's 54)
+#   bash scripts/gpu_fp8_weights.sh swiglu  the FP8-weight tests, the gate/up default launches at
+#                                           64-256 rows (fused and not), then 8B decode at
+#                                           128 x 1K with the fused SwiGLU rule against
+#                                           KVCAP_FP8_SWIGLU=unfused, alternating, two rounds
 #   bash scripts/gpu_fp8_weights.sh e2e     8B decode end to end, BF16 weights against FP8
 #                                           weights (per-row and 128 x 128 scales), E4M3 KV,
 #                                           1 / 16 / 64 / 128 / 256 x 1K, 1 / 16 x 16K (~5 min)
@@ -43,5 +47,17 @@ e2e)
     llama-3.1-8b-fp8-block --concurrency 1 16 64 128 256 --context 1024 16384 --kv fp8 \
     --dtype bfloat16 --out-tokens 128 --repeats 1 --out "$OUT/throughput-fp8-weights.json" \
     2>&1 | grep -vE "^\{" | tail -30 ;;
-*) echo "usage: $0 tests|gemm|sweep|sweep-block|e2e"; exit 2 ;;
+swiglu)
+  tests || { echo "tests did not pass: no timings"; exit 1; }
+  timeout 150 python3 -m kvcap.bench.fp8_gemm --rows 64 128 256 --modes native --splits 1 \
+    --linears gate_up_proj --out "$OUT/fp8-gemm-swiglu.json" 2>&1 | grep -vE "^[a-z_]+ m=" \
+    | tail -14
+  for arm in unfused-1 rule-1 unfused-2 rule-2; do
+    env $([ "${arm%-*}" = unfused ] && echo KVCAP_FP8_SWIGLU=unfused) timeout 160 \
+      python3 -m kvcap.bench.throughput --shapes llama-3.1-8b-fp8 llama-3.1-8b-fp8-block \
+      --concurrency 128 --context 1024 --kv fp8 --dtype bfloat16 --out-tokens 128 --repeats 1 \
+      --out "$OUT/throughput-swiglu-$arm.json" 2>&1 | grep -E "^llama-3.1-8b-fp8" | tail -2
+    echo "$arm: exit ${PIPESTATUS[0]}"
+  done ;;
+*) echo "usage: $0 tests|gemm|sweep|sweep-block|swiglu|e2e"; exit 2 ;;
 esac

@@ -188,7 +188,7 @@ def test_swapped_block_scales_use_the_dequantized_weights(mode):
     ordered otherwise on the GPU's MMAs than in the twin, so not bit for bit)."""
     from kvcap.kernels.fp8_gemm import dequantize_into, fp8_linear
 
-    m, n, k, row_block, k_group = 24, 48, 128, 16, 32
+    m, n, k, row_block, k_group = 24, 64, 128, 16, 32  # [gate; up] halves on scale blocks
     w, s = _weights(n, k, row_block, k_group, 11)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(5)).to(DEV, torch.float16)
     got = fp8_linear(x, w, s, row_block, k_group, fp8_mode=mode,
@@ -208,6 +208,13 @@ def test_swapped_block_scales_use_the_dequantized_weights(mode):
     # tile_scales picks the rounding: the partials land nearer the unrounded weights' product
     fp32 = x.float() @ dequantize_reference(w, s, row_block, k_group).t()
     assert (partials.float() - fp32).abs().mean() < 0.9 * (got.float() - fp32).abs().mean()
+    # the fused SwiGLU on scaled tiles (Hopper's launch above 64 rows): SiLU(gate) * up of
+    # the dequantized weights' products
+    fused = fp8_linear(x, w, s, row_block, k_group, fp8_mode=mode, swiglu=True,
+                       config=(16, 16, 32, 4, 2, True, True))
+    gate, up = (x.float() @ w16.float().t()).chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate.half().float()).half().float() * up.half().float()
+    torch.testing.assert_close(fused.float(), ref, rtol=2**-9, atol=2**-9 * ref.abs().max().item())
 
 
 def test_launches_follow_the_h100_measurements():
@@ -254,7 +261,10 @@ def test_launches_follow_the_h100_measurements():
     # K steps still divide smaller K groups
     assert launch(256, 28672, 4096, k_group=32) == (256, 128, 32, 8, 4, True, True)
     assert launch(256, 6144, 4096, k_group=16)[2] == 16
-    assert launch(256, 14336, 4096, swiglu=True, k_group=128)[6] is False  # SwiGLU: partials
+    # the fused SwiGLU above 64 rows: 128 x 128 tiles of gate and up, scaled as decoded
+    assert launch(128, 14336, 4096, swiglu=True, k_group=128) == (128, 128, 128, 8, 3, True, True)
+    assert launch(256, 14336, 4096, swiglu=True, k_group=128) == (128, 128, 128, 8, 3, True, True)
+    assert launch(96, 14336, 4096, swiglu=True, k_group=32) == (128, 128, 32, 8, 3, True, True)
     assert launch(256, 14336, 4096, swiglu=True) == (128, 128, 128, 8, 3, True, False)
     assert launch(32, 6144, 4096)[5] is False                      # decode rows stream
     for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):       # QKV, o_proj, down
@@ -309,19 +319,30 @@ def test_auto_says_what_kept_weights_cost_large_batches():
 
 
 def test_swiglu_is_fused_where_it_was_measured_faster(monkeypatch):
-    """The fused SiLU-and-multiply at decode rows, and above them where it was not measured
-    slower: not on Hopper above 16 rows (swiglu_pays)."""
+    """The fused SiLU-and-multiply at decode rows and, on Hopper, at 65-128 rows, where it
+    was measured faster than the unfused GEMM plus the activation kernel; below Hopper
+    wherever it was not measured slower (swiglu_pays). KVCAP_FP8_SWIGLU forces either on the
+    GPU and names its values when it holds anything else."""
     from types import SimpleNamespace
 
     from kvcap.kernels import fp8_gemm
 
     gpu = torch.device("cuda", 0)
-    for cc, m, want in [((9, 0), 16, True), ((9, 0), 17, False), ((9, 0), 256, False),
-                        ((8, 0), 256, True)]:
+    monkeypatch.delenv(fp8_gemm.ENV_FP8_SWIGLU, raising=False)
+    for cc, m, want in [((9, 0), 16, True), ((9, 0), 17, False), ((9, 0), 64, False),
+                        ((9, 0), 65, True), ((9, 0), 128, True), ((9, 0), 129, False),
+                        ((9, 0), 256, False), ((8, 0), 256, True), ((8, 9), 48, True)]:
         monkeypatch.setattr(fp8_gemm, "device_properties",
                             lambda d, cc=cc: SimpleNamespace(major=cc[0], minor=cc[1]))
         assert fp8_gemm.swiglu_pays(m, gpu) is want, (cc, m)
     assert fp8_gemm.swiglu_pays(256, torch.device("cpu"))
+    monkeypatch.setenv(fp8_gemm.ENV_FP8_SWIGLU, "unfused")
+    assert not fp8_gemm.swiglu_pays(16, gpu) and fp8_gemm.swiglu_pays(16, torch.device("cpu"))
+    monkeypatch.setenv(fp8_gemm.ENV_FP8_SWIGLU, "fused")
+    assert fp8_gemm.swiglu_pays(256, gpu)
+    monkeypatch.setenv(fp8_gemm.ENV_FP8_SWIGLU, "yes")
+    with pytest.raises(ValueError, match="KVCAP_FP8_SWIGLU='yes': use 'fused' or 'unfused'"):
+        fp8_gemm.swiglu_pays(128, gpu)
 
 
 def test_layout_keeps_checkpoint_blocks_where_every_part_starts_on_one():

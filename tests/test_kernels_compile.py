@@ -378,13 +378,14 @@ def test_fp8_weight_gemm_compiles_for_every_gpu(sm, rows, k_group):
 @pytest.mark.parametrize("rows,n,k,k_group,swiglu", [
     (64, 6144, 4096, 0, False), (128, 4096, 14336, 128, False), (256, 28672, 4096, 0, False),
     (256, 6144, 4096, 128, False), (256, 28672, 4096, 128, False), (256, 14336, 4096, 0, True),
-    (256, 14336, 4096, 128, True)])
+    (128, 14336, 4096, 128, True), (256, 14336, 4096, 128, True)])
 def test_fp8_weight_gemm_swapped_operands_on_hopper(rows, n, k, k_group, swiglu):
     """Above 32 rows on sm_90 launch_config swaps the operands (where 128-row tiles would leave
     SMs idle, and always above 64 rows): every warpgroup MMA takes the decoded weight tile
     from registers -- no shared-memory round trip -- and the launch does not spill; so do
     the launches that scale 128 x 128 blocks on the decoded tile (QKV and gate/up at 256
-    rows: 64 and 128 weight rows a program)."""
+    rows: 64 and 128 weight rows a program; the fused SwiGLU above 64 rows: 128 of gate and
+    of up)."""
     c = _counts("--kernel", "fp8_gemm", "--sm", "90", "--rows", str(rows), "--n", str(n),
                 "--k", str(k), "--k-group", str(k_group), "--dtype", "bf16",
                 *(["--swiglu"] if swiglu else []))

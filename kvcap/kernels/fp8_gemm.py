@@ -31,6 +31,8 @@ ROW_BLOCK output rows x K_GROUP input columns (a whole row: per-tensor / per-cha
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -254,18 +256,33 @@ def _swapped_split(tiles: int, sms: int) -> int:
     return 2 if tiles < sms else 1
 
 
+ENV_FP8_SWIGLU = "KVCAP_FP8_SWIGLU"  # fused | unfused: swiglu_pays' answer on the GPU
+
+
 def swiglu_pays(m: int, device: torch.device) -> bool:
-    """Whether SiLU(gate) * up fused into the GEMM is the faster way to run m rows. On Hopper
-    only at decode rows (<= 16): above them the unfused GEMM, whose tiles hold one weight
-    tile a step, plus the small SiLU-and-multiply kernel measured as fast or faster on the 8B
-    gate/up (H100, us unfused GEMM / fused; fp8-gemm-2026-12-06b-h100-8b-mid.json and
-    -block-swiglu.json): 32 rows 51.9 / 64.0 (per-row scales), 49.9 / 80.3 (128 x 128 blocks);
-    64 rows 56.3 / 66.7, 66.5 / 77.9; 128 rows 93.2 / 89.4, 106.5 / 134.8; 256 rows 170.8 /
-    182.3, 190.5 / 228.9. Elsewhere (unmeasured) fused, as before."""
-    if device.type != "cuda" or m <= 16:
+    """Whether SiLU(gate) * up fused into the GEMM is the faster way to run m rows
+    (KVCAP_FP8_SWIGLU=fused|unfused overrides it on the GPU, for A/B runs). On Hopper at decode
+    rows (<= 16) and at 65-128 rows, where one fused program's 128 x 128 tiles of gate and up
+    beat the unfused GEMM plus the SiLU-and-multiply kernel; at 17-64 and 129-256 rows the
+    unfused pair was as fast or faster. H100, 8B gate/up, us unfused GEMM (its default launch,
+    without the activation kernel) / fused (fp8-gemm-2026-12-06b-h100-8b-mid.json,
+    -block-swiglu.json; 128 x 128 blocks at 64-256 rows from the tile-scale sweeps
+    fp8-gemm-sweep-2026-12-06h-h100-8b-block-tile-scales.json and
+    fp8-gemm-2026-12-06h-h100-8b-block-defaults.json): 32 rows 51.9 / 64.0 (per-row scales),
+    49.9 / 80.3 (blocks); 64 rows 56.3 / 66.7, 66.8 / 69.5; 128 rows 93.2 / 89.4, 93.0 /
+    91.2; 256 rows 170.8 / 182.3, 163.0 / 177.0. Elsewhere (unmeasured) fused, as before."""
+    if device.type != "cuda":
+        return True
+    forced = os.environ.get(ENV_FP8_SWIGLU, "")
+    if forced in ("fused", "unfused"):
+        return forced == "fused"
+    if forced:
+        raise ValueError(f"{ENV_FP8_SWIGLU}={forced!r}: use 'fused' or 'unfused' (or unset it "
+                         f"for the measured rule)")
+    if m <= 16:
         return True
     props = device_properties(device)
-    return (props.major, props.minor) < (9, 0)
+    return (props.major, props.minor) < (9, 0) or 64 < m <= 128
 
 
 def _swapped_tile(m: int, n: int, sms: int) -> tuple[int, int, int, int, int]:
@@ -290,6 +307,16 @@ def _swapped_tile(m: int, n: int, sms: int) -> tuple[int, int, int, int, int]:
     while bm > 64 and 3 * programs(bm) < 2 * sms:
         bm //= 2
     return (bm, 128, 64, 8, 4) if bm == 256 else (bm, 128, 128, 8, 3)
+
+
+def _swiglu_tile_scaled(m: int) -> tuple[int, int, int, int, int] | None:
+    """The fused SwiGLU's swapped launch with scales along K above 64 rows: 128 weight rows of
+    gate and of up a program in two warpgroups, each tile scaled as decoded (the partials'
+    two-warpgroup form spilled: 157 us at 128 rows of the 8B gate/up; one warpgroup of 64 x 64
+    took 135-140). H100, 8B gate/up, the sweep of 260a20b's scaled tiles
+    (fp8-gemm-sweep-2026-12-06h-h100-8b-block-tile-scales.json): 91.2 / 177.0 us at 128 / 256
+    rows, against 140.1 / 272.9 for the 64 x 64 partials."""
+    return (128, 128, 128, 8, 3) if m > 64 else None
 
 
 def _tile_scaled(m: int, n: int, sms: int) -> tuple[int, int, int, int, int] | None:
@@ -352,7 +379,8 @@ def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu:
     wide = triton.cdiv(n * tiles, 128) >= sms  # 128 weight rows a program still fill the SMs
     swap = cc >= (9, 0) and (m > 64 or (m > 32 and not wide))
     warps = 4
-    scaled = swap and not swiglu and k_group < k and _tile_scaled(m, n, sms)
+    scaled = swap and k_group < k and (_swiglu_tile_scaled(m) if swiglu
+                                       else _tile_scaled(m, n, sms))
     if swap and not swiglu and k_group >= k:
         bm, bn, bk, warps, stages = _swapped_tile(m, n, sms)
     elif scaled:
@@ -363,12 +391,7 @@ def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu:
         # partial is scaled before it is added, and two or three such programs an SM beat
         # _swapped_tile's (H100, fp8-gemm-2026-12-06e-h100-8b-defaults.json and -sweep-block)
         bm, bn, bk, stages = (64, 64, min(bk, 128), 4) if m <= 64 else (128, 64, min(bk, 128), 3)
-        if bm == 128 and swiglu and k_group < k:
-            # scales along K: the 128-row two-warpgroup tile spills (157 us at 128 rows of the
-            # 8B gate/up); 64 x 64 tiles do not (135 us), though the model runs these rows
-            # unfused (swiglu_pays)
-            bm, bn, warps = 64, 64, 4
-        elif bm == 128 and swiglu:
+        if bm == 128 and swiglu:
             # two 64 x 128 accumulators spill in one warpgroup's registers: two warpgroups
             bn, warps = 128, 8
     elif m > 64:
