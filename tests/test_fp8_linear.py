@@ -319,30 +319,36 @@ def test_auto_says_what_kept_weights_cost_large_batches():
 
 
 def test_swiglu_is_fused_where_it_was_measured_faster(monkeypatch):
-    """The fused SiLU-and-multiply at decode rows and, on Hopper, at 65-128 rows, where it
-    was measured faster than the unfused GEMM plus the activation kernel; below Hopper
-    wherever it was not measured slower (swiglu_pays). KVCAP_FP8_SWIGLU forces either on the
-    GPU and names its values when it holds anything else."""
+    """The fused SiLU-and-multiply at decode rows and, on Hopper, at 65-128 rows where its
+    128-column programs cover two thirds of the SMs (the 8B's 112 of 132), where it was
+    measured faster than the unfused GEMM plus the activation kernel; below Hopper wherever it
+    was not measured slower (swiglu_pays). KVCAP_FP8_SWIGLU forces either on the GPU and
+    names its values when it holds anything else."""
     from types import SimpleNamespace
 
     from kvcap.kernels import fp8_gemm
 
     gpu = torch.device("cuda", 0)
     monkeypatch.delenv(fp8_gemm.ENV_FP8_SWIGLU, raising=False)
-    for cc, m, want in [((9, 0), 16, True), ((9, 0), 17, False), ((9, 0), 64, False),
-                        ((9, 0), 65, True), ((9, 0), 128, True), ((9, 0), 129, False),
-                        ((9, 0), 256, False), ((8, 0), 256, True), ((8, 9), 48, True)]:
+    monkeypatch.setattr(fp8_gemm, "sm_count", lambda d: 132)
+    for cc, m, n, want in [((9, 0), 16, 14336, True), ((9, 0), 17, 14336, False),
+                           ((9, 0), 64, 14336, False), ((9, 0), 65, 14336, True),
+                           ((9, 0), 128, 14336, True), ((9, 0), 129, 14336, False),
+                           ((9, 0), 256, 14336, False), ((9, 0), 128, 11264, True),
+                           ((9, 0), 128, 8192, False),  # 64 programs: half the SMs idle
+                           ((8, 0), 256, 8192, True), ((8, 9), 48, 14336, True)]:
         monkeypatch.setattr(fp8_gemm, "device_properties",
                             lambda d, cc=cc: SimpleNamespace(major=cc[0], minor=cc[1]))
-        assert fp8_gemm.swiglu_pays(m, gpu) is want, (cc, m)
-    assert fp8_gemm.swiglu_pays(256, torch.device("cpu"))
+        assert fp8_gemm.swiglu_pays(m, n, gpu) is want, (cc, m, n)
+    assert fp8_gemm.swiglu_pays(256, 14336, torch.device("cpu"))
     monkeypatch.setenv(fp8_gemm.ENV_FP8_SWIGLU, "unfused")
-    assert not fp8_gemm.swiglu_pays(16, gpu) and fp8_gemm.swiglu_pays(16, torch.device("cpu"))
+    assert not fp8_gemm.swiglu_pays(16, 14336, gpu)
+    assert fp8_gemm.swiglu_pays(16, 14336, torch.device("cpu"))
     monkeypatch.setenv(fp8_gemm.ENV_FP8_SWIGLU, "fused")
-    assert fp8_gemm.swiglu_pays(256, gpu)
+    assert fp8_gemm.swiglu_pays(256, 14336, gpu)
     monkeypatch.setenv(fp8_gemm.ENV_FP8_SWIGLU, "yes")
     with pytest.raises(ValueError, match="KVCAP_FP8_SWIGLU='yes': use 'fused' or 'unfused'"):
-        fp8_gemm.swiglu_pays(128, gpu)
+        fp8_gemm.swiglu_pays(128, 14336, gpu)
 
 
 def test_layout_keeps_checkpoint_blocks_where_every_part_starts_on_one():

@@ -259,16 +259,17 @@ def _swapped_split(tiles: int, sms: int) -> int:
 ENV_FP8_SWIGLU = "KVCAP_FP8_SWIGLU"  # fused | unfused: swiglu_pays' answer on the GPU
 
 
-def swiglu_pays(m: int, device: torch.device) -> bool:
-    """Whether SiLU(gate) * up fused into the GEMM is the faster way to run m rows
-    (KVCAP_FP8_SWIGLU=fused|unfused overrides it on the GPU, for A/B runs). On Hopper at decode
-    rows (<= 16) and at 65-128 rows, where one fused program's 128 x 128 tiles of gate and up
-    beat the unfused GEMM plus the SiLU-and-multiply kernel; at 17-64 and 129-256 rows the
-    unfused pair was as fast or faster. H100, 8B gate/up, us unfused GEMM (its default launch,
-    without the activation kernel) / fused (fp8-gemm-2026-12-06b-h100-8b-mid.json,
-    -block-swiglu.json; 128 x 128 blocks at 64-256 rows from the tile-scale sweeps
-    fp8-gemm-sweep-2026-12-06h-h100-8b-block-tile-scales.json and
-    fp8-gemm-2026-12-06h-h100-8b-block-defaults.json): 32 rows 51.9 / 64.0 (per-row scales),
+def swiglu_pays(m: int, n: int, device: torch.device) -> bool:
+    """Whether SiLU(gate) * up fused into the GEMM is the faster way to run m rows of an
+    intermediate size n (KVCAP_FP8_SWIGLU=fused|unfused overrides it on the GPU, for A/B runs).
+    On Hopper at decode rows (<= 16), and at 65-128 rows where the fused launch's 128 x 128
+    tiles of gate and up (one program each, no K split) still cover two thirds of the SMs: there
+    they beat the unfused GEMM plus the SiLU-and-multiply kernel (the 8B's 112 programs on 132
+    SMs); at 17-64 and 129-256 rows the unfused pair was as fast or faster. H100, 8B gate/up,
+    us unfused GEMM (its default launch, without the activation kernel) / fused
+    (fp8-gemm-2026-12-06b-h100-8b-mid.json, -block-swiglu.json; 128 x 128 blocks at 64-256
+    rows from the tile-scale sweep fp8-gemm-sweep-2026-12-06h-h100-8b-block-tile-scales.json
+    and fp8-gemm-2026-12-06h-h100-8b-block-defaults.json): 32 rows 51.9 / 64.0 (per-row scales),
     49.9 / 80.3 (blocks); 64 rows 56.3 / 66.7, 66.8 / 69.5; 128 rows 93.2 / 89.4, 93.0 /
     91.2; 256 rows 170.8 / 182.3, 163.0 / 177.0. Elsewhere (unmeasured) fused, as before."""
     if device.type != "cuda":
@@ -282,7 +283,9 @@ def swiglu_pays(m: int, device: torch.device) -> bool:
     if m <= 16:
         return True
     props = device_properties(device)
-    return (props.major, props.minor) < (9, 0) or 64 < m <= 128
+    if (props.major, props.minor) < (9, 0):
+        return True
+    return 64 < m <= 128 and 3 * triton.cdiv(n, 128) >= 2 * sm_count(device)
 
 
 def _swapped_tile(m: int, n: int, sms: int) -> tuple[int, int, int, int, int]:

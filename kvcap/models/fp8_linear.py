@@ -244,7 +244,7 @@ class FP8Linear(nn.Module):
             return None
         from kvcap.kernels import fp8_gemm
 
-        if not fp8_gemm.swiglu_pays(x.shape[0], x.device):
+        if not fp8_gemm.swiglu_pays(x.shape[0], self.out_features // 2, x.device):
             return None
         return fp8_gemm.fp8_linear(x.contiguous(), self.weight, self.scale, self.row_block,
                                    self.k_group, swiglu=True)
