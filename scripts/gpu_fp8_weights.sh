@@ -56,8 +56,9 @@ swiglu)
     env $([ "${arm%-*}" = unfused ] && echo KVCAP_FP8_SWIGLU=unfused) timeout 160 \
       python3 -m kvcap.bench.throughput --shapes llama-3.1-8b-fp8 llama-3.1-8b-fp8-block \
       --concurrency 128 --context 1024 --kv fp8 --dtype bfloat16 --out-tokens 128 --repeats 1 \
-      --out "$OUT/throughput-swiglu-$arm.json" 2>&1 | grep -E "^llama-3.1-8b-fp8" | tail -2
+      --out "$OUT/throughput-swiglu-$arm.json" 2>&1 | grep -E "^llama-3.1-8b-fp8\S* +fp8 "
     echo "$arm: exit ${PIPESTATUS[0]}"
+    rm -f "$OUT"/throughput-swiglu-*.png  # a device call returns at most 8 files: keep the JSONs
   done ;;
 *) echo "usage: $0 tests|gemm|sweep|sweep-block|swiglu|e2e"; exit 2 ;;
 esac
