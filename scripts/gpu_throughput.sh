@@ -2,7 +2,8 @@
 # Device calls: issue 6's end-to-end cells for the 8B shape (BF16 weights, BF16 / E4M3 /
 # software-decoder E4M3 KV, 256 output tokens, two scored repeats), judged by
 # kvcap.bench.throughput_targets.
-#   bash scripts/gpu_throughput.sh short    concurrency 16 / 64 x context 1K / 4K (~6 min warm)
+#   bash scripts/gpu_throughput.sh short    concurrency 16 / 64 x context 1K / 4K (~6 min warm;
+#                                           CONTEXTS="1024" for 1K only)
 #   bash scripts/gpu_throughput.sh auto     `short` on an H200 (where issue 6 is judged), else
 #                                           ${ELSE:-scripts/gpu_matrix.sh tests}
 # Results under $OUT (default /tmp/out); the benchmark saves after every cell.
@@ -12,7 +13,7 @@ export KVCAP_COMMIT=${KVCAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || 
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 short() {
   timeout ${SHORT_S:-570} python3 -m kvcap.bench.throughput --shapes llama-3.1-8b \
-    --concurrency 16 64 --context 1024 4096 --kv fp16 fp8 fp8-software --dtype bfloat16 \
+    --concurrency 16 64 --context ${CONTEXTS:-1024 4096} --kv fp16 fp8 fp8-software --dtype bfloat16 \
     --out-tokens 256 --repeats 2 --out "$OUT/throughput-8b-short.json" 2>&1 \
     | grep -vE "^\{" | tail -24
   python3 -m kvcap.bench.throughput_targets "$OUT/throughput-8b-short.json"
