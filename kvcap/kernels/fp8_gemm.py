@@ -271,7 +271,10 @@ def swiglu_pays(m: int, n: int, device: torch.device) -> bool:
     rows from the tile-scale sweep fp8-gemm-sweep-2026-12-06h-h100-8b-block-tile-scales.json
     and fp8-gemm-2026-12-06h-h100-8b-block-defaults.json): 32 rows 51.9 / 64.0 (per-row scales),
     49.9 / 80.3 (blocks); 64 rows 56.3 / 66.7, 66.8 / 69.5; 128 rows 93.2 / 89.4, 93.0 /
-    91.2; 256 rows 170.8 / 182.3, 163.0 / 177.0. Elsewhere (unmeasured) fused, as before."""
+    91.2; 256 rows 170.8 / 182.3, 163.0 / 177.0. End to end at 128 x 1K, fused against
+    unfused, arms alternating on one H100: +2.8% decode tok/s with per-row scales, +0.4% with
+    blocks (throughput-2026-12-06i-h100-8b-fp8-swiglu-*.json). Elsewhere (unmeasured) fused,
+    as before."""
     if device.type != "cuda":
         return True
     forced = os.environ.get(ENV_FP8_SWIGLU, "")
@@ -359,11 +362,11 @@ def launch_config(m: int, n: int, k_group: int, k: int, props, sms: int, swiglu:
     are swapped (SWAP_AB): weight rows are the warpgroup MMA's M, their decoded tile a
     register operand, and the activation rows its N, so a weight tile is decoded once per
     BLOCK_M rows (_swapped_tile with per-row scales; with scales along K _tile_scaled's
-    tile-scaled launch where it fills the SMs; else 64 weight rows and up to 128 activation
-    rows). H100 sweeps, 8B linears, per-row scales
-    (fp8-gemm-sweep-2026-12-06b-h100-8b-swap.json, -06e-): at 256 rows 41 / 29 / 144 / 73 us
-    for QKV / o_proj / gate_up / down_proj against 68 / 35 / 259 / 121 unswapped
-    (fp8-gemm-2026-12-06-h100-8b.json); QKV at 64 rows 20.9 against 32.4.
+    tile-scaled launch where it fills the SMs, and the fused SwiGLU's _swiglu_tile_scaled above
+    64 rows; else 64 weight rows and up to 128 activation rows). H100 sweeps, 8B linears,
+    per-row scales (fp8-gemm-sweep-2026-12-06b-h100-8b-swap.json, -06e-): at 256 rows 41 / 29
+    / 144 / 73 us for QKV / o_proj / gate_up / down_proj against 68 / 35 / 259 / 121
+    unswapped (fp8-gemm-2026-12-06-h100-8b.json); QKV at 64 rows 20.9 against 32.4.
     Elsewhere at 33-64 rows 128-byte K steps in 3 stages with 128 weight rows a step where that
     fills the SMs (the 8B gate/up: 58.1 us, swapped 66.9), else 32/64 columns in 4 stages.
     Without MMA (Volta, Turing: FMA dots) 32-wide K steps in two stages, which compile
