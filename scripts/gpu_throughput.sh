@@ -5,7 +5,7 @@
 #   bash scripts/gpu_throughput.sh short    concurrency 16 / 64 x context 1K / 4K (~6 min warm;
 #                                           CONTEXTS="1024" for 1K only)
 #   bash scripts/gpu_throughput.sh auto     `short` on an H200 (where issue 6 is judged), else
-#                                           ${ELSE:-scripts/gpu_matrix.sh tests}
+#                                           bash ${ELSE:-scripts/gpu_matrix.sh tests} (ELSE=/dev/null: nothing)
 # Results under $OUT (default /tmp/out); the benchmark saves after every cell.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
