@@ -4,6 +4,11 @@
 # kvcap.bench.throughput_targets.
 #   bash scripts/gpu_throughput.sh short    concurrency 16 / 64 x context 1K / 4K (~6 min warm;
 #                                           CONTEXTS="1024" for 1K only)
+#   bash scripts/gpu_throughput.sh pdl64    64 x 1K, BF16 / E4M3 KV: the default (cuBLAS GEMMs, ordinary
+#                                           launches at 64 rows) against every linear on kvcap's
+#                                           skinny kernels as programmatic dependents
+#                                           (KVCAP_SKINNY_GEMM_MAX_ROWS=64 KVCAP_PDL_MAX_ROWS=64),
+#                                           alternating, two rounds (~5 min)
 #   bash scripts/gpu_throughput.sh auto     `short` on an H200 (where issue 6 is judged), else
 #                                           bash ${ELSE:-scripts/gpu_matrix.sh tests} (ELSE=/dev/null: nothing)
 # Results under $OUT (default /tmp/out); the benchmark saves after every cell.
@@ -18,11 +23,22 @@ short() {
     | grep -vE "^\{" | tail -24
   python3 -m kvcap.bench.throughput_targets "$OUT/throughput-8b-short.json"
 }
+pdl64() {
+  for arm in default-1 pdl-1 default-2 pdl-2; do
+    env $([ "${arm%-*}" = pdl ] && echo KVCAP_SKINNY_GEMM_MAX_ROWS=64 KVCAP_PDL_MAX_ROWS=64) \
+      timeout 140 python3 -m kvcap.bench.throughput --shapes llama-3.1-8b --concurrency 64 \
+      --context 1024 --kv fp16 fp8 --dtype bfloat16 --out-tokens 256 --repeats 2 \
+      --out "$OUT/throughput-pdl64-$arm.json" 2>&1 | grep -E "^llama-3.1-8b +fp"
+    echo "$arm: exit ${PIPESTATUS[0]}"
+    rm -f "$OUT"/throughput-pdl64-*.png  # a device call returns at most 8 files
+  done
+}
 case "${1:-}" in
 short) short ;;
+pdl64) pdl64 ;;
 auto)
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
   echo "GPU: $gpu"
   if [[ "$gpu" == *H200* ]]; then short; else bash ${ELSE:-scripts/gpu_matrix.sh tests}; fi ;;
-*) echo "usage: $0 short|auto"; exit 2 ;;
+*) echo "usage: $0 short|pdl64|auto"; exit 2 ;;
 esac

@@ -53,6 +53,25 @@ def test_no_pdl_off_the_gpu_or_when_disabled(monkeypatch):
         assert common.pdl_launch(dev, 1) == {}
 
 
+def test_pdl_rows_limit_switch(monkeypatch):
+    """KVCAP_PDL_MAX_ROWS replaces PDL_MAX_ROWS (for measurements) and names itself when it
+    is not a row count."""
+    monkeypatch.delenv(common.ENV_PDL_MAX_ROWS, raising=False)
+    assert common.pdl_max_rows() == common.PDL_MAX_ROWS == 16
+    monkeypatch.setenv(common.ENV_PDL_MAX_ROWS, "64")
+    assert common.pdl_max_rows() == 64
+    assert common.pdl_launch(torch.device("cpu"), 32) == {}  # never off the GPU
+    monkeypatch.setenv(common.ENV_PDL_MAX_ROWS, "-3")
+    assert common.pdl_max_rows() == 0
+    monkeypatch.setenv(common.ENV_PDL_MAX_ROWS, "all")
+    with pytest.raises(ValueError, match="KVCAP_PDL_MAX_ROWS='all' is not an integer"):
+        common.pdl_max_rows()
+    if GPU and torch.cuda.get_device_capability()[0] >= 9:
+        monkeypatch.setenv(common.ENV_PDL_MAX_ROWS, "64")
+        assert common.pdl_launch(torch.device("cuda"), 64) == {"launch_pdl": True}
+        assert common.pdl_launch(torch.device("cuda"), 65) == {}
+
+
 def _layer_chain(x, res, w, cos, sin, cache, slots, meta, layers):
     """`layers` decoder layers' decode kernels in the engine's order, every layer on the same
     weights and cache (idempotent: replays write the same bytes)."""

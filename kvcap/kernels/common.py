@@ -32,6 +32,7 @@ ENV_DISABLE_ROPE_KV_WRITE = "KVCAP_DISABLE_ROPE_KV_WRITE"
 ENV_SOFTWARE_ENCODE = "KVCAP_SOFTWARE_E4M3_ENCODE"
 ENV_DISABLE_PDL = "KVCAP_DISABLE_PDL"
 ENV_PDL_RELEASE = "KVCAP_PDL_RELEASE"
+ENV_PDL_MAX_ROWS = "KVCAP_PDL_MAX_ROWS"
 
 SOFTWARE_FP8_FACTOR = 256.0  # the packed decoder yields value * 2^-8
 LOG2E = 1.4426950408889634
@@ -166,13 +167,26 @@ FP_FUSION = {"enable_fp_fusion": True}
 PDL_MAX_ROWS = 16
 
 
+def pdl_max_rows() -> int:
+    """PDL_MAX_ROWS, or KVCAP_PDL_MAX_ROWS=N (for measurements: e.g. 64 with
+    KVCAP_SKINNY_GEMM_MAX_ROWS=64, every kernel of a 64-row step kvcap's and dependent)."""
+    raw = os.environ.get(ENV_PDL_MAX_ROWS, "").strip()
+    if not raw:
+        return PDL_MAX_ROWS
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        raise ValueError(f"{ENV_PDL_MAX_ROWS}={raw!r} is not an integer row count (unset it "
+                         f"for the default, {PDL_MAX_ROWS})") from None
+
+
 def pdl_launch(device: torch.device, rows: int) -> dict:
     """Launch options of a kernel of a step of `rows` token rows: {"launch_pdl": True} where
-    programmatic dependent launch is supported, rows <= PDL_MAX_ROWS and KVCAP_DISABLE_PDL is
-    unset, else {}. Such a kernel may start while the one before it in the stream still runs;
+    programmatic dependent launch is supported, rows <= pdl_max_rows() and KVCAP_DISABLE_PDL
+    is unset, else {}. Such a kernel may start while the one before it in the stream still runs;
     it calls `pdl_wait` (with GDC = pdl_mode(...)) before it touches anything its predecessors
     write, and `pdl_release` last."""
-    if rows > PDL_MAX_ROWS or not pdl_supported(device) or _flag(ENV_DISABLE_PDL):
+    if not pdl_supported(device) or _flag(ENV_DISABLE_PDL) or rows > pdl_max_rows():
         return {}
     return {"launch_pdl": True}
 
