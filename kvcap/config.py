@@ -29,6 +29,20 @@ def env_flag(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no")
 
 
+def env_rows(name: str, default: int) -> int:
+    """A row-count switch (for measurements): environment variable `name` as an integer >= 0
+    (a negative one reads as 0), `default` when unset or blank; a ValueError naming it when it
+    is not an integer. (kvcap.kernels.common.pdl_max_rows keeps its own copy, as for
+    env_flag.)"""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer row count") from None
+
+
 KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "fp32", "fp8_e4m3")
 _TORCH_DTYPES = {
     "float32": torch.float32,

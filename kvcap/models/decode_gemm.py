@@ -18,12 +18,11 @@ rows (padded to a graph bucket within the same limit) take the same kernel.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
-from kvcap.config import env_flag
+from kvcap.config import env_flag, env_rows
 
 DISABLE_ENV = "KVCAP_DISABLE_SKINNY_GEMM"
 MAX_ROWS_ENV = "KVCAP_SKINNY_GEMM_MAX_ROWS"
@@ -43,13 +42,7 @@ def _measured_arch(index: int) -> bool:
 
 
 def _row_limit(kind: str) -> int:
-    raw = os.environ.get(MAX_ROWS_ENV, "").strip()
-    if not raw:
-        return ROW_LIMITS[kind]
-    try:
-        return max(0, int(raw))
-    except ValueError:
-        raise ValueError(f"{MAX_ROWS_ENV}={raw!r} is not an integer row count") from None
+    return env_rows(MAX_ROWS_ENV, ROW_LIMITS[kind])
 
 
 def wants_skinny(kind: str, rows: int) -> bool:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -28,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvcap.config import env_rows
 from kvcap.errors import ConfigError, ModelLoadError
 from kvcap.models.fp8_weights import FP8Tensor, FP8Weights, expand_scale
 
@@ -45,13 +45,7 @@ FP8_WEIGHT_MODES = ("auto", "keep", "dequantize")
 def max_rows() -> int:
     """Rows up to which the streaming kernel runs (KVCAP_FP8_GEMM_MAX_ROWS=N for
     measurements; 0: always dequantize + cuBLAS)."""
-    raw = os.environ.get(MAX_ROWS_ENV, "").strip()
-    if not raw:
-        return KERNEL_MAX_ROWS
-    try:
-        return min(max(0, int(raw)), KERNEL_MAX_ROWS)
-    except ValueError:
-        raise ValueError(f"{MAX_ROWS_ENV}={raw!r} is not an integer row count") from None
+    return min(env_rows(MAX_ROWS_ENV, KERNEL_MAX_ROWS), KERNEL_MAX_ROWS)
 
 
 def layout(fmt: FP8Weights, in_features: int, parts: Sequence[int],
