@@ -99,3 +99,37 @@ def test_gemm_sweep_block_ns():
     assert {c["block_n"] for c in wide} == {128, 256}
     assert {(c["block_n"], c["num_warps"]) for c in wide if c.get("split_k") == 2} == \
         {(128, 4), (128, 8), (256, 4), (256, 8)}
+
+
+HOPPER_SHARED_BYTES = 232448  # an SM's opt-in shared memory on sm_90 (H100 / H200)
+# (n, k) of the Llama-3.1-8B and -70B decode linears: QKV, o_proj, down_proj, LM head
+LINEARS = [(6144, 4096), (4096, 4096), (4096, 14336), (128256, 4096),
+           (10240, 8192), (8192, 8192), (8192, 28672), (128256, 8192)]
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 32, 33, 48, 64])
+def test_default_launches_fit_an_sms_shared_memory(rows):
+    """Every default launch of skinny_linear / skinny_swiglu, at every decode row count it
+    takes, holds its pipeline in an SM's shared memory. Above 32 rows the activation tile is 64
+    rows: down_proj's 16-row launch (256-wide K steps, 5 stages) would need 245,760 bytes there
+    -- what an H100 refused with OutOfResources under KVCAP_SKINNY_GEMM_MAX_ROWS=64."""
+    from kvcap.kernels.skinny_gemm import default_config, pipeline_bytes, swiglu_config
+
+    cuda = torch.device("cuda", 0)
+    assert pipeline_bytes(64, 32, 256, 5) == 245760 > HOPPER_SHARED_BYTES
+    for n, k in LINEARS:
+        bn, bk, _, stages, _ = default_config(n, k, rows, cuda)
+        assert pipeline_bytes(rows, bn, bk, stages) <= HOPPER_SHARED_BYTES, (n, k, rows)
+    bn, bk, _, stages = swiglu_config(rows, cuda)
+    assert pipeline_bytes(rows, bn, bk, stages, weight_tiles=2) <= HOPPER_SHARED_BYTES
+
+
+def test_default_launch_at_64_rows_matches_torch():
+    """The 64-row default launch of a down_proj-shaped linear (K twice N or more: 64-column
+    tiles, K split in two) -- the interpreter runs it on the CPU configuration's tiles, a GPU
+    on the real ones."""
+    g = torch.Generator().manual_seed(64)
+    x = torch.randn(64, 512, generator=g).to(DEV, torch.float16)
+    w = (torch.randn(96, 512, generator=g) * 0.1).to(DEV, torch.float16)
+    got = skinny_linear(x, w)
+    torch.testing.assert_close(got.float(), x.float() @ w.float().t(), rtol=2e-3, atol=2e-3)

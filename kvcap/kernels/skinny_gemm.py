@@ -143,21 +143,37 @@ def _skinny_gemm_swiglu_kernel(x_ptr, w_ptr, y_ptr, M, INTER, K, stride_xm, stri
     pdl_release(GDC)
 
 
-def default_config(n: int, k: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages, split_k): the H200 sweep's winners at 16 rows
-    on the Llama-3.1-8B linears (docs/benchmarks/gemm-2026-12-03-h200.json): wide matrices (the
-    LM head) 64-column tiles, 3 stages; long K (down_proj) 256-wide K steps; square ones
-    (o_proj) 5 stages and K split in two, so 256 programs fill the SMs instead of 128; QKV
-    (more columns than K) 5 stages, no split."""
+def default_config(n: int, k: int, rows: int,
+                   device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, split_k): the H200 sweeps' winners on the
+    Llama-3.1-8B linears. Up to 32 rows (docs/benchmarks/gemm-2026-12-03-h200.json, 16 rows):
+    wide matrices (the LM head) 64-column tiles, 3 stages; long K (down_proj) 256-wide K steps;
+    square ones (o_proj) 5 stages and K split in two, so 256 programs fill the SMs instead of
+    128; QKV (more columns than K) 5 stages, no split. Above 32 rows (the same file's 64-row
+    cells; QKV from gemm-2026-12-01-h200.json) the 64-row activation tile doubles each stage:
+    down_proj's 256-wide steps at 5 stages would need 240 KiB of shared memory (more than an
+    SM has), and its winner is 64-column tiles, 128-wide steps, K split in two (35.0 us against
+    cuBLAS's 36.0); o_proj's is no split, 8 stages (12.2 against 12.1); QKV's 64-column tiles
+    (16.7 against 16.3)."""
     if device.type != "cuda":
         return 16, 32, 1, 1, 1
     if n >= 16384:
         return 64, 128, 4, 3, 1
+    wide_rows = rows > 32
     if k >= 2 * n:
-        return 32, 256, 4, 5, 1
+        return (64, 128, 4, 5, 2) if wide_rows else (32, 256, 4, 5, 1)
     if n > k:  # QKV: 192 tiles already fill the SMs (the 2026-12-01 sweep's best, no split)
-        return 32, 128, 4, 5, 1
-    return 32, 128, 4, 5, 2
+        return (64 if wide_rows else 32), 128, 4, 5, 1
+    return (32, 128, 4, 8, 1) if wide_rows else (32, 128, 4, 5, 2)
+
+
+def pipeline_bytes(rows: int, block_n: int, block_k: int, num_stages: int,
+                   itemsize: int = 2, weight_tiles: int = 1) -> int:
+    """Shared memory the software pipeline holds: num_stages copies of the [BLOCK_M, BLOCK_K]
+    activation tile and of `weight_tiles` [BLOCK_N, BLOCK_K] weight tiles (two for SwiGLU).
+    Tests hold every default launch under an SM's limit with it."""
+    block_m = max(16, triton.next_power_of_2(rows))
+    return num_stages * block_k * itemsize * (block_m + weight_tiles * block_n)
 
 
 def swiglu_config(rows: int, device: torch.device) -> tuple[int, int, int, int]:
@@ -248,7 +264,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     _check_operands(x, w, "skinny_linear")
     m, k = x.shape
     n = w.shape[0]
-    bn, bk, nw, ns, sk = default_config(n, k, x.device)
+    bn, bk, nw, ns, sk = default_config(n, k, m, x.device)
     bn, bk, nw, ns = block_n or bn, block_k or bk, num_warps or nw, num_stages or ns
     sk = split_k or sk
     if out is None:
