@@ -9,6 +9,9 @@
 #                                           skinny kernels as programmatic dependents
 #                                           (KVCAP_SKINNY_GEMM_MAX_ROWS=64 KVCAP_PDL_MAX_ROWS=64),
 #                                           alternating, two rounds (~5 min)
+#   bash scripts/gpu_throughput.sh profile  where the 16 / 64 x 1K steps' kernel time goes (BF16 / E4M3 KV,
+#                                           kvcap.bench.step_profile, 50 graphed steps; ~1 min)
+#   bash scripts/gpu_throughput.sh pdl64 profile   modes run in the order given
 #   bash scripts/gpu_throughput.sh auto     `short` on an H200 (where issue 6 is judged), else
 #                                           bash ${ELSE:-scripts/gpu_matrix.sh tests} (ELSE=/dev/null: nothing)
 # Results under $OUT (default /tmp/out); the benchmark saves after every cell.
@@ -33,12 +36,21 @@ pdl64() {
     rm -f "$OUT"/throughput-pdl64-*.png  # a device call returns at most 8 files
   done
 }
-case "${1:-}" in
-short) short ;;
-pdl64) pdl64 ;;
-auto)
-  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-  echo "GPU: $gpu"
-  if [[ "$gpu" == *H200* ]]; then short; else bash ${ELSE:-scripts/gpu_matrix.sh tests}; fi ;;
-*) echo "usage: $0 short|pdl64|auto"; exit 2 ;;
-esac
+profile() {
+  timeout 300 python3 -m kvcap.bench.step_profile --dtype bfloat16 \
+    --steps 50 --cells fp16:16:1024 fp8:16:1024 fp16:64:1024 fp8:64:1024 \
+    --out "$OUT/step-profile-8b-1k.json" 2>&1 | grep -vE "^\{" | tail -40
+}
+[ $# -gt 0 ] || set -- usage
+for mode in "$@"; do
+  case "$mode" in
+  short) short ;;
+  pdl64) pdl64 ;;
+  profile) profile ;;
+  auto)
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+    echo "GPU: $gpu"
+    if [[ "$gpu" == *H200* ]]; then short; else bash ${ELSE:-scripts/gpu_matrix.sh tests}; fi ;;
+  *) echo "usage: $0 short|pdl64|profile|auto ..."; exit 2 ;;
+  esac
+done
