@@ -11,6 +11,10 @@
 #                                           alternating, two rounds (~5 min)
 #   bash scripts/gpu_throughput.sh profile  where the 16 / 64 x 1K steps' kernel time goes (BF16 / E4M3 KV,
 #                                           kvcap.bench.step_profile, 50 graphed steps; ~1 min)
+#   bash scripts/gpu_throughput.sh rule     32 / 64 x 1K (BF16 weights, BF16 / E4M3 KV; 8B FP8 weights, E4M3 KV):
+#                                           the default against every linear on cuBLAS and
+#                                           ordinary launches above 16 rows (KVCAP_SKINNY_GEMM_MAX_ROWS=16
+#                                           KVCAP_PDL_MAX_ROWS=16), alternating, two rounds (~6 min)
 #   bash scripts/gpu_throughput.sh pdl64 profile   modes run in the order given
 #   bash scripts/gpu_throughput.sh auto     `short` on an H200 (where issue 6 is judged), else
 #                                           bash ${ELSE:-scripts/gpu_matrix.sh tests} (ELSE=/dev/null: nothing)
@@ -36,6 +40,19 @@ pdl64() {
     rm -f "$OUT"/throughput-pdl64-*.png  # a device call returns at most 8 files
   done
 }
+rule() {
+  for arm in default-1 rows16-1 default-2 rows16-2; do
+    for shape in llama-3.1-8b llama-3.1-8b-fp8; do
+      env $([ "${arm%-*}" = rows16 ] && echo KVCAP_SKINNY_GEMM_MAX_ROWS=16 KVCAP_PDL_MAX_ROWS=16) \
+        timeout 140 python3 -m kvcap.bench.throughput --shapes $shape --concurrency 32 64 \
+        --context 1024 --kv $([ $shape = llama-3.1-8b ] && echo fp16) fp8 --dtype bfloat16 \
+        --out-tokens 128 --repeats 2 --out "$OUT/throughput-rule-$shape-$arm.json" 2>&1 \
+        | grep -E "^llama-3.1-8b[-a-z0-9]* +fp"
+      echo "$arm $shape: exit ${PIPESTATUS[0]}"
+    done
+    rm -f "$OUT"/throughput-rule-*.png
+  done
+}
 profile() {
   timeout 300 python3 -m kvcap.bench.step_profile --dtype bfloat16 \
     --steps 50 --cells fp16:16:1024 fp8:16:1024 fp16:64:1024 fp8:64:1024 \
@@ -47,10 +64,11 @@ for mode in "$@"; do
   short) short ;;
   pdl64) pdl64 ;;
   profile) profile ;;
+  rule) rule ;;
   auto)
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
     echo "GPU: $gpu"
     if [[ "$gpu" == *H200* ]]; then short; else bash ${ELSE:-scripts/gpu_matrix.sh tests}; fi ;;
-  *) echo "usage: $0 short|pdl64|profile|auto ..."; exit 2 ;;
+  *) echo "usage: $0 short|pdl64|rule|profile|auto ..."; exit 2 ;;
   esac
 done

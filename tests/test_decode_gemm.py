@@ -61,6 +61,22 @@ def test_swiglu_refuses_what_it_cannot_do():
         skinny_swiglu(torch.randn(2, 32, device=DEV), w)
 
 
+def test_h100_takes_every_linear_up_to_64_rows(monkeypatch):
+    """The H100's limits (measured there: every linear of a 64-row step on the skinny kernels,
+    every kernel a programmatic dependent) against every other GPU's; the override still
+    replaces them."""
+    monkeypatch.delenv(decode_gemm.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(decode_gemm.MAX_ROWS_ENV, raising=False)
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL"):
+        assert all(decode_gemm.wants_skinny(kind, 64, name) for kind in decode_gemm.ROW_LIMITS)
+        assert not decode_gemm.wants_skinny("down_proj", 65, name)
+    for name in ("NVIDIA H200", "", "NVIDIA A100-SXM4-80GB"):
+        assert decode_gemm.row_limits(name) is decode_gemm.ROW_LIMITS
+        assert not decode_gemm.wants_skinny("down_proj", 17, name)
+    monkeypatch.setenv(decode_gemm.MAX_ROWS_ENV, "16")
+    assert not decode_gemm.wants_skinny("swiglu", 17, "NVIDIA H100 80GB HBM3")
+
+
 def test_rule_rows_switch_and_override(monkeypatch):
     monkeypatch.delenv(decode_gemm.DISABLE_ENV, raising=False)
     monkeypatch.delenv(decode_gemm.MAX_ROWS_ENV, raising=False)
@@ -103,7 +119,8 @@ def test_model_linears_route_on_hopper(rows, monkeypatch):
     x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2 * 384, 512, device="cuda", dtype=torch.bfloat16) * 0.05
     routed = decode_gemm.skinny_for(x, w, "swiglu") is not None
-    assert routed == (hopper and rows <= decode_gemm.ROW_LIMITS["swiglu"])
+    limit = decode_gemm.row_limits(torch.cuda.get_device_name())["swiglu"]
+    assert routed == (hopper and rows <= limit)
     got = decode_gemm.swiglu(x, w)
     if routed:
         torch.testing.assert_close(got.float(), _unfused(x, w).float(), rtol=2e-2, atol=2e-2)

@@ -6,6 +6,7 @@ gives with every kernel launched the ordinary way."""
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 import torch
@@ -47,8 +48,9 @@ def test_no_pdl_off_the_gpu_or_when_disabled(monkeypatch):
     if GPU:
         dev = torch.device("cuda")
         want = {"launch_pdl": True} if torch.cuda.get_device_capability()[0] >= 9 else {}
-        assert common.pdl_launch(dev, common.PDL_MAX_ROWS) == want
-        assert common.pdl_launch(dev, common.PDL_MAX_ROWS + 1) == {}
+        limit = common.pdl_max_rows(dev)
+        assert common.pdl_launch(dev, limit) == want
+        assert common.pdl_launch(dev, limit + 1) == {}
         monkeypatch.setenv(common.ENV_DISABLE_PDL, "1")
         assert common.pdl_launch(dev, 1) == {}
 
@@ -67,9 +69,26 @@ def test_pdl_rows_limit_switch(monkeypatch):
     with pytest.raises(ValueError, match="KVCAP_PDL_MAX_ROWS='all' is not an integer"):
         common.pdl_max_rows()
     if GPU and torch.cuda.get_device_capability()[0] >= 9:
+        monkeypatch.delenv(common.ENV_PDL_MAX_ROWS)
+        h100 = "H100" in torch.cuda.get_device_name()
+        assert common.pdl_max_rows(torch.device("cuda")) == (64 if h100 else 16)
         monkeypatch.setenv(common.ENV_PDL_MAX_ROWS, "64")
         assert common.pdl_launch(torch.device("cuda"), 64) == {"launch_pdl": True}
         assert common.pdl_launch(torch.device("cuda"), 65) == {}
+
+
+def test_pdl_rows_by_gpu_name(monkeypatch):
+    """GPUs named in PDL_MAX_ROWS_BY_GPU (the H100: 64 rows, measured with every linear on the
+    skinny kernels) take its limit, others PDL_MAX_ROWS; the switch replaces both."""
+    monkeypatch.delenv(common.ENV_PDL_MAX_ROWS, raising=False)
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200"}
+    monkeypatch.setattr(common, "_PROPERTIES", {i: types.SimpleNamespace(name=n)
+                                                 for i, n in names.items()})
+    assert common.pdl_max_rows(torch.device("cuda", 0)) == 64
+    assert common.pdl_max_rows(torch.device("cuda", 1)) == common.PDL_MAX_ROWS == 16
+    assert common.pdl_max_rows(torch.device("cpu")) == common.pdl_max_rows() == 16
+    monkeypatch.setenv(common.ENV_PDL_MAX_ROWS, "8")
+    assert common.pdl_max_rows(torch.device("cuda", 0)) == 8
 
 
 def _layer_chain(x, res, w, cos, sin, cache, slots, meta, layers):

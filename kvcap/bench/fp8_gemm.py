@@ -31,7 +31,7 @@ from kvcap.commands.common import positive_int, require_cuda
 from kvcap.kernels import fp8_gemm
 from kvcap.kernels.common import sm_count
 from kvcap.kernels.skinny_gemm import skinny_linear
-from kvcap.models.decode_gemm import ROW_LIMITS
+from kvcap.models.decode_gemm import row_limits
 from kvcap.models.fp8_linear import dequantize_reference
 from kvcap.scales.fsutil import atomic_write_text
 
@@ -102,7 +102,7 @@ def bench_linear(name: str, n: int, k: int, rows: list[int], ceiling: float, lay
         moved16 = 2 * n * k + 2 * m * (n + k)
         out.append(row("cublas-bf16", _graph_time([functools.partial(F.linear, x, w)
                                                    for w in w16]), moved16, rel_err=cublas_err))
-        if m <= ROW_LIMITS[KINDS[name]]:
+        if m <= row_limits(torch.cuda.get_device_name())[KINDS[name]]:
             out.append(row("skinny-bf16", _graph_time([functools.partial(skinny_linear, x, w)
                                                        for w in w16]), moved16))
         moved8 = w_bytes + 4 * s.numel() + 2 * m * (n + k)

@@ -163,15 +163,23 @@ FP_FUSION = {"enable_fp_fusion": True}
 
 # Token rows up to which a step's kernels launch as programmatic dependents: on the H200 the
 # 8B shape's decode steps gained 1.4-2.0% at 1 and 16 rows (every kernel of a layer is then
-# kvcap's: the skinny GEMMs) and lost 0.9% at 64 rows, where the GEMMs are cuBLAS's.
+# kvcap's: the skinny GEMMs) and lost 0.9% at 64 rows, where the GEMMs are cuBLAS's. On the
+# H100, with every linear of a 64-row step on the skinny kernels too (models.decode_gemm), the
+# 64 x 1K steps gained 3.0% / 3.3% (BF16 / E4M3 KV; docs/kernels.md, "Thirty-sixth change"):
+# GPUs whose name holds a key of PDL_MAX_ROWS_BY_GPU take its value.
 PDL_MAX_ROWS = 16
+PDL_MAX_ROWS_BY_GPU = {"H100": 64}
 
 
-def pdl_max_rows() -> int:
-    """PDL_MAX_ROWS, or KVCAP_PDL_MAX_ROWS=N (for measurements: e.g. 64 with
-    KVCAP_SKINNY_GEMM_MAX_ROWS=64, every kernel of a 64-row step kvcap's and dependent)."""
+def pdl_max_rows(device: torch.device | None = None) -> int:
+    """PDL_MAX_ROWS (PDL_MAX_ROWS_BY_GPU's on the GPUs it names), or KVCAP_PDL_MAX_ROWS=N
+    (for measurements: e.g. 64 with KVCAP_SKINNY_GEMM_MAX_ROWS=64, every kernel of a 64-row
+    step kvcap's and dependent)."""
     raw = os.environ.get(ENV_PDL_MAX_ROWS, "").strip()
     if not raw:
+        if device is not None and device.type == "cuda":
+            name = device_properties(device).name
+            return next((v for k, v in PDL_MAX_ROWS_BY_GPU.items() if k in name), PDL_MAX_ROWS)
         return PDL_MAX_ROWS
     try:
         return max(0, int(raw))
@@ -182,11 +190,11 @@ def pdl_max_rows() -> int:
 
 def pdl_launch(device: torch.device, rows: int) -> dict:
     """Launch options of a kernel of a step of `rows` token rows: {"launch_pdl": True} where
-    programmatic dependent launch is supported, rows <= pdl_max_rows() and KVCAP_DISABLE_PDL
+    programmatic dependent launch is supported, rows <= pdl_max_rows(device) and KVCAP_DISABLE_PDL
     is unset, else {}. Such a kernel may start while the one before it in the stream still runs;
     it calls `pdl_wait` (with GDC = pdl_mode(...)) before it touches anything its predecessors
     write, and `pdl_release` last."""
-    if not pdl_supported(device) or _flag(ENV_DISABLE_PDL) or rows > pdl_max_rows():
+    if not pdl_supported(device) or _flag(ENV_DISABLE_PDL) or rows > pdl_max_rows(device):
         return {}
     return {"launch_pdl": True}
 

@@ -6,7 +6,8 @@ gate/up GEMM is followed by a separate SiLU-and-multiply kernel; kvcap.kernels.s
 each in one kernel (`skinny_linear`, `skinny_swiglu`); the bias-free QKV projection joins at <= 16
 rows, where the step's kernels launch as programmatic dependents (docs/kernels.md, "Twenty-second
 change"). The rule here routes a linear to them
-when its input has at most ROW_LIMITS[kind] rows (decode batches; prefill stays on cuBLAS), the
+when its input has at most ROW_LIMITS[kind] rows (ROW_LIMITS_BY_GPU's on the GPUs it names:
+the H100 takes every kind up to 64 rows; decode batches, prefill stays on cuBLAS), the
 tensors are FP16/BF16 on a GPU of the architecture they were measured on (Hopper, SM 9.x:
 docs/kernels.md "Twentieth change"), and KVCAP_DISABLE_SKINNY_GEMM is unset.
 KVCAP_SKINNY_GEMM_MAX_ROWS=N replaces every row limit with N (0: never), for measurements.
@@ -34,6 +35,12 @@ SKINNY_MAX_ROWS = 64
 # so that a decode step's chain of programmatic dependent launches (kernels.common.pdl_launch)
 # is not broken by a cuBLAS kernel once per layer.
 ROW_LIMITS = {"qkv_proj": 16, "o_proj": 32, "down_proj": 16, "swiglu": 32, "lm_head": 64}
+# GPUs whose name holds a key here take its limits instead. On the H100 every linear of a step
+# of up to 64 rows on these kernels, every kernel a programmatic dependent (the H100's
+# kernels.common.PDL_MAX_ROWS_BY_GPU), gained 3.0% / 3.3% at the 8B's 64 x 1K (BF16 / E4M3 KV;
+# docs/kernels.md, "Thirty-sixth change"); unmeasured so on the H200, where at 64 rows the
+# fused gate/up had taken 1.10x cuBLAS plus the activation kernel.
+ROW_LIMITS_BY_GPU = {"H100": dict.fromkeys(ROW_LIMITS, SKINNY_MAX_ROWS)}
 
 
 @functools.cache
@@ -41,27 +48,34 @@ def _measured_arch(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
-def _row_limit(kind: str) -> int:
-    return env_rows(MAX_ROWS_ENV, ROW_LIMITS[kind])
+@functools.cache
+def _gpu_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
 
 
-def wants_skinny(kind: str, rows: int) -> bool:
+def row_limits(gpu_name: str = "") -> dict[str, int]:
+    """Each kind's row limit on a GPU of that name (ROW_LIMITS_BY_GPU's where a key is part of
+    it, else ROW_LIMITS)."""
+    return next((v for k, v in ROW_LIMITS_BY_GPU.items() if k in gpu_name), ROW_LIMITS)
+
+
+def wants_skinny(kind: str, rows: int, gpu_name: str = "") -> bool:
     """The rule's switch and row part: `rows` rows of `kind` go to the skinny kernel (on a
-    measured GPU, with FP16/BF16 operands)."""
+    measured GPU, with FP16/BF16 operands); KVCAP_SKINNY_GEMM_MAX_ROWS replaces the limit."""
     if env_flag(DISABLE_ENV):
         return False
-    return 1 <= rows <= min(_row_limit(kind), SKINNY_MAX_ROWS)
+    limit = env_rows(MAX_ROWS_ENV, row_limits(gpu_name)[kind])
+    return 1 <= rows <= min(limit, SKINNY_MAX_ROWS)
 
 
 def skinny_for(x: torch.Tensor, weight: torch.Tensor, kind: str):
     """kvcap.kernels.skinny_gemm when `kind`'s GEMM of x [M, K] with weight should run there,
     else None (cuBLAS / torch ops)."""
     if (not x.is_cuda or x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16)
-            or weight.dtype != x.dtype or x.stride(1) != 1 or weight.stride(1) != 1
-            or not wants_skinny(kind, x.shape[0])):
+            or weight.dtype != x.dtype or x.stride(1) != 1 or weight.stride(1) != 1):
         return None
-    if not _measured_arch(x.device.index if x.device.index is not None
-                          else torch.cuda.current_device()):
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if not _measured_arch(index) or not wants_skinny(kind, x.shape[0], _gpu_name(index)):
         return None
     from kvcap.kernels import skinny_gemm
 
