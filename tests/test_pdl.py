@@ -70,7 +70,7 @@ def test_pdl_rows_limit_switch(monkeypatch):
         common.pdl_max_rows()
     if GPU and torch.cuda.get_device_capability()[0] >= 9:
         monkeypatch.delenv(common.ENV_PDL_MAX_ROWS)
-        h100 = "H100" in torch.cuda.get_device_name()
+        h100 = "H100 80GB HBM3" in torch.cuda.get_device_name()
         assert common.pdl_max_rows(torch.device("cuda")) == (64 if h100 else 16)
         monkeypatch.setenv(common.ENV_PDL_MAX_ROWS, "64")
         assert common.pdl_launch(torch.device("cuda"), 64) == {"launch_pdl": True}
