@@ -4,9 +4,10 @@
 # kvcap.bench.throughput_targets.
 #   bash scripts/gpu_throughput.sh short    concurrency 16 / 64 x context 1K / 4K (~6 min warm;
 #                                           CONTEXTS="1024" for 1K only)
-#   bash scripts/gpu_throughput.sh pdl64    64 x 1K, BF16 / E4M3 KV: the default (cuBLAS GEMMs, ordinary
-#                                           launches at 64 rows) against every linear on kvcap's
-#                                           skinny kernels as programmatic dependents
+#   bash scripts/gpu_throughput.sh pdl64    64 x 1K, BF16 / E4M3 KV: the default (on GPUs other than the
+#                                           SXM H100 cuBLAS GEMMs, ordinary launches at 64 rows)
+#                                           against every linear on kvcap's skinny kernels as
+#                                           programmatic dependents
 #                                           (KVCAP_SKINNY_GEMM_MAX_ROWS=64 KVCAP_PDL_MAX_ROWS=64),
 #                                           alternating, two rounds (~5 min)
 #   bash scripts/gpu_throughput.sh profile  where the 16 / 64 x 1K steps' kernel time goes (BF16 / E4M3 KV,
@@ -30,28 +31,31 @@ short() {
     | grep -vE "^\{" | tail -24
   python3 -m kvcap.bench.throughput_targets "$OUT/throughput-8b-short.json"
 }
-pdl64() {
-  for arm in default-1 pdl-1 default-2 pdl-2; do
-    env $([ "${arm%-*}" = pdl ] && echo KVCAP_SKINNY_GEMM_MAX_ROWS=64 KVCAP_PDL_MAX_ROWS=64) \
-      timeout 140 python3 -m kvcap.bench.throughput --shapes llama-3.1-8b --concurrency 64 \
-      --context 1024 --kv fp16 fp8 --dtype bfloat16 --out-tokens 256 --repeats 2 \
-      --out "$OUT/throughput-pdl64-$arm.json" 2>&1 | grep -E "^llama-3.1-8b +fp"
-    echo "$arm: exit ${PIPESTATUS[0]}"
-    rm -f "$OUT"/throughput-pdl64-*.png  # a device call returns at most 8 files
-  done
-}
-rule() {
-  for arm in default-1 rows16-1 default-2 rows16-2; do
-    for shape in llama-3.1-8b llama-3.1-8b-fp8; do
-      env $([ "${arm%-*}" = rows16 ] && echo KVCAP_SKINNY_GEMM_MAX_ROWS=16 KVCAP_PDL_MAX_ROWS=16) \
-        timeout 140 python3 -m kvcap.bench.throughput --shapes $shape --concurrency 32 64 \
-        --context 1024 --kv $([ $shape = llama-3.1-8b ] && echo fp16) fp8 --dtype bfloat16 \
-        --out-tokens 128 --repeats 2 --out "$OUT/throughput-rule-$shape-$arm.json" 2>&1 \
+# alternate NAME "VAR=VALUE ..." BENCH-ARGS...: the default against the switched arm NAME,
+# alternating, two rounds; each arm one throughput run per shape of SHAPES (BF16 weights with
+# BF16 and E4M3 KV, FP8 weights with E4M3 KV), to $OUT/throughput-NAME-SHAPE-ARM-ROUND.json
+alternate() {
+  local name=$1 switched=$2; shift 2
+  for arm in default-1 "$name-1" default-2 "$name-2"; do
+    for shape in $SHAPES; do
+      env $([ "${arm%-*}" = "$name" ] && echo $switched) \
+        timeout 140 python3 -m kvcap.bench.throughput --shapes $shape \
+        --kv $([ $shape = llama-3.1-8b ] && echo fp16) fp8 --dtype bfloat16 "$@" \
+        --out "$OUT/throughput-$name-$shape-$arm.json" 2>&1 \
         | grep -E "^llama-3.1-8b[-a-z0-9]* +fp"
       echo "$arm $shape: exit ${PIPESTATUS[0]}"
     done
-    rm -f "$OUT"/throughput-rule-*.png
+    rm -f "$OUT"/throughput-"$name"-*.png  # a device call returns at most 8 files
   done
+}
+pdl64() {
+  SHAPES=llama-3.1-8b alternate pdl64 "KVCAP_SKINNY_GEMM_MAX_ROWS=64 KVCAP_PDL_MAX_ROWS=64" \
+    --concurrency 64 --context 1024 --out-tokens 256 --repeats 2
+}
+rule() {
+  SHAPES="llama-3.1-8b llama-3.1-8b-fp8" alternate rows16 \
+    "KVCAP_SKINNY_GEMM_MAX_ROWS=16 KVCAP_PDL_MAX_ROWS=16" \
+    --concurrency 32 64 --context 1024 --out-tokens 128 --repeats 2
 }
 profile() {
   timeout 300 python3 -m kvcap.bench.step_profile --dtype bfloat16 \
