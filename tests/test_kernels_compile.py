@@ -393,11 +393,12 @@ def test_fp8_weight_gemm_swapped_operands_on_hopper(rows, n, k, k_group, swiglu)
     assert c["spill store bytes"] == 0
 
 
-@pytest.mark.parametrize("gdc", [1, 2])
-def test_fp8_weight_gemm_dependent_launch_compiles_on_hopper(gdc):
+@pytest.mark.parametrize("rows,gdc", [(16, 1), (16, 2), (64, 1)])
+def test_fp8_weight_gemm_dependent_launch_compiles_on_hopper(rows, gdc):
     """At decode rows on sm_90 the FP8-weight GEMM launches as a programmatic dependent like
-    the other decode kernels: one wait, one release, in both release forms, no spills."""
-    c = _counts("--kernel", "fp8_gemm", "--sm", "90", "--rows", "16", "--n", "6144", "--k",
+    the other decode kernels: one wait, one release, in both release forms, no spills; and at
+    64 rows, the swapped launch, where the SXM H100 launches it as a dependent too."""
+    c = _counts("--kernel", "fp8_gemm", "--sm", "90", "--rows", str(rows), "--n", "6144", "--k",
                 "4096", "--dtype", "bf16", "--gdc", str(gdc))
     assert c["griddepcontrol.wait"] == 1 and c["griddepcontrol.launch_dependents"] == 1
     assert c["spill store bytes"] == 0
