@@ -165,7 +165,7 @@ FP_FUSION = {"enable_fp_fusion": True}
 # 8B shape's decode steps gained 1.4-2.0% at 1 and 16 rows (every kernel of a layer is then
 # kvcap's: the skinny GEMMs) and lost 0.9% at 64 rows, where the GEMMs are cuBLAS's. On the
 # H100, with every linear of a 64-row step on the skinny kernels too (models.decode_gemm), the
-# 64 x 1K steps gained 3.0% / 3.3% (BF16 / E4M3 KV; docs/kernels.md, "Thirty-sixth change"):
+# 64 x 1K steps gained 3.0% / 3.4% (BF16 / E4M3 KV; docs/kernels.md, "Thirty-sixth change"):
 # GPUs whose name holds a key of PDL_MAX_ROWS_BY_GPU take its value (the SXM H100 only).
 PDL_MAX_ROWS = 16
 PDL_MAX_ROWS_BY_GPU = {"H100 80GB HBM3": 64}  # the H100 SXM, where it was measured

@@ -37,7 +37,7 @@ SKINNY_MAX_ROWS = 64
 ROW_LIMITS = {"qkv_proj": 16, "o_proj": 32, "down_proj": 16, "swiglu": 32, "lm_head": 64}
 # GPUs whose name holds a key here take its limits instead. On the H100 every linear of a step
 # of up to 64 rows on these kernels, every kernel a programmatic dependent (the H100's
-# kernels.common.PDL_MAX_ROWS_BY_GPU), gained 3.0% / 3.3% at the 8B's 64 x 1K (BF16 / E4M3 KV;
+# kernels.common.PDL_MAX_ROWS_BY_GPU), gained 3.0% / 3.4% at the 8B's 64 x 1K (BF16 / E4M3 KV;
 # docs/kernels.md, "Thirty-sixth change"); unmeasured so on the H200, where at 64 rows the
 # fused gate/up had taken 1.10x cuBLAS plus the activation kernel.
 # The PCIe and NVL H100s (other memory) keep ROW_LIMITS, unmeasured like the H200.
