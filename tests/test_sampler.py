@@ -109,6 +109,18 @@ def test_batch_from_params_and_greedy() -> None:
     assert Sampler("cpu").sample(logits, greedy).tolist() == [1, 3]
 
 
+def test_top_k_past_int32_keeps_every_token() -> None:
+    # top_k is an int32 tensor: a larger k once overflowed inside the engine step
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(3)) * 3
+    for k in (2**31, 2**63):
+        huge = SamplingBatch.from_params([SamplingParams(temperature=1.0, top_k=k)] * 2,
+                                         [7, 8], [0, 4], "cpu")
+        off = SamplingBatch.from_params([SamplingParams(temperature=1.0, top_k=0)] * 2,
+                                        [7, 8], [0, 4], "cpu")
+        assert huge.top_k.tolist() == [2**31 - 1] * 2
+        assert torch.equal(Sampler("cpu").sample(logits, huge), Sampler("cpu").sample(logits, off))
+
+
 def test_seeded_reproducible_independent_of_batch() -> None:
     gen = torch.Generator().manual_seed(0)
     v = 500

@@ -31,6 +31,9 @@ def _split_seed(seed: int) -> tuple[int, int]:
     return (lo - (1 << 32) if lo >= 1 << 31 else lo), (hi - (1 << 32) if hi >= 1 << 31 else hi)
 
 
+_I32_MAX = (1 << 31) - 1
+
+
 def _i32(x: int) -> int:
     x %= 1 << 32
     return x - (1 << 32) if x >= 1 << 31 else x
@@ -80,7 +83,9 @@ class SamplingBatch:
         temps, ks, ps, mps, rng, modes = [], [], [], [], [], []
         for sp, seed, step in zip(params, seeds, steps, strict=True):
             greedy = sp.temperature == 0.0
-            k = 0 if greedy or sp.top_k <= 0 else int(sp.top_k)
+            # k >= V keeps every token, so a k past int32 (the tensor's type) is clamped, not
+            # overflowed: an overflow would fail the whole engine step, every request in it
+            k = 0 if greedy or sp.top_k <= 0 else min(int(sp.top_k), _I32_MAX)
             p = 1.0 if greedy else float(sp.top_p)
             mp = 0.0 if greedy else float(sp.min_p)
             temps.append(float(sp.temperature))

@@ -215,7 +215,8 @@ class _SamplingFields(BaseModel):
             return None
         out = {}
         for key, bias in self.logit_bias.items():
-            if not key.strip().isdigit():
+            # isdecimal, not isdigit: int() refuses digits such as "²" that isdigit accepts
+            if not key.strip().isdecimal():
                 raise APIError(400, f"logit_bias: keys must be token ids, got {key!r}",
                                param="logit_bias")
             if not -100.0 <= bias <= 100.0:

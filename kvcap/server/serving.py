@@ -137,6 +137,7 @@ class OpenAIServing:
         self.aeng, self.tokenizer, self.model_name = aeng, tokenizer, model_name
         self.max_model_len, self.vocab_size, self.poll_s = max_model_len, vocab_size, poll_s
         self.bm = aeng.engine.block_manager
+        self.chunk = aeng.engine.scheduler.max_num_batched_tokens  # see _blocks_for
         self.token_texts = TokenTexts(tokenizer)
         self.sampling_defaults = dict(sampling_defaults or {})
         if tool_parser is not None and tool_parser not in PARSERS:
@@ -249,8 +250,22 @@ class OpenAIServing:
                 param=prompt_field,
                 code="context_length_exceeded",
             )
-        params = req.sampling_params(ctx - n if max_tokens is None else max_tokens,
-                                     self.sampling_defaults)
+        if max_tokens is None:  # as many as fit: the context, and the KV pool too
+            room = self._room()
+            if n >= room:
+                raise P.APIError(
+                    400,
+                    f"{prompt_field}: the prompt has {n} tokens but the KV pool holds "
+                    f"{room} tokens, leaving no room for a completion",
+                    param=prompt_field,
+                )
+            max_tokens = room - n
+        params = req.sampling_params(max_tokens, self.sampling_defaults)
+        if params.top_k > self.vocab_size:
+            # A top_k past the vocabulary keeps every token; the sampler packs top_k into an
+            # int32, which a larger value (>= 2**31) overflows inside the engine step -- a 500
+            # for this request and for every other request in that step.
+            params = dataclasses.replace(params, top_k=self.vocab_size)
         if params.structured and self.tokenizer is None:
             raise P.APIError(400, "structured output (response_format, guided_json, "
                                   "guided_choice) needs the model's tokenizer",
@@ -268,15 +283,30 @@ class OpenAIServing:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        if self.bm.num_blocks_for(total) > self.bm.num_total_blocks:
+        if self._blocks_for(total) > self.bm.num_total_blocks:
             raise P.APIError(
                 400,
                 f"max_tokens: {total} tokens need "
-                f"{self.bm.num_blocks_for(total)} KV blocks but the pool has "
+                f"{self._blocks_for(total)} KV blocks but the pool has "
                 f"{self.bm.num_total_blocks}",
                 param="max_tokens",
             )
         return params
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        """The KV blocks a sequence of `num_tokens` holds at most, as the scheduler counts
+        them when it admits a request: all of them, or with a model whose every layer slides
+        only the window's (BlockManager.peak_blocks)."""
+        return self.bm.peak_blocks(num_tokens, self.chunk)
+
+    def _room(self) -> int:
+        """The longest sequence (prompt + completion) a request may ask for: the context,
+        or what the KV pool holds where that is less (the engine starts with a pool smaller
+        than max_model_len, with a warning). A request without max_tokens gets the rest;
+        sizing it by the context alone refused every such request on that server."""
+        if self._blocks_for(self.max_model_len) <= self.bm.num_total_blocks:
+            return self.max_model_len
+        return min(self.max_model_len, self.bm.num_total_blocks * self.bm.block_size)
 
     def submit(self, reqs: list[tuple[list[int], Any]], stream: bool = True
                ) -> list[RequestStream]:
