@@ -61,7 +61,8 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise ConfigError(f"invalid SamplingParams: {msg}")
 
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        # (`not >= 0` also refuses NaN, which would pass `< 0` and sample garbage)
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
             bad(f"temperature must be >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             bad(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
@@ -85,6 +86,12 @@ class SamplingParams:
                 bad(f"{name} must be a non-negative integer, got {v!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a list of non-empty strings")
+        # (the engine checks them against the vocabulary: under min_tokens each is masked
+        # by index, and a bad one would fail the whole step)
+        if not isinstance(self.stop_token_ids, (list, tuple)) or any(
+                not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad(f"stop_token_ids must be a list of token ids (integers >= 0), got "
+                f"{self.stop_token_ids!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:

@@ -101,6 +101,9 @@ class Engine:
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.logit_bias or {}):
             raise ConfigError(f"logit_bias token ids must be in [0, {vocab})")
+        # (masked by index under min_tokens: one past the vocabulary would fail the step)
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ConfigError(f"stop_token_ids must be in [0, {vocab})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ConfigError(
                 f"prompt of {len(prompt_token_ids)} tokens does not fit the context: "
@@ -194,9 +197,13 @@ class Engine:
                 self.num_accepted_tokens += len(result.accepted.get(ch.request.request_id, ()))
                 drafted[ch.request.request_id] = ch.start + 1 - ch.request.num_prompt_tokens
         for req in touched:
-            if not req.is_finished:
+            # One that max_tokens or max_model_len ended on this step's token is searched too:
+            # a stop string that token completes is a stop, as on any earlier token (vLLM
+            # checks stop strings before the length limit). It is in `finished` already.
+            if not req.is_finished or req.status == RequestStatus.FINISHED_LENGTH:
+                was_finished = req.is_finished
                 self._check_stop_strings(req, drafted.get(req.request_id))
-                if req.is_finished:
+                if req.is_finished and not was_finished:
                     finished.append(req)
         if self._ahead is not None and all(c.request.is_finished for c in self._ahead[0].chunks):
             self._drop_ahead()  # every request it ran ahead for has stopped
@@ -266,7 +273,10 @@ class Engine:
             self._truncated[req.request_id] = text[:idx + keep]
             if before is not None:
                 self._drop_after_stop(req, before, s, idx)
-            self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, s)
+            if req.is_finished:  # ended by length on this token: its blocks are freed already
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, s
+            else:
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, s)
 
     def _drop_after_stop(self, req: Request, before: int, stop: str, at: int) -> None:
         """Cut the output after the first of this step's tokens whose text holds `stop` at
