@@ -92,7 +92,12 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from kvcap.commands import calibrate, compare, materialize, overlay, verify
+    from kvcap.errors import ConfigError
+    from kvcap.models.loader import resolve_model_dir
+    from kvcap.scales.fsutil import make_dirs
 
+    # A bad --model must fail before the run folder exists, not leave an empty one behind.
+    resolve_model_dir(args.model)
     console = Console()
     set_threads(args.threads)
     device = _device_default(args.device)
@@ -101,7 +106,11 @@ def run(args: argparse.Namespace) -> int:
     run_dir = args.out / datetime.now().strftime("run-%Y%m%d-%H%M%S")
     cal, pack, derived, cmp_dir = (run_dir / "calibration", run_dir / "overlay",
                                    run_dir / "derived-checkpoint", run_dir / "compare")
-    run_dir.mkdir(parents=True, exist_ok=False)
+    make_dirs(args.out, ConfigError)  # --out a file: one line, not a mkdir traceback
+    try:
+        run_dir.mkdir()
+    except FileExistsError:  # a second demo started within the same second
+        raise ConfigError(f"{run_dir} already exists (another demo run?); try again") from None
     dev = ["--device", device]
     steps = _Steps(console)
     start = time.perf_counter()

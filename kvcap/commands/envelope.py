@@ -30,20 +30,28 @@ def run(args: argparse.Namespace) -> int:
     from kvcap.commands.overlay import read_report
     from kvcap.errors import CalibrationError
     from kvcap.scales.figure import write_figure
-    from kvcap.scales.fsutil import atomic_write_text
+    from kvcap.scales.fsutil import atomic_write_text, make_dirs
     from kvcap.scales.report import envelope
 
-    if args.out.exists():
-        raise CalibrationError(f"output {args.out} already exists; refusing to overwrite it")
+    png = args.out.with_suffix(".png")
+    if png == args.out:  # the JSON would replace the figure just written under the same name
+        raise CalibrationError(f"--out {args.out} ends in .png, the figure's name; give the "
+                               "report a .json name (the figure goes beside it)")
+    for path in (args.out, png):  # both are outputs: overwrite neither
+        if path.exists() or path.is_symlink():
+            raise CalibrationError(f"output {path} already exists; refusing to overwrite it")
     reports = [read_report(p) for p in args.reports]
     merged = envelope(reports)
     merged["envelope"]["sources"] = [
         {"path": str(p), "sha256": r["_sha256"]} for p, r in zip(args.reports, reports, strict=True)
     ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    png = args.out.with_suffix(".png")
+    make_dirs(args.out.parent, CalibrationError)
     write_figure(merged, png)
-    atomic_write_text(args.out, json.dumps(merged, indent=1) + "\n")
+    try:
+        atomic_write_text(args.out, json.dumps(merged, indent=1) + "\n")
+    except BaseException:  # no figure without its report (it would also block a rerun)
+        png.unlink(missing_ok=True)
+        raise
     changed = sum(
         t["scale"] != r0["scale"]
         for t, r0 in zip(merged["tensors"], reports[0]["tensors"], strict=True)

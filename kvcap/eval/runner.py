@@ -25,6 +25,7 @@ from kvcap.eval import (
     report,
     retrieval,
 )
+from kvcap.scales.fsutil import make_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ def run_compare(cfg: CompareConfig) -> tuple[dict[str, Any], dict[str, Path]]:
         cfg = replace(cfg, tasks=(*cfg.tasks, QSA_TASK))
     base, spec, budget = _resolve(cfg)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    make_dirs(out, ConfigError)  # --out under a file: one line, not a mkdir traceback
     ab.overlay_fingerprint(base, Path(cfg.overlay))  # wrong checkpoint: fail before any write
     control = None if cfg.no_control else (
         cfg.control or ab.make_unit_overlay(base, out / "unit-scale-control"))

@@ -128,13 +128,15 @@ def check_same_base(recorded: dict[str, Any], base: BaseCheckpoint, what: str) -
     have = base.fingerprint
     if scheme != have["scheme"] or want != have["sha256"]:
         raise OverlayError(
-            f"{what} was made for base revision {scheme}={want[:16]} but {base.path} has "
+            f"{what} was made for base revision {scheme}={str(want)[:16]} but {base.path} has "
             f"{have['scheme']}={have['sha256'][:16]}: wrong checkpoint revision")
     if not isinstance(files, dict) or set(files) != set(base.files):
         raise OverlayError(f"{what} records base files {sorted(files or {})} but {base.path} "
                            f"uses {sorted(base.files)}: wrong checkpoint revision")
     for name, rec in sorted(files.items()):
         now = base.files[name]
+        if not isinstance(rec, dict):  # hand-edited record: refuse by name, not AttributeError
+            raise OverlayError(f"{what} has a malformed record for base file {name}: {rec!r}")
         if rec.get("sha256") != now["sha256"] or rec.get("size") != now["size"]:
             raise OverlayError(f"base file {base.path / name} changed since calibration "
                                f"(sha256 {now['sha256'][:16]}, recorded "

@@ -49,6 +49,16 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def make_dirs(path: Path, error: type[KvcapError]) -> None:
+    """`mkdir -p path`, refusing with one line (not an OSError traceback) when a component is
+    an existing file or cannot be created."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise error(f"cannot create directory {path}: {e.strerror or e} (is a part of the "
+                    "path an existing file?)") from None
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -83,7 +93,7 @@ def staged_dir(out: Path, error: type[KvcapError]) -> Iterator[Path]:
     out = Path(out)
     if out.exists() or out.is_symlink():
         raise error(f"output {out} already exists; refusing to overwrite it")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(out.parent, error)
     remove_stale_staging(out)
     stage = out.parent / f".{out.name}{_STAGING_TAG}{os.getpid()}"
     if stage.exists():

@@ -61,8 +61,23 @@ def _scales_from_report(report: dict[str, Any], base: BaseCheckpoint
         raise OverlayError("the calibration report does not record its model fingerprint")
     scales: dict[str, float] = {}
     max_abs: dict[str, float | None] = {}
-    for t in report.get("tensors", []):
-        scales[t["name"]], max_abs[t["name"]] = float(t["scale"]), float(t["max_abs"])
+    records = report.get("tensors")
+    if not isinstance(records, list):
+        raise OverlayError("the calibration report has no list of tensors")
+    for i, t in enumerate(records):
+        # A hand-edited or truncated report must be refused by name, not by a KeyError, and
+        # never coerced: float("0.5") or float(True) would pass off text or a flag as a scale.
+        try:
+            name, s, m = t["name"], t["scale"], t["max_abs"]
+        except (KeyError, TypeError):
+            raise OverlayError(f"calibration report tensor record {i} lacks name, scale or "
+                               "max_abs") from None
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (s, m)):
+            raise OverlayError(f"calibration report tensor {name!r}: scale {s!r} and max_abs "
+                               f"{m!r} must be numbers")
+        if name in scales:  # a second record would silently replace the first
+            raise OverlayError(f"calibration report lists tensor {name!r} twice")
+        scales[name], max_abs[name] = float(s), float(m)
     expected = base.spec.scale_names()
     if set(scales) != set(expected):
         missing = sorted(set(expected) - set(scales))
@@ -152,6 +167,11 @@ def verify_pack(base: BaseCheckpoint, pack_dir: Path) -> tuple[dict[str, Any],
     except (KeyError, TypeError) as e:
         raise OverlayError(f"{pack_dir / MANIFEST_NAME} lacks field {e}") from None
     expected = base.spec.scale_names()
+    # Hand-edited manifests: wrong types are refused by name, not by an AttributeError.
+    if not isinstance(file_rec, dict) or not isinstance(records, dict) or \
+            not all(isinstance(r, dict) for r in records.values()):
+        raise OverlayError(f"{pack_dir / MANIFEST_NAME} is malformed: scale_file and every "
+                           "tensors entry must be JSON objects; rewrite it with kvcap overlay")
     if names != expected or count != len(expected) or set(records) != set(expected):
         raise OverlayError(f"overlay {pack_dir} tensor set does not match the base's "
                            f"{len(expected)} scale names ({base.spec.layer_prefix}.<L>."
@@ -179,6 +199,11 @@ def verify_pack(base: BaseCheckpoint, pack_dir: Path) -> tuple[dict[str, Any],
             raise OverlayError(f"{scale_path}: {name} is {t.dtype} {tuple(t.shape)}, expected "
                                "an FP32 scalar")
         value = float(t)
+        # A forged or hand-written pack can agree with its own checksum and still carry a scale
+        # the gate will refuse; refuse it here so materialize never builds an unusable checkpoint.
+        if not (math.isfinite(value) and value > 0):
+            raise OverlayError(f"{scale_path}: {name} = {value!r}; scales must be finite and > 0"
+                               " (recalibrate and rewrite the overlay)")
         if value != records[name].get("scale"):
             raise OverlayError(f"{name} = {value!r} in {scale_path.name} but the manifest "
                                f"records {records[name].get('scale')!r}")

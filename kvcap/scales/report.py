@@ -234,14 +234,27 @@ def envelope(reports: list[dict[str, Any]]) -> dict[str, Any]:
         if r.get("kind") != REPORT_KIND or r.get("schema_version") != REPORT_SCHEMA:
             raise CalibrationError(f"report {i} is not a kvcap calibration report (schema "
                                    f"{REPORT_SCHEMA})")
-        if r.get("policy", {}).get("name") != "max":
-            raise CalibrationError(f"report {i} uses policy {r.get('policy')}; the envelope is "
-                                   "defined for the max policy")
-        if r["model"]["fingerprint"] != base["model"]["fingerprint"] or \
-                r["model"]["files"] != base["model"]["files"]:
-            raise CalibrationError(f"report {i} was calibrated on another checkpoint revision")
-        if [t["name"] for t in r["tensors"]] != [t["name"] for t in base["tensors"]]:
-            raise CalibrationError(f"report {i} covers other tensors than report 0")
+        try:  # a truncated or hand-edited report is refused by name, not by a KeyError
+            if r.get("policy", {}).get("name") != "max":
+                raise CalibrationError(f"report {i} uses policy {r.get('policy')}; the envelope "
+                                       "is defined for the max policy")
+            if r["model"]["fingerprint"] != base["model"]["fingerprint"] or \
+                    r["model"]["files"] != base["model"]["files"]:
+                raise CalibrationError(f"report {i} was calibrated on another checkpoint "
+                                       "revision")
+            if [t["name"] for t in r["tensors"]] != [t["name"] for t in base["tensors"]]:
+                raise CalibrationError(f"report {i} covers other tensors than report 0")
+            max_abs = [(t["name"], t["max_abs"]) for t in r["tensors"]]
+        except (KeyError, TypeError, AttributeError) as e:
+            raise CalibrationError(f"report {i} is malformed (missing or mistyped field {e})"
+                                   ) from None
+        for name, m in max_abs:
+            # max() would silently drop a NaN from any report but the first, and a NaN, inf or
+            # non-positive value there would fail deep in ceil_fp32: refuse all of them here.
+            if isinstance(m, bool) or not isinstance(m, (int, float)) or \
+                    not (math.isfinite(m) and m > 0):
+                raise CalibrationError(f"report {i}: {name} has max_abs {m!r}; expected a "
+                                       "finite number > 0 (a corrupted report?)")
     bins = base["histogram"]["bins"]
     edges = bin_edges(bins, *base["histogram"]["log2_range"])
     for i, t in enumerate(base["tensors"]):
