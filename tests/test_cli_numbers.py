@@ -10,12 +10,19 @@ import sys
 
 import pytest
 
-from kvcap.commands.common import non_negative_float, port_number, positive_float, positive_int
+from kvcap.commands.common import (
+    block_size,
+    non_negative_float,
+    port_number,
+    positive_float,
+    positive_int,
+)
 
 REFUSED = [(positive_float, t, "finite number > 0") for t in ("0", "-1", "nan", "inf", "x", "")]
 REFUSED += [(positive_int, t, "integer >= 1") for t in ("0", "-3", "1.5", "x")]
 REFUSED += [(port_number, t, "port number 0-65535") for t in ("-1", "65536", "70000", "http")]
 REFUSED += [(non_negative_float, t, "finite number >= 0") for t in ("-1", "nan", "inf", "soon")]
+REFUSED += [(block_size, t, "power of two") for t in ("0", "3", "24", "-16", "16.0")]
 
 
 @pytest.mark.parametrize("parse, text, message", REFUSED)
@@ -28,11 +35,13 @@ def test_numbers_in_range_pass_through():
     assert positive_float("0.25") == 0.25 and positive_int("16") == 16
     assert port_number("0") == 0 and port_number("65535") == 65535
     assert non_negative_float("0") == 0.0
+    assert [block_size(t) for t in ("1", "16", "256")] == [1, 16, 256]
 
 
 @pytest.mark.parametrize("args, name", [
     (["--memory-gib", "-1"], "--memory-gib"),
     (["--memory-gib", "8", "--block-size", "0"], "--block-size"),
+    (["--memory-gib", "8", "--block-size", "3"], "--block-size"),
     (["--memory-gib", "8", "--context", "1024", "0"], "--context"),
 ])
 def test_capacity_refuses_non_positive_numbers(args, name):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvcap.commands.common import positive_float, positive_int
+from kvcap.commands.common import block_size, positive_float, positive_int
 from kvcap.config import ModelSpec
 from kvcap.kv_cache.spec import KVCacheSpec, peak_blocks
 
@@ -16,7 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="'default', an HF directory, or dummy:/path/config.json")
     p.add_argument("--memory-gib", type=positive_float, required=True,
                    help="KV-cache memory budget")
-    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--block-size", type=block_size, default=16,
+                   help="tokens per KV block (a power of two)")
     p.add_argument("--context", type=positive_int, nargs="+",
                    default=[1024, 4096, 16384, 32768, 131072])
 

@@ -32,6 +32,10 @@ non_negative_float = _number_type(float, lambda v: v >= 0 and math.isfinite(v),
                                   "a finite number >= 0", "non_negative_float")
 non_negative_int = _number_type(int, lambda v: v >= 0, "an integer >= 0", "non_negative_int")
 fraction = _number_type(float, lambda v: 0 < v <= 1, "a number in (0, 1]", "fraction")
+# the engine's paged blocks (EngineConfig.validate refuses the rest, deep inside; capacity
+# would print a table for a size no engine can use)
+block_size = _number_type(int, lambda v: v >= 1 and not v & (v - 1), "a power of two",
+                          "block_size")
 
 
 def require_cuda(parser: argparse.ArgumentParser, hint: str = "") -> None:
@@ -72,7 +76,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.90,
                    help="share of the GPU's memory kvcap may use; the KV pool gets what the "
                         "weights and a profiled warm-up leave of it (default 0.90)")
-    p.add_argument("--block-size", type=positive_int, default=16,
+    p.add_argument("--block-size", type=block_size, default=16,
                    help="tokens per KV block (a power of two)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no decode CUDA graphs (eager launches every step)")
