@@ -85,21 +85,25 @@ def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
     if rs is None:
         return inv, 1.0
     kind = rs.get("rope_type", rs.get("type"))
-    if kind == "linear":
-        return inv / float(rs["factor"]), 1.0
-    if kind == "llama3":
-        factor = float(rs["factor"])
-        low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
-        old_ctx = float(rs["original_max_position_embeddings"])
-        low_wl, high_wl = old_ctx / low, old_ctx / high
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wl) & (wavelen <= low_wl)
-        return torch.where(medium, smoothed, scaled), 1.0
-    if kind == "yarn":
-        return _yarn(period, spec)
+    try:
+        if kind == "linear":
+            return inv / float(rs["factor"]), 1.0
+        if kind == "llama3":
+            factor = float(rs["factor"])
+            low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+            old_ctx = float(rs["original_max_position_embeddings"])
+            low_wl, high_wl = old_ctx / low, old_ctx / high
+            wavelen = 2 * math.pi / inv
+            scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+            return torch.where(medium, smoothed, scaled), 1.0
+        if kind == "yarn":
+            return _yarn(period, spec)
+    except KeyError as e:  # a config's mistake, said as one (not a bare KeyError at load)
+        raise ModelLoadError(f"config.json's rope_scaling of type {kind!r} lacks {e.args[0]!r}, "
+                             "which that type needs") from None
     raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, "
                          "yarn)")
 

@@ -96,10 +96,26 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
+    hint = "" if any((Path(model_dir) / f).exists() for f in _VOCAB_FILES) else (
+        f"; the checkpoint's tokenizer files (tokenizer.json, or tokenizer.model / vocab.json + "
+        f"merges.txt, with tokenizer_config.json) are not in {model_dir}: copy them there")
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as e:
-        raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {e}") from None
+        raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {e}{hint}") from None
+    # Without the files transformers 5 may build an empty tokenizer from the config's class
+    # alone (Qwen2Tokenizer: one special token) instead of failing: every prompt would then
+    # encode to no tokens, and its one token id would stop generation.
+    if len(tok) <= len(set(tok.all_special_ids)):
+        raise ModelLoadError(f"the tokenizer transformers built from {model_dir} has no "
+                             f"vocabulary beyond its {len(tok)} special token(s){hint}")
+    return tok
+
+
+# The files a tokenizer's vocabulary comes from (for the hint above only: what loads is
+# transformers' decision).
+_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                "tekken.json")
 
 
 def _generation_config(model_dir: Path | None) -> tuple[Path | None, Any]:

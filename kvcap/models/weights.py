@@ -15,6 +15,7 @@ FP8 weights arrive as FP8Tensor pairs (kvcap.models.fp8_weights): a layer that k
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Iterator
 
@@ -26,11 +27,14 @@ from kvcap.models.fp8_linear import dummy_fp8, fp8_linears, init_dummy
 from kvcap.models.fp8_weights import FP8Tensor
 from kvcap.models.llama import LlamaModel
 
+logger = logging.getLogger(__name__)
+
 _SCALE_RE = re.compile(r"\.(k_scale|v_scale|output_scale|q_scale|prob_scale)$")
 _QKV = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(q|k|v)_proj\.(weight|bias)$")
 _GATE_UP = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate|up)_proj\.weight$")
 _ROW = re.compile(r"^model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 # (dim, lo, hi, full size): the slice of a checkpoint tensor this rank loads
 Source = tuple[int, int, int, int]
@@ -49,6 +53,12 @@ def _target(model: LlamaModel, name: str
     """The parameter a checkpoint tensor lands in, the row slice for fused ones, and the slice
     of the checkpoint tensor this (tensor-parallel) rank takes."""
     spec, shard, d = model.spec, model.shard, model.spec.head_dim
+    layer = _LAYER.match(name)
+    if layer and int(layer.group(1)) >= spec.num_layers:
+        # (else model.layers[i] below is a bare IndexError: a shard that starts inside a layer
+        # streams its q/k/v or gate/up tensors first)
+        raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint: config.json says "
+                             f"num_hidden_layers {spec.num_layers}")
     m = _QKV.match(name)
     if m:
         attn = model.layers[int(m.group(1))].self_attn
@@ -107,6 +117,29 @@ def load_weights(model: LlamaModel,
     # an FP8 layer's scales are written with its weight rows (FP8Linear.load_rows)
     scale_params = {ids[id(m.weight_scale)] for m in fp8_layers.values()}
     tied = model.spec.tie_word_embeddings
+    head = None  # a tied model's lm_head.weight from the checkpoint: placed after the loop
+
+    def load(name: str, tensor: torch.Tensor | FP8Tensor) -> None:
+        param, rows, src = _target(model, name)
+        tensor = _take(name, tensor, src, model.shard.is_full)
+        layer = fp8_layers.get(id(param))
+        if layer is not None:
+            if not isinstance(tensor, FP8Tensor):
+                raise ModelLoadError(f"{name} is {tensor.dtype}, not FP8, in the checkpoint, "
+                                     "but its layer keeps FP8 weights; load with "
+                                     "fp8_weights='dequantize'")
+            layer.load_rows(name, rows, tensor)
+        else:
+            if isinstance(tensor, FP8Tensor):  # an FP8 tensor into a 16-bit parameter
+                tensor = tensor.dequantize()
+            dest = param if rows is None else param[rows]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ModelLoadError(f"shape mismatch for {name}: checkpoint "
+                                     f"{tuple(tensor.shape)} vs model {tuple(dest.shape)}")
+            dest.copy_(tensor.to(param.dtype))
+        key = ids[id(param)]
+        written[key] = written.get(key, 0) + tensor.shape[0]
+
     with torch.no_grad():
         for name, tensor in tensors:
             if is_scale_tensor_name(name):
@@ -115,31 +148,39 @@ def load_weights(model: LlamaModel,
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             if tied and name == "lm_head.weight":
+                head = tensor
                 continue
-            param, rows, src = _target(model, name)
-            tensor = _take(name, tensor, src, model.shard.is_full)
-            layer = fp8_layers.get(id(param))
-            if layer is not None:
-                if not isinstance(tensor, FP8Tensor):
-                    raise ModelLoadError(f"{name} is {tensor.dtype}, not FP8, in the checkpoint, "
-                                         "but its layer keeps FP8 weights; load with "
-                                         "fp8_weights='dequantize'")
-                layer.load_rows(name, rows, tensor)
-            else:
-                if isinstance(tensor, FP8Tensor):  # an FP8 tensor into a 16-bit parameter
-                    tensor = tensor.dequantize()
-                dest = param if rows is None else param[rows]
-                if tuple(dest.shape) != tuple(tensor.shape):
-                    raise ModelLoadError(f"shape mismatch for {name}: checkpoint "
-                                         f"{tuple(tensor.shape)} vs model {tuple(dest.shape)}")
-                dest.copy_(tensor.to(param.dtype))
-            key = ids[id(param)]
-            written[key] = written.get(key, 0) + tensor.shape[0]
+            load(name, tensor)
+        if head is not None:
+            _place_tied_head(model, head, load, ids, written)
     missing = [n for n, p in model.named_parameters()
                if n not in scale_params and written.get(n, 0) != p.shape[0]]
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
     return scales
+
+
+def _place_tied_head(model: LlamaModel, head: torch.Tensor | FP8Tensor, load,
+                     ids: dict[int, str], written: dict[str, int]) -> None:
+    """A tied config whose checkpoint also holds lm_head.weight, as transformers'
+    PreTrainedModel.tie_weights reads it: the checkpoint's word beats the config's. Only the
+    head present: the (shared) embedding takes it. Both present and equal (a .bin
+    conversion): stay tied. Both present and different (a fine-tune that untied its head and
+    kept the config): a head of its own, as transformers keeps it -- dropping it would decode
+    through the embedding, silently wrong."""
+    embed = model.embed_tokens.weight
+    if "embed_tokens.weight" not in written:
+        load("lm_head.weight", head)  # into the shared parameter
+        return
+    model.lm_head.weight = torch.nn.Parameter(torch.empty_like(embed))
+    ids[id(model.lm_head.weight)] = "lm_head.weight"
+    load("lm_head.weight", head)
+    if torch.equal(model.lm_head.weight, embed):
+        model.lm_head.weight = embed  # the copy goes
+        return
+    logger.warning("config.json sets tie_word_embeddings, but the checkpoint's lm_head.weight "
+                   "differs from its embed_tokens.weight: using it as an untied LM head (as "
+                   "transformers does); set tie_word_embeddings false to say so")
 
 
 def init_dummy_weights(model: LlamaModel, seed: int = 0) -> None:
