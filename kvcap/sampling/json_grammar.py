@@ -220,13 +220,16 @@ class Grammar:
         ends once the NFA accepts and can go no further."""
         _, c, states, utf8 = top
         nfa = self.nodes[c][1]
-        ch, utf8 = _utf8_step(lambda a, z: nfa.any_in(states, a, z), utf8, b)
+        # only characters after which a match can still end: a branch through a class no
+        # reply can spell (surrogates, an empty class) would otherwise be a dead end
+        ch, utf8 = _utf8_step(lambda a, z: nfa.continues_within(states, a, z, 0, None), utf8,
+                              b)
         if utf8 is not None:
             return [rest + (("T", c, states, utf8),)]
         if ch is None:
             return []
         states = nfa.step(states, ch)
-        if not states:
+        if not states or not nfa.fits(states, 0, None):
             return []
         if nfa.accepts(states) and not nfa.can_continue(states):
             return [rest]

@@ -7,7 +7,8 @@ writer, the grammar takes the stricter reading, so the output stays valid under 
     declared keys (what OpenAI's strict mode asks anyway); `additionalProperties: true` or a
     schema opens it;
   - `enum` / `const` values are written in one spelling (json.dumps with ensure_ascii=False
-    and no blanks, e.g. "\u00e9" as the character itself);
+    and no blanks, e.g. "\u00e9" as the character itself), and only those that the schema's
+    other keywords (`type`, `maxLength`, ...) allow too;
   - `oneOf` is read as `anyOf` (an output may match more than one branch);
   - a number with `minimum` / `maximum` / `exclusiveMinimum` / `exclusiveMaximum` /
     `multipleOf` is written in plain decimal (no exponent, never -0) and compared as the
@@ -113,6 +114,10 @@ def regex_grammar(pattern: str) -> Grammar:
         nfa = compile_regex(pattern)
     except RegexError as e:
         raise SchemaError(str(e)) from None
+    # the output is never empty (EOS only ends a match): a regex with no other match, or
+    # none a reply can spell (a class of surrogates only), would leave no token to sample
+    if not nfa.fits(nfa.start, 1, None):
+        raise SchemaError(f"the regex {pattern!r} matches no non-empty text")
     return Grammar([("re", nfa)], 0, raw=True, description=f"regex {pattern!r}")
 
 
@@ -202,6 +207,7 @@ class _Compiler:
             values = [s["const"]] if "const" in s else s["enum"]
             if not isinstance(values, list) or not values:
                 raise SchemaError(f"{path}.enum: must be a non-empty list")
+            values = self.allowed_values(s, values, path)
             lits = [self.add(("lit", json_dumps(v))) for v in values]
             return lits[0] if len(lits) == 1 else self.add(("alt", tuple(lits)))
         types = s.get("type", sorted(BY_TYPE) if keys <= {"type"} else None)
@@ -217,6 +223,28 @@ class _Compiler:
             raise SchemaError(f"{path}: {sorted(stray)} do not apply to type {types}")
         ids = [self.typed(t, s, path) for t in types]
         return ids[0] if len(ids) == 1 else self.add(("alt", tuple(ids)))
+
+    def allowed_values(self, s: dict, values: list, path: str) -> list:
+        """The enum / const values that the schema's other keywords allow too: each keyword
+        applies to them (`{"type": "string", "enum": ["a", 1]}` allows only "a"), so a value
+        is kept only where the grammar of the rest of the schema takes its spelling."""
+        if "const" in s and "enum" in s:
+            if not isinstance(s["enum"], list):
+                raise SchemaError(f"{path}.enum: must be a non-empty list")
+            members = {_value_key(e) for e in s["enum"]}
+            values = [v for v in values if _value_key(v) in members]
+        rest = {k: v for k, v in s.items() if k not in ("const", "enum")}
+        if set(rest) - ANNOTATIONS:
+            checker = _Compiler(self.root)  # its own nodes: this schema's stay as they are
+            try:
+                g = Grammar(checker.nodes, checker.compile(rest, path))
+            except ValueError as e:  # SchemaError, or Grammar's on a $ref loop
+                raise SchemaError(str(e)) from None
+            values = [v for v in values if g.complete(g.feed(g.start, json_dumps(v)))]
+        if not values:
+            raise SchemaError(f"{path}: no value of enum / const meets the schema's other "
+                              f"keywords")
+        return values
 
     def _only(self, word: str, keys: set[str], path: str) -> None:
         others = sorted(keys - {word})

@@ -16,9 +16,10 @@ Both are compiled exactly or refused by name:
     As with `properties`, an object that lists `patternProperties` and not
     `additionalProperties` takes no other keys (kvcap writes what the schema names).
 Without `additionalProperties` the keys allowed are those the patterns match (and the names
-allow). A gate never lets through a declared property's name (however its key is spelt),
-so that another key is never a repeat, nor a prefix whose only ends are properties written
-already; when that leaves no key, no other key is compiled.
+allow). A gate (which an open object with declared properties always gets) never lets
+through a declared property's name (however its key is spelt), so that another key is never a
+repeat, nor a prefix whose only ends are properties written already; when that leaves no key,
+no other key is compiled.
 """
 
 from __future__ import annotations
@@ -86,6 +87,12 @@ def key_rules(s: dict, path: str, props: dict[str, Any], required: list[str], ex
         union = _built(path, error, either, *(nfa for nfa, _, _ in groups))
         gate = (_built(path, error, intersect, gate[0], union), gate[1], gate[2]) if gate \
             else (union, 0, None)
+    if gate is None and props:
+        # other keys are free (valued by a pattern or `extra`), but one spelt with escapes
+        # ("\u0061") may still be a declared property's name: the gate below refuses those,
+        # so that no property is written twice (json.loads keeps the last) or valued under
+        # another schema than its own
+        gate = (compile_regex("", search=True), 0, None)
     if gate is not None:  # other keys never spell a declared property (a repeat, or a
         # prefix whose only ends are properties written already: a key it could not finish)
         nfa, lo, hi = gate

@@ -347,8 +347,9 @@ class _Parser:
     def _counted(self) -> bool:
         j = self.s.find("}", self.i)
         inner = self.s[self.i + 1:j] if j > 0 else ""
-        return bool(inner) and all(p.isdigit() for p in inner.split(",", 1) if p) and \
-            inner.count(",") <= 1 and inner[0].isdigit()
+        # ASCII digits only: str.isdigit takes "²" too, which int() then refuses
+        return bool(inner) and all(p.isascii() and p.isdigit() for p in inner.split(",", 1)
+                                   if p) and inner.count(",") <= 1 and inner[0].isdigit()
 
     def _counts(self) -> tuple[int, int | None]:
         j = self.s.index("}", self.i)

@@ -2,8 +2,8 @@
 chat reply's `reasoning_content` holds the text inside `<think> ... </think>`, `content` the
 rest, as vLLM's reasoning parsers answer.
 
-  qwen3        the reply may open with `<think>`; without `</think>` it is all answer (what
-               Qwen3 writes with thinking off)
+  qwen3        the reply thinks only if it opens with `<think>`; otherwise it is all answer
+               (what Qwen3 writes with thinking off), a `</think>` in it included
   deepseek_r1  the chat template opens `<think>` in the prompt, so the reply starts inside
                the thinking (its own `<think>` is optional); without `</think>` it is all
                thinking (a reply cut short while thinking)
@@ -27,12 +27,15 @@ def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
         raise ValueError(f"unknown reasoning parser {parser!r} (known: {', '.join(PARSERS)})")
     head = text.lstrip()
     opened = head.startswith(OPEN)
+    if not opened and parser == "qwen3":
+        # no thinking, a later </think> included: so reads the grammar gate
+        # (kvcap/sampling/reasoning_gate.py), and a stream that has already sent the text as
+        # answer cannot take it back
+        return None, text
     body = head[len(OPEN):] if opened else text
     end = body.find(CLOSE)
-    if end < 0:
-        if opened or parser == "deepseek_r1":  # still thinking
-            return body, ""
-        return None, text
+    if end < 0:  # still thinking
+        return body, ""
     return body[:end], body[end + len(CLOSE):].lstrip("\n")
 
 
@@ -60,12 +63,12 @@ class ReasoningStream:
         if not final and len(head) < len(OPEN) and OPEN.startswith(head):
             return "", ""  # may be the opening tag
         opened = head.startswith(OPEN)
+        if not opened and self.parser == "qwen3":  # all answer, as split_reasoning reads it
+            return "", text
         body = head[len(OPEN):] if opened else text
         end = body.find(CLOSE)
         if end >= 0:
             return body[:end], body[end + len(CLOSE):].lstrip("\n")
-        if not opened and self.parser == "qwen3":
-            return "", text
         keep = 0 if final else _partial_tag(body, CLOSE)
         return body[:len(body) - keep], ""
 

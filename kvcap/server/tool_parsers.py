@@ -83,7 +83,7 @@ def _call(obj: Any, args_key: str) -> Call | None:
     if isinstance(args, str):  # some models write the arguments as JSON text
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
@@ -98,7 +98,7 @@ def _hermes(text: str) -> tuple[int, list[Call]]:
     for block in HERMES_BLOCK.findall(text[at:]):
         try:
             call = _call(json.loads(block), "arguments")
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the decoder's limit: no call
             call = None
         if call is None:
             return len(text), []
@@ -116,7 +116,7 @@ def _llama3(text: str) -> tuple[int, list[Call]]:
     while pos < len(body):
         try:
             obj, end = decoder.raw_decode(body, pos)
-        except ValueError:
+        except (ValueError, RecursionError):
             return len(text), []
         call = _call(obj, "parameters")
         if call is None:
@@ -136,7 +136,7 @@ def _pythonic(text: str) -> tuple[int, list[Call]]:
         return len(text), []
     try:
         tree = ast.parse(body, mode="eval").body
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # the parser's depth limits
         return len(text), []
     if not isinstance(tree, ast.List) or not tree.elts:
         return len(text), []
@@ -175,7 +175,7 @@ def _mistral(text: str) -> tuple[int, list[Call]]:
         if part.startswith("["):  # a JSON list of {"name", "arguments"}
             try:
                 items = json.loads(part)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return len(text), []
             found = [_call(o, "arguments") for o in items] if isinstance(items, list) else [None]
         else:  # name[ARGS]{...} or name{...}
