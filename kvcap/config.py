@@ -155,6 +155,18 @@ class ModelSpec:
         return self.sliding_window if layer in self.sliding_layers else None
 
     @property
+    def position_limit(self) -> int:
+        """The longest sequence the model's positions serve: max_position_embeddings, or under
+        YaRN original_max_position_embeddings x factor where that is more. Qwen's long-context
+        configs keep max_position_embeddings at the trained 32K and add YaRN with factor 4 for
+        128K (as vLLM reads them); capping at 32K would make the scaling pointless."""
+        rs = self.rope_scaling or {}
+        if rs.get("rope_type", rs.get("type")) == "yarn" and rs.get("factor"):
+            extended = int(float(rs["original_max_position_embeddings"]) * float(rs["factor"]))
+            return max(self.max_position_embeddings, extended)
+        return self.max_position_embeddings
+
+    @property
     def gqa_ratio(self) -> int:
         return self.num_heads // self.num_kv_heads
 

@@ -84,10 +84,11 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
 
 def _max_model_len(spec: ModelSpec, requested: int | None) -> int:
     """The engine's sequence limit: the request, at most the model's position limit."""
-    limit = spec.max_position_embeddings
+    limit = spec.position_limit
     if requested is not None and requested > limit:
         logger.warning("max_model_len %d exceeds the model's position limit "
-                       "(max_position_embeddings %d): using %d", requested, limit, limit)
+                       "(max_position_embeddings %d, YaRN included): using %d", requested, limit,
+                       limit)
     return min(requested or limit, limit)
 
 

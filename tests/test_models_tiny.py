@@ -273,6 +273,43 @@ def test_max_model_len_past_the_position_limit_is_cut_and_said(caplog):
     assert _max_model_len(spec, None) == 256 and _max_model_len(spec, 100) == 100
 
 
+def test_yarn_extends_the_position_limit_as_qwen_configs_ask(tmp_path):
+    # Qwen's long-context recipe: max_position_embeddings stays the trained length, YaRN's
+    # factor extends it (as vLLM reads it). Capped at the trained 64 the 150-token prompt was
+    # refused; past it the logits still match transformers'.
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = {**COMMON, "max_position_embeddings": 64}
+    hf = tf.Qwen2ForCausalLM(tf.Qwen2Config(**cfg, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})).eval()
+    hf.save_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, COMMON["vocab_size"], (1, 150), generator=gen)
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+    llm = LLM.__new__(LLM)
+    _init_without_tokenizer(llm, tmp_path)
+    assert llm.max_model_len == 256 == llm.spec.position_limit
+    assert (llm.prompt_logits([ids[0].tolist()])[0] - ref).abs().max().item() < 1e-4
+
+
+def test_position_limit_grows_only_under_yarn():
+    from kvcap.config import ModelSpec
+
+    def limit(rope, **kw):
+        return ModelSpec.from_hf_config(_mini("llama", rope_scaling=rope, **kw)).position_limit
+
+    assert limit(None) == 256
+    assert limit({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}) == 256
+    assert limit({"rope_type": "linear", "factor": 2.0}) == 256
+    assert limit({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}) == 512
+    # a config whose limit is already the extended one keeps it
+    assert limit({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}) \
+        == 256
+
+
 def test_generation_config_eos_ids_stop_generation(tmp_path):
     """generation_config.json's eos_token_id (where Llama-3 instruct checkpoints list <|eot_id|>)
     stops generation as config.json's does; a value that is no token id is refused by name."""

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"E4M3 / FP16 tokens: {ratio:.3f}x")
     window = KVCacheSpec.for_model(spec, args.block_size, "fp16").released_window
     if window is not None:  # (the longest sequence the model takes: its position limit)
-        most = peak_blocks(spec.max_position_embeddings, args.block_size, window, 1)
+        most = peak_blocks(spec.position_limit, args.block_size, window, 1)
         console.print(f"every layer slides over {window:,} tokens: a decoding sequence holds "
                       f"at most {most} blocks whatever its length (the blocks behind its window "
                       "go back to the pool)")

@@ -93,7 +93,7 @@ def _resolve(cfg: CompareConfig) -> tuple[Path, Any, Budget]:
     spec = loader.read_spec(base)
     budget = cfg.budget or (QUICK if cfg.quick else FULL)
     budget = Budget(**{**asdict(budget), **cfg.overrides})
-    window = spec.max_position_embeddings
+    window = spec.position_limit
     if "retrieval" in cfg.tasks:
         budget = Budget(**{**asdict(budget), "contexts": tuple(
             retrieval.validate_contexts(budget.contexts, window))})
