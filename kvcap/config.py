@@ -20,6 +20,15 @@ SUPPORTED_ARCHITECTURES = {
     # Phi-3 / Phi-4: Llama's layers with q/k/v and gate/up stored fused (models/phi3.py)
     "Phi3ForCausalLM": "phi3",
 }
+# transformers' defaults for what a config.json may leave out (its LlamaConfig, MistralConfig,
+# ... classes): a missing rms_norm_eps read as another architecture's moves every logit
+CONFIG_DEFAULTS = {
+    "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
+    "mistral": {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072},
+    "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
+    "qwen3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
+    "phi3": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096},
+}
 
 
 def env_flag(name: str) -> bool:
@@ -97,6 +106,7 @@ class ModelSpec:
                 f"{sorted(SUPPORTED_ARCHITECTURES)}"
             )
         fp8_weights = read_weight_quant(cfg.get("quantization_config"))
+        defaults = CONFIG_DEFAULTS[arch]
         try:
             num_heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -112,7 +122,8 @@ class ModelSpec:
             if rope is not None and "original_max_position_embeddings" not in rope:
                 # transformers' default: the config's own, else its position limit
                 rope = {**rope, "original_max_position_embeddings": cfg.get(
-                    "original_max_position_embeddings", cfg.get("max_position_embeddings", 4096))}
+                    "original_max_position_embeddings", cfg.get("max_position_embeddings",
+                                                                defaults["max_position_embeddings"]))}
             # (Qwen2's q/k/v biases are its architecture's, not a config switch)
             for key, what in (("attention_bias", "attention's output projection"),
                               ("mlp_bias", "MLP projections")):
@@ -135,10 +146,11 @@ class ModelSpec:
                 head_dim=head_dim,
                 intermediate_size=int(cfg["intermediate_size"]),
                 vocab_size=int(cfg["vocab_size"]),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", defaults["rms_norm_eps"])),
                 rope_theta=rope_theta,
                 rope_scaling=dict(rope) if rope else None,
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings",
+                                                    defaults["max_position_embeddings"])),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 qkv_bias=arch == "qwen2",
                 qk_norm=arch == "qwen3",

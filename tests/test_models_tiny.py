@@ -310,6 +310,23 @@ def test_position_limit_grows_only_under_yarn():
         == 256
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
+def test_missing_config_fields_take_transformers_defaults(arch):
+    # a config.json without rms_norm_eps / max_position_embeddings reads as transformers
+    # reads it for that architecture (Phi-3's eps is 1e-5, not Llama's 1e-6)
+    import transformers as tf
+
+    from kvcap.config import ModelSpec
+
+    cfg = {k: v for k, v in _mini(arch).items()
+           if k not in ("rms_norm_eps", "max_position_embeddings")}
+    ref = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config,
+           "qwen3": tf.Qwen3Config, "phi3": tf.Phi3Config}[arch]()
+    spec = ModelSpec.from_hf_config(cfg)
+    assert spec.rms_norm_eps == ref.rms_norm_eps
+    assert spec.max_position_embeddings == ref.max_position_embeddings
+
+
 def test_generation_config_eos_ids_stop_generation(tmp_path):
     """generation_config.json's eos_token_id (where Llama-3 instruct checkpoints list <|eot_id|>)
     stops generation as config.json's does; a value that is no token id is refused by name."""
