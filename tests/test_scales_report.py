@@ -147,6 +147,13 @@ def test_unit_scale_shows_underflow_that_calibration_removes() -> None:
     assert kt["at_scale"]["underflow_frac"] < 0.01
 
 
+def test_percentile_policy_on_a_mostly_zero_tensor_is_refused_by_name() -> None:
+    data = make_data(3)
+    data[1][1][: 290] = 0.0  # layer 1's V: 97% zeros, so its 50th percentile bound is 0
+    with pytest.raises(CalibrationError, match="layer 1 V: the 50.0th percentile"):
+        report_for({"a": data}, policy="percentile:50")
+
+
 def test_per_shard_scales_and_ratios() -> None:
     rep = report_for({"small": make_data(1, mult=0.5), "big": make_data(1, mult=2.0)})
     for t in rep["tensors"]:

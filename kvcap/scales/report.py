@@ -128,7 +128,8 @@ class _Dist:
 def _policy_scale(policy: dict[str, Any], dist: _Dist) -> float:
     if policy["name"] == "max":
         return scale_for(dist.max_abs)
-    return ceil_fp32(Fraction(dist.percentile_upper(policy["percentile"] / 100)) / E4M3_MAX)
+    bound = dist.percentile_upper(policy["percentile"] / 100)
+    return ceil_fp32(Fraction(bound) / E4M3_MAX) if bound > 0 else 0.0
 
 
 def _hist_json(h: np.ndarray) -> dict[str, Any]:
@@ -150,6 +151,10 @@ def _tensor_entry(name: str, layer: int, ti: int, dist: _Dist, policy: dict[str,
         raise CalibrationError(f"layer {layer} {TENSORS[ti]}: every observed value is zero; no "
                                "scale can be derived")
     scale = _policy_scale(policy, dist)
+    if scale <= 0:  # a percentile policy on a mostly-zero tensor: its bound is 0
+        raise CalibrationError(f"layer {layer} {TENSORS[ti]}: the {policy['percentile']}th "
+                               "percentile of |x| is 0 (mostly zeros), so no scale can be "
+                               "derived from it; use the max policy")
     at = dist.ranges_at(scale)
     entry: dict[str, Any] = {
         "name": name, "layer": layer, "tensor": TENSORS[ti], "count": dist.count,
