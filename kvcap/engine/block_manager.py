@@ -162,23 +162,31 @@ class BlockManager:
         `use_prefix_cache=False` (e.g. prompt logprobs wanted) computes the whole sequence.
 
         Sets `req.num_computed_tokens` and `req.num_cached_prefix_tokens` to the cached length
-        (a multiple of block_size, always < req.num_tokens). Returns False, changing nothing, if
-        after taking the cached blocks no free block would remain for the next token.
+        (a multiple of block_size, always < req.num_tokens); with a window, the cached blocks
+        behind the first query's window are listed but not taken (`num_released_blocks`).
+        Returns False, changing nothing, if after taking the cached blocks no free block would
+        remain for the next token.
         """
         if req.block_ids:
             raise ValueError(f"request {req.request_id} already holds blocks")
         if req.num_tokens < 1:
             raise ValueError(f"request {req.request_id} has no tokens")
         blocks, hashes = self._lookup_prefix(req) if use_prefix_cache else ([], [])
-        if self.num_free_blocks - self._on_free_list(blocks) < 1:
+        cached = len(blocks) * self.block_size
+        # With a window, the cached blocks wholly behind the first query's are listed as
+        # released without being taken: taking them only for release_behind to hand them back
+        # needed them all free at once, and a cached chain as long as the pool then left no
+        # block for the next token -- the request waited forever with nothing running.
+        behind = self._num_behind(cached, len(blocks))
+        if self.num_free_blocks - self._on_free_list(blocks[behind:]) < 1:
             return False
-        for block in blocks:
+        for block in blocks[behind:]:
             if self._ref[block] == 0:
                 del self._free_cached[block]
             self._ref[block] += 1
         req.block_ids = list(blocks)
+        req.num_released_blocks = behind
         self._req_hashes[req.request_id] = hashes
-        cached = len(blocks) * self.block_size
         req.num_computed_tokens = cached
         req.num_cached_prefix_tokens = cached
         if blocks:
@@ -235,14 +243,21 @@ class BlockManager:
         req.num_released_blocks = 0
         self._req_hashes.pop(req.request_id, None)
 
+    def _num_behind(self, num_computed: int, num_blocks: int) -> int:
+        """Leading blocks (of `num_blocks`) wholly before the first position the query at
+        `num_computed` sees (num_computed - window + 1); 0 without a window."""
+        if self.window is None:
+            return 0
+        first_seen = num_computed - self.window + 1
+        return min(max(first_seen, 0) // self.block_size, num_blocks)
+
     def release_behind(self, req: Request) -> int:
         """With a window: drop req's blocks wholly before the first position its next query
         sees (num_computed_tokens - window + 1); call after commit_full_blocks, so a released
         block keeps its prefix-cache hash. Returns how many were released."""
         if self.window is None:
             return 0
-        first_seen = req.num_computed_tokens - self.window + 1
-        upto = min(max(first_seen, 0) // self.block_size, len(req.block_ids))
+        upto = self._num_behind(req.num_computed_tokens, len(req.block_ids))
         released = 0
         for i in range(req.num_released_blocks, upto):
             self._drop(req.block_ids[i])
