@@ -117,3 +117,14 @@ def test_qwen3_reply_that_does_not_open_with_think_is_all_answer(text):
             got[0] += r
             got[1] += a
         assert got == ["", text], pieces
+
+
+@pytest.mark.parametrize("text, calls", [
+    ('{"name": "Bob", "age": 3}', []),  # a JSON answer, not a call to "Bob"
+    ('{"name": "ping", "parameters": {}}', [("ping", "{}")]),
+    ('{"name": "ping", "arguments": {"x": 1}}', [("ping", '{"x": 1}')]),
+    ('<|python_tag|>{"name": "ping"}', [("ping", "{}")]),  # the tag says it is a call
+])
+def test_llama3_json_untagged_reply_needs_its_arguments_to_be_a_call(text, calls):
+    end, got = parse_tool_calls("llama3_json", text)
+    assert got == calls and end == (len(text) if not calls else 0)

@@ -76,8 +76,13 @@ def _held_from(text: str, tag: str) -> int:
     return len(text)
 
 
-def _call(obj: Any, args_key: str) -> Call | None:
+def _call(obj: Any, args_key: str, tagged: bool = True) -> Call | None:
+    """One call from its JSON object. Untagged (llama3_json: a reply that is plain JSON) it
+    must name its arguments too: an answer such as {"name": "Bob", "age": 3} is content,
+    not a call to "Bob" (as vLLM's parser reads it)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    if not tagged and args_key not in obj and "arguments" not in obj:
         return None
     args = obj.get(args_key, obj.get("arguments", {}))
     if isinstance(args, str):  # some models write the arguments as JSON text
@@ -108,7 +113,8 @@ def _hermes(text: str) -> tuple[int, list[Call]]:
 
 def _llama3(text: str) -> tuple[int, list[Call]]:
     body = text.strip()
-    if body.startswith(PYTHON_TAG):
+    tagged = body.startswith(PYTHON_TAG)
+    if tagged:
         body = body[len(PYTHON_TAG):].strip()
     if not body.startswith("{"):
         return len(text), []
@@ -118,7 +124,7 @@ def _llama3(text: str) -> tuple[int, list[Call]]:
             obj, end = decoder.raw_decode(body, pos)
         except (ValueError, RecursionError):
             return len(text), []
-        call = _call(obj, "parameters")
+        call = _call(obj, "parameters", tagged)
         if call is None:
             return len(text), []
         calls.append(call)
