@@ -146,7 +146,15 @@ class TPDriver(TPRuntime):
             logger.info("tensor parallel: %d ranks; workers %s", world,
                         [p.pid for p in self.procs])
             self._wait_ready(time.monotonic() + timeout.total_seconds())
-            self.comm.init(self.store)
+            try:
+                self.comm.init(self.store)
+            except Exception:
+                _forget_failed_group()
+                dead = self._dead_worker()  # say why: a worker that died joining the group
+                if dead:
+                    raise TensorParallelError(f"{dead} while joining the process group"
+                                              ) from None
+                raise
         except BaseException:
             self.shutdown(abort=True)
             raise
@@ -263,6 +271,16 @@ def exit_deadline(seconds: int) -> None:
     shutdown, posting the error to rank 0's store) needs the GIL and locks that a thread stuck
     in the broken group may hold; the alarm needs neither. Callable from any thread."""
     signal.alarm(seconds)
+
+
+def _forget_failed_group() -> None:
+    """torch names the default group from a counter it raises before the rendezvous and resets
+    only in destroy_process_group: after a failed init_process_group the next TP LLM of this
+    process would wait on other store keys than its fresh workers (a stall for the whole data
+    timeout). Private torch state, hence the guards."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count") and not dist.is_initialized():
+        world.group_count = 0
 
 
 def lifeline_watch(rank: int, stopping: threading.Event) -> None:
