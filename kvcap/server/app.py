@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvcap import __version__
@@ -143,6 +144,13 @@ def create_app(
         return JSONResponse(
             P.APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code
         )
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(_: Request, e: ClientDisconnect) -> JSONResponse:
+        # The client left while sending its body: nothing was submitted. Without this the
+        # catch-all below answered 500 -- two tracebacks logged and a server error counted in
+        # /metrics for every client that hung up. 499 as `collect` counts a client that left.
+        return JSONResponse(P.APIError(499, "client disconnected").body(), status_code=499)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> JSONResponse:
