@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -298,6 +299,24 @@ class EngineConfig:
                    max(self.max_num_batched_tokens, self.max_num_seqs))
 
     def validate(self) -> None:
+        # Types first: through the Python API a float or string count used to pass the range
+        # checks (2.5 seqs, 16.5 tokens) or fail deep inside with a TypeError.
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "num_blocks", "num_speculative_tokens", "prompt_lookup_max",
+                     "prompt_lookup_min"):
+            v = getattr(self, name)
+            if v is None and name in ("max_model_len", "num_blocks"):  # unset: sized for you
+                continue
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+                raise ConfigError(f"{name} must be an integer, got {v!r}")
+        for name, v in (("gpu_memory_utilization", self.gpu_memory_utilization),
+                        ("kv_cache_memory_gib", 1.0 if self.kv_cache_memory_gib is None  # unset
+                         else self.kv_cache_memory_gib)):
+            if not isinstance(v, numbers.Real) or isinstance(v, bool):
+                raise ConfigError(f"{name} must be a number, got {v!r}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1 (or unset to size the pool from "
+                              f"memory), got {self.num_blocks}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -145,6 +145,15 @@ class LLM:
         worker_args = {k: v for k, v in locals().items()
                        if k not in ("self", "device", "kv_observer", "tensor_parallel_size")}
         self.device = _resolve_device(device)
+        # torch.manual_seed's range (dummy weights draw from it): past it, or not an integer,
+        # the seed failed deep inside the weight init
+        if not isinstance(seed, int) or isinstance(seed, bool) or not -2**63 <= seed < 2**64:
+            raise ConfigError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
+        if isinstance(dtype, torch.dtype) and dtype not in (torch.float32, torch.float16,
+                                                            torch.bfloat16):
+            # (the KV cache's "auto" dtype and the kernels know these three only)
+            raise ConfigError(f"dtype {dtype} is not supported: use float32, float16 or "
+                              "bfloat16")
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got "
                               f"{tensor_parallel_size!r}")
@@ -358,7 +367,15 @@ class LLM:
         if num_blocks < min_blocks:
             logger.warning("KV pool holds %d tokens, less than max_model_len %d",
                            num_blocks * self.config.block_size, self.max_model_len)
-        pool = KVCachePool(cspec, num_blocks, self.device)
+        try:
+            pool = KVCachePool(cspec, num_blocks, self.device)
+        except RuntimeError as e:  # torch.OutOfMemoryError on CUDA, a plain one from the CPU's
+            if not isinstance(e, torch.OutOfMemoryError) and "can't allocate" not in str(e):
+                raise
+            raise ConfigError(f"the KV cache ({num_blocks} blocks, "
+                              f"{num_blocks * cspec.bytes_per_block / 2**30:.2f} GiB) does not "
+                              f"fit in {self.device.type} memory: lower num_blocks or "
+                              "kv_cache_memory_gib") from None
         logger.info("KV cache: %d tokens (%.2f GiB, %s, block size %d); max concurrency at %d "
                     "tokens: %d", pool.num_tokens, num_blocks * cspec.bytes_per_block / 2**30,
                     self.kv_dtype, self.config.block_size, self.max_model_len,
@@ -417,7 +434,13 @@ class LLM:
             raise ScaleGateError("the checkpoint already carries K/V scales and kv_scales was "
                                  "given too; use one source")
         if isinstance(kv_scales, Mapping):
-            found = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in kv_scales.items()}
+            found = {}
+            for k, v in kv_scales.items():
+                try:  # (a string or other non-number was a TypeError from inside torch)
+                    found[k] = torch.as_tensor(v, dtype=torch.float32)
+                except (TypeError, ValueError, RuntimeError):
+                    raise ScaleGateError(f"kv_scales[{k!r}] = {v!r} is not a number or a "
+                                         "float tensor") from None
             source = "programmatic scales"
         elif kv_scales is not None:
             if self.model_dir is None:

@@ -74,6 +74,12 @@ def run(args: argparse.Namespace) -> int:
                             frequency_penalty=args.frequency_penalty,
                             json_object=args.json, json_schema=read_schema(args.json_schema),
                             choice=args.choice, regex=args.regex)
+    from kvcap.models.loader import DUMMY_PREFIX
+
+    if str(args.model).startswith(DUMMY_PREFIX):
+        # (its text prompt met a tokenizer of None deep inside: an AttributeError traceback)
+        raise ConfigError(f"generate: {args.model} has random weights and no tokenizer to "
+                          "encode --prompt with; use --model default or an HF checkpoint")
     llm = LLM(**engine_kwargs(args))
     if args.chat:
         ids = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
