@@ -339,7 +339,8 @@ def test_cli_gate_refusal_is_one_line_and_leaves_nothing_running(tiny):
     import re
 
     proc = subprocess.run(
-        [sys.executable, "-m", "kvcap.cli", "generate", "--model", tiny, "--prompt", "hi",
+        # (serve: generate refuses a dummy: model, which has no tokenizer, before its gate)
+        [sys.executable, "-m", "kvcap.cli", "serve", "--model", tiny, "--port", "0",
          "--device", "cpu", "--kv-cache-dtype", "fp8_e4m3", "--tensor-parallel-size", "2",
          "--kv-cache-memory-gib", "0.01"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
