@@ -108,19 +108,6 @@ def test_disconnect_before_the_first_chunk(slow):
     assert m[ABORT] == before[ABORT] + 1 and m[LENGTH] == before[LENGTH]
 
 
-def test_n_choices_stream_disconnect(slow):
-    before = metrics(slow.url)
-    with httpx.Client(base_url=slow.url, headers=HEADERS, timeout=10) as c, \
-            c.stream("POST", CMPL, json={**LONG, "n": 3}) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
-                break
-        assert metrics(slow.url)["kvcap_requests_in_flight"] == 3
-    m = wait_drained(slow.url, timeout=5)
-    assert m[ABORT] == before[ABORT] + 3 and m[LENGTH] == before[LENGTH]
-
-
 def test_burst_past_the_admission_bound(slow):
     before = metrics(slow.url)
     results: list[int | str] = []
