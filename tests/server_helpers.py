@@ -37,6 +37,19 @@ def make_tiny_model(src: Path, dst: Path, max_position_embeddings: int = 256) ->
     return dst
 
 
+class StepDelay:
+    """Slows every engine step (instance attribute over Engine.step) so requests stay alive."""
+
+    def __init__(self, engine):
+        self.delay, self._step = 0.0, engine.step
+        engine.step = self
+
+    def __call__(self):
+        if self.delay:
+            time.sleep(self.delay)
+        return self._step()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

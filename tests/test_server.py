@@ -8,31 +8,24 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 
 import httpx
 import openai
 import pytest
-from server_helpers import ThreadedServer, make_tiny_model, metrics, wait_drained, wait_until
+from server_helpers import (
+    StepDelay,
+    ThreadedServer,
+    make_tiny_model,
+    metrics,
+    wait_drained,
+    wait_until,
+)
 
 from kvcap import LLM, SamplingParams
 from kvcap.server.app import create_app
 
 KEY = "test-key"
 MAX_PENDING = 6  # max_num_seqs 4 + 2 queued
-
-
-class StepDelay:
-    """Slows every engine step (instance attribute over Engine.step) so requests stay alive."""
-
-    def __init__(self, engine):
-        self.delay, self._step = 0.0, engine.step
-        engine.step = self
-
-    def __call__(self):
-        if self.delay:
-            time.sleep(self.delay)
-        return self._step()
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,17 @@ import faulthandler
 import json
 import socket
 import threading
-import time
 
 import httpx
 import pytest
-from server_helpers import ThreadedServer, make_tiny_model, metrics, wait_drained, wait_until
+from server_helpers import (
+    StepDelay,
+    ThreadedServer,
+    make_tiny_model,
+    metrics,
+    wait_drained,
+    wait_until,
+)
 
 from kvcap import LLM
 from kvcap.server.app import create_app
@@ -32,19 +38,6 @@ def _watchdog():
     faulthandler.dump_traceback_later(60, exit=True)
     yield
     faulthandler.cancel_dump_traceback_later()
-
-
-class StepDelay:
-    """Slows every engine step so requests stay alive long enough to leave mid-way."""
-
-    def __init__(self, engine):
-        self.delay, self._step = 0.0, engine.step
-        engine.step = self
-
-    def __call__(self):
-        if self.delay:
-            time.sleep(self.delay)
-        return self._step()
 
 
 @pytest.fixture(scope="module")
