@@ -261,11 +261,6 @@ class OpenAIServing:
                 )
             max_tokens = room - n
         params = req.sampling_params(max_tokens, self.sampling_defaults)
-        if params.top_k > self.vocab_size:
-            # A top_k past the vocabulary keeps every token; the sampler packs top_k into an
-            # int32, which a larger value (>= 2**31) overflows inside the engine step -- a 500
-            # for this request and for every other request in that step.
-            params = dataclasses.replace(params, top_k=self.vocab_size)
         if params.structured and self.tokenizer is None:
             raise P.APIError(400, "structured output (response_format, guided_json, "
                                   "guided_choice) needs the model's tokenizer",
