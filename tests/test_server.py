@@ -44,6 +44,10 @@ def srv(tiny_dir, request):
     # The engine overlap is on by default on CUDA only; every server test also runs with it
     # forced on (steps launched ahead of their tokens, stopping and disconnecting mid-flight).
     llm.engine.overlap = request.param
+    # Checked here rather than at teardown: under pytest-xdist a worker may get only this
+    # module's one-token or refused requests, which never launch a step ahead.
+    llm.generate("Warm up", SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+    assert (llm.engine.num_steps_ahead > 0) == request.param
     delay = StepDelay(llm.engine)
     app = create_app(llm, served_model_name="tiny", api_key=KEY, max_pending=MAX_PENDING,
                      poll_s=0.2)
@@ -54,7 +58,6 @@ def srv(tiny_dir, request):
         server.client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
         yield server
         server.http.close()
-    assert (llm.engine.num_steps_ahead > 0) == request.param
 
 
 def greedy(offline, prompt: str, n: int, chat: bool = False, **kw) -> str:
