@@ -59,7 +59,9 @@ def overrides(args: argparse.Namespace) -> dict:
     if args.contexts:
         out["contexts"] = tuple(args.contexts)
     if args.retrieval_tasks:
-        out["retrieval_tasks"] = tuple(t.strip() for t in args.retrieval_tasks.split(",") if t)
+        # strip before dropping empties: "passkey, " means passkey, not passkey and ''
+        out["retrieval_tasks"] = tuple(t.strip() for t in args.retrieval_tasks.split(",")
+                                       if t.strip())
     for name in ("heldout_tokens", "record_tokens", "max_new_tokens", "qsa_context",
                  "qsa_records"):
         value = getattr(args, name)

@@ -36,7 +36,7 @@ def find_calibration_manifest(overlay: Path) -> Path | None:
         for key in ("corpus_manifest", "manifest", "out_dir", "report_path"):
             if isinstance(cal.get(key), str):
                 p = Path(cal[key])
-                candidates += [p] if p.suffix == ".json" else list(p.glob("*.json"))
+                candidates += [p] if p.suffix == ".json" else sorted(p.glob("*.json"))
     except (OSError, ValueError, AttributeError):
         pass
     for d in (overlay, overlay.parent):
@@ -54,13 +54,15 @@ def load_calibration_hashes(path: Path, tokenizer: Any) -> tuple[set[str], dict[
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read calibration manifest {path}: {exc}") from exc
-    if data.get("schema") != MANIFEST_SCHEMA or data.get("split") != "calibration":
+    if (not isinstance(data, dict) or data.get("schema") != MANIFEST_SCHEMA
+            or data.get("split") != "calibration"):
         raise ConfigError(f"{path} is not a calibration corpus manifest ({MANIFEST_SCHEMA})")
     if data.get("tokenizer_fingerprint") != tokenizer_fingerprint(tokenizer):
         raise ConfigError(f"calibration manifest {path} was made with another tokenizer")
+    hashes = manifest_hashes(path)  # a malformed shard list fails here with one line
     info = {"path": str(path), "total_tokens": data.get("total_tokens"),
-            "shards": [s["name"] for s in data.get("shards", [])]}
-    return manifest_hashes(path), info
+            "shards": [s.get("name") for s in data["shards"]]}
+    return hashes, info
 
 
 def check(eval_hashes: dict[str, Iterable[str]], cal_hashes: set[str] | None,

@@ -9,7 +9,6 @@ forward hooks capture each layer's attention output for the same record on every
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import torch
@@ -114,23 +113,26 @@ def run_heldout(
     }
     for name, t in totals.items():
         ppl = metrics.perplexity(t.nll, t.nll_count)
+        # None where nothing was scored ("not run"); NaN only from non-finite logits (a broken
+        # arm, which the goals count as missed)
+        scored = t.nll_count > 0 and totals[reference].nll_count > 0
         arm: dict[str, Any] = {
             "perplexity": ppl,
-            "nll_mean": t.nll / max(t.nll_count, 1),
-            "ppl_delta_pct": (ppl / ref_ppl - 1) * 100 if ref_ppl else None,
+            "nll_mean": t.nll / t.nll_count if t.nll_count else None,
+            "ppl_delta_pct": (ppl / ref_ppl - 1) * 100 if scored else None,
         }
         if name != reference:
             kl = torch.tensor(t.kl, dtype=torch.float64)
+            # histogram drops NaN silently: count a NaN position in the top (worst) bin
+            binned = kl.nan_to_num(nan=KL_BINS[-1].item()).clamp(KL_BINS[0], KL_BINS[-1])
             arm.update(
                 {
                     "positions": t.positions,
-                    "top1_agreement": t.top1 / max(t.positions, 1),
-                    "kl_mean": float(kl.mean()) if kl.numel() else math.nan,
-                    "kl_max": float(kl.max()) if kl.numel() else math.nan,
+                    "top1_agreement": t.top1 / t.positions if t.positions else None,
+                    "kl_mean": float(kl.mean()) if kl.numel() else None,
+                    "kl_max": float(kl.max()) if kl.numel() else None,
                     "kl_quantiles": metrics.quantiles(t.kl, (0.5, 0.9, 0.99, 0.999)),
-                    "kl_histogram": torch.histogram(kl.clamp(KL_BINS[0], KL_BINS[-1]), KL_BINS)
-                    .hist.long()
-                    .tolist(),
+                    "kl_histogram": torch.histogram(binned, KL_BINS).hist.long().tolist(),
                 }
             )
             if internals:

@@ -165,15 +165,20 @@ class LayerErrors:
             a.add(r, x)
 
     def summary(self) -> dict[str, Any]:
+        if not any(a.count for a in self.acc):  # no records: not measured (None = "not run")
+            return {"per_layer": [], **dict.fromkeys(
+                ("mean_cosine", "min_cosine", "max_rel_l2", "mean_rel_l2"))}
         per = [a.result() for a in self.acc]
-        cos = [p.cosine for p in per]
+        # torch's min/max propagate NaN (a layer gone NaN); Python's depend on the order
+        cos = torch.tensor([p.cosine for p in per], dtype=torch.float64)
+        rel = torch.tensor([p.rel_l2 for p in per], dtype=torch.float64)
         return {
             "per_layer": [
                 {"layer": i, "cosine": p.cosine, "rel_l2": p.rel_l2, "rmse": p.rmse}
                 for i, p in enumerate(per)
             ],
-            "mean_cosine": sum(cos) / len(cos) if cos else float("nan"),
-            "min_cosine": min(cos) if cos else float("nan"),
-            "max_rel_l2": max((p.rel_l2 for p in per), default=float("nan")),
-            "mean_rel_l2": sum(p.rel_l2 for p in per) / len(per) if per else float("nan"),
+            "mean_cosine": float(cos.mean()),
+            "min_cosine": float(cos.min()),
+            "max_rel_l2": float(rel.max()),
+            "mean_rel_l2": float(rel.mean()),
         }

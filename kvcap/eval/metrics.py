@@ -21,12 +21,17 @@ def kl_per_position(ref_logits: torch.Tensor, arm_logits: torch.Tensor) -> torch
         )
     lp = torch.log_softmax(ref_logits.double(), dim=-1)
     lq = torch.log_softmax(arm_logits.double(), dim=-1)
-    return (lp.exp() * (lp - lq)).sum(-1).clamp_min(0.0)
+    # 0 * log(0 / q) = 0: a token the reference masks (-inf) adds nothing, even where the arm
+    # masks it too (-inf - -inf would be NaN). NaN logits still give NaN: a broken arm shows.
+    terms = torch.where(lp == -math.inf, 0.0, lp.exp() * (lp - lq))
+    return terms.sum(-1).clamp_min(0.0)
 
 
 def top1_agreement(ref_logits: torch.Tensor, arm_logits: torch.Tensor) -> torch.Tensor:
-    """Per position: 1.0 where both argmaxes agree. [T, V] -> [T] bool."""
-    return ref_logits.argmax(-1) == arm_logits.argmax(-1)
+    """Per position: 1.0 where both argmaxes agree. [T, V] -> [T] bool. A row with a NaN
+    never agrees (argmax treats NaN as the maximum, so two NaN rows would "agree")."""
+    nan_row = ref_logits.isnan().any(-1) | arm_logits.isnan().any(-1)
+    return (ref_logits.argmax(-1) == arm_logits.argmax(-1)) & ~nan_row
 
 
 def next_token_nll(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
@@ -60,7 +65,8 @@ def tensor_error(ref: torch.Tensor, arm: torch.Tensor) -> TensorError:
     r, a = ref.double().flatten(), arm.double().flatten()
     nr, na = r.norm().item(), a.norm().item()
     diff = (a - r).norm().item()
-    cos = float((r @ a).item() / (nr * na)) if nr > 0 and na > 0 else float(nr == na)
+    # a zero norm: 1 when both are zero, else 0; a NaN norm keeps NaN (not a made-up 0)
+    cos = float((r @ a).item() / (nr * na)) if nr * na != 0 else float(nr == na)
     rel = diff / nr if nr > 0 else (0.0 if diff == 0 else math.inf)
     return TensorError(cos, rel, diff / math.sqrt(max(r.numel(), 1)))
 
@@ -84,8 +90,10 @@ class ErrorAccumulator:
         self.count += r.numel()
 
     def result(self) -> TensorError:
+        if not self.count:  # nothing added: no agreement measured (not a perfect one)
+            return TensorError(math.nan, math.nan, math.nan)
         nr, na = math.sqrt(self.ref_sq), math.sqrt(self.arm_sq)
-        cos = self.dot / (nr * na) if nr > 0 and na > 0 else float(nr == na)
+        cos = self.dot / (nr * na) if nr * na != 0 else float(nr == na)  # see tensor_error
         rel = math.sqrt(self.diff_sq) / nr if nr > 0 else (0.0 if self.diff_sq == 0 else math.inf)
         return TensorError(cos, rel, math.sqrt(self.diff_sq / max(self.count, 1)))
 

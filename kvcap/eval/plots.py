@@ -44,7 +44,7 @@ def per_layer_error(heldout: dict[str, Any], labels: dict[str, str], path: Path)
 
 def kl_distribution(heldout: dict[str, Any], labels: dict[str, str], path: Path) -> Path | None:
     edges = np.asarray(heldout["kl_histogram_edges"])
-    arms = {n: a for n, a in heldout["arms"].items() if "kl_histogram" in a}
+    arms = {n: a for n, a in heldout["arms"].items() if a.get("kl_mean") is not None}
     if not arms:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcap.eval import report_md
+from kvcap.scales.fsutil import atomic_write_bytes
 
 REPORT_KIND = "kvcap.compare-report"
 REPORT_SCHEMA = 1
@@ -71,7 +72,7 @@ def arm_metrics(results: dict[str, Any], arm: str) -> dict[str, float | None]:
     if gen and gen["n"]:
         out["first_token_agreement"] = gen["first_token_equal"] / gen["n"]
     ret = results.get("retrieval", {}).get("arms", {})
-    if arm in ret and "regressions" in ret[arm]:
+    if arm in ret and "regressions" in ret[arm] and ret[arm]["n"]:  # 0 cases: not run
         out["retrieval_regressions"] = len(ret[arm]["regressions"])
         ref = next(v for v in ret.values() if "regressions" not in v)
         out["retrieval_score_delta"] = ret[arm]["score"] - ref["score"]
@@ -79,8 +80,12 @@ def arm_metrics(results: dict[str, Any], arm: str) -> dict[str, float | None]:
 
 
 def _met(value: float | None, target: str) -> bool | None:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    """None: not measured. NaN is a measurement gone non-finite (e.g. NaN logits from stray
+    0x7F bytes): missed, never "not run"."""
+    if value is None:
         return None
+    if isinstance(value, float) and math.isnan(value):
+        return False
     op, num = target.split()
     return value >= float(num) if op == ">=" else value <= float(num)
 
@@ -125,9 +130,14 @@ def write_report(
         "plots": plots,
     }
     report = _jsonable(report)
+    # Render both before writing either, and write each through a rename, so a failure never
+    # leaves a truncated file or a report.md from another run beside report.json.
+    # backslashreplace: paths and argv may hold undecodable bytes as lone surrogates, which
+    # strict UTF-8 refuses; inside a JSON string the `\udcff` it writes is the same escape.
+    texts = {"json": json.dumps(report, indent=1, ensure_ascii=False) + "\n",
+             "md": report_md.render(report)}
     out.mkdir(parents=True, exist_ok=True)
-    js = out / "report.json"
-    js.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    md = out / "report.md"
-    md.write_text(report_md.render(report), encoding="utf-8")
-    return {"json": js, "md": md}
+    paths = {"json": out / "report.json", "md": out / "report.md"}
+    for key, path in paths.items():
+        atomic_write_bytes(path, texts[key].encode("utf-8", errors="backslashreplace"))
+    return paths

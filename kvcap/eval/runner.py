@@ -87,6 +87,9 @@ def _resolve(cfg: CompareConfig) -> tuple[Path, Any, Budget]:
 
     if cfg.overlay is None:
         raise ConfigError("compare needs --overlay PACK (a calibrated scale overlay)")
+    if cfg.baseline_kv not in ab.BASELINE_KV:  # before --out gets a control pack written
+        raise ConfigError(f"baseline KV dtype {cfg.baseline_kv!r} is not one of "
+                          f"{', '.join(ab.BASELINE_KV)}")
     if not Path(cfg.overlay).is_dir():
         raise ConfigError(f"overlay {cfg.overlay} is not a directory")
     base = loader.resolve_model_dir(cfg.model)
@@ -97,9 +100,13 @@ def _resolve(cfg: CompareConfig) -> tuple[Path, Any, Budget]:
     if "retrieval" in cfg.tasks:
         budget = Budget(**{**asdict(budget), "contexts": tuple(
             retrieval.validate_contexts(budget.contexts, window))})
+        if not budget.retrieval_tasks:  # zero cases would score 0/0 as "no regressions"
+            raise ConfigError(f"no retrieval task given: choose from {', '.join(retrieval.TASKS)}"
+                              " or drop retrieval from --tasks")
         for t in budget.retrieval_tasks:
             if t not in retrieval.TASKS:
-                raise ConfigError(f"unknown retrieval task {t!r}: choose from {retrieval.TASKS}")
+                raise ConfigError(f"unknown retrieval task {t!r}: choose from "
+                                  f"{', '.join(retrieval.TASKS)}")
     if budget.record_tokens > window:
         raise ConfigError(f"record length {budget.record_tokens} exceeds the window {window}")
     if QSA_TASK in cfg.tasks and cfg.qsa is None:
