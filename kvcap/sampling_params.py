@@ -15,6 +15,11 @@ from kvcap.sampling.json_schema import (
 )
 from kvcap.sampling.reasoning_gate import REASONING_STYLES
 
+# Temperatures below this sample greedily, as in vLLM (its _SAMPLING_EPS): logits / t
+# overflows float32 for tiny t (|logit| > 3.4e38 * t), every such token clamps to the same
+# FLT_MAX and the lowest index among them won instead of the arg-max.
+GREEDY_BELOW = 1e-5
+
 # The fields a checkpoint's generation_config.json may give defaults for (kvcap serve
 # --generation-config auto; models.loader.read_sampling_defaults).
 CHECKPOINT_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -151,4 +156,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW

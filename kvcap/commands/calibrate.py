@@ -159,11 +159,20 @@ def run(args: argparse.Namespace) -> int:
         "kv_cache_dtype": llm.kv_dtype,
         "device": str(llm.device),
     }
+    # build_shards resolves names again and knows no `file:` prefix: hand it the paths back
+    paths = [n.removeprefix("file:") for n in names]
     shards = corpora.build_shards(
-        llm.tokenizer, names, args.max_tokens, "calibration", args.record_tokens, seed=args.seed
+        llm.tokenizer, paths, args.max_tokens, "calibration", args.record_tokens, seed=args.seed
     )
-    if not any(s.records for s in shards):
-        raise CalibrationError("the calibration corpora produced no records")
+    # An empty shard would only be caught after every forward, as an observer-wiring error.
+    empty = [s.name for s in shards if not s.records]
+    if empty:
+        raise CalibrationError(
+            f"corpus shard(s) {', '.join(empty)} produced no records of at least "
+            f"{corpora.MIN_RECORD_TOKENS} tokens (text too short, or --max-tokens "
+            f"{args.max_tokens} too small for {len(shards)} shards); drop them or raise "
+            "--max-tokens"
+        )
     with staged_dir(args.out, CalibrationError) as stage:
         corpora.write_manifest(
             stage / CORPUS_NAME,

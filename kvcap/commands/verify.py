@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from kvcap.models.loader import resolve_model_dir
     from kvcap.scales.binding import MANIFEST_NAME
     from kvcap.scales.materialize import verify_derived
+    from kvcap.scales.overlay import read_manifest
 
     start = time.perf_counter()
     model_dir = resolve_model_dir(args.model)
@@ -57,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=VERIFY_BLOCKS * VERIFY_BLOCK_SIZE,
         max_num_batched_tokens=64,
     )
+    if args.kv_scales is not None:  # LLM has run every binding check on the pack by now
+        negative = bool(read_manifest(args.kv_scales)["negative_control"])
     if not llm.pool.scales_finalized:  # the gate must have run; never report a pass otherwise
         raise ScaleGateError(f"{model_dir}: K/V scales were not finalized by the gate")
     k = llm.pool.k_scales.cpu().tolist()

@@ -19,7 +19,13 @@ class IncrementalDetokenizer:
         self._read = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        # Never "clean up tokenization spaces" (" ." -> ".", " 's" -> "'s"; asked by some
+        # tokenizer configs, Llama 3's among them, and done by transformers 4, or by 5 for
+        # non-BPE models): that rewrite depends on the token after the space, so text already
+        # streamed would disagree with later decodes (the "." was lost from the stream).
+        # vLLM's output text is never cleaned up either.
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
 
     def update(self, ids: list[int]) -> str:
         """All text for output ids `ids` (a list that only ever grows); returns self.text."""

@@ -284,8 +284,10 @@ class Engine:
         ids = req.output_token_ids
         skip = req.sampling_params.skip_special_tokens
         for m in range(max(before, 1), len(ids)):
-            if self.tokenizer.decode(ids[:m], skip_special_tokens=skip)[at:at + len(stop)] \
-                    == stop:
+            # uncleaned, as the detokenizer decodes: `at` is an offset into that text
+            text = self.tokenizer.decode(ids[:m], skip_special_tokens=skip,
+                                         clean_up_tokenization_spaces=False)
+            if text[at:at + len(stop)] == stop:
                 del ids[m:]
                 return
 

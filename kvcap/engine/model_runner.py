@@ -452,7 +452,7 @@ class ModelRunner:
             raw, logits = logits, self._adjusted(
                 logits, [reqs[j] for j in adjust], adjust, extras,
                 [ahead_of[j] for j in adjust] if ahead_of else None)
-        if all(r.sampling_params.temperature == 0.0 for r in reqs):
+        if all(r.sampling_params.greedy for r in reqs):
             return PendingStep(reqs, logits, self.sampler.sample_greedy(logits),
                                None, raw_logits=raw, drafts=drafts).start_copy()
         batch = SamplingBatch.from_params(
@@ -573,7 +573,7 @@ class ModelRunner:
         """Row j's token from `row` (its logits with some tokens masked) under its own
         sampling parameters and random numbers."""
         b = step.batch
-        if b is None or step.reqs[j].sampling_params.temperature == 0.0:
+        if b is None or step.reqs[j].sampling_params.greedy:
             return int(Sampler.sample_greedy(row[None])[0])
         sl = slice(j, j + 1)
         return int(reference_sample(row[None], b.temperature[sl], b.top_k[sl], b.top_p[sl],

@@ -84,7 +84,13 @@ class TokenTexts:
     def special_ids(self) -> set[int]:
         """The tokenizer's special tokens (EOS, chat markers, ...)."""
         if self._specials is None:
-            self._specials = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+            specials = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+            # all_special_ids holds only the named ones (bos, eos, unk, pad, additional);
+            # other added tokens flagged special (Llama 3's <|start_header_id|>, SmolLM's
+            # <filename>) are special too: decode(skip_special_tokens=True) drops them.
+            added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+            specials |= {i for i, t in added.items() if getattr(t, "special", False)}
+            self._specials = specials
         return self._specials
 
     def vocab_bytes(self, size: int) -> list[bytes]:

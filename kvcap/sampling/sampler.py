@@ -82,13 +82,13 @@ class SamplingBatch:
             )
         temps, ks, ps, mps, rng, modes = [], [], [], [], [], []
         for sp, seed, step in zip(params, seeds, steps, strict=True):
-            greedy = sp.temperature == 0.0
+            greedy = sp.greedy
             # k >= V keeps every token, so a k past int32 (the tensor's type) is clamped, not
             # overflowed: an overflow would fail the whole engine step, every request in it
             k = 0 if greedy or sp.top_k <= 0 else min(int(sp.top_k), _I32_MAX)
             p = 1.0 if greedy else float(sp.top_p)
             mp = 0.0 if greedy else float(sp.min_p)
-            temps.append(float(sp.temperature))
+            temps.append(0.0 if greedy else float(sp.temperature))
             ks.append(k)
             ps.append(p)
             mps.append(mp)

@@ -126,7 +126,9 @@ def derived_base_dir(derived: Path) -> Path:
     if not cfg.is_symlink():
         raise OverlayError(f"{derived} is not a materialized checkpoint ({CONFIG_NAME} is not a "
                            "symlink into a base)")
-    return cfg.resolve().parent
+    # Follow this one link only: resolve() would also follow the base's own links, and an HF
+    # hub snapshot links every file into ../../blobs, which is not the base directory.
+    return (cfg.parent / os.readlink(cfg)).parent
 
 
 def verify_derived(derived: Path | str) -> dict[str, Any]:

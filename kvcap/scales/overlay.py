@@ -72,6 +72,9 @@ def _scales_from_report(report: dict[str, Any], base: BaseCheckpoint
         except (KeyError, TypeError):
             raise OverlayError(f"calibration report tensor record {i} lacks name, scale or "
                                "max_abs") from None
+        if not isinstance(name, str):  # (a list or dict name was a TypeError further down)
+            raise OverlayError(f"calibration report tensor record {i}: name {name!r} is not a "
+                               "string")
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (s, m)):
             raise OverlayError(f"calibration report tensor {name!r}: scale {s!r} and max_abs "
                                f"{m!r} must be numbers")
@@ -95,6 +98,11 @@ def _scales_from_report(report: dict[str, Any], base: BaseCheckpoint
 def write_overlay(base_dir: Path | str, out_dir: Path | str, report: dict[str, Any] | None,
                   negative_control: bool = False, vllm_config: bool = False) -> Path:
     """Write a pack for `base_dir` from a calibration `report` (or a unit-scale control)."""
+    out = Path(out_dir)
+    out_res, base_res = out.parent.resolve() / out.name, Path(base_dir).resolve()
+    if base_res == out_res or base_res in out_res.parents:  # as materialize refuses it
+        raise OverlayError(f"output {out} lies inside the base checkpoint {base_dir}; the base "
+                           "is never modified: write the pack elsewhere")
     base = BaseCheckpoint.inspect(base_dir)
     base.refuse_existing_scales()
     names = base.spec.scale_names()
