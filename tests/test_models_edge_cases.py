@@ -140,3 +140,12 @@ def test_rope_scaling_without_a_key_its_type_needs_is_refused_by_name(rope, key,
         {**COMMON, "architectures": ["LlamaForCausalLM"], "rope_scaling": rope}))
     with pytest.raises(ModelLoadError, match=f"rope_scaling .*{rope['rope_type']}.*'{key}'"):
         LLM(model=f"dummy:{tmp_path}", device="cpu", num_blocks=8)
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '"llama"'])
+def test_a_config_json_that_is_not_an_object_is_one_line(tmp_path, content):
+    from kvcap.models.loader import read_spec
+
+    (tmp_path / "config.json").write_text(content)
+    with pytest.raises(ModelLoadError, match="not an object"):
+        read_spec(tmp_path)

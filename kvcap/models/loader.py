@@ -56,6 +56,9 @@ def read_spec(model_dir: Path) -> ModelSpec:
         cfg = json.loads((model_dir / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {e}") from None
+    if not isinstance(cfg, dict):  # (a list or string was an AttributeError inside the spec)
+        raise ModelLoadError(f"{model_dir / 'config.json'} holds a JSON {type(cfg).__name__}, "
+                             "not an object: not an HF model config")
     return ModelSpec.from_hf_config(cfg)
 
 
