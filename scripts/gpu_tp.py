@@ -738,7 +738,9 @@ def run_instance(inst: dict, res: dict, save, deadline: float, reserve: float) -
                 if ceiling:
                     from kvcap.bench.throughput import roofline_step_s
 
-                    cell["roofline_fraction"] = (roofline_step_s(llm, c, ctx, ceiling)
+                    # the KV the timed steps read: prompts of ctx - max_tokens tokens
+                    cell["roofline_fraction"] = (roofline_step_s(llm, c, ctx, ceiling,
+                                                                 cell["max_tokens"])
                                                  / (cell["step_ms"] / 1e3))
             print(f"gpu_tp cell {label(inst)}: {json.dumps(cell)}", flush=True)
             save()

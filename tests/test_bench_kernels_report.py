@@ -187,3 +187,44 @@ def test_summary_into_a_closed_pipe_is_not_an_error(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr
+
+
+def test_summary_reports_skips_missing_cells_and_nan_as_not_met(tmp_path, capsys):
+    """Issue 5's nine target cells (B 8/16/64 x 16K/32K/128K): a skipped one is named with
+    its reason and one no file holds is named missing (both were left out of 'met in X of
+    Y'); an E4M3 time that is NaN or absent at >= 4K is not 'never slower' (NaN compared
+    false, so it passed, and an absent arm raised KeyError); a cell in two files counts once
+    (the later file's)."""
+    fast = {"shape": "llama31-8b", "batch": 16, "context": 32768, "splits": 3,
+            "splits_fp16": 5, "sdpa_fp16": _arm(0.470, 0.470, 97.0),
+            "paged_fp16": _arm(0.490, 0.470, 93.0), "e4m3_native": _arm(0.250, 0.470, 91.0),
+            "e4m3_software": _arm(0.300, 0.470, 76.0)}
+    nan_native = {**fast, "shape": "smollm2-135m", "context": 4096,
+                  "e4m3_native": _arm(float("nan"), 0.470, float("nan"))}
+    no_software = {k: v for k, v in fast.items() if k != "e4m3_software"}
+    no_software["context"] = 16384
+    slow_then_fast = {**fast, "batch": 8, "context": 131072,
+                      "e4m3_native": _arm(0.400, 0.470, 50.0)}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"info": {"gpu": "NVIDIA H200", "dtype": "bfloat16",
+                                      "commit": "abc1234"},
+                             **{"cells": _result()["cells"] + [slow_then_fast]}}))
+    b.write_text(json.dumps({"cells": [fast, nan_native, no_software,
+                                       {**slow_then_fast, "e4m3_native": fast["e4m3_native"]}]}))
+    assert main(["--summary", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "source: a.json: NVIDIA H200, 16-bit arms bfloat16, commit abc1234" in out
+    skipped = "skipped (not judged): 64 x 128K (FP16 KV over 20 GiB)"
+    missing = "missing (no file has it): 8 x 32K, 16 x 128K, 64 x 16K, 64 x 32K"
+    line = next(x for x in out.splitlines() if x.startswith("native >= 1.8x"))
+    # 8 x 16K (56%) misses; 8 x 128K counts once, by b.json's fast time
+    assert line == ("native >= 1.8x SDPA at >= 85% of the ceiling: met in 3 of 4 cells "
+                    f"(not: 8 x 16K); {skipped}; {missing}")
+    # 0.300 / 0.250 = 1.2x misses; no software time misses (was a KeyError)
+    assert ("software within 1.15x of native: met in 1 of 4 cells (not: 8 x 128K, 16 x 32K, "
+            "16 x 16K)") in out
+    slower = next(x for x in out.splitlines() if x.startswith("E4M3 slower"))
+    assert "smollm2-135m B=16 ctx=4096 e4m3_native (not measured)" in slower
+    assert "llama31-8b B=16 ctx=16384 e4m3_software (not measured)" in slower
+    assert "llama31-8b B=64 ctx=131072 (FP16 KV over 20 GiB)" in slower
+    assert "shapes with no cells: gqa6-d256" in slower

@@ -250,16 +250,29 @@ def _capture_s(graphs) -> float | None:
     return None if s is None else round(s, 2)
 
 
-def kv_read_tokens(spec, context: int) -> float:
+def kv_read_tokens(spec, context: int, out_tokens: int | None = None) -> float:
     """Cached tokens a decode step reads per sequence, averaged over the layers: a sliding
-    layer (KVCacheSpec.layer_windows) reads at most its window."""
-    if not spec.layer_windows:
-        return context
-    return sum(min(context, w or context) for w in spec.layer_windows) / len(spec.layer_windows)
+    layer (KVCacheSpec.layer_windows) reads at most its window. With `out_tokens` (a cell of
+    run_cell: prompts of context - out_tokens tokens, out_tokens generated), also averaged
+    over the cell's timed decode steps: step i (1 <= i < out_tokens) attends over
+    context - out_tokens + i tokens, so the mean is context - out_tokens / 2, not `context`
+    (counting `context` overstated the KV bytes, and so the roofline fraction, by up to
+    out_tokens / 2 tokens a sequence: 2.6% at 64 x 1K with 256 output tokens)."""
+    if out_tokens is None or out_tokens < 2:
+        steps = [context]
+    else:
+        steps = range(context - out_tokens + 1, context)
+    windows = spec.layer_windows or (None,)
+    per_window = {w: sum(min(t, w or t) for t in steps) / len(steps) for w in set(windows)}
+    return sum(per_window[w] for w in windows) / len(windows)
 
 
-def roofline_step_s(llm, concurrency: int, context: int, ceiling_tbs: float) -> float:
-    kv = llm.pool.spec.bytes_per_token * concurrency * kv_read_tokens(llm.pool.spec, context)
+def roofline_step_s(llm, concurrency: int, context: int, ceiling_tbs: float,
+                    out_tokens: int | None = None) -> float:
+    """A decode step's roofline: the weights it reads in full (weight_bytes) plus every
+    sequence's KV (kv_read_tokens) over the read ceiling."""
+    spec = llm.pool.spec
+    kv = spec.bytes_per_token * concurrency * kv_read_tokens(spec, context, out_tokens)
     return (weight_bytes(llm) + kv) / (ceiling_tbs * 1e12)
 
 
@@ -412,8 +425,12 @@ def main(argv=None) -> int:
                                 long_warmup=not args.short_warmup))
                             cell.update(merge_passes(runs[key]))
                             step = c / cell["decode_tok_s"]
-                            cell["roofline_fraction"] = roofline_step_s(llm, c, ctx,
-                                                                        ceiling) / step
+                            cell["roofline_fraction"] = roofline_step_s(
+                                llm, c, ctx, ceiling, args.out_tokens) / step
+                            # the model that fraction used (throughput_targets restates
+                            # files without it: they counted `context` tokens a step)
+                            cell["roofline_kv_tokens"] = kv_read_tokens(
+                                llm.pool.spec, ctx, args.out_tokens)
                         report["cells"] = [x for x in report["cells"] if not (
                             x["shape"] == shape and x["kv"] == mode and x["concurrency"] == c
                             and x["context"] == ctx)] + [cell]

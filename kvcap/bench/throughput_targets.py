@@ -4,18 +4,24 @@
 
 The targets (issue "gpu-engine-perf"): KV capacity with E4M3 >= 1.95x the unquantized cache's
 at the same budget; E4M3 decode >= the unquantized cache's in every matched cell, and >= 1.3x at
-context >= 16K with concurrency >= 16; the software decoder within 3% of the unquantized cache;
-decode steps at >= 0.80 of their roofline at concurrency >= 16 (a target of the Llama-3.1-8B
-shape only, ROOFLINE_SHAPE). Every cell is reported, met or not. A ratio only compares arms of
-one file -- one run on one GPU -- since runs on different machines or days differ by a few
-percent; where several files hold the same comparison the later file's is used (as in
-kvcap.bench.throughput_report). Cells that did not fit are not judged (the capacity target
-covers them). The markdown goes to stdout; bad input is one line on stderr (exit 2).
+context >= 16K with concurrency >= 16; the software decoder within 3% of the unquantized cache
+(>= 0.97x); decode steps at >= 0.80 of their roofline at concurrency >= 16 and >= 10x the HF
+transformers baseline's decode at 16 x 1K (targets of the Llama-3.1-8B shape only,
+ROOFLINE_SHAPE). Every cell is reported, met or not. A ratio only compares arms of one file --
+one run on one GPU -- since runs on different machines or days differ by a few percent (the HF
+baseline too: the one in the same file); where several files hold the same comparison the
+later file's is used (as in kvcap.bench.throughput_report). A cell that did not fit (or whose
+unquantized counterpart did not) is listed as skipped with its reason, never counted as met;
+a missing or NaN value is not met; a target no cell judges is reported missing. Roofline
+fractions of files written before the benchmark recorded `roofline_kv_tokens` are restated
+to the KV a timed decode step reads (roofline_fraction). The markdown goes to stdout; bad
+input is one line on stderr (exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 
@@ -34,32 +40,111 @@ E4M3_MIN = 1.0
 E4M3_LONG_MIN = 1.3  # at context >= LONG_CONTEXT with concurrency >= WIDE_CONCURRENCY
 SOFTWARE_MIN = 0.97  # within 3% of the unquantized cache
 ROOFLINE_MIN = 0.80  # at concurrency >= WIDE_CONCURRENCY
+HF_MIN = 10.0  # decode tok/s over HF transformers generate's, at HF_CELL, 8B shape
+HF_CELL = (16, 1024)  # (concurrency, context)
 LONG_CONTEXT = 16384
 WIDE_CONCURRENCY = 16
 ROOFLINE_SHAPE = "llama-3.1-8b"
+
+T_CAPACITY = f"KV capacity E4M3 >= {CAPACITY_MIN}x"
+T_E4M3 = "E4M3 >= unquantized decode"
+T_LONG = f"E4M3 >= {E4M3_LONG_MIN}x at ctx >= 16K, c >= 16"
+T_SOFTWARE = "software E4M3 within 3% of unquantized"
+T_ROOFLINE = f"roofline >= {ROOFLINE_MIN:.2f} at c >= 16"
+T_HF = f"decode >= {HF_MIN:.0f}x HF transformers at 16 x 1K"
+NOT_JUDGED = ("greedy tokens identical between CUDA-graph and eager runs (a GPU test, not in "
+              "these JSONs)")
 
 
 @dataclass(frozen=True)
 class Verdict:
     target: str
     cell: str  # "16 x 1K", "16 x 1K, E4M3 (native)" or "pool"
-    value: float
+    value: float  # NaN where the file has no usable value: not met
     threshold: float
     source: str
+    skip: str | None = None  # the cell (or the arm it is compared with) did not run: why
+    note: str = ""
 
     @property
     def met(self) -> bool:
-        return self.value >= self.threshold
+        # a skip is never a pass; NaN compares false
+        return self.skip is None and self.value >= self.threshold
 
 
 ARM_NAMES = {"fp16": "unquantized", "fp8": "E4M3 (native)", "fp8-software": "E4M3 (software)"}
 
 
+def _number(x: object) -> float:
+    """A JSON number as a float; NaN for None, a bool, a string or a missing value."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return math.nan
+    return float(x)
+
+
+def _ratio(a: object, b: object) -> float:
+    """a / b, NaN unless both are numbers and b is positive and finite (a broken baseline
+    judges nothing as met)."""
+    a, b = _number(a), _number(b)
+    return a / b if b > 0 and math.isfinite(b) else math.nan
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a file records for restating its roofline fractions and for the HF target."""
+    read_ceiling_tbs: float = math.nan
+    out_tokens: int | None = None
+    bytes_per_token: dict = None  # (shape, kv) -> bytes
+    hf_decode_tok_s: dict = None  # (shape, batch, context) -> HF decode tok/s
+
+
+def run_infos(reports: list[tuple[str, dict]]) -> dict[str, RunInfo]:
+    out = {}
+    for name, report in reports:
+        args = report.get("args") if isinstance(report.get("args"), dict) else {}
+        out_tokens = args.get("out_tokens")
+        out[name] = RunInfo(
+            _number(report.get("read_ceiling_tbs")),
+            out_tokens if isinstance(out_tokens, int) and not isinstance(out_tokens, bool)
+            else None,
+            {(c.get("shape"), c.get("kv")): c.get("bytes_per_token")
+             for c in report.get("capacity") or [] if isinstance(c, dict)},
+            {(h.get("shape"), h.get("batch"), h.get("context")): h.get("decode_tok_s")
+             for h in report.get("hf_baseline") or [] if isinstance(h, dict)})
+    return out
+
+
+def roofline_fraction(cell: dict, info: RunInfo | None) -> tuple[float, str]:
+    """(fraction, note): the cell's roofline fraction, restated for files written before the
+    benchmark counted the KV a decode step really reads. Those counted `context` tokens a
+    sequence, but the timed steps of a cell read context - out_tokens + 1 ... context - 1
+    (mean context - out_tokens / 2: kvcap.bench.throughput.kv_read_tokens), so their
+    fractions read high by bytes_per_token * out_tokens / 2 * decode_tok_s / ceiling (0.003
+    at 16 x 16K E4M3, 0.02-0.03 at 64 x 1K). Only for the 8B shape (no sliding layers); the
+    recorded value stays where the file lacks what restating needs."""
+    frac = _number(cell.get("roofline_fraction"))
+    if "roofline_kv_tokens" in cell or info is None or not math.isfinite(frac):
+        return frac, ""
+    bpt = _number((info.bytes_per_token or {}).get((cell["shape"], cell["kv"])))
+    ceiling, out = info.read_ceiling_tbs, info.out_tokens
+    tok_s = _number(cell.get("decode_tok_s"))
+    if (cell["shape"] != ROOFLINE_SHAPE or out is None or out < 2 or not bpt > 0
+            or not ceiling > 0 or not tok_s > 0):
+        return frac, ""
+    restated = frac - bpt * (out / 2) * tok_s / (ceiling * 1e12)
+    return restated, f"recorded {frac:.3f} counting `context` KV tokens a step"
+
+
 def judge(cells: list[dict], shape: str = DEFAULT_SHAPE,
-          capacity: list[tuple[str, float]] = ()) -> list[Verdict]:
+          capacity: list[tuple[str, float]] = (),
+          infos: dict[str, RunInfo] | None = None) -> list[Verdict]:
     """Every target on every cell of `shape` that can be judged, in target order, cells by
-    context then concurrency; a later file's verdict on the same cell replaces an earlier one.
-    `capacity`: (source, E4M3 / unquantized pool tokens) per file (capacity_ratios)."""
+    context then concurrency; a later file's verdict on the same cell replaces an earlier one
+    (a measured one is never replaced by a skip). A cell that did not run (or whose
+    counterpart arm did not) is a skip verdict with the reason, never met and never a miss.
+    `capacity`: (source, E4M3 / unquantized pool tokens) per file (capacity_ratios);
+    `infos`: run_infos of the files (roofline restating and the HF baseline)."""
+    infos = infos or {}
     mine = [c for c in cells if c["shape"] == shape]
     if not mine:
         shapes = sorted({c["shape"] for c in cells})
@@ -76,36 +161,64 @@ def judge(cells: list[dict], shape: str = DEFAULT_SHAPE,
     found: dict[tuple[str, str], tuple[tuple, Verdict]] = {}
 
     def add(rank: int, target: str, conc: int, ctx: int, label: str, value: float,
-            threshold: float, source: str) -> None:
+            threshold: float, source: str, skip: str | None = None, note: str = "") -> None:
+        old = found.get((target, label))
+        if skip is not None and old is not None and old[1].skip is None:
+            return
         found[(target, label)] = ((rank, ctx, conc, label),
-                                  Verdict(target, label, value, threshold, source))
+                                  Verdict(target, label, value, threshold, source, skip, note))
 
+    def skip_reason(kv: str, cell: dict | None) -> str | None:
+        if cell is None or measured(cell):
+            return None
+        return f"{ARM_NAMES.get(kv, kv)}: {cell['skip']}"
+
+    ratio_targets = {"fp8": [(1, T_E4M3, E4M3_MIN, lambda conc, ctx: True),
+                             (2, T_LONG, E4M3_LONG_MIN,
+                              lambda conc, ctx: ctx >= LONG_CONTEXT and conc >= WIDE_CONCURRENCY)],
+                     "fp8-software": [(3, T_SOFTWARE, SOFTWARE_MIN, lambda conc, ctx: True)]}
     for source, sel in by_file.items():
+        info = infos.get(source)
         for (kv, conc, ctx), cell in sel.items():
-            if not measured(cell):
-                continue
             label = row_label(conc, ctx)
             base = sel.get(("fp16", conc, ctx))
-            if kv != "fp16" and measured(base):
-                ratio = cell["decode_tok_s"] / base["decode_tok_s"]
-                if kv == "fp8":
-                    add(1, "E4M3 >= unquantized decode", conc, ctx, label, ratio, E4M3_MIN,
-                        source)
-                    if ctx >= LONG_CONTEXT and conc >= WIDE_CONCURRENCY:
-                        add(2, f"E4M3 >= {E4M3_LONG_MIN}x at ctx >= 16K, c >= 16", conc, ctx,
-                            label, ratio, E4M3_LONG_MIN, source)
-                elif kv == "fp8-software":
-                    add(3, "software E4M3 within 3% of unquantized", conc, ctx, label, ratio,
-                        SOFTWARE_MIN, source)
-            frac = cell.get("roofline_fraction")
-            if (shape == ROOFLINE_SHAPE and conc >= WIDE_CONCURRENCY
-                    and isinstance(frac, (int, float))):
-                add(4, f"roofline >= {ROOFLINE_MIN:.2f} at c >= 16", conc, ctx,
-                    f"{label}, {ARM_NAMES.get(kv, kv)}", frac, ROOFLINE_MIN, source)
+            # a matched cell: both arms of one file measured; one that did not run is a skip
+            if kv in ratio_targets and base is not None:
+                skip = skip_reason(kv, cell) or skip_reason("fp16", base)
+                ratio = math.nan if skip else _ratio(cell["decode_tok_s"], base["decode_tok_s"])
+                for rank, target, threshold, applies in ratio_targets[kv]:
+                    if applies(conc, ctx):
+                        add(rank, target, conc, ctx, label, ratio, threshold, source, skip)
+            if shape == ROOFLINE_SHAPE and conc >= WIDE_CONCURRENCY:
+                arm = f"{label}, {ARM_NAMES.get(kv, kv)}"
+                if measured(cell):  # a missing or NaN fraction is not met
+                    frac, note = roofline_fraction(cell, info)
+                    add(4, T_ROOFLINE, conc, ctx, arm, frac, ROOFLINE_MIN, source, note=note)
+                else:
+                    add(4, T_ROOFLINE, conc, ctx, arm, math.nan, ROOFLINE_MIN, source,
+                        skip=cell["skip"])
+            if shape == ROOFLINE_SHAPE and (conc, ctx) == HF_CELL and info is not None:
+                hf = (info.hf_decode_tok_s or {}).get((shape, conc, ctx), "absent")
+                if hf != "absent":  # the baseline of the same run only
+                    arm = f"{label}, {ARM_NAMES.get(kv, kv)}"
+                    add(5, T_HF, conc, ctx, arm,
+                        _ratio(cell["decode_tok_s"], hf) if measured(cell) else math.nan,
+                        HF_MIN, source, skip=None if measured(cell) else cell["skip"])
     for source, ratio in capacity:
-        add(0, f"KV capacity E4M3 >= {CAPACITY_MIN}x", 0, 0, "pool", ratio, CAPACITY_MIN,
-            source)
+        add(0, T_CAPACITY, 0, 0, "pool", ratio, CAPACITY_MIN, source)
     return [verdict for _, verdict in sorted(found.values(), key=lambda kv: kv[0])]
+
+
+def targets_for(shape: str) -> list[str]:
+    """The issue's targets that `shape` is judged on (roofline and HF: the 8B shape only)."""
+    return [T_CAPACITY, T_E4M3, T_LONG, T_SOFTWARE] + (
+        [T_ROOFLINE, T_HF] if shape == ROOFLINE_SHAPE else [])
+
+
+def judge_reports(reports: list[tuple[str, dict]], shape: str = DEFAULT_SHAPE) -> list[Verdict]:
+    """judge() over load_reports' (file name, report) pairs, every input validated first."""
+    cells = report_cells(reports)
+    return judge(cells, shape, capacity_ratios(reports, shape), run_infos(reports))
 
 
 def capacity_ratios(reports: list[tuple[str, dict]], shape: str) -> list[tuple[str, float]]:
@@ -115,25 +228,48 @@ def capacity_ratios(reports: list[tuple[str, dict]], shape: str) -> list[tuple[s
     for name, report in reports:
         pools = pool_tokens(report)
         fp16, fp8 = pools.get((shape, "fp16")), pools.get((shape, "fp8"))
-        if isinstance(fp16, int) and isinstance(fp8, int) and fp16 > 0:
+        if (isinstance(fp16, int) and isinstance(fp8, int) and not isinstance(fp16, bool)
+                and not isinstance(fp8, bool) and fp16 > 0):
             out.append((name, fp8 / fp16))
     return out
 
 
-def markdown(verdicts: list[Verdict]) -> str:
-    """One row per judged cell, then one summary line per target."""
+def markdown(verdicts: list[Verdict], shape: str | None = None) -> str:
+    """One row per judged cell, then one summary line per target: met / judged, the cells
+    not met, the cells skipped (never counted as met), and each of `shape`'s targets that no
+    cell of the files could judge (missing, not met)."""
     lines = ["| target | cell | measured | met | source |", "| --- | --- | --- | --- | --- |"]
     for v in verdicts:
-        value = f"{v.value:.3f}" + ("" if "roofline" in v.target else "x")
-        lines.append(f"| {v.target} | {v.cell} | {value} | {'yes' if v.met else '**no**'} | "
-                     f"`{v.source}` |")
+        if v.skip is not None:
+            value, met = "-", f"skipped: {v.skip}"
+        elif math.isnan(v.value):
+            value, met = "missing", "**no**"
+        else:
+            value = f"{v.value:.3f}" + ("" if v.target == T_ROOFLINE else "x")
+            met = "yes" if v.met else "**no**"
+        if v.note:
+            value += f" ({v.note})"
+        lines.append(f"| {v.target} | {v.cell} | {value} | {met} | `{v.source}` |")
     lines.append("")
-    for target in dict.fromkeys(v.target for v in verdicts):
-        mine = [v for v in verdicts if v.target == target]
+    targets = list(dict.fromkeys([v.target for v in verdicts]
+                                 + (targets_for(shape) if shape else [])))
+    order = {t: i for i, t in enumerate(targets_for(ROOFLINE_SHAPE))}
+    for target in sorted(targets, key=lambda t: order.get(t, len(order))):
+        mine = [v for v in verdicts if v.target == target and v.skip is None]
+        skipped = [v for v in verdicts if v.target == target and v.skip is not None]
+        if not mine:
+            lines.append(f"- {target}: missing: no cell of these files judges it"
+                         + (f"; skipped: {'; '.join(f'{v.cell} ({v.skip})' for v in skipped)}"
+                            if skipped else ""))
+            continue
         met = sum(v.met for v in mine)
         lines.append(f"- {target}: met in {met} of {len(mine)} cell(s)"
                      + ("" if met == len(mine) else
-                        f"; not met: {'; '.join(v.cell for v in mine if not v.met)}"))
+                        f"; not met: {'; '.join(v.cell for v in mine if not v.met)}")
+                     + (f"; skipped (not judged): {'; '.join(v.cell for v in skipped)}"
+                        if skipped else ""))
+    if shape:
+        lines.append(f"- not judged here: {NOT_JUDGED}")
     return "\n".join(lines)
 
 
@@ -146,12 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         reports = load_reports(args.files)
         # every file's cells are validated here, before any verdict
-        cells = report_cells(reports)
-        verdicts = judge(cells, args.shape, capacity_ratios(reports, args.shape))
+        verdicts = judge_reports(reports, args.shape)
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(markdown(verdicts))
+    print(markdown(verdicts, args.shape))
     return 0
 
 
