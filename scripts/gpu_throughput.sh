@@ -3,7 +3,8 @@
 # software-decoder E4M3 KV, 256 output tokens, two scored repeats), judged by
 # kvcap.bench.throughput_targets.
 #   bash scripts/gpu_throughput.sh short    concurrency 16 / 64 x context 1K / 4K (~6 min warm;
-#                                           CONTEXTS="1024" for 1K only)
+#                                           CONTEXTS="1024" for 1K only), and the HF transformers
+#                                           baseline at B = 1 / 16 x 1K in the same run (HF= : none)
 #   bash scripts/gpu_throughput.sh pdl64    64 x 1K, BF16 / E4M3 KV: the default (on GPUs other than the
 #                                           SXM H100 cuBLAS GEMMs, ordinary launches at 64 rows)
 #                                           against every linear on kvcap's skinny kernels as
@@ -27,7 +28,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 short() {
   timeout ${SHORT_S:-570} python3 -m kvcap.bench.throughput --shapes llama-3.1-8b \
     --concurrency 16 64 --context ${CONTEXTS:-1024 4096} --kv fp16 fp8 fp8-software --dtype bfloat16 \
-    --out-tokens 256 --repeats 2 --out "$OUT/throughput-8b-short.json" 2>&1 \
+    --out-tokens 256 --repeats 2 ${HF---hf-baseline} --out "$OUT/throughput-8b-short.json" 2>&1 \
     | grep -vE "^\{" | tail -24
   python3 -m kvcap.bench.throughput_targets "$OUT/throughput-8b-short.json"
 }
