@@ -4,7 +4,7 @@ For a QSA layer, one forward: store K/V in the main cache (E4M3 quantized on wri
 float copy), update the indexer side caches (ring + completed groups), score every row's
 visible groups, select (exact top-k, tie rule, expansion with the causal tail) and attend
 over the selected tokens only. Dense layers, and every layer while `KVCAP_DISABLE_QSA=1`,
-go straight to the inner backend. Two paths:
+go straight to the inner backend (QSA layers still update their side caches then). Two paths:
   torch:  per sequence, reference scoring/selection (kvcap.qsa.selection) and masked eager
           attention (with everything selected it is the dense reference, bit for bit);
   triton: all rows at once through kvcap.kernels.qsa_score / qsa_topk / qsa_attention.
@@ -23,10 +23,12 @@ import torch
 from kvcap.attention.base import AttentionBackend
 from kvcap.attention.metadata import AttentionMetadata
 from kvcap.attention.torch_ref import gather_kv_reference, store_kv_reference
+from kvcap.errors import ConfigError
 from kvcap.kv_cache.pool import LayerKVCache
 from kvcap.qsa.config import QSAConfig, qsa_disabled
 from kvcap.qsa.indexer import (
     Compressor,
+    LayerSideCache,
     QSASideCaches,
     RowInfo,
     gather_groups,
@@ -91,7 +93,8 @@ class QSABackend(AttentionBackend):
         if path == "auto":
             path = "triton" if device.type == "cuda" else "torch"
         if path == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("the QSA triton path needs CUDA (or TRITON_INTERPRET=1)")
+            raise ConfigError(f"the QSA triton path needs CUDA (or TRITON_INTERPRET=1), the "
+                              f"device is {device.type}: use QSAConfig(path='auto' or 'torch')")
         self.path = path
         self.fp8_mode = getattr(inner, "fp8_mode", "auto")
         self.record: dict[int, list[torch.Tensor]] | None = None
@@ -125,37 +128,52 @@ class QSABackend(AttentionBackend):
         tokens: int32 [T, Hs, W] (-1 padded; padding rows all -1). Needs no K/V store.
         `rows`: RowInfo of `meta` if the caller built it (else built once per metadata)."""
         cfg = self.config
-        layer = cache.layer_idx
         t, hq, d = q.shape
         hkv = k.shape[1]
         rows = rows if rows is not None else self._row_info(meta, t)
-        side = self.side.layer(layer)
+        side = self.update(q, k, cache, meta, index, rows)
         if cfg.indexer == "trained":
-            if index is None:
-                raise ValueError(f"layer {layer}: the trained QSA indexer needs IndexInputs "
-                                 "from the model (kvcap.qsa.model)")
-            keys, compress = index.k[:, None, :], index.compress
             sel_q = index.q[:, None]  # [T, 1, Hi, di]
             mode, scale = "relu_sum", index.q.shape[-1] ** -0.5
         else:
-            keys, compress = k, mean_compressor
             sel_q = q.view(t, hkv, hq // hkv, d)
             mode = ("bound_" if self.bounds else "dot_") + cfg.head_reduce
             scale = 1.0
-        update_side_cache(side, keys, meta.slot_mapping, rows, compress, bounds=self.bounds)
         sel_q = sel_q.to(side.comp.dtype)
         if self.path == "torch":
             return self._torch_select(side, sel_q, meta, mode, scale, t)
         return self._triton_select(side, sel_q, meta, rows, mode, scale)
 
+    def update(self, q: torch.Tensor, k: torch.Tensor, cache: LayerKVCache,
+               meta: AttentionMetadata, index: IndexInputs | None = None,
+               rows: RowInfo | None = None) -> LayerSideCache:
+        """Fold this step's keys into the layer's side caches; returns its LayerSideCache."""
+        layer = cache.layer_idx
+        rows = rows if rows is not None else self._row_info(meta, q.shape[0])
+        if self.config.indexer == "trained":
+            if index is None:
+                raise ValueError(f"layer {layer}: the trained QSA indexer needs IndexInputs "
+                                 "from the model (kvcap.qsa.model)")
+            keys, compress = index.k[:, None, :], index.compress
+        else:
+            keys, compress = k, mean_compressor
+        side = self.side.layer(layer)
+        update_side_cache(side, keys, meta.slot_mapping, rows, compress, bounds=self.bounds)
+        return side
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
                 meta: AttentionMetadata, softmax_scale: float, out: torch.Tensor,
                 index: IndexInputs | None = None) -> torch.Tensor:
         layer = cache.layer_idx
-        if cache.window is not None:  # LLM refuses QSA for such models first
+        if layer not in self.layers:
+            return self.inner.forward(q, k, v, cache, meta, softmax_scale, out)
+        if cache.window is not None:  # LLM and enable_qsa refuse such models first
             raise ValueError(f"layer {layer} slides over {cache.window} tokens: QSA selects "
                              "from the whole context and cannot serve it")
-        if layer not in self.layers or qsa_disabled():
+        if qsa_disabled():
+            # still fold the keys in: requests in flight and prefix-cached blocks outlive the
+            # switch, and once it is off their groups are scored from these rows
+            self.update(q, k, cache, meta, index)
             return self.inner.forward(q, k, v, cache, meta, softmax_scale, out)
         if self.path == "torch":
             store_kv_reference(k, v, cache, meta.slot_mapping)

@@ -22,6 +22,10 @@ HEAD_REDUCTIONS = ("sum", "max")
 PATHS = ("auto", "torch", "triton")
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def qsa_disabled() -> bool:
     """True when `KVCAP_DISABLE_QSA` is set to a true value (read at every forward)."""
     return env_flag(ENV_DISABLE_QSA)
@@ -36,7 +40,8 @@ class QSAConfig:
                   "explicit"      exactly `layers`
     compress_ratio: tokens per group (4); the cache block size must be a multiple of it.
     topk_groups:  groups selected per query row (512 -> a 2,048-token budget).
-    include_tail: attend to the open tail group's 0..ratio-1 tokens (the causal tail rule).
+    include_tail: attend to the open tail group's 0..ratio-1 tokens (the causal tail rule;
+                  required for ratio > 1: it holds the row's own token).
     indexer:      "trained" (index q/k projections of the checkpoint; needs a model that
                   passes them, see kvcap.qsa.model) or "training_free" (the layer's own keys
                   summarised per group and KV head, scored with the layer's own queries).
@@ -69,6 +74,25 @@ class QSAConfig:
         return self.token_budget + (self.compress_ratio - 1 if self.include_tail else 0)
 
     def validate(self) -> QSAConfig:
+        # sizes and layer ids are used as tensor shapes and ranges: a float or a string would
+        # otherwise fail deep inside the first forward
+        for name in ("every_n", "first_dense", "compress_ratio", "topk_groups"):
+            if not _is_int(getattr(self, name)):
+                raise ConfigError(f"QSA {name} must be an integer, got "
+                                  f"{getattr(self, name)!r}")
+        if not isinstance(self.layers, (tuple, list)) or not all(map(_is_int, self.layers)):
+            raise ConfigError(f"QSA layers must be a tuple of layer indices, got "
+                              f"{self.layers!r}")
+        if self.layers and self.layer_rule != "explicit":
+            raise ConfigError(f"QSA layers={tuple(self.layers)} is only read with "
+                              f"layer_rule='explicit' (layer_rule is {self.layer_rule!r}): "
+                              "pass layer_rule='explicit' or drop layers")
+        if not self.include_tail and self.compress_ratio > 1:
+            # without the open tail a row never attends to its own token, and rows before the
+            # first complete group attend to nothing (softmax over no key: NaN)
+            raise ConfigError("QSA include_tail=False drops each row's own token (the first "
+                              f"{self.compress_ratio - 1} positions attend to nothing): keep "
+                              "include_tail=True")
         if self.layer_rule not in LAYER_RULES:
             raise ConfigError(f"QSA layer_rule {self.layer_rule!r} is not one of {LAYER_RULES}")
         if self.indexer not in INDEXERS:

@@ -124,6 +124,9 @@ def enable_qsa(llm: LLM, config: QSAConfig) -> QSABackend:
     _check_servable(config)
     if getattr(llm, "tp", None) is not None:
         raise ConfigError("QSA with tensor parallelism is not supported yet")
+    if llm.spec.sliding_window is not None:  # as LLM(qsa=...) refuses it
+        raise ConfigError(f"QSA cannot serve a sliding-window model (it attends to the last "
+                          f"{llm.spec.sliding_window} tokens only): use a dense LLM")
     pool = llm.pool
     cspec = pool.spec
     config.check_block_size(cspec.block_size)
@@ -137,6 +140,9 @@ def enable_qsa(llm: LLM, config: QSAConfig) -> QSABackend:
                          bounds=config.summary == "minmax")
     backend = QSABackend(inner, config, side, pool.device)
     llm.runner.backend = backend
+    # Blocks already in the prefix cache have no rows in these new side caches (a hit would
+    # select from zeros) and hold deeper layers' K/V computed by another attention: drop them.
+    _reset_prefix_cache(llm)
     gib = side.bytes_per_token * pool.num_tokens / 2**30
     if cspec.side_bytes_per_token >= side.bytes_per_token:
         logger.info("QSA side caches: %d B/token (%.3f GiB), counted in the KV budget",
@@ -146,6 +152,12 @@ def enable_qsa(llm: LLM, config: QSAConfig) -> QSABackend:
                     "(LLM(qsa=...) counts them)", side.bytes_per_token, gib)
     _recapture(llm)
     return backend
+
+
+def _reset_prefix_cache(llm: LLM) -> None:
+    block_manager = getattr(llm, "block_manager", None)  # LLM(qsa=...) gets here before it
+    if block_manager is not None:
+        block_manager.reset_prefix_cache()
 
 
 def _recapture(llm: LLM) -> None:
@@ -162,8 +174,9 @@ def _recapture(llm: LLM) -> None:
 
 
 def disable_qsa(llm: LLM) -> None:
-    """Restore the wrapped backend (the side caches are dropped)."""
+    """Restore the wrapped backend (the side caches and the prefix cache are dropped)."""
     backend = llm.runner.backend
     if isinstance(backend, QSABackend):
         llm.runner.backend = backend.inner
+        _reset_prefix_cache(llm)  # cached blocks hold K/V computed through QSA layers
         _recapture(llm)
