@@ -61,16 +61,16 @@ def test_swiglu_refuses_what_it_cannot_do():
         skinny_swiglu(torch.randn(2, 32, device=DEV), w)
 
 
-def test_h100_takes_every_linear_up_to_64_rows(monkeypatch):
-    """The SXM H100's limits (measured there: every linear of a 64-row step on the skinny kernels,
-    every kernel a programmatic dependent) against every other GPU's; the override still
-    replaces them."""
+def test_h100_and_h200_take_every_linear_up_to_64_rows(monkeypatch):
+    """The SXM H100's and the H200's limits (measured there: every linear of a 64-row step on
+    the skinny kernels, every kernel a programmatic dependent) against every other GPU's; the
+    override still replaces them."""
     monkeypatch.delenv(decode_gemm.DISABLE_ENV, raising=False)
     monkeypatch.delenv(decode_gemm.MAX_ROWS_ENV, raising=False)
-    name = "NVIDIA H100 80GB HBM3"
-    assert all(decode_gemm.wants_skinny(kind, 64, name) for kind in decode_gemm.ROW_LIMITS)
-    assert not decode_gemm.wants_skinny("down_proj", 65, name)
-    for name in ("NVIDIA H200", "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "", "NVIDIA A100-SXM4-80GB"):
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+        assert all(decode_gemm.wants_skinny(kind, 64, name) for kind in decode_gemm.ROW_LIMITS)
+        assert not decode_gemm.wants_skinny("down_proj", 65, name)
+    for name in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "", "NVIDIA A100-SXM4-80GB"):
         assert decode_gemm.row_limits(name) is decode_gemm.ROW_LIMITS
         assert not decode_gemm.wants_skinny("down_proj", 17, name)
     monkeypatch.setenv(decode_gemm.MAX_ROWS_ENV, "16")

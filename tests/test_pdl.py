@@ -70,21 +70,24 @@ def test_pdl_rows_limit_switch(monkeypatch):
         common.pdl_max_rows()
     if GPU and torch.cuda.get_device_capability()[0] >= 9:
         monkeypatch.delenv(common.ENV_PDL_MAX_ROWS)
-        h100 = "H100 80GB HBM3" in torch.cuda.get_device_name()
-        assert common.pdl_max_rows(torch.device("cuda")) == (64 if h100 else 16)
+        name = torch.cuda.get_device_name()
+        measured = "H100 80GB HBM3" in name or "H200" in name
+        assert common.pdl_max_rows(torch.device("cuda")) == (64 if measured else 16)
         monkeypatch.setenv(common.ENV_PDL_MAX_ROWS, "64")
         assert common.pdl_launch(torch.device("cuda"), 64) == {"launch_pdl": True}
         assert common.pdl_launch(torch.device("cuda"), 65) == {}
 
 
 def test_pdl_rows_by_gpu_name(monkeypatch):
-    """GPUs named in PDL_MAX_ROWS_BY_GPU (the H100: 64 rows, measured with every linear on the
-    skinny kernels) take its limit, others PDL_MAX_ROWS; the switch replaces both."""
+    """GPUs named in PDL_MAX_ROWS_BY_GPU (the SXM H100 and the H200: 64 rows, measured with
+    every linear on the skinny kernels) take its limit, others PDL_MAX_ROWS; the switch
+    replaces both."""
     monkeypatch.delenv(common.ENV_PDL_MAX_ROWS, raising=False)
-    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200"}
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H100 PCIe", 2: "NVIDIA H200"}
     monkeypatch.setattr(common, "_PROPERTIES", {i: types.SimpleNamespace(name=n)
                                                  for i, n in names.items()})
     assert common.pdl_max_rows(torch.device("cuda", 0)) == 64
+    assert common.pdl_max_rows(torch.device("cuda", 2)) == 64
     assert common.pdl_max_rows(torch.device("cuda", 1)) == common.PDL_MAX_ROWS == 16
     assert common.pdl_max_rows(torch.device("cpu")) == common.pdl_max_rows() == 16
     monkeypatch.setenv(common.ENV_PDL_MAX_ROWS, "8")

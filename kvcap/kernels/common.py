@@ -166,9 +166,10 @@ FP_FUSION = {"enable_fp_fusion": True}
 # kvcap's: the skinny GEMMs) and lost 0.9% at 64 rows, where the GEMMs are cuBLAS's. On the
 # H100, with every linear of a 64-row step on the skinny kernels too (models.decode_gemm), the
 # 64 x 1K steps gained 3.0% / 3.4% (BF16 / E4M3 KV; docs/kernels.md, "Thirty-sixth change"):
-# GPUs whose name holds a key of PDL_MAX_ROWS_BY_GPU take its value (the SXM H100 only).
+# on the H200 the same pair of switches gained 3.4% / 3.6% ("Thirty-seventh change"). GPUs
+# whose name holds a key of PDL_MAX_ROWS_BY_GPU take its value.
 PDL_MAX_ROWS = 16
-PDL_MAX_ROWS_BY_GPU = {"H100 80GB HBM3": 64}  # the H100 SXM, where it was measured
+PDL_MAX_ROWS_BY_GPU = {"H100 80GB HBM3": 64, "H200": 64}  # where it was measured
 
 
 def pdl_max_rows(device: torch.device | None = None) -> int:

@@ -7,7 +7,8 @@ each in one kernel (`skinny_linear`, `skinny_swiglu`); the bias-free QKV project
 rows, where the step's kernels launch as programmatic dependents (docs/kernels.md, "Twenty-second
 change"). The rule here routes a linear to them
 when its input has at most ROW_LIMITS[kind] rows (ROW_LIMITS_BY_GPU's on the GPUs it names:
-the SXM H100 takes every kind up to 64 rows; decode batches, prefill stays on cuBLAS), the
+the SXM H100 and the H200 take every kind up to 64 rows; decode batches, prefill stays on
+cuBLAS), the
 tensors are FP16/BF16 on a GPU of the architecture they were measured on (Hopper, SM 9.x:
 docs/kernels.md "Twentieth change"), and KVCAP_DISABLE_SKINNY_GEMM is unset.
 KVCAP_SKINNY_GEMM_MAX_ROWS=N replaces every row limit with N (0: never), for measurements.
@@ -38,10 +39,12 @@ ROW_LIMITS = {"qkv_proj": 16, "o_proj": 32, "down_proj": 16, "swiglu": 32, "lm_h
 # GPUs whose name holds a key here take its limits instead. On the H100 every linear of a step
 # of up to 64 rows on these kernels, every kernel a programmatic dependent (the H100's
 # kernels.common.PDL_MAX_ROWS_BY_GPU), gained 3.0% / 3.4% at the 8B's 64 x 1K (BF16 / E4M3 KV;
-# docs/kernels.md, "Thirty-sixth change"); unmeasured so on the H200, where at 64 rows the
-# fused gate/up had taken 1.10x cuBLAS plus the activation kernel.
-# The PCIe and NVL H100s (other memory) keep ROW_LIMITS, unmeasured like the H200.
-ROW_LIMITS_BY_GPU = {"H100 80GB HBM3": dict.fromkeys(ROW_LIMITS, SKINNY_MAX_ROWS)}
+# docs/kernels.md, "Thirty-sixth change"); on the H200 the same switch gained 3.4% / 3.6% at
+# 64 x 1K, arms alternated twice (docs/kernels.md, "Thirty-seventh change"), although there the
+# fused gate/up alone had taken 1.10x cuBLAS plus the activation kernel at 64 rows.
+# The PCIe and NVL H100s (other memory) keep ROW_LIMITS, unmeasured.
+ROW_LIMITS_BY_GPU = {name: dict.fromkeys(ROW_LIMITS, SKINNY_MAX_ROWS)
+                     for name in ("H100 80GB HBM3", "H200")}
 
 
 @functools.cache
