@@ -16,7 +16,8 @@
 #   bash scripts/gpu_throughput.sh rule     32 / 64 x 1K (BF16 weights, BF16 / E4M3 KV; 8B FP8 weights, E4M3 KV):
 #                                           the default against every linear on cuBLAS and
 #                                           ordinary launches above 16 rows (KVCAP_SKINNY_GEMM_MAX_ROWS=16
-#                                           KVCAP_PDL_MAX_ROWS=16), alternating, two rounds (~6 min)
+#                                           KVCAP_PDL_MAX_ROWS=16), alternating, two rounds (~6 min;
+#                                           RULE_SHAPES / RULE_CONCURRENCY narrow it)
 #   bash scripts/gpu_throughput.sh pdl64 profile   modes run in the order given
 #   bash scripts/gpu_throughput.sh auto     `short` on an H200 (where issue 6 is judged), else
 #                                           bash ${ELSE:-scripts/gpu_matrix.sh tests} (ELSE=/dev/null: nothing)
@@ -54,9 +55,9 @@ pdl64() {
     --concurrency 64 --context 1024 --out-tokens 256 --repeats 2
 }
 rule() {
-  SHAPES="llama-3.1-8b llama-3.1-8b-fp8" alternate rows16 \
+  SHAPES="${RULE_SHAPES:-llama-3.1-8b llama-3.1-8b-fp8}" alternate rows16 \
     "KVCAP_SKINNY_GEMM_MAX_ROWS=16 KVCAP_PDL_MAX_ROWS=16" \
-    --concurrency 32 64 --context 1024 --out-tokens 128 --repeats 2
+    --concurrency ${RULE_CONCURRENCY:-32 64} --context 1024 --out-tokens 128 --repeats 2
 }
 profile() {
   timeout 300 python3 -m kvcap.bench.step_profile --dtype bfloat16 \
