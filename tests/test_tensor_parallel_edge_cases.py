@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -69,6 +70,11 @@ if FAULT == "init":  # the worker dies in the process-group rendezvous, after po
     def init(self, store):
         raise RuntimeError("injected rendezvous failure")
     comm.Communicator.init = init
+elif FAULT == "ctrl":  # killed in the control group's rendezvous, after the data group formed
+    import signal
+    def new_group(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+    comm.dist.new_group = new_group
 elif FAULT.startswith("drop:"):  # this worker's view of the scales lacks one
     run_gate = kvcap.llm.LLM._run_gate
     def dropping(self, found, kv_scales):
@@ -144,7 +150,7 @@ _RENDEZVOUS_DRIVER = """
 import os, sys, time, torch
 torch.set_num_threads(1)
 from kvcap import LLM, SamplingParams
-os.environ["KVCAP_TEST_FAULT"] = "init"
+os.environ["KVCAP_TEST_FAULT"] = sys.argv[2]
 start = time.monotonic()
 try:
     LLM(model=sys.argv[1], device="cpu", num_blocks=16, tensor_parallel_size=2)
@@ -161,23 +167,30 @@ except Exception as e:
 """
 
 
-def test_worker_dying_in_the_rendezvous_fails_startup_with_its_error(tmp_path, inject):
-    """A worker that posted 'ready' and then died joining the process group fails start-up
-    with its own error (it was a bare DistStoreError), and the process can start another TP
-    LLM (the failed init_process_group had left torch's group counter at 1: the next one
-    stalled too). Rank 0 still waits out its own rendezvous, the data timeout (10 s here):
-    not yet cut short. Run in a subprocess: the old failure poisoned torch.distributed's
-    global state for every later TP test in the same process."""
+@pytest.mark.parametrize(("fault", "reason"), [
+    ("init", r"exit code 1\): RuntimeError: injected rendezvous failure"),
+    ("ctrl", r"killed by SIGKILL\)"),
+])
+def test_worker_dying_in_the_rendezvous_fails_startup_at_once(tmp_path, inject, fault, reason):
+    """A worker that posted 'ready' and then died joining the process group (raising before
+    the data group, or killed in the control group's rendezvous) fails start-up with its own
+    error within seconds: rank 0's rendezvous used to wait out its group's timeout, the data
+    timeout (120 s here) or the control group's year. The process can then start another TP
+    LLM (a failed init_process_group had left torch's group counter at 1: the next one stalled
+    too). Run in a subprocess: the old failure poisoned torch.distributed's global state for
+    every later TP test in the same process."""
     inject("")  # the driver script sets the fault for its own workers
-    env = {**os.environ, "KVCAP_TP_TIMEOUT_S": "10", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", _RENDEZVOUS_DRIVER, _model(tmp_path)],
-                          capture_output=True, text=True, timeout=120, env=env)
+    env = {**os.environ, "KVCAP_TP_TIMEOUT_S": "120", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _RENDEZVOUS_DRIVER, _model(tmp_path), fault],
+                          capture_output=True, text=True, timeout=240, env=env)
     lines = {x.split()[0]: x for x in proc.stdout.splitlines() if x.startswith(("FIRST",
                                                                                  "SECOND"))}
     assert set(lines) == {"FIRST", "SECOND"}, proc.stderr[-3000:]
     first, second = lines["FIRST"].split(maxsplit=3), lines["SECOND"].split(maxsplit=3)
-    assert float(first[1]) < 60.0, lines  # the data timeout, not the control group's
-    assert first[2] == "TensorParallelError" and "injected rendezvous failure" in first[3]
+    assert float(first[1]) < 30.0, lines  # not the data timeout
+    assert first[2] == "TensorParallelError", lines
+    assert re.fullmatch(r"tensor-parallel rank 1 \(pid \d+\) exited \(" + reason
+                        + " while joining the process group", first[3]), lines
     assert second[1] == "ok", lines
 
 
@@ -198,3 +211,33 @@ def test_worker_raising_mid_run_stops_the_group_with_its_error(tmp_path, inject)
         assert _worker_pids_alive(pids) == []
     finally:
         llm.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("allreduce", ["nccl", "symm"])
+def test_watched_store_carries_an_nccl_group(monkeypatch, allreduce):
+    """Rank 0's rendezvous store (WatchedStore over a TCPStore) stays under its NCCL data group
+    for the group's whole life: a one-rank group forms on it, all-reduces (NCCL, or the
+    symmetric-memory path, whose set-up goes through the store too) and tears down."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from kvcap.distributed.comm import Communicator, WatchedStore
+
+    monkeypatch.setenv("KVCAP_ALLREDUCE", allreduce)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    comm = Communicator(0, 1, torch.device("cuda", 0))
+    comm.init(WatchedStore(store, lambda: False))
+    try:
+        comm.setup_allreduce(torch.bfloat16)
+        x = torch.arange(4096, device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(comm.all_reduce(x.clone()), x)
+        ids = torch.tensor([3, 1, 2], dtype=torch.int64, device="cuda")
+        assert comm.broadcast_ids(ids, 3).tolist() == [3, 1, 2]
+        assert comm.broadcast_object({"step": 1}) == {"step": 1}  # the gloo control group
+    finally:
+        comm.destroy()
+    assert not dist.is_initialized()

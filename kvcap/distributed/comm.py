@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -69,6 +71,60 @@ def data_timeout() -> timedelta:
     return timedelta(seconds=env_seconds(TIMEOUT_ENV, 300))
 
 
+class WatchedStore(dist.Store):
+    """Rank 0's view of its TCPStore while the group forms. torch's rendezvous blocks in the
+    store until the other ranks post their keys, for the whole data timeout: a TCPStore wait
+    cannot be interrupted, so a worker that died joining left rank 0 waiting minutes. Here the
+    blocking reads poll instead and fail as soon as `dead()` is true. Everything else is passed
+    through. torch keeps only the C++ side of a Python store: the Python object must outlive
+    the groups (Communicator.store holds it)."""
+
+    def __init__(self, store: dist.Store, dead: Callable[[], bool]):
+        super().__init__()
+        self.store, self.dead = store, dead
+
+    def _await(self, keys: list[str], timeout: timedelta | None) -> None:
+        deadline = time.monotonic() + (timeout or self.store.timeout).total_seconds()
+        while not self.store.check(keys):
+            if self.dead():
+                raise dist.DistStoreError(f"a rank died while rank 0 waited for {keys}")
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"wait timeout for {keys}")
+            time.sleep(0.02)
+
+    def get(self, key: str) -> bytes:
+        self._await([key], None)
+        return self.store.get(key)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._await(keys, timeout)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._await(keys, None)
+        return self.store.multi_get(keys)
+
+    def set(self, key: str, value: bytes) -> None:
+        self.store.set(key, value)
+
+    def add(self, key: str, value: int) -> int:
+        return self.store.add(key, value)
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        return self.store.compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.store.check(keys)
+
+    def append(self, key: str, value: bytes) -> None:
+        self.store.append(key, value)
+
+    def multi_set(self, keys: list[str], values: list[bytes]) -> None:
+        self.store.multi_set(keys, values)
+
+    def has_extended_api(self) -> bool:
+        return self.store.has_extended_api()
+
+
 class Communicator:
     """One rank's view of its tensor-parallel group (rank 0 drives, the others follow)."""
 
@@ -77,10 +133,12 @@ class Communicator:
         self.data_group: Any = None
         self.ctrl_group: Any = None
         self.symm: Any = None  # SymmAllReduce when KVCAP_ALLREDUCE=symm took effect
+        self.store: dist.Store | None = None  # kept alive for the groups (see WatchedStore)
 
     # --- set-up / tear-down ---------------------------------------------------------------
     def init(self, store: dist.Store) -> None:
         """Join the group (collective). Rank 0 and the workers call it with the same store."""
+        self.store = store
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

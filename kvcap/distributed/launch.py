@@ -9,7 +9,8 @@ Liveness, both ways, in bounded time:
 - each worker's stdin is a pipe whose write end only rank 0 holds: when rank 0 dies for any
   reason, even SIGKILL, the worker reads EOF and exits at once;
 - rank 0 polls its workers; when one exits unexpectedly it records why (exit code or signal,
-  plus the worker's own error message), kills the others and fails every later call. A
+  plus the worker's own error message), kills the others and fails every later call; while
+  the group forms, rank 0's rendezvous gives up as soon as a worker has exited. A
   collective that was waiting on the dead rank fails immediately on gloo (connection closed);
   on NCCL the group is aborted, and `KVCAP_TP_TIMEOUT_S` bounds it in any case.
 """
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from kvcap.config import ModelSpec
-from kvcap.distributed.comm import Communicator, data_timeout, set_nccl_env
+from kvcap.distributed.comm import Communicator, WatchedStore, data_timeout, set_nccl_env
 from kvcap.distributed.layers import ModelParallel
 from kvcap.distributed.partition import plan_shard
 from kvcap.distributed.protocol import SHUTDOWN, TensorParallelError, agree
@@ -146,8 +147,10 @@ class TPDriver(TPRuntime):
             logger.info("tensor parallel: %d ranks; workers %s", world,
                         [p.pid for p in self.procs])
             self._wait_ready(time.monotonic() + timeout.total_seconds())
-            try:
-                self.comm.init(self.store)
+            procs = self.procs
+            try:  # a worker dying now would leave torch's rendezvous waiting out the timeout
+                self.comm.init(WatchedStore(self.store, lambda: any(
+                    p.poll() is not None for p in procs)))
             except Exception:
                 _forget_failed_group()
                 dead = self._dead_worker()  # say why: a worker that died joining the group
