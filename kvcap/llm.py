@@ -28,7 +28,7 @@ from kvcap.engine.ngram import NgramProposer
 from kvcap.engine.scheduler import Scheduler
 from kvcap.errors import ConfigError, ScaleGateError
 from kvcap.kv_cache.pool import KVCachePool
-from kvcap.kv_cache.spec import KVCacheSpec
+from kvcap.kv_cache.spec import KVCacheSpec, peak_blocks
 from kvcap.models import loader
 from kvcap.models.fp8_linear import large_batch_note, resolve_keep
 from kvcap.models.registry import load_model
@@ -350,23 +350,40 @@ class LLM:
             cspec = dataclasses.replace(cspec, num_kv_heads=self.model.shard.num_kv_heads)
         return cspec
 
+    def _pool_blocks(self, cspec: KVCacheSpec) -> int:
+        """Blocks of this rank's pool: num_blocks as given, else what the KV budget holds."""
+        if self.config.num_blocks is not None:
+            return self.config.num_blocks
+        gib = self.config.kv_cache_memory_gib
+        # the knob that set the budget (the CPU default always holds a block)
+        knob = "kv_cache_memory_gib" if gib is not None else "gpu_memory_utilization"
+        if gib is None:
+            gib = self._default_kv_gib(cspec)
+        budget = int(gib * 2**30)
+        num_blocks = cspec.num_blocks_for(budget)
+        if num_blocks < 1:
+            raise ConfigError(f"the KV cache budget ({budget / 2**20:.2f} MiB) holds no block "
+                              f"({self.config.block_size} tokens x {cspec.bytes_per_token} B = "
+                              f"{cspec.bytes_per_block / 2**20:.2f} MiB): raise {knob} or "
+                              "lower block_size")
+        return num_blocks
+
     def _make_pool(self) -> KVCachePool:
         cspec = self._kv_spec(self.kv_dtype)
-        if self.config.num_blocks is not None:
-            num_blocks = self.config.num_blocks
-        else:
-            gib = self.config.kv_cache_memory_gib
-            if gib is None:
-                gib = self._default_kv_gib(cspec)
-            num_blocks = cspec.num_blocks_for(int(gib * 2**30))
+        num_blocks = self._pool_blocks(cspec)
         if self.tp is not None:  # rank 0's block ids address every rank's pool
             num_blocks = self.tp.comm.min_int(num_blocks)
-        min_blocks = -(-self.max_model_len // self.config.block_size)
-        if num_blocks < 1:
-            raise ConfigError("the KV cache budget holds no block; raise kv_cache_memory_gib")
-        if num_blocks < min_blocks:
-            logger.warning("KV pool holds %d tokens, less than max_model_len %d",
-                           num_blocks * self.config.block_size, self.max_model_len)
+        chunk = self.config.max_num_batched_tokens
+        # A sequence at max_model_len holds its peak blocks (fewer than all of them when every
+        # layer slides and the blocks behind the window go back to the pool).
+        need = peak_blocks(self.max_model_len, self.config.block_size, cspec.released_window,
+                           chunk)
+        if num_blocks < need:
+            logger.warning("KV pool holds %d tokens (%d blocks), fewer than the %d blocks a "
+                           "max_model_len %d sequence needs: requests that need more are "
+                           "refused; lower max_model_len or give the KV cache more memory",
+                           num_blocks * self.config.block_size, num_blocks, need,
+                           self.max_model_len)
         try:
             pool = KVCachePool(cspec, num_blocks, self.device)
         except RuntimeError as e:  # torch.OutOfMemoryError on CUDA, a plain one from the CPU's
@@ -380,13 +397,16 @@ class LLM:
                     "tokens: %d", pool.num_tokens, num_blocks * cspec.bytes_per_block / 2**30,
                     self.kv_dtype, self.config.block_size, self.max_model_len,
                     cspec.max_concurrency(num_blocks * cspec.bytes_per_block, self.max_model_len,
-                                          self.config.max_num_batched_tokens))
+                                          chunk))
         return pool
 
     def _default_kv_gib(self, cspec: KVCacheSpec) -> float:
         if self.device.type != "cuda":
-            need = cspec.bytes_per_token * self.max_model_len / 2**30
-            return max(CPU_DEFAULT_KV_GIB, need)
+            # Whole blocks for one max_model_len sequence: its bytes alone, floored to blocks,
+            # left the pool a block short when max_model_len is not a multiple of block_size.
+            blocks = peak_blocks(self.max_model_len, self.config.block_size,
+                                 cspec.released_window, self.config.max_num_batched_tokens)
+            return max(CPU_DEFAULT_KV_GIB, blocks * cspec.bytes_per_block / 2**30)
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free  # weights, the CUDA context, other processes
         graphs = 512 * 2**20

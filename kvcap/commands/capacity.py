@@ -6,6 +6,7 @@ import argparse
 
 from kvcap.commands.common import block_size, positive_float, positive_int
 from kvcap.config import ModelSpec
+from kvcap.errors import ConfigError
 from kvcap.kv_cache.spec import KVCacheSpec, peak_blocks
 
 HELP = "print KV-cache capacity (tokens, max concurrency) for FP16 vs E4M3 at a memory budget"
@@ -45,6 +46,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         spec = loader.read_spec(loader.resolve_model_dir(args.model))
     rows = capacity_rows(spec, args.memory_gib, args.block_size, args.context)
+    if rows[0]["tokens"] == 0:  # (the E4M3 / FP16 ratio below would divide by nothing)
+        block = rows[0]["bytes_per_token"] * args.block_size
+        raise ConfigError(f"--memory-gib {args.memory_gib:g} holds no FP16 block "
+                          f"({args.block_size} tokens x {rows[0]['bytes_per_token']} B = "
+                          f"{block / 2**20:.2f} MiB): raise --memory-gib or lower --block-size")
+    limit = spec.position_limit
     table = Table(title=f"KV capacity at {args.memory_gib:g} GiB ({spec.num_layers} layers, "
                         f"{spec.num_kv_heads} KV heads x {spec.head_dim})")
     table.add_column("KV dtype")
@@ -53,15 +60,19 @@ def run(args: argparse.Namespace) -> int:
     for c in args.context:
         table.add_column(f"seqs @ {c}", justify="right")
     for r in rows:
+        # (a context past the model's position limit is one it never runs: no count)
         table.add_row(r["kv_dtype"], str(r["bytes_per_token"]), f"{r['tokens']:,}",
-                      *[str(r["max_concurrency"][c]) for c in args.context])
-    ratio = rows[1]["tokens"] / max(rows[0]["tokens"], 1)
+                      *[str(r["max_concurrency"][c]) if c <= limit else "-"
+                        for c in args.context])
+    ratio = rows[1]["tokens"] / rows[0]["tokens"]
     console = Console()
     console.print(table)
     console.print(f"E4M3 / FP16 tokens: {ratio:.3f}x")
+    if max(args.context) > limit:
+        console.print(f"-: longer than the model's position limit ({limit:,} tokens)")
     window = KVCacheSpec.for_model(spec, args.block_size, "fp16").released_window
     if window is not None:  # (the longest sequence the model takes: its position limit)
-        most = peak_blocks(spec.position_limit, args.block_size, window, 1)
+        most = peak_blocks(limit, args.block_size, window, 1)
         console.print(f"every layer slides over {window:,} tokens: a decoding sequence holds "
                       f"at most {most} blocks whatever its length (the blocks behind its window "
                       "go back to the pool)")
