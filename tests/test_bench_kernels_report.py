@@ -228,3 +228,16 @@ def test_summary_reports_skips_missing_cells_and_nan_as_not_met(tmp_path, capsys
     assert "llama31-8b B=16 ctx=16384 e4m3_software (not measured)" in slower
     assert "llama31-8b B=64 ctx=131072 (FP16 KV over 20 GiB)" in slower
     assert "shapes with no cells: gqa6-d256" in slower
+
+
+def test_a_cell_is_skipped_by_free_memory_not_a_fixed_cap():
+    """64 x 128K of the 8B shape (32 GiB of FP16 KV, ~113 GiB at its peak) runs where that much
+    is free (an H200) and is skipped, with the figures, where it is not (an H100); a fixed
+    20 GiB cap skipped it everywhere."""
+    from kvcap.bench.kernels import cell_does_not_fit
+
+    h200_free, h100_free = 139 * 2**30, 78 * 2**30
+    assert cell_does_not_fit(64, 131072, 8, 128, h200_free) is None
+    why = cell_does_not_fit(64, 131072, 8, 128, h100_free)
+    assert why == "needs ~113 GiB (32 GiB of FP16 KV), 78 GiB free"
+    assert cell_does_not_fit(16, 131072, 8, 128, h100_free) is None

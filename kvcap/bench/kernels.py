@@ -52,7 +52,14 @@ CONTIGUOUS_TABLES = False  # --contiguous-tables
 # --dtype: queries, SDPA tensors and the unquantized paged cache (the "_fp16" arms hold this
 # 16-bit dtype; the JSON's info.dtype says which)
 DTYPE = torch.float16
-MAX_FP16_KV_BYTES = 20 * 2**30
+# A cell's peak device memory over its FP16 KV bytes: the SDPA tensors (1x), the paged FP16
+# pool (1x), the E4M3 pool (0.5x) and, while the pools fill, two 0.5x copies of K or V (the
+# padded tensor and its block-major reshape), plus the codec's int64 temporaries for one
+# sequence; a cell is skipped, with the figures, when that is over FREE_MEMORY_SHARE of what
+# is free (was a fixed 20 GiB of FP16 KV, which skipped 64 x 128K of the 8B shape even on an
+# H200, where it fits).
+PEAK_PER_FP16_BYTE = 3.5
+FREE_MEMORY_SHARE = 0.9
 MIN_GRAPH_CALLS = 8  # _graph_time: calls per timed graph (amortizes the replay's own cost)
 
 
@@ -513,14 +520,21 @@ def main(argv: list[str] | None = None) -> int:
     for name, hq, hkv, d in shapes:
         for b in batches:
             for ctx in contexts:
-                fp16_bytes = b * ctx * hkv * d * 4
-                if fp16_bytes > MAX_FP16_KV_BYTES:
-                    rows.append({"shape": name, "batch": b, "context": ctx,
-                                 "skipped": "FP16 KV over 20 GiB"})
+                why = cell_does_not_fit(b, ctx, hkv, d, torch.cuda.mem_get_info()[0])
+                if why is None:
+                    try:
+                        cell = Cell(hq, hkv, d, b, ctx, l2)
+                        clocks: dict[str, list] = {}
+                        ms, outs, per_round = time_cell(cell, ARMS, args.rounds, clocks)
+                    except torch.OutOfMemoryError as e:  # (an arm's own workspace, e.g. SDPA's)
+                        why = f"out of memory: {str(e).splitlines()[0]}"
+                        cell = outs = None
+                if why is not None:
+                    torch.cuda.empty_cache()
+                    rows.append({"shape": name, "batch": b, "context": ctx, "skipped": why})
+                    print(f"{name} B={b} ctx={ctx}: skipped ({why})", flush=True)
+                    save()
                     continue
-                cell = Cell(hq, hkv, d, b, ctx, l2)
-                clocks: dict[str, list] = {}
-                ms, outs, per_round = time_cell(cell, ARMS, args.rounds, clocks)
                 dev = cell.q[0].device
                 splits = default_launch(b, hkv, ctx, d, True, dev)[2]
                 splits16 = default_launch(b, hkv, ctx, d, False, dev)[2]
@@ -547,6 +561,16 @@ def main(argv: list[str] | None = None) -> int:
     print_summary(rows)
     print(f"wrote {out}")
     return 0
+
+
+def cell_does_not_fit(b: int, ctx: int, hkv: int, d: int, free_bytes: int) -> str | None:
+    """Why a cell cannot be allocated in `free_bytes` of device memory (None: it fits)."""
+    fp16_bytes = b * ctx * hkv * d * 4
+    peak = PEAK_PER_FP16_BYTE * fp16_bytes + ctx * hkv * d * 8  # + one sequence's codec
+    if peak <= FREE_MEMORY_SHARE * free_bytes:
+        return None
+    return (f"needs ~{peak / 2**30:.0f} GiB ({fp16_bytes / 2**30:.0f} GiB of FP16 KV), "
+            f"{free_bytes / 2**30:.0f} GiB free")
 
 
 def _ctx(n: int) -> str:
