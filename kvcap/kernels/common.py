@@ -97,6 +97,13 @@ def use_software_fp8(device: torch.device, fp8_mode: str = "auto") -> bool:
 MIXED_FP8_MODES = ("native-k", "native-v")
 
 
+def one_decoder_software_fp8(device: torch.device, fp8_mode: str = "auto") -> bool:
+    """use_software_fp8 for the kernels with one E4M3 decoder for both K and V (prefill, QSA
+    attention), which the attention backend hands its fp8_mode too: a mixed mode
+    (MIXED_FP8_MODES, the SM89+ conversion for one of them) reads both in hardware there."""
+    return use_software_fp8(device, "native" if fp8_mode in MIXED_FP8_MODES else fp8_mode)
+
+
 def hardware_e4m3_encode(device: torch.device, fp8_mode: str = "auto") -> bool:
     """Whether the cache write quantizes with the hardware conversion (cvt.rn.satfinite, SM89+)
     instead of the integer encoder: wherever the cache's reader decodes in hardware

@@ -23,7 +23,7 @@ from kvcap.kernels.common import (
     check_attention_args,
     dot_dtype,
     has_mma,
-    use_software_fp8,
+    one_decoder_software_fp8,
 )
 from kvcap.kernels.decode import attend_tiles, store_rows
 
@@ -173,7 +173,7 @@ def prefill_launcher(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_seqs == 0 or max_query_len < 1:
         return None
     group = hq // hkv
-    software = fp8 and use_software_fp8(q.device, fp8_mode)
+    software = fp8 and one_decoder_software_fp8(q.device, fp8_mode)
     block_g = triton.next_power_of_2(group)
     cfg = prefill_config(d, group, q.device, fp8)
     knobs = (block_m, block_n, num_warps, num_stages)

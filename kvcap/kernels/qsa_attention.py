@@ -30,10 +30,10 @@ from kvcap.kernels.common import (
     load_raw,
     merge_splits,
     mm,
+    one_decoder_software_fp8,
     online_softmax_step,
     paged_row_offsets,
     sm_count,
-    use_software_fp8,
 )
 from kvcap.kernels.decode import _load_q, choose_num_splits, decode_config, store_rows
 
@@ -165,7 +165,7 @@ def qsa_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     fp8 = k_cache.dtype == torch.uint8
     if fp8 and (k_scale is None or v_scale is None):
         raise ValueError("an E4M3 cache needs k_scale and v_scale")
-    software = fp8 and use_software_fp8(q.device, fp8_mode)
+    software = fp8 and one_decoder_software_fp8(q.device, fp8_mode)
     bn, nw, ns, pps = sparse_config(q.device, fp8, d)
     if num_splits is None:
         num_splits = choose_num_splits(t, hkv, width, bn, sm_count(q.device), pps)
