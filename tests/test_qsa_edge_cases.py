@@ -72,6 +72,25 @@ def test_disable_qsa_drops_prefix_blocks_computed_with_qsa(tiny_model):
     _assert_same(llm.generate([b], GREEDY, use_tqdm=False)[0], want)
 
 
+def test_rollback_switch_flip_drops_prefix_blocks_of_the_other_mode(tiny_model, monkeypatch):
+    """KVCAP_DISABLE_QSA flipped between requests: a prefix hit must not reuse K/V computed
+    through QSA layers in a dense request (log-probs were off by up to 0.08), nor the reverse."""
+    monkeypatch.delenv(ENV_DISABLE_QSA, raising=False)
+    a, b = _shared_prefix_pair()
+    dense = _llm(tiny_model).generate([b], GREEDY, use_tqdm=False)[0]
+    fresh = _llm(tiny_model, enable_prefix_caching=False)
+    enable_qsa(fresh, SMALL)
+    sparse = fresh.generate([b], GREEDY, use_tqdm=False)[0]
+    llm = _llm(tiny_model)
+    enable_qsa(llm, SMALL)
+    llm.generate([a], GREEDY, use_tqdm=False)  # QSA: caches the shared blocks
+    monkeypatch.setenv(ENV_DISABLE_QSA, "1")
+    _assert_same(llm.generate([b], GREEDY, use_tqdm=False)[0], dense)
+    llm.generate([a], GREEDY, use_tqdm=False)  # dense: caches them again
+    monkeypatch.delenv(ENV_DISABLE_QSA)
+    _assert_same(llm.generate([b], GREEDY, use_tqdm=False)[0], sparse)
+
+
 @pytest.mark.parametrize("summary", ["mean", "minmax"])
 def test_rollback_switch_keeps_side_caches_current(monkeypatch, summary):
     """Steps run while KVCAP_DISABLE_QSA=1 still write the side rows: once the switch is off

@@ -76,6 +76,7 @@ class Engine:
         self._ahead_limit = 0  # speculative decoding: steps that may run ahead in a row ...
         self._ahead_run = 0  # ... and those that did since the proposer last looked
         self.num_steps_ahead = 0  # steps launched ahead of their input tokens
+        self._attention_mode: str | None = None  # the backend's, at the last step (QSA)
         self.num_ahead_dropped = 0  # of which dropped (a host-sampled token fed them)
         self.num_draft_tokens = 0  # speculative decoding: drafts verified ...
         self.num_accepted_tokens = 0  # ... and kept
@@ -142,6 +143,7 @@ class Engine:
         timer = self.timer
         if timer is not None:
             timer.begin()
+        self._follow_attention_mode()
         stale: set[int] = set()  # requests that stopped after this step was launched ahead
         if self._ahead is not None:  # scheduled and launched by the previous call
             out, pending = self._ahead
@@ -277,6 +279,18 @@ class Engine:
                 req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, s
             else:
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, s)
+
+    def _follow_attention_mode(self) -> None:
+        """Prefix-cached blocks hold K/V computed under one attention: when the backend's
+        mode changes between steps (QSA's rollback switch, KVCAP_DISABLE_QSA), forget them, so
+        no later request reuses K/V of the other mode through a prefix hit."""
+        mode_of = getattr(getattr(self.runner, "backend", None), "attention_mode", None)
+        if mode_of is None:
+            return
+        mode = mode_of()
+        if self._attention_mode is not None and mode != self._attention_mode:
+            self.block_manager.reset_prefix_cache()
+        self._attention_mode = mode
 
     def _drop_after_stop(self, req: Request, before: int, stop: str, at: int) -> None:
         """Cut the output after the first of this step's tokens whose text holds `stop` at

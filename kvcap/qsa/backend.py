@@ -161,6 +161,11 @@ class QSABackend(AttentionBackend):
         update_side_cache(side, keys, meta.slot_mapping, rows, compress, bounds=self.bounds)
         return side
 
+    def attention_mode(self) -> str:
+        """"dense" while KVCAP_DISABLE_QSA is set, else "qsa" (the engine resets the prefix
+        cache when it changes: cached blocks hold K/V of one mode)."""
+        return "dense" if qsa_disabled() else "qsa"
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
                 meta: AttentionMetadata, softmax_scale: float, out: torch.Tensor,
                 index: IndexInputs | None = None) -> torch.Tensor:
