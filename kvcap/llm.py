@@ -373,11 +373,7 @@ class LLM:
         num_blocks = self._pool_blocks(cspec)
         if self.tp is not None:  # rank 0's block ids address every rank's pool
             num_blocks = self.tp.comm.min_int(num_blocks)
-        chunk = self.config.max_num_batched_tokens
-        # A sequence at max_model_len holds its peak blocks (fewer than all of them when every
-        # layer slides and the blocks behind the window go back to the pool).
-        need = peak_blocks(self.max_model_len, self.config.block_size, cspec.released_window,
-                           chunk)
+        need = self._longest_sequence_blocks(cspec)
         if num_blocks < need:
             logger.warning("KV pool holds %d tokens (%d blocks), fewer than the %d blocks a "
                            "max_model_len %d sequence needs: requests that need more are "
@@ -397,15 +393,20 @@ class LLM:
                     "tokens: %d", pool.num_tokens, num_blocks * cspec.bytes_per_block / 2**30,
                     self.kv_dtype, self.config.block_size, self.max_model_len,
                     cspec.max_concurrency(num_blocks * cspec.bytes_per_block, self.max_model_len,
-                                          chunk))
+                                          self.config.max_num_batched_tokens))
         return pool
+
+    def _longest_sequence_blocks(self, cspec: KVCacheSpec) -> int:
+        """Blocks a sequence at max_model_len holds at its peak (fewer than all of them when
+        every layer slides and the blocks behind the window go back to the pool)."""
+        return peak_blocks(self.max_model_len, self.config.block_size, cspec.released_window,
+                           self.config.max_num_batched_tokens)
 
     def _default_kv_gib(self, cspec: KVCacheSpec) -> float:
         if self.device.type != "cuda":
             # Whole blocks for one max_model_len sequence: its bytes alone, floored to blocks,
             # left the pool a block short when max_model_len is not a multiple of block_size.
-            blocks = peak_blocks(self.max_model_len, self.config.block_size,
-                                 cspec.released_window, self.config.max_num_batched_tokens)
+            blocks = self._longest_sequence_blocks(cspec)
             return max(CPU_DEFAULT_KV_GIB, blocks * cspec.bytes_per_block / 2**30)
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free  # weights, the CUDA context, other processes

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from kvcap.bench.provenance import result_path, stamp
 from kvcap.bench.telemetry import sm_clock_mhz
+from kvcap.bench.throughput_targets import json_number
 from kvcap.commands.common import positive_int
 from kvcap.kernels.common import sm_count
 from kvcap.kernels.decode import choose_num_splits, default_launch, paged_decode
@@ -638,10 +639,8 @@ def _num(row: dict, arm: str, key: str) -> float:
     """row[arm][key] as a float: NaN where the arm or the value is missing, not a number, or
     (a time) not positive, so every comparison with it is false: a target it feeds is not
     met, never met by default."""
-    v = (row.get(arm) or {}).get(key) if isinstance(row.get(arm), dict) else None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
-        return math.nan
-    return float(v) if key != "ms" or v > 0 else math.nan
+    v = json_number(row[arm].get(key) if isinstance(row.get(arm), dict) else None)
+    return v if key != "ms" or v > 0 else math.nan
 
 
 def _label(r: dict) -> str:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvcap.bench.throughput_report import (
     DEFAULT_SHAPE,
@@ -75,7 +75,7 @@ class Verdict:
 ARM_NAMES = {"fp16": "unquantized", "fp8": "E4M3 (native)", "fp8-software": "E4M3 (software)"}
 
 
-def _number(x: object) -> float:
+def json_number(x: object) -> float:
     """A JSON number as a float; NaN for None, a bool, a string or a missing value."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return math.nan
@@ -85,7 +85,7 @@ def _number(x: object) -> float:
 def _ratio(a: object, b: object) -> float:
     """a / b, NaN unless both are numbers and b is positive and finite (a broken baseline
     judges nothing as met)."""
-    a, b = _number(a), _number(b)
+    a, b = json_number(a), json_number(b)
     return a / b if b > 0 and math.isfinite(b) else math.nan
 
 
@@ -94,8 +94,8 @@ class RunInfo:
     """What a file records for restating its roofline fractions and for the HF target."""
     read_ceiling_tbs: float = math.nan
     out_tokens: int | None = None
-    bytes_per_token: dict = None  # (shape, kv) -> bytes
-    hf_decode_tok_s: dict = None  # (shape, batch, context) -> HF decode tok/s
+    bytes_per_token: dict = field(default_factory=dict)  # (shape, kv) -> bytes
+    hf_decode_tok_s: dict = field(default_factory=dict)  # (shape, batch, context) -> tok/s
 
 
 def run_infos(reports: list[tuple[str, dict]]) -> dict[str, RunInfo]:
@@ -104,7 +104,7 @@ def run_infos(reports: list[tuple[str, dict]]) -> dict[str, RunInfo]:
         args = report.get("args") if isinstance(report.get("args"), dict) else {}
         out_tokens = args.get("out_tokens")
         out[name] = RunInfo(
-            _number(report.get("read_ceiling_tbs")),
+            json_number(report.get("read_ceiling_tbs")),
             out_tokens if isinstance(out_tokens, int) and not isinstance(out_tokens, bool)
             else None,
             {(c.get("shape"), c.get("kv")): c.get("bytes_per_token")
@@ -122,12 +122,12 @@ def roofline_fraction(cell: dict, info: RunInfo | None) -> tuple[float, str]:
     fractions read high by bytes_per_token * out_tokens / 2 * decode_tok_s / ceiling (0.003
     at 16 x 16K E4M3, 0.02-0.03 at 64 x 1K). Only for the 8B shape (no sliding layers); the
     recorded value stays where the file lacks what restating needs."""
-    frac = _number(cell.get("roofline_fraction"))
+    frac = json_number(cell.get("roofline_fraction"))
     if "roofline_kv_tokens" in cell or info is None or not math.isfinite(frac):
         return frac, ""
-    bpt = _number((info.bytes_per_token or {}).get((cell["shape"], cell["kv"])))
+    bpt = json_number(info.bytes_per_token.get((cell["shape"], cell["kv"])))
     ceiling, out = info.read_ceiling_tbs, info.out_tokens
-    tok_s = _number(cell.get("decode_tok_s"))
+    tok_s = json_number(cell.get("decode_tok_s"))
     if (cell["shape"] != ROOFLINE_SHAPE or out is None or out < 2 or not bpt > 0
             or not ceiling > 0 or not tok_s > 0):
         return frac, ""
@@ -197,13 +197,14 @@ def judge(cells: list[dict], shape: str = DEFAULT_SHAPE,
                 else:
                     add(4, T_ROOFLINE, conc, ctx, arm, math.nan, ROOFLINE_MIN, source,
                         skip=cell["skip"])
-            if shape == ROOFLINE_SHAPE and (conc, ctx) == HF_CELL and info is not None:
-                hf = (info.hf_decode_tok_s or {}).get((shape, conc, ctx), "absent")
-                if hf != "absent":  # the baseline of the same run only
-                    arm = f"{label}, {ARM_NAMES.get(kv, kv)}"
-                    add(5, T_HF, conc, ctx, arm,
-                        _ratio(cell["decode_tok_s"], hf) if measured(cell) else math.nan,
-                        HF_MIN, source, skip=None if measured(cell) else cell["skip"])
+            hf_key = (shape, conc, ctx)
+            if (shape == ROOFLINE_SHAPE and (conc, ctx) == HF_CELL and info is not None
+                    and hf_key in info.hf_decode_tok_s):  # the baseline of the same run only
+                arm = f"{label}, {ARM_NAMES.get(kv, kv)}"
+                hf = info.hf_decode_tok_s[hf_key]
+                add(5, T_HF, conc, ctx, arm,
+                    _ratio(cell["decode_tok_s"], hf) if measured(cell) else math.nan,
+                    HF_MIN, source, skip=None if measured(cell) else cell["skip"])
     for source, ratio in capacity:
         add(0, T_CAPACITY, 0, 0, "pool", ratio, CAPACITY_MIN, source)
     return [verdict for _, verdict in sorted(found.values(), key=lambda kv: kv[0])]

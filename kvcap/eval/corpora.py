@@ -29,7 +29,7 @@ from kvcap.errors import ConfigError
 from kvcap.eval import sources, synth
 from kvcap.eval.sources import SPLITS, Document, Split
 from kvcap.models.text_prompt import text_prefix
-from kvcap.scales.fsutil import atomic_write_bytes
+from kvcap.scales.fsutil import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -241,9 +241,8 @@ def write_manifest(path: str | Path, shards: list[Shard], tokenizer: Any, split:
     path.parent.mkdir(parents=True, exist_ok=True)
     data = manifest_dict(shards, tokenizer, split, seed=seed, record_tokens=record_tokens)
     text = json.dumps(data, indent=1, ensure_ascii=False) + "\n"
-    # A file corpus path with undecodable bytes holds lone surrogates, which strict UTF-8
-    # refuses; in a JSON string the `\udcff` that backslashreplace writes is the same escape.
-    atomic_write_bytes(path, text.encode("utf-8", errors="backslashreplace"))
+    # (a file corpus path with undecodable bytes holds lone surrogates: escaped)
+    atomic_write_text(path, text, errors="backslashreplace")
     return path
 
 

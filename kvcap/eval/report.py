@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcap.eval import report_md
-from kvcap.scales.fsutil import atomic_write_bytes
+from kvcap.scales.fsutil import atomic_write_text
 
 REPORT_KIND = "kvcap.compare-report"
 REPORT_SCHEMA = 1
@@ -132,12 +132,11 @@ def write_report(
     report = _jsonable(report)
     # Render both before writing either, and write each through a rename, so a failure never
     # leaves a truncated file or a report.md from another run beside report.json.
-    # backslashreplace: paths and argv may hold undecodable bytes as lone surrogates, which
-    # strict UTF-8 refuses; inside a JSON string the `\udcff` it writes is the same escape.
+    # (paths and argv may hold undecodable bytes as lone surrogates: escaped)
     texts = {"json": json.dumps(report, indent=1, ensure_ascii=False) + "\n",
              "md": report_md.render(report)}
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "md": out / "report.md"}
     for key, path in paths.items():
-        atomic_write_bytes(path, texts[key].encode("utf-8", errors="backslashreplace"))
+        atomic_write_text(path, texts[key], errors="backslashreplace")
     return paths

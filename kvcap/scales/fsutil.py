@@ -45,8 +45,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
+def atomic_write_text(path: Path, text: str, errors: str = "strict") -> None:
+    """atomic_write_bytes of `text` in UTF-8; errors="backslashreplace" writes a lone
+    surrogate (an undecodable byte of a path or argv) as its `\\udcff` escape, which inside a
+    JSON string reads back as the same value."""
+    atomic_write_bytes(path, text.encode("utf-8", errors=errors))
 
 
 def make_dirs(path: Path, error: type[KvcapError]) -> None:
