@@ -40,6 +40,8 @@ from kvcap.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_GIB = 1.0
+# kept back from the GPU KV budget for the decode CUDA graphs' private memory pool
+CUDA_GRAPH_RESERVE_BYTES = 512 * 2**20
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
@@ -236,6 +238,10 @@ class LLM:
                                               self.dtype, dummy_seed=seed, tp=mp,
                                               keep_fp8=self.keep_fp8)
         backend = select_backend(attention_backend, self.device)
+        # decode graphs get memory kept back from the KV budget only when they will be captured
+        self._graphs_planned = (self.device.type == "cuda" and not enforce_eager
+                                and not graphs_disabled()
+                                and (self.qsa is None or self.qsa.path != "torch"))
         self._activation_bytes = self._profile_activations(backend)
         if self.qsa is not None:  # QSA's transient buffers (the profile runs dense)
             self._activation_bytes += qsa_wiring.qsa_activation_bytes(
@@ -279,8 +285,7 @@ class LLM:
             qsa_wiring.enable_qsa(self, self.qsa)
         self.runner.set_token_buckets(self.config.max_num_batched_tokens)  # after QSA's swap
         no_graphs = qsa_wiring.graph_refusal(self.runner.backend)
-        if self.device.type == "cuda" and not enforce_eager and not graphs_disabled() \
-                and no_graphs is None:
+        if self._graphs_planned and no_graphs is None:
             self.runner.enable_cuda_graphs(max_num_seqs, self.max_model_len,
                                            self.config.num_speculative_tokens,
                                            piecewise=self.tp is None)
@@ -410,7 +415,7 @@ class LLM:
             return max(CPU_DEFAULT_KV_GIB, blocks * cspec.bytes_per_block / 2**30)
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free  # weights, the CUDA context, other processes
-        graphs = 512 * 2**20
+        graphs = CUDA_GRAPH_RESERVE_BYTES if self._graphs_planned else 0
         budget = total * self.config.gpu_memory_utilization - used_by_others
         budget -= self._activation_bytes + graphs
         logger.info("KV budget: %.2f GiB = %.0f%% of %.1f GiB - %.2f GiB in use - %.2f GiB peak "

@@ -51,6 +51,7 @@ def _sizing_only(cfg: dict, device: str, max_model_len: int, **config) -> LLM:
     llm.max_model_len = max_model_len
     llm.kv_dtype = "fp16"
     llm._activation_bytes = 0
+    llm._graphs_planned = device == "cuda"
     return llm
 
 
@@ -110,6 +111,21 @@ def test_gpu_budget_without_a_block_names_gpu_memory_utilization(monkeypatch):
     with pytest.raises(ConfigError, match=r"\(1\.00 MiB\) holds no block .*2\.00 MiB.*raise "
                                           r"gpu_memory_utilization"):
         llm._make_pool()
+
+
+def test_eager_gpu_budget_keeps_nothing_back_for_graphs(monkeypatch):
+    """enforce_eager (or KVCAP_ENFORCE_EAGER, or the QSA torch path) captures no decode graph,
+    yet the GPU KV budget kept 512 MiB back for graphs all the same: 256 blocks of 2 MiB lost."""
+    total = 80 * 2**30
+    free = int(total * 0.1) + 2 * 2**30  # 2 GiB of KV budget beyond the 10% held back
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    llm = _sizing_only(LLAMA8B, "cuda", 8192)
+    cspec = llm._kv_spec("fp16")
+    graphed = llm._pool_blocks(cspec)
+    llm._graphs_planned = False
+    eager = llm._pool_blocks(cspec)
+    assert eager - graphed == 512 * 2**20 // cspec.bytes_per_block
+    assert eager == 2 * 2**30 // cspec.bytes_per_block
 
 
 @pytest.mark.parametrize("block_size", [16, 256])
