@@ -1,9 +1,10 @@
 """JSON Schema `format` values kvcap enforces, each a regular expression (kvcap's subset,
 kvcap/sampling/regex.py) of strings the format allows. Where the whole format is not a regular
 language, or is looser than what the readers of such strings accept, the expression takes a
-subset, so that the output validates everywhere: a date never 29 February, a time always with
-its offset, a URI always scheme://host[:port][/path][?query][#fragment], a host name of at most
-four labels whose last starts with a letter (as URL parsers following WHATWG want)."""
+subset, so that the output validates everywhere: a date never 29 February nor in year 0000, a
+time always with its offset, an e-mail address a dot-atom (RFC 5321) at a host name of at most
+three labels, a URI always scheme://host[:port][/path][?query][#fragment], a host name of at
+most four labels whose last starts with a letter (as URL parsers following WHATWG want)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from kvcap.sampling.number_range import int_range
 
 _DAY = ("(?:(?:01|03|05|07|08|10|12)-(?:0[1-9]|[12][0-9]|3[01])|(?:04|06|09|11)-"
         "(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))")
-_DATE = f"[0-9]{{4}}-{_DAY}"
+# years 0001-9999: year 0 is RFC 3339 text, but no date to Python, pydantic or jsonschema
+_YEAR = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"
+_DATE = f"{_YEAR}-{_DAY}"
 _HOUR = "(?:[01][0-9]|2[0-3])"
 _TIME = f"{_HOUR}:[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{{1,6}})?(?:Z|[+-]{_HOUR}:[0-5][0-9])"
 _OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
@@ -21,6 +24,10 @@ _H16 = "[0-9a-f]{1,4}"
 _LABEL = "[A-Za-z0-9](?:[A-Za-z0-9-]{0,60}[A-Za-z0-9])?"
 _TOP_LABEL = "[A-Za-z](?:[A-Za-z0-9-]{0,60}[A-Za-z0-9])?"
 _HOSTNAME = f"(?:{_LABEL}\\.){{0,3}}{_TOP_LABEL}"
+# RFC 5321's dot-atom local part (no leading, trailing or doubled dot) of at most 64
+# characters: one run, or up to four dotted runs of at most 15 and 16
+_ATOM = "[A-Za-z0-9_%+-]"
+_LOCAL = f"(?:{_ATOM}{{1,64}}|(?:{_ATOM}{{1,15}}\\.){{1,3}}{_ATOM}{{1,16}})"
 # RFC 3986: a path / query / fragment character, percent escapes always with two hex digits
 _PCHAR = "(?:[A-Za-z0-9._~!$&'()*+,;=:@-]|%[0-9A-Fa-f]{2})"
 
@@ -41,8 +48,9 @@ FORMATS = {
     "time": _TIME,
     "date-time": f"{_DATE}T{_TIME}",
     "uuid": "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
-    "email": ("[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(?:\\.[A-Za-z0-9-]{1,63})*"
-              "\\.[A-Za-z]{2,24}"),
+    # at most two labels before the top one: 64 + 1 + 2 x 63 + 24 stays within the 254
+    # characters an address may have
+    "email": f"{_LOCAL}@(?:{_LABEL}\\.){{1,2}}[A-Za-z]{{2,24}}",
     "ipv4": f"{_OCTET}(?:\\.{_OCTET}){{3}}",
     "ipv6": _ipv6(),
     "hostname": _HOSTNAME,

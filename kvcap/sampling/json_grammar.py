@@ -47,8 +47,9 @@ Nodes (tuples, ids index `Grammar.nodes`):
 kvcap's own limits, as in any JSON mode: at most MAX_WHITESPACE consecutive whitespace bytes
 outside strings (a model that keeps emitting blanks would otherwise run to max_tokens inside a
 valid prefix) and containers nested at most MAX_DEPTH deep. Strings take UTF-8 a byte at a time
-(a token may end inside a character) and only well-formed UTF-8 (RFC 3629); control bytes are
-refused. A `raw` grammar (fixed choices) has no whitespace rule: its
+(a token may end inside a character) and only well-formed UTF-8 (RFC 3629); control bytes and
+\\u escapes of surrogate halves (a lone one is no character; a pair would count as two toward
+minLength) are refused. A `raw` grammar (fixed choices) has no whitespace rule: its
 literals are the whole output.
 """
 
@@ -425,9 +426,10 @@ def _declared_close(frames: Frames, c: int, seen, raw: bytes, allowed, others) -
 def _string_char(top: tuple, b: int):
     """A byte inside a string frame ("S", min_len, max_len, esc, count): the next frame,
     "end" at the closing quote, or None. esc: 0; -1 after a backslash; 1-4 hex digits left in
-    a \\u escape; or (continuation bytes left, lowest, highest next byte) inside a UTF-8
-    character. The length counts a character at its first byte; unbounded strings do not
-    count, so that their states repeat."""
+    a \\u escape ("D": 3 left after a first digit D, which no surrogate half's 8-F may follow);
+    or (continuation bytes left, lowest, highest next byte) inside a UTF-8 character. The
+    length counts a character at its first byte; unbounded strings do not count, so that
+    their states repeat."""
     _, lo, hi, esc, n = top
     if isinstance(esc, tuple):
         left, low, high = esc
@@ -438,8 +440,12 @@ def _string_char(top: tuple, b: int):
         if b in ESCAPES:
             return ("S", lo, hi, 0, n)
         return ("S", lo, hi, 4, n) if b == ord("u") else None
+    if esc == "D":  # \uD.. : D800-DFFF are surrogate halves, no character (as in "P" frames)
+        return ("S", lo, hi, 2, n) if b in b"01234567" else None
     if esc:
-        return ("S", lo, hi, esc - 1, n) if b in HEX else None
+        if b not in HEX:
+            return None
+        return ("S", lo, hi, "D" if esc == 4 and b in b"dD" else esc - 1, n)
     if b == QUOTE:
         return "end" if n >= lo else None
     if b < 0x20:

@@ -7,9 +7,16 @@ writer, the grammar takes the stricter reading, so the output stays valid under 
     declared keys (what OpenAI's strict mode asks anyway); `additionalProperties: true` or a
     schema opens it;
   - `enum` / `const` values are written in one spelling (json.dumps with ensure_ascii=False
-    and no blanks, e.g. "\u00e9" as the character itself), and only those that the schema's
-    other keywords (`type`, `maxLength`, ...) allow too;
-  - `oneOf` is read as `anyOf` (an output may match more than one branch);
+    and no blanks, e.g. "\u00e9" as the character itself; an integral float also as an
+    integer, 1.0 as 1), and only those that the schema's other keywords (`type`,
+    `maxLength`, ...) allow too;
+  - `oneOf` is compiled where its branches are exclusive, so that any output matches exactly
+    one (`_Exclusive`: other JSON types, enum / const values apart, strings whose patterns,
+    formats and lengths share none, numbers whose bounds and multiples share none, objects
+    with a required property of exclusive values, e.g. pydantic's discriminated unions);
+    branches that may overlap are refused (use anyOf);
+  - a schema any of whose parts allows no finite value (a `$ref` back to itself through
+    required properties or items) is refused: the output could never end;
   - a number with `minimum` / `maximum` / `exclusiveMinimum` / `exclusiveMaximum` /
     `multipleOf` is written in plain decimal (no exponent, never -0) and compared as the
     decimal it spells (kvcap/sampling/number_range.py);
@@ -70,6 +77,16 @@ class SchemaError(ValueError):
 
 def json_dumps(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _spellings(value: Any) -> list[bytes]:
+    """An enum / const value's spellings: json_dumps', and an integral float's as an integer
+    too (1.0 as 1: JSON Schema calls 1.0 an integer, which "1.0" is not to the `integer`
+    type's grammar). Only floats below 2**53, which are exactly the integer they name."""
+    out = [json_dumps(value)]
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 53:
+        out.append(json_dumps(int(value)))
+    return out
 
 
 @lru_cache(maxsize=COMPILED_SCHEMAS)
@@ -148,13 +165,32 @@ class _Compiler:
         self.nodes: list[tuple] = []
         self.refs: dict[str, int] = {}
         self._any: int | None = None
+        self.one_ofs: list[tuple[str, tuple[int, ...]]] = []  # (path, branches): checked last
 
     def grammar(self) -> Grammar:
         root = self.compile(self.root, "schema")
         try:
-            return Grammar(self.nodes, root, description=_describe(self.root))
+            g = Grammar(self.nodes, root, description=_describe(self.root))
         except ValueError as e:
             raise SchemaError(str(e)) from None
+        _check_finite(self.nodes, root)
+        self.check_one_ofs(g)
+        return g
+
+    def check_one_ofs(self, g: Grammar) -> None:
+        """Refuse each oneOf whose branches are not provably exclusive (once every node is
+        built: a branch may refer back to a node still being compiled at its oneOf)."""
+        exclusive = _Exclusive(g)
+        for path, ids in self.one_ofs:
+            for i, a in enumerate(ids):
+                for j in range(i + 1, len(ids)):
+                    if not exclusive.apart(a, ids[j]):
+                        raise SchemaError(
+                            f"{path}.oneOf: branches {i} and {j} may both match one value, and "
+                            f"kvcap enforces oneOf only where its branches are exclusive "
+                            f"(other types, distinct enum / const values, a required "
+                            f"property whose values differ, ...); make them exclusive, or "
+                            f"use anyOf")
 
     @staticmethod
     def count(s: dict, word: str, path: str, default: int | None) -> int | None:
@@ -202,13 +238,14 @@ class _Compiler:
                                           f"(got {len(branches)}); merge them into one")
                     return self.compile(branches[0], f"{path}.allOf[0]")
                 ids = [self.compile(b, f"{path}.{word}[{i}]") for i, b in enumerate(branches)]
+                if word == "oneOf":
+                    self.one_ofs.append((path, tuple(ids)))
                 return self.add(("alt", tuple(ids)))
         if "const" in s or "enum" in s:
             values = [s["const"]] if "const" in s else s["enum"]
             if not isinstance(values, list) or not values:
                 raise SchemaError(f"{path}.enum: must be a non-empty list")
-            values = self.allowed_values(s, values, path)
-            lits = [self.add(("lit", json_dumps(v))) for v in values]
+            lits = [self.add(("lit", v)) for v in self.allowed_values(s, values, path)]
             return lits[0] if len(lits) == 1 else self.add(("alt", tuple(lits)))
         types = s.get("type", sorted(BY_TYPE) if keys <= {"type"} else None)
         if types is None:  # no type: infer it from the keywords present
@@ -224,10 +261,11 @@ class _Compiler:
         ids = [self.typed(t, s, path) for t in types]
         return ids[0] if len(ids) == 1 else self.add(("alt", tuple(ids)))
 
-    def allowed_values(self, s: dict, values: list, path: str) -> list:
-        """The enum / const values that the schema's other keywords allow too: each keyword
-        applies to them (`{"type": "string", "enum": ["a", 1]}` allows only "a"), so a value
-        is kept only where the grammar of the rest of the schema takes its spelling."""
+    def allowed_values(self, s: dict, values: list, path: str) -> list[bytes]:
+        """The spellings (`_spellings`) of the enum / const values that the schema's other
+        keywords allow too: each keyword applies to them (`{"type": "string", "enum": ["a",
+        1]}` allows only "a"), so a spelling is kept only where the grammar of the rest of the
+        schema takes it."""
         if "const" in s and "enum" in s:
             if not isinstance(s["enum"], list):
                 raise SchemaError(f"{path}.enum: must be a non-empty list")
@@ -240,11 +278,15 @@ class _Compiler:
                 g = Grammar(checker.nodes, checker.compile(rest, path))
             except ValueError as e:  # SchemaError, or Grammar's on a $ref loop
                 raise SchemaError(str(e)) from None
-            values = [v for v in values if g.complete(g.feed(g.start, json_dumps(v)))]
-        if not values:
+            checker.check_one_ofs(g)
+            spelt = [t for v in values for t in _spellings(v) if g.complete(g.feed(g.start, t))]
+        else:
+            spelt = [t for v in values for t in _spellings(v)]
+        spelt = list(dict.fromkeys(spelt))
+        if not spelt:
             raise SchemaError(f"{path}: no value of enum / const meets the schema's other "
                               f"keywords")
-        return values
+        return spelt
 
     def _only(self, word: str, keys: set[str], path: str) -> None:
         others = sorted(keys - {word})
@@ -535,3 +577,163 @@ def _value_key(v: Any) -> Any:
 def _describe(schema: Any) -> str:
     title = schema.get("title") if isinstance(schema, dict) else None
     return f"schema {title!r}" if isinstance(title, str) else "schema"
+
+
+def _check_finite(nodes: list[tuple], root: int) -> None:
+    """Refuse a schema with a part that allows no finite value (a `$ref` back to itself
+    through required properties or items): the grammar would let a model open it and nest
+    until MAX_DEPTH, where no byte continues the output."""
+    finite = [False] * len(nodes)
+    grew = True
+    while grew:  # least fixed point: a node is finite once what it must hold is
+        grew = False
+        for i in reversed(range(len(nodes))):  # children mostly come after their parent
+            if not finite[i] and _finite_node(nodes[i], finite):
+                finite[i] = grew = True
+    seen, todo = {root}, [root]
+    while todo:
+        i = todo.pop()
+        if not finite[i]:
+            raise SchemaError("schema: a part of it allows no finite value (a $ref that "
+                              "refers back to itself through required properties or items, "
+                              "or a choice that only does); make the reference optional")
+        for j in _children(nodes[i]):
+            if j not in seen:
+                seen.add(j)
+                todo.append(j)
+
+
+def _finite_node(node: tuple, finite: list[bool]) -> bool:
+    kind = node[0]
+    if kind == "alt":
+        return any(finite[j] for j in node[1])
+    if kind == "arr":
+        _, items, lo, _, prefix = node
+        return all(finite[prefix[i] if i < len(prefix) else items] for i in range(lo))
+    if kind == "obj":
+        _, props, req, extra, _, lo, _, keys, _ = node
+        if not all(finite[props[k]] for k in req):
+            return False
+        optional = sum(finite[v] for k, v in props.items() if k not in req)
+        others = (extra is not None and finite[extra]) or \
+            (keys is not None and any(finite[v] for _, v in keys[3]))
+        return others or len(req) + optional >= lo
+    return True
+
+
+def _children(node: tuple) -> list[int]:
+    kind = node[0]
+    if kind == "alt":
+        return list(node[1])
+    if kind == "arr":
+        return [node[1], *node[4]]
+    if kind == "obj":
+        _, props, _, extra, _, _, _, keys, _ = node
+        return [*props.values(), *([] if extra is None else [extra]),
+                *([] if keys is None else [v for _, v in keys[3]])]
+    return []
+
+
+_INTEGER_SPELLINGS = "0|-?[1-9][0-9]*"
+
+
+class _Exclusive:
+    """Whether two nodes of a built grammar share no JSON value (sufficient tests only: False
+    means "may overlap")."""
+
+    MAX_DEPTH = 8  # object properties followed down to find a discriminating one
+
+    def __init__(self, g: Grammar):
+        self.g, self.nodes = g, g.nodes
+
+    def apart(self, a: int, b: int, depth: int = 0) -> bool:
+        return all(self._nodes_apart(x, y, depth) for x in self.g.alternatives[a]
+                   for y in self.g.alternatives[b])
+
+    def _nodes_apart(self, x: int, y: int, depth: int) -> bool:
+        nx, ny = self.nodes[x], self.nodes[y]
+        kind = _kind(nx)
+        if kind != _kind(ny):
+            return True
+        if x == y or kind in ("true", "false", "null"):
+            return False
+        if nx[0] == "lit" and ny[0] == "lit":
+            return _value_key(json.loads(nx[1])) != _value_key(json.loads(ny[1]))
+        try:
+            if kind == "string":
+                return _strings_apart(nx, ny)
+            if kind == "number":
+                return _numbers_apart(nx, ny)
+        except RegexError:  # a product too large to build: say they may overlap
+            return False
+        if kind == "object" and nx[0] == ny[0] == "obj" and depth < self.MAX_DEPTH:
+            shared = nx[2] & ny[2]  # required in both: a value apart keeps the objects apart
+            return any(self.apart(nx[1][k], ny[1][k], depth + 1) for k in shared
+                       if k in nx[1] and k in ny[1])
+        return False
+
+
+def _kind(node: tuple) -> str:
+    kind = node[0]
+    if kind in ("str", "pat"):
+        return "string"
+    if kind in ("num", "re"):
+        return "number"
+    if kind == "obj":
+        return "object"
+    if kind in ("arr", "set"):
+        return "array"
+    first = node[1][:1]  # a literal
+    return {b'"': "string", b"{": "object", b"[": "array", b"t": "true", b"f": "false",
+            b"n": "null"}.get(first, "number")
+
+
+def _string_rule(node: tuple) -> tuple[Nfa | None, int, int | None] | str:
+    """A string node as its literal, or (NFA or None for any, min length, max length)."""
+    if node[0] == "lit":
+        return json.loads(node[1])
+    if node[0] == "pat":
+        return node[1], node[2], node[3]
+    return None, node[1], node[2]
+
+
+def _strings_apart(nx: tuple, ny: tuple) -> bool:
+    a, b = _string_rule(nx), _string_rule(ny)
+    if isinstance(a, str) or isinstance(b, str):
+        text, (nfa, lo, hi) = (a, b) if isinstance(a, str) else (b, a)
+        return not (lo <= len(text) and (hi is None or len(text) <= hi)
+                    and (nfa is None or nfa.matches(text)))
+    lo = max(a[1], b[1])
+    hi = a[2] if b[2] is None else b[2] if a[2] is None else min(a[2], b[2])
+    if hi is not None and lo > hi:
+        return True
+    nfas = [n for n in (a[0], b[0]) if n is not None]
+    if not nfas:
+        return False
+    nfa = nfas[0] if len(nfas) == 1 else intersect(*nfas)
+    return not nfa.fits(nfa.start, lo, hi)
+
+
+def _number_rule(node: tuple) -> Nfa | None | str:
+    """A number node as its literal's plainest spelling, or an NFA of the plainest spellings
+    of its values (None: any number). Bounds and multiples accept each value they allow in
+    its plainest spelling, so two nodes share a value only if their NFAs share a string."""
+    if node[0] == "lit":
+        value = Decimal(node[1].decode())
+        if value == value.to_integral_value():
+            return str(int(value))
+        return format(value.normalize(), "f")
+    if node[0] == "re":
+        return node[1]
+    return compile_regex(_INTEGER_SPELLINGS) if node[1] else None
+
+
+def _numbers_apart(nx: tuple, ny: tuple) -> bool:
+    a, b = _number_rule(nx), _number_rule(ny)
+    if isinstance(a, str) or isinstance(b, str):
+        text, nfa = (a, b) if isinstance(a, str) else (b, a)
+        return nfa is not None and not nfa.matches(text)
+    if a is None or b is None:
+        return False
+    both = intersect(a, b)
+    return not both.fits(both.start, 0, None)
