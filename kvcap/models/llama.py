@@ -104,6 +104,9 @@ def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
     except KeyError as e:  # a config's mistake, said as one (not a bare KeyError at load)
         raise ModelLoadError(f"config.json's rope_scaling of type {kind!r} lacks {e.args[0]!r}, "
                              "which that type needs") from None
+    except (TypeError, ValueError) as e:  # a value that is no number ("factor": "x" or null)
+        raise ModelLoadError(f"config.json's rope_scaling of type {kind!r} holds a value that "
+                             f"is not a number ({e})") from None
     raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, "
                          "yarn)")
 

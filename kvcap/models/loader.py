@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from kvcap.config import ModelSpec
-from kvcap.errors import ModelLoadError
+from kvcap.errors import KvcapError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,15 @@ def read_spec(model_dir: Path) -> ModelSpec:
     if not isinstance(cfg, dict):  # (a list or string was an AttributeError inside the spec)
         raise ModelLoadError(f"{model_dir / 'config.json'} holds a JSON {type(cfg).__name__}, "
                              "not an object: not an HF model config")
-    return ModelSpec.from_hf_config(cfg)
+    try:
+        return ModelSpec.from_hf_config(cfg)
+    except KvcapError:
+        raise
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+        # a field of the wrong type or value (null, a string for a number, 0 heads): one line,
+        # not a traceback from inside the spec
+        raise ModelLoadError(f"{model_dir / 'config.json'}: a field holds a value kvcap cannot "
+                             f"read ({type(e).__name__}: {e})") from None
 
 
 def read_hf_config(model_dir: Path) -> dict:
@@ -72,8 +80,12 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError) as e:
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise ModelLoadError(f"cannot read {index}: {e}") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) for f in weight_map.values()):
+            raise ModelLoadError(f"{index}: weight_map is not an object of tensor name -> file "
+                                 "name")
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (model_dir / f).exists()]
         if missing:

@@ -36,6 +36,9 @@ _ROW = re.compile(r"^model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.wei
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
+_FP8_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".input_scale_ub")
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 # (dim, lo, hi, full size): the slice of a checkpoint tensor this rank loads
 Source = tuple[int, int, int, int]
 
@@ -120,7 +123,22 @@ def load_weights(model: LlamaModel,
     head = None  # a tied model's lm_head.weight from the checkpoint: placed after the loop
 
     def load(name: str, tensor: torch.Tensor | FP8Tensor) -> None:
+        if name.endswith(_FP8_SCALE_SUFFIXES) or (isinstance(tensor, torch.Tensor)
+                                                  and tensor.dtype in _FP8_DTYPES):
+            # (only a checkpoint without a quantization_config streams these in raw: the E4M3
+            # bytes cast without their scales would be silently wrong weights)
+            raise ModelLoadError(f"{name} is an FP8 weight or scale, but config.json declares "
+                                 "no quantization_config: restore the checkpoint's own "
+                                 "config.json (kvcap reads compressed-tensors, fp8 and "
+                                 "fbgemm_fp8 FP8 weights)")
         param, rows, src = _target(model, name)
+        if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point():
+            # (cast to float it would load as garbage: quantized weights the config does not
+            # declare, or a wrong file)
+            raise ModelLoadError(f"{name} is {str(tensor.dtype).removeprefix('torch.')} in the "
+                                 "checkpoint, not a floating-point weight: quantized weights "
+                                 "without a quantization_config kvcap reads? use the "
+                                 "unquantized checkpoint")
         tensor = _take(name, tensor, src, model.shard.is_full)
         layer = fp8_layers.get(id(param))
         if layer is not None:
@@ -140,8 +158,16 @@ def load_weights(model: LlamaModel,
         key = ids[id(param)]
         written[key] = written.get(key, 0) + tensor.shape[0]
 
+    seen: set[str] = set()  # checkpoint names: each must come once (rows are counted per
+    # fused parameter, so a second gate_proj could stand in for a missing up_proj)
     with torch.no_grad():
         for name, tensor in tensors:
+            if name in seen:
+                raise ModelLoadError(f"tensor {name!r} appears twice in the checkpoint (a stale "
+                                     "copy of the weights beside them? without a "
+                                     "model.safetensors.index.json every *.safetensors file "
+                                     "in the directory is read)")
+            seen.add(name)
             if is_scale_tensor_name(name):
                 scales[name] = tensor
                 continue
@@ -156,8 +182,15 @@ def load_weights(model: LlamaModel,
     missing = [n for n, p in model.named_parameters()
                if n not in scale_params and written.get(n, 0) != p.shape[0]]
     if missing:
-        raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+        # as the checkpoint names them (kvcap fuses q/k/v and gate/up)
+        names = [hf for n in missing for hf, _ in _hf_named(model, n, _param(model, n))
+                 if hf not in seen] or missing
+        raise ModelLoadError(f"checkpoint is missing {len(names)} tensors, e.g. {names[:3]}")
     return scales
+
+
+def _param(model: LlamaModel, name: str) -> torch.Tensor:
+    return dict(model.named_parameters())[name]
 
 
 def _place_tied_head(model: LlamaModel, head: torch.Tensor | FP8Tensor, load,
