@@ -18,6 +18,8 @@ export KVCAP_COMMIT=${KVCAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || 
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ $# -ge 1 ] || { echo "usage: $0 tests | SHAPE ..."; exit 2; }
 if [ "$1" = tests ]; then
+  # A CPU-only test module that needs a package the device lacks (jsonschema) fails to
+  # collect: the GPU tests of every other module still run, and the ERROR line is kept.
   # The full log goes to a file first: a run its bound cuts keeps what it printed.
   # The kernel tests (93 of 139, small tensors, no timing or free-memory sizing) run in
   # TESTS_WORKERS processes where pytest-xdist is there: Triton's compiles are most of
@@ -28,6 +30,7 @@ if [ "$1" = tests ]; then
     -p no:cacheprovider > "$OUT/gpu-tests-log.txt" 2>&1
   timeout $((${TESTS_S:-540} - SECONDS > 30 ? ${TESTS_S:-540} - SECONDS : 30)) \
     python3 -m pytest -v -m gpu tests --ignore tests/test_kernels_gpu.py -p no:cacheprovider \
+    --continue-on-collection-errors \
     >> "$OUT/gpu-tests-log.txt" 2>&1
   # the compile-only tests (~1 min) get what is left of a 590 s call
   timeout $((590 - SECONDS > 30 ? 590 - SECONDS : 30)) python3 -m pytest -q -p no:cacheprovider \

@@ -10,8 +10,7 @@ Liveness, both ways, in bounded time:
   reason, even SIGKILL, the worker reads EOF and exits at once;
 - rank 0 polls its workers; when one exits unexpectedly it records why (exit code or signal,
   plus the worker's own error message), kills the others and fails every later call; while
-  the group forms, rank 0's rendezvous gives up as soon as a worker has exited (gloo; on NCCL
-  not before the GPU check of comm.WatchedStore has run). A
+  the group forms, rank 0's rendezvous gives up as soon as a worker has exited. A
   collective that was waiting on the dead rank fails immediately on gloo (connection closed);
   on NCCL the group is aborted, and `KVCAP_TP_TIMEOUT_S` bounds it in any case.
 """
@@ -151,10 +150,8 @@ class TPDriver(TPRuntime):
             procs = self.procs
             # A worker dying now would leave torch's rendezvous waiting out the timeout. On
             # NCCL the store stays under the data group for its life (its watchdog reads it
-            # from C++ threads), which has not run on a GPU yet
-            # (test_watched_store_carries_an_nccl_group): there the plain store, until it has.
-            store = self.store if self.device.type == "cuda" else WatchedStore(
-                self.store, lambda: any(p.poll() is not None for p in procs))
+            # from C++ threads): test_watched_store_carries_an_nccl_group (H100, 2026-12-06).
+            store = WatchedStore(self.store, lambda: any(p.poll() is not None for p in procs))
             try:
                 self.comm.init(store)
             except Exception:
