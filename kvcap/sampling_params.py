@@ -119,6 +119,8 @@ class SamplingParams:
                                  ("json_schema", self.json_schema is not None),
                                  ("choice", self.choice is not None),
                                  ("regex", self.regex is not None)) if on]
+        if self.choice is not None and not isinstance(self.choice, (list, tuple)):
+            bad(f"choice must be a list of strings, got {self.choice!r}")  # not its characters
         if len(asked) > 1:
             bad(f"{' and '.join(asked)} are each a whole output format: give one")
         if asked and (self.ignore_eos or self.min_tokens):

@@ -56,6 +56,14 @@ def default_model_dir():
 
 
 @pytest.fixture(scope="session")
+def tiny_dir(default_model_dir, tmp_path_factory):
+    """A 2-layer random Llama with the real SmolLM2 tokenizer (the server tests' model)."""
+    from server_helpers import make_tiny_model
+
+    return make_tiny_model(default_model_dir, tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
 def hf_default_model(default_model_dir):
     from transformers import AutoModelForCausalLM
 

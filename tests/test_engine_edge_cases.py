@@ -68,11 +68,13 @@ def test_bad_stop_token_ids_are_refused(bad):
     ("top_k", True), ("max_tokens", True), ("seed", False), ("min_tokens", True),
     ("logprobs", True), ("stop_token_ids", [True]), ("temperature", True),
     ("frequency_penalty", True), ("json_object", "no"), ("json_object", 1),
-    ("stop", None), ("stop", 3), ("logit_bias", [(1, 2.0)]), ("logit_bias", {True: 1.0})])
+    ("stop", None), ("stop", 3), ("logit_bias", [(1, 2.0)]), ("logit_bias", {True: 1.0}),
+    ("choice", "yes")])
 def test_bools_and_wrong_containers_are_refused(field, bad):
     """True is an int to Python: top_k=True sampled with top_k 1, max_tokens=True gave one
     token, seed=False seeded with 0, and json_object="no" (truthy) turned JSON mode on. A
-    stop or logit_bias of the wrong type was a TypeError / AttributeError from inside."""
+    stop or logit_bias of the wrong type was a TypeError / AttributeError from inside, and
+    choice="yes" was the choices "y", "e", "s"."""
     with pytest.raises(ConfigError, match=field):
         SamplingParams(**{field: bad})
 

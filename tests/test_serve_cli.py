@@ -13,14 +13,9 @@ import threading
 
 import httpx
 import pytest
-from server_helpers import free_port, make_tiny_model, port_is_open, wait_until
+from server_helpers import free_port, port_is_open, wait_until
 
 from kvcap.scales.overlay import MANIFEST_NAME
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(default_model_dir, tmp_path_factory):
-    return make_tiny_model(default_model_dir, tmp_path_factory.mktemp("tiny") / "model")
 
 
 def serve_cmd(model, port: int, *extra: str) -> list[str]:

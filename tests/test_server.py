@@ -15,7 +15,6 @@ import pytest
 from server_helpers import (
     StepDelay,
     ThreadedServer,
-    make_tiny_model,
     metrics,
     wait_drained,
     wait_until,
@@ -26,11 +25,6 @@ from kvcap.server.app import create_app
 
 KEY = "test-key"
 MAX_PENDING = 6  # max_num_seqs 4 + 2 queued
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(default_model_dir, tmp_path_factory):
-    return make_tiny_model(default_model_dir, tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 from fastapi.testclient import TestClient
-from server_helpers import TOKENIZER_FILES, make_tiny_model
+from server_helpers import TOKENIZER_FILES
 
 from kvcap import LLM
 from kvcap.server.app import create_app
@@ -18,11 +18,6 @@ from kvcap.server.app import create_app
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "Say hi"}]
 VOCAB = 49152  # SmolLM2's
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(default_model_dir, tmp_path_factory):
-    return make_tiny_model(default_model_dir, tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="module")

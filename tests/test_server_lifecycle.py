@@ -16,7 +16,6 @@ import pytest
 from server_helpers import (
     StepDelay,
     ThreadedServer,
-    make_tiny_model,
     metrics,
     wait_drained,
     wait_until,
@@ -38,11 +37,6 @@ def _watchdog():
     faulthandler.dump_traceback_later(60, exit=True)
     yield
     faulthandler.cancel_dump_traceback_later()
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(default_model_dir, tmp_path_factory):
-    return make_tiny_model(default_model_dir, tmp_path_factory.mktemp("tiny") / "model")
 
 
 def _llm(tiny_dir):

@@ -9,7 +9,8 @@ kvcap/sampling/penalties.py. Structured output (`response_format` json_object / 
 vLLM's `guided_json` / `guided_choice` / `structured_outputs`) as in
 kvcap/server/structured_request.py. vLLM extensions kvcap does not implement (beam search,
 regex and grammar guidance, ...) are named so that a request using them is refused rather than
-silently served without them.
+silently served without them, as are OpenAI's deprecated `functions` / `function_call` (tools
+replace them). A field with a default that the API declares nullable takes null as that default.
 `n` choices per prompt run as n engine requests; with a `seed`, choice j samples with seed + j.
 Log-probabilities (`logprobs`, chat's `top_logprobs`, up to MAX_LOGPROBS alternatives) and
 completions' `echo` are formatted by `kvcap.server.logprobs`.
@@ -19,10 +20,18 @@ from __future__ import annotations
 
 import json
 import time
+import types
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvcap.sampling_params import CHECKPOINT_SAMPLING_FIELDS, SamplingParams
 from kvcap.server.structured_request import StructuredRequestError, structured_request
@@ -76,12 +85,42 @@ class ErrorResponse(BaseModel):
 
 
 # ----------------------------------------------------------------------------- requests
-class StreamOptions(BaseModel):
+class _NullIsDefault(BaseModel):
+    """A field with a default that the API reference declares nullable (`n`, `stream`,
+    chat's `logprobs`, `echo`, ... "or null" in OpenAI's, Optional in vLLM's) takes null as
+    its default: clients that spell out every field send null for "not set". (Fields whose
+    own type admits None keep it: completions' `max_tokens: null` means as many as fit.)"""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        keep = _defaults_without_none(cls)
+        return {k: v for k, v in data.items() if v is not None or k not in keep}
+
+
+_NULL_DEFAULTS: dict[type, frozenset[str]] = {}
+
+
+def _defaults_without_none(cls: type[BaseModel]) -> frozenset[str]:
+    """The fields of `cls` with a default whose type does not admit None."""
+    names = _NULL_DEFAULTS.get(cls)
+    if names is None:
+        names = _NULL_DEFAULTS[cls] = frozenset(
+            name for name, f in cls.model_fields.items()
+            if not f.is_required() and f.default is not None
+            and not (get_origin(f.annotation) in (Union, types.UnionType)
+                     and type(None) in get_args(f.annotation)))
+    return names
+
+
+class StreamOptions(_NullIsDefault):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_NullIsDefault):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str
     temperature: float | None = None
@@ -122,6 +161,11 @@ class _SamplingFields(BaseModel):
         return bad
 
     @property
+    def max_tokens_field(self) -> str:
+        """The field the completion's length limit came from, for the errors about it."""
+        return "max_tokens"
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -131,7 +175,7 @@ class _SamplingFields(BaseModel):
         `defaults` (the checkpoint's generation config) fill the sampling fields the request
         leaves out, before OpenAI's own defaults."""
         checks: list[tuple[str, bool, str]] = [
-            ("max_tokens", max_tokens >= 1, f"must be at least 1, got {max_tokens}"),
+            (self.max_tokens_field, max_tokens >= 1, f"must be at least 1, got {max_tokens}"),
             (
                 "temperature",
                 self.temperature is None or 0.0 <= self.temperature <= 2.0,
@@ -153,6 +197,8 @@ class _SamplingFields(BaseModel):
                 f"must be in [0, 1], got {self.min_p}",
             ),
             ("stop", all(self.stop_list), "must be non-empty strings"),
+            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids or ()),
+             f"must be token ids (integers >= 0), got {self.stop_token_ids}"),
             ("n", 1 <= self.n <= MAX_N, f"must be in [1, {MAX_N}], got {self.n}"),
             ("min_tokens", 0 <= self.min_tokens <= max_tokens,
              f"must be in [0, max_tokens = {max_tokens}], got {self.min_tokens}"),
@@ -311,13 +357,27 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    # OpenAI's deprecated function calling: refused (see tool_plan), never silently ignored
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
     # chat template controls, as vLLM has them
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # extend the last (assistant) message
 
+    @property
+    def max_tokens_field(self) -> str:
+        """OpenAI's current name wins over the deprecated one (as chat_completion reads them);
+        LangChain sends max_completion_tokens for its max_tokens."""
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
     def tool_plan(self) -> ToolPlan | None:
         """tools / tool_choice checked (kvcap/server/tools.py); None without tools."""
+        for name, neutral in (("functions", (None, [])), ("function_call", (None, "none"))):
+            if getattr(self, name) not in neutral:  # was served as text, the functions ignored
+                raise APIError(400, f"{name}: OpenAI's deprecated function calling is not "
+                                    "supported; send tools (and tool_choice) instead",
+                               param=name, code="unsupported_parameter")
         try:
             return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
         except ToolRequestError as e:

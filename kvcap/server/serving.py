@@ -268,23 +268,26 @@ class OpenAIServing:
         if any(t >= self.vocab_size for t in params.logit_bias or {}):
             raise P.APIError(400, f"logit_bias: token ids must be in [0, {self.vocab_size})",
                              param="logit_bias")
-        total = n + params.max_tokens
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise P.APIError(400, f"stop_token_ids: token ids must be in [0, {self.vocab_size})",
+                             param="stop_token_ids")
+        total, field = n + params.max_tokens, req.max_tokens_field
         if total > ctx:
             raise P.APIError(
                 400,
-                f"max_tokens: {n} prompt tokens + {params.max_tokens} "
+                f"{field}: {n} prompt tokens + {params.max_tokens} "
                 f"completion tokens exceed the context (max_model_len) of {ctx} "
                 "tokens",
-                param="max_tokens",
+                param=field,
                 code="context_length_exceeded",
             )
         if self._blocks_for(total) > self.bm.num_total_blocks:
             raise P.APIError(
                 400,
-                f"max_tokens: {total} tokens need "
+                f"{field}: {total} tokens need "
                 f"{self._blocks_for(total)} KV blocks but the pool has "
                 f"{self.bm.num_total_blocks}",
-                param="max_tokens",
+                param=field,
             )
         return params
 

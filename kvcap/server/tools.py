@@ -99,6 +99,10 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool) -> Too
             compile_schema(schema)
         except SchemaError as e:
             raise ToolRequestError(f"{where}.function.parameters: {e}", param="tools") from None
+        for key in ("$defs", "definitions"):  # calls_schema moves them: each must be a schema
+            if isinstance(schema, dict) and not isinstance(schema.get(key, {}), dict):
+                raise ToolRequestError(f"{where}.function.parameters: {key} must be an object "
+                                       f"of schemas, got {schema[key]!r}", param="tools")
         params[name] = schema
     choice = "auto" if tool_choice is None else tool_choice
     if choice in ("none", "auto"):
@@ -106,7 +110,8 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool) -> Too
     if choice == "required":
         return ToolPlan("required", tools, schema=calls_schema(params, parallel),
                         parameters=params)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name is None:
         raise ToolRequestError(f"tool_choice: must be 'none', 'auto', 'required' or {{\"type\":"
                                f" \"function\", \"function\": {{\"name\": ...}}}}, got "
