@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -23,12 +23,20 @@ SUPPORTED_ARCHITECTURES = {
 }
 # transformers' defaults for what a config.json may leave out (its LlamaConfig, MistralConfig,
 # ... classes): a missing rms_norm_eps read as another architecture's moves every logit
+# What transformers' config classes take for a key config.json leaves out (a key present as
+# null is another matter: num_key_value_heads null means one KV head per query head).
+# num_key_value_heads None: as many as the query heads.
 CONFIG_DEFAULTS = {
-    "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
-    "mistral": {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072},
-    "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
-    "qwen3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
-    "phi3": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096},
+    "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+              "num_key_value_heads": None, "sliding_window": None},
+    "mistral": {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
+                "num_key_value_heads": 8, "sliding_window": 4096},
+    "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+              "num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 28},
+    "qwen3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+              "num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 28},
+    "phi3": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+             "num_key_value_heads": None, "sliding_window": None},
 }
 
 
@@ -94,6 +102,8 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelSpec:
         archs = cfg.get("architectures") or []
+        if isinstance(archs, str):  # one name, not a list of them
+            archs = [archs]
         known = [SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES]
         arch = known[0] if known else None
         if arch is None:
@@ -113,8 +123,9 @@ class ModelSpec:
             hidden = int(cfg["hidden_size"])
             head_dim = int(cfg.get("head_dim") or hidden // num_heads)
             rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or None
+            # transformers 5: the rope dict's theta first, then the top-level one
             rope_theta = float(
-                cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+                (rope or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0
             )
             if arch == "phi3":
                 _check_phi3_rope(cfg, rope)
@@ -137,13 +148,15 @@ class ModelSpec:
                                   "SiLU-gated one of Llama, Mistral and Qwen (hidden_act 'silu')")
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            window, sliding_layers = _sliding_window(cfg, arch, int(cfg["num_hidden_layers"]))
-            return cls(
+            window, sliding_layers = _sliding_window(cfg, arch, int(cfg["num_hidden_layers"]),
+                                                     defaults)
+            spec = cls(
                 architecture=arch,
                 hidden_size=hidden,
                 num_layers=int(cfg["num_hidden_layers"]),
                 num_heads=num_heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+                num_kv_heads=int(cfg.get("num_key_value_heads",
+                                         defaults["num_key_value_heads"]) or num_heads),
                 head_dim=head_dim,
                 intermediate_size=int(cfg["intermediate_size"]),
                 vocab_size=int(cfg["vocab_size"]),
@@ -160,6 +173,11 @@ class ModelSpec:
                 sliding_layers=sliding_layers,
                 fp8_weights=fp8_weights,
             )
+            if window is not None and window >= spec.position_limit:
+                # a window no sequence can outgrow (Mistral's default 4096 on a 4K model)
+                # never takes effect: full attention, with everything it allows
+                spec = replace(spec, sliding_window=None, sliding_layers=())
+            return spec
         except KeyError as e:
             raise ConfigError(f"config.json lacks required field {e.args[0]!r}") from None
 
@@ -206,13 +224,13 @@ def _check_phi3_rope(cfg: dict[str, Any], rope: dict[str, Any] | None) -> None:
                           "Mistral and Qwen)")
 
 
-def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int
+def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int, defaults: dict[str, Any]
                     ) -> tuple[int | None, tuple[int, ...]]:
     """(window, the layers that slide), as transformers reads the config: Mistral and Phi-3
     slide in every layer when `sliding_window` is set; Qwen2/Qwen3 only with
     `use_sliding_window`, in the layers `layer_types` marks (or from `max_window_layers` on);
     Llama never."""
-    window = cfg.get("sliding_window")
+    window = cfg.get("sliding_window", defaults["sliding_window"])
     if window is None or arch == "llama":
         return None, ()
     if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
@@ -226,7 +244,7 @@ def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int
                               f"num_hidden_layers is {num_layers}")
         layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     else:
-        first = int(cfg.get("max_window_layers", num_layers))
+        first = int(cfg.get("max_window_layers", defaults["max_window_layers"]))
         layers = tuple(range(first, num_layers))
     if not layers:
         return None, ()

@@ -132,3 +132,64 @@ def test_fp8_weights_without_a_quantization_config_are_refused_saying_so(tmp_pat
     assert "quantization_config" not in cfg
     with pytest.raises(ModelLoadError, match="quantization_config"):
         _init_without_tokenizer(LLM.__new__(LLM), tmp_path)
+
+
+_SPEC_BASE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 30,
+              "num_attention_heads": 4, "vocab_size": 128, "max_position_embeddings": 8192}
+_RULE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    # keys a hand-written config leaves out: transformers' class defaults apply
+    ("mistral", {}),  # 8 KV heads, a 4096-token window in every layer
+    ("qwen2", {"use_sliding_window": True}),  # 32 KV heads; layers 28+ slide, 4096 tokens
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 64}),
+    ("qwen2", {"num_key_value_heads": None}),  # null: one KV head per query head
+    ("llama", {}),
+    ("mistral", {"max_position_embeddings": 4096}),  # a window it never outgrows: none
+    # both a top-level and a rope-dict value: the dict's wins (theta and original length)
+    ("llama", {"rope_theta": 10000.0, "rope_parameters": {**_RULE, "rope_theta": 500000.0},
+               "original_max_position_embeddings": 2048}),
+    ("llama", {"rope_theta": 20000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 512}}),
+])
+def test_config_defaults_and_precedence_follow_transformers(model_type, extra):
+    """kvcap read these configs otherwise than transformers: a Mistral or Qwen config without
+    num_key_value_heads got one KV head per query head (transformers: 8 / 32; the weights then
+    failed to load), a Mistral config without sliding_window attended to everything and a Qwen
+    one with use_sliding_window and no max_window_layers slid in no layer (transformers: 4096
+    tokens; from layer 28 on), a top-level rope_theta beat the rope dict's (logits off by
+    ~5e-3). Each is compared with transformers' own reading of the config."""
+    import transformers as tf
+
+    from kvcap.config import ModelSpec
+
+    cfg = {**_SPEC_BASE, "model_type": model_type, **extra}
+    ref = tf.AutoConfig.for_model(**cfg)
+    spec = ModelSpec.from_hf_config(cfg)
+    assert spec.num_kv_heads == ref.num_key_value_heads
+    types = getattr(ref, "layer_types", None) or (
+        ["sliding_attention"] * ref.num_hidden_layers if getattr(ref, "sliding_window", None)
+        else ["full_attention"] * ref.num_hidden_layers)
+    window = ref.sliding_window if "sliding_attention" in types else None
+    if window is not None and window >= ref.max_position_embeddings:
+        types = ["full_attention"] * ref.num_hidden_layers  # a window it never outgrows
+    assert spec.sliding_layers == tuple(i for i, t in enumerate(types)
+                                        if t == "sliding_attention")
+    if spec.sliding_layers:
+        assert spec.sliding_window == window
+    rope = ref.rope_parameters
+    assert spec.rope_theta == rope["rope_theta"]
+    if rope.get("rope_type") in ("llama3", "yarn"):
+        assert spec.rope_scaling["original_max_position_embeddings"] == \
+            rope["original_max_position_embeddings"]
+
+
+def test_architectures_as_one_string_is_read():
+    """"architectures": "LlamaForCausalLM" (a string, not a list) was refused as unsupported
+    while the error listed that very name as supported."""
+    from kvcap.config import ModelSpec
+
+    spec = ModelSpec.from_hf_config({**_SPEC_BASE, "architectures": "LlamaForCausalLM"})
+    assert spec.architecture == "llama"

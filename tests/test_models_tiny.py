@@ -127,18 +127,22 @@ def _mini(arch: str, **extra) -> dict:
 
 
 @pytest.mark.parametrize("arch, extra, window, layers", [
-    ("mistral", dict(sliding_window=4096), 4096, (0, 1)),
+    ("mistral", dict(sliding_window=128), 128, (0, 1)),
+    ("mistral", dict(sliding_window=256), None, ()),  # a window no sequence outgrows: none
     ("mistral", dict(sliding_window=None), None, ()),
+    # no key: transformers' Mistral default, 4096, which a 256-position model never outgrows
     ("mistral", dict(), None, ()),
+    ("mistral", dict(max_position_embeddings=8192), 4096, (0, 1)),
     # transformers' Mistral ignores layer_types: every layer slides
     ("mistral", dict(sliding_window=64, layer_types=["full_attention"] * 2), 64, (0, 1)),
     ("llama", dict(sliding_window=4096), None, ()),  # not a Llama field: transformers ignores it
-    ("phi3", dict(sliding_window=2047), 2047, (0, 1)),  # Phi-3-mini's
+    ("phi3", dict(sliding_window=2047, max_position_embeddings=4096), 2047, (0, 1)),  # Phi-3-mini's
     ("phi3", dict(sliding_window=None), None, ()),  # Phi-4's
     ("qwen2", dict(sliding_window=4096, use_sliding_window=False), None, ()),
     ("qwen2", dict(sliding_window=4096, use_sliding_window=True, max_window_layers=2), None, ()),
-    ("qwen2", dict(sliding_window=4096, use_sliding_window=True, max_window_layers=1), 4096,
+    ("qwen2", dict(sliding_window=128, use_sliding_window=True, max_window_layers=1), 128,
      (1,)),
+    ("qwen2", dict(sliding_window=128, use_sliding_window=True), None, ()),  # from layer 28
     ("qwen3", dict(sliding_window=64, use_sliding_window=True,
                    layer_types=["sliding_attention", "full_attention"]), 64, (0,)),
     ("qwen3", dict(sliding_window=64, use_sliding_window=True,
