@@ -463,12 +463,12 @@ CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 CASES = [
     (CMPL, b"{not json", 400, None, "invalid JSON body"),
     (CMPL, b"[1, 2]", 400, None, "the request body must be a JSON object"),
-    (CMPL, {"model": "tiny", "prompt": "x", "max_tokens": "8"}, 422, "max_tokens",
+    (CMPL, {"model": "tiny", "prompt": "x", "max_tokens": "8"}, 400, "max_tokens",
      "max_tokens: Input should be a valid integer"),
-    (CMPL, {"model": "tiny", "prompt": "x", "temperature": "hot"}, 422, "temperature",
+    (CMPL, {"model": "tiny", "prompt": "x", "temperature": "hot"}, 400, "temperature",
      "temperature: Input should be a valid number"),
-    (CMPL, {"model": "tiny", "prompt": 5}, 422, "prompt", "prompt: "),
-    (CMPL, {"model": "tiny"}, 422, "prompt", "prompt: Field required"),
+    (CMPL, {"model": "tiny", "prompt": 5}, 400, "prompt", "prompt: "),
+    (CMPL, {"model": "tiny"}, 400, "prompt", "prompt: Field required"),
     (CMPL, {"model": "nope", "prompt": "x"}, 404, "model",
      "model: the model 'nope' does not exist; this server serves 'tiny'"),
     (CMPL, {"model": "tiny", "prompt": "x", "max_tokens": -3}, 400, "max_tokens",
@@ -515,19 +515,19 @@ CASES = [
             "top_logprobs": -1}, 400, "top_logprobs", "top_logprobs: must be in [0, 20]"),
     (CMPL, {"model": "tiny", "prompt": "x", "temperature": 7.5}, 400, "temperature",
      "temperature: must be in [0, 2], got 7.5"),
-    (CHAT, {"model": "tiny", "messages": "hi"}, 422, "messages", "messages: "),
-    (CHAT, {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 422,
+    (CHAT, {"model": "tiny", "messages": "hi"}, 400, "messages", "messages: "),
+    (CHAT, {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400,
      "messages", "messages: Input should be"),
     (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is"}, {"type": "image_url", "image_url": {"url": "x"}}]}]},
-     422, "messages", "messages: content part 1 has type 'image_url': this server's models read "
+     400, "messages", "messages: content part 1 has type 'image_url': this server's models read "
      "text only"),
     (CHAT, {"model": "tiny", "messages": []}, 400, "messages",
      "messages: must contain at least one message"),
     (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x " * 300}]}, 400,
      "messages", "messages: the prompt has"),
     (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-            "stream": "yes"}, 422, "stream", "stream: Input should be a valid boolean"),
+            "stream": "yes"}, 400, "stream", "stream: Input should be a valid boolean"),
 ]
 
 

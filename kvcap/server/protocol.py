@@ -462,7 +462,8 @@ class DetokenizeRequest(BaseModel):
 
 
 def parse_request(body: bytes, model: type[BaseModel]) -> Any:
-    """Parse a JSON body; invalid JSON -> 400, wrong types or missing fields -> 422."""
+    """Parse a JSON body; invalid JSON, wrong types or missing fields -> 400 (as OpenAI and
+    vLLM answer them: clients catch a BadRequestError, which a 422 is not)."""
     try:
         return model.model_validate_json(body or b"", strict=True)
     except ValidationError as e:
@@ -478,7 +479,7 @@ def parse_request(body: bytes, model: type[BaseModel]) -> Any:
         msgs = list(dict.fromkeys(x["msg"].removeprefix("Value error, ") for x in errors
                                   if x["loc"][:1] == (field,)))
         raise APIError(
-            422,
+            400,
             f"{field}: {'; '.join(msgs[:3])}",
             param=field,
             code="invalid_type" if first["type"] != "missing" else "missing",
