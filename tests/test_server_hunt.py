@@ -46,7 +46,7 @@ def _events(client, path: str, body: dict) -> tuple[int, list]:
     (CMPL, {"echo": None}),
     (CMPL, {"n": None}),
     (CMPL, {"stream": None}),
-    (CMPL, {"stream_options": {"include_usage": None}}),
+    (CMPL, {"stream_options": None}),
 ])
 def test_null_means_the_default(client, path, extra):
     body = {"model": "tiny", "max_tokens": 2, "temperature": 0, **extra}
@@ -138,3 +138,18 @@ def test_a_choice_given_as_one_string_is_refused(client, extra, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and "must be a list of strings" in err["message"], err
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (CMPL, {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    (CHAT, {"messages": MSGS, "stream_options": {"include_usage": True}}, "stream_options"),
+    (CHAT, {"messages": MSGS, "structured_outputs": {"json_object": "yes"}},
+     "structured_outputs"),
+])
+def test_switches_that_mean_nothing_are_refused(client, path, body, param):
+    """stream_options without stream: true was accepted and ignored (OpenAI and vLLM answer
+    400); structured_outputs' json_object "yes" was read as true (a 500 since SamplingParams
+    refuses a non-bool)."""
+    r = client.post(path, json={"model": "tiny", "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param

@@ -200,6 +200,9 @@ class _SamplingFields(_NullIsDefault):
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids or ()),
              f"must be token ids (integers >= 0), got {self.stop_token_ids}"),
             ("n", 1 <= self.n <= MAX_N, f"must be in [1, {MAX_N}], got {self.n}"),
+            # (as OpenAI and vLLM: usage in a final chunk means nothing without chunks)
+            ("stream_options", self.stream_options is None or self.stream,
+             "needs stream: true"),
             ("min_tokens", 0 <= self.min_tokens <= max_tokens,
              f"must be in [0, max_tokens = {max_tokens}], got {self.min_tokens}"),
             *[(name, v is None or -2.0 <= v <= 2.0, f"must be in [-2, 2], got {v}")

@@ -93,6 +93,8 @@ def structured_request(req: Any) -> dict[str, Any]:
             choice_grammar(out["choice"])
         elif "regex" in out:
             regex_grammar(out["regex"])
+        elif out.get("json_object") is not True:  # "yes" is no switch
+            raise SchemaError(f"json_object must be true or false, got {out['json_object']!r}")
     except SchemaError as e:
         raise StructuredRequestError(f"{out['field']}: {e}", param=out["field"]) from None
     return out
