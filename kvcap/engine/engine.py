@@ -201,8 +201,12 @@ class Engine:
         for req in touched:
             # One that max_tokens or max_model_len ended on this step's token is searched too:
             # a stop string that token completes is a stop, as on any earlier token (vLLM
-            # checks stop strings before the length limit). It is in `finished` already.
-            if not req.is_finished or req.status == RequestStatus.FINISHED_LENGTH:
+            # checks stop strings before the length limit). It is in `finished` already. So is
+            # one that a stop token among this step's kept drafts ended: a stop string an
+            # earlier token of the step completes ends it there, as one-token steps would.
+            if not req.is_finished or req.status == RequestStatus.FINISHED_LENGTH or (
+                    req.status == RequestStatus.FINISHED_STOPPED
+                    and req.request_id in drafted):
                 was_finished = req.is_finished
                 self._check_stop_strings(req, drafted.get(req.request_id))
                 if req.is_finished and not was_finished:
@@ -234,12 +238,16 @@ class Engine:
         # count, but is kept simple), and structured output may replace a token on the host: no
         # overlap while a request asks for any of them.
         # (a step with drafts left the limit at 0: none runs ahead of it)
+        # min_tokens: the step ahead is launched before this step's token is appended, so the
+        # runner decides whether to mask stop tokens from the output count known now, one
+        # short of the real one: look ahead only where that count masks nothing (else the
+        # token at index min_tokens, which may stop, was masked once more).
         if self.scheduler.proposer is not None and self._ahead_run >= self._ahead_limit:
             return False  # the proposer looks at the next step's tokens first
         return (self.overlap and self.runner.can_run_ahead() and not any(
             c.request.sampling_params.logprobs is not None
             or c.request.sampling_params.structured
-            or c.request.sampling_params.adjusts_logits_after(len(c.request.output_token_ids) + 1)
+            or c.request.sampling_params.adjusts_logits_after(len(c.request.output_token_ids))
             for c in out.chunks))
 
     def _drop_ahead(self) -> None:
@@ -253,8 +261,9 @@ class Engine:
 
     def _check_stop_strings(self, req: Request, before: int | None = None) -> None:
         """Finish `req` at the first stop string in its text. `before`: its output length
-        before this step when the step added several tokens (kept drafts): those after the
-        one that completes the stop string are dropped, as one-token steps never made them."""
+        before this step when the step added several tokens (kept drafts): the output stops
+        where one-token steps would have stopped it, and the tokens after are dropped, as
+        one-token steps never made them."""
         stops = req.sampling_params.stop
         if not stops:
             return
@@ -264,21 +273,33 @@ class Engine:
         # characters the detokenizer may still rewrite. Linear in the output's length; text
         # generated under min_tokens is passed over, as vLLM does.
         rid = req.request_id
-        start = max(0, self._stop_scanned.get(rid, 0) - max(map(len, stops)) - 3)
+        longest = max(map(len, stops))
+        start = max(0, self._stop_scanned.get(rid, 0) - longest - 3)
         self._stop_scanned[rid] = len(text)
         if len(req.output_token_ids) < req.sampling_params.min_tokens:
             return
         hits = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
-        if hits:
-            idx, s = min(hits)
-            keep = len(s) if req.sampling_params.include_stop_str_in_output else 0
-            self._truncated[req.request_id] = text[:idx + keep]
-            if before is not None:
-                self._drop_after_stop(req, before, s, idx)
-            if req.is_finished:  # ended by length on this token: its blocks are freed already
-                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, s
-            else:
-                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, s)
+        if not hits:
+            return
+        found = None
+        if before is not None:  # (no stop in the step's text: none in any shorter text)
+            found, start, m = self._stop_before_last(req, before, start, longest)
+            if found is not None:
+                self._drop_after_stop(req, m)
+        if found is None:  # the search of the step's last token, as a one-token step's
+            if req.status == RequestStatus.FINISHED_STOPPED:
+                return  # a stop token ended it there first
+            hits = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
+            if not hits:
+                return
+            found = min(hits)
+        idx, s = found
+        keep = len(s) if req.sampling_params.include_stop_str_in_output else 0
+        self._truncated[rid] = text[:idx + keep]
+        if req.is_finished:  # ended by length or a stop token: its blocks are freed already
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, s
+        else:
+            self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, s)
 
     def _follow_attention_mode(self) -> None:
         """Prefix-cached blocks hold K/V computed under one attention: when the backend's
@@ -292,18 +313,30 @@ class Engine:
             self.block_manager.reset_prefix_cache()
         self._attention_mode = mode
 
-    def _drop_after_stop(self, req: Request, before: int, stop: str, at: int) -> None:
-        """Cut the output after the first of this step's tokens whose text holds `stop` at
-        `at`; one decode per new token, once per request."""
+    def _stop_before_last(self, req: Request, before: int, start: int, longest: int
+                          ) -> tuple[tuple[int, str] | None, int, int]:
+        """The searches one-token steps would have made after each of this step's tokens but
+        the last (each from where the one before ended, none under min_tokens): the first
+        stop string found, (offset, string), where it starts its search and the output length
+        m it was found at; else None, where the last token's search starts, and len(output).
+        One decode per new token, only in steps whose text holds a stop string."""
         ids = req.output_token_ids
-        skip = req.sampling_params.skip_special_tokens
-        for m in range(max(before, 1), len(ids)):
-            # uncleaned, as the detokenizer decodes: `at` is an offset into that text
-            text = self.tokenizer.decode(ids[:m], skip_special_tokens=skip,
+        sp = req.sampling_params
+        for m in range(before + 1, len(ids)):
+            # uncleaned, as the detokenizer decodes: offsets are into that text
+            text = self.tokenizer.decode(ids[:m], skip_special_tokens=sp.skip_special_tokens,
                                          clean_up_tokenization_spaces=False)
-            if text[at:at + len(stop)] == stop:
-                del ids[m:]
-                return
+            if m >= sp.min_tokens:
+                hits = [(i, s) for s in sp.stop if (i := text.find(s, start)) >= 0]
+                if hits:
+                    return min(hits), start, m
+            start = max(0, len(text) - longest - 3)
+        return None, start, len(ids)
+
+    def _drop_after_stop(self, req: Request, m: int) -> None:
+        """Cut the output after its m-th token (the one that completed a stop string): one-
+        token steps never made the tokens after it."""
+        del req.output_token_ids[m:]
 
     def _decode(self, req: Request) -> str:
         if self.tokenizer is None:  # token ids only: the text stays empty
