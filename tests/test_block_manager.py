@@ -288,3 +288,17 @@ def test_capacity_counts_a_released_window_only_where_every_layer_slides() -> No
     assert mixed.max_concurrency(gib, 32768) == 0
     assert sliding.max_concurrency(gib, 32768) == 512 // 33  # ceil(500 / 16) + 1 blocks each
     assert sliding.max_concurrency(gib, 32768, chunk=2048) == 512 // (-(-2547 // 16) + 1)
+
+
+def test_prefix_digests_resist_crafted_collisions():
+    """The chained key was Python's hash of (parent, token tuple): a deterministic 64-bit
+    value with no collision resistance, one int standing for a whole prefix, which a prompt
+    crafted offline could match. The simplest collision: hash(-1) == hash(-2) in CPython, so
+    the blocks [-1] and [-2] shared a key. The digest keeps them apart and still maps equal
+    tokens to equal keys."""
+    bm = BlockManager(num_blocks=4, block_size=1)
+    assert hash((None, (-1,))) == hash((None, (-2,)))  # what the old key did
+    assert bm._hash(None, [-1]) != bm._hash(None, [-2])
+    assert bm._hash(None, [5, 6]) == bm._hash(None, [5, 6])
+    assert bm._hash(bm._hash(None, [1]), [2]) != bm._hash(None, [1, 2])
+    assert len(bm._hash(None, [7])) == 32

@@ -5,13 +5,16 @@ blocks listed in `req.block_ids` (in token order); block `i` holds the K/V of to
 `[i * block_size, (i + 1) * block_size)`.
 
 Prefix caching (FULL blocks only). A block whose `block_size` tokens all have their K/V written
-gets a chained hash `hash((parent_hash, tuple(block_token_ids)))` (parent = previous block's hash,
-`None` for the first block), registered by `commit_full_blocks`. A later request whose token
-prefix chains to the same hashes shares those blocks (ref count + 1) instead of recomputing them.
-When the last reference is dropped a hashed block stays in the cache, unreferenced; it counts as
-free and is evicted (least recently freed first) only when the free list needs it. Unhashed free
-blocks are always handed out before any cached block is evicted. Python's hash of a tuple of ints
-is deterministic (no per-process salt), so the same tokens map to the same blocks.
+gets a chained digest, BLAKE2b-256 of (parent digest, the block's token ids as int64) (parent =
+the previous block's digest, none for the first block), registered by `commit_full_blocks`. A
+later request whose token prefix chains to the same digests shares those blocks (ref count + 1)
+instead of recomputing them. When the last reference is dropped a hashed block stays in the
+cache, unreferenced; it counts as free and is evicted (least recently freed first) only when
+the free list needs it. Unhashed free blocks are always handed out before any cached block is
+evicted. The digest is cryptographic on purpose: Python's hash of an int tuple (what this used)
+is deterministic and not collision resistant, so a crafted prompt could chain to another
+request's digests and be served that request's K/V (vLLM's CVE-2025-25183); the same tokens
+still map to the same blocks.
 
 API (what the scheduler calls):
     num_free_blocks / num_used_blocks / num_total_blocks   free + used == total, always
@@ -41,7 +44,9 @@ most `peak_blocks` blocks, whatever its length.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -53,7 +58,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-BlockHash = int
+BlockHash = bytes  # a 32-byte digest
 
 
 class BlockManager:
@@ -106,7 +111,9 @@ class BlockManager:
 
     # ----------------------------------------------------------------- hashing
     def _hash(self, parent: BlockHash | None, tokens: list[int]) -> BlockHash:
-        return hash((parent, tuple(tokens)))
+        digest = hashlib.blake2b(parent or b"", digest_size=32)
+        digest.update(array("q", tokens).tobytes())
+        return digest.digest()
 
     def _lookup_prefix(self, req: Request) -> tuple[list[int], list[BlockHash]]:
         """Cached blocks (and their hashes) for the longest prefix, leaving >= 1 token."""
