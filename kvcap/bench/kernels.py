@@ -649,10 +649,14 @@ def _label(r: dict) -> str:
 
 def _latest(rows: list[dict]) -> list[dict]:
     """One row per (shape, batch, context): the later file's (as throughput_targets), so a
-    cell in two files is judged once, not counted twice."""
+    cell in two files is judged once, not counted twice; a measured row is never replaced by
+    a skipped one (a later run that could not fit the cell does not unjudge a measurement)."""
     out: dict[tuple, dict] = {}
     for r in rows:
-        out[(r.get("shape"), r.get("batch"), r.get("context"))] = r
+        key = (r.get("shape"), r.get("batch"), r.get("context"))
+        if "skipped" in r and key in out and "skipped" not in out[key]:
+            continue
+        out[key] = r
     return list(out.values())
 
 

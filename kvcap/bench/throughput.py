@@ -5,7 +5,8 @@
 
 Per cell: all requests are submitted at once with random prompts of `context - out` tokens
 and generate `out` tokens (ignore_eos, greedy). TTFT = until every request has a first token;
-decode tok/s = tokens generated after that / time after that. Roofline: a decode step must
+decode tok/s = tokens computed after that / time after that (a step the overlapped engine had
+already run by then is left out: `steps_run_ahead`). Roofline: a decode step must
 read the weights once and each sequence's KV once; we divide those bytes by a read ceiling
 measured in the same run. E4M3 arms use scales calibrated in the run, so the gate runs as in
 production: ceil_fp32(max_abs / 448) per layer (`kvcap calibrate`'s default policy) over a short
@@ -159,12 +160,19 @@ def run_cell(llm, concurrency: int, context: int, out_tokens: int, repeats: int,
         t_first = _run_requests(llm, f"p{rep}", ids, SamplingParams(
             temperature=0, max_tokens=1, ignore_eos=True))[0]
         gpu = Sampler()
-        t_start, t_end = _run_requests(llm, f"d{rep}", ids, SamplingParams(
+        t_start, t_end, before = _run_requests(llm, f"d{rep}", ids, SamplingParams(
             temperature=0, max_tokens=out_tokens, ignore_eos=True), gpu)
+        # the tokens computed after the decode clock started: the overlapped engine had the
+        # step after the first token launched before that token was read, and the sync that
+        # started the clock waited for it (files without `steps_run_ahead` counted it: their
+        # rates read high by (out - 1) / (out - 2), 1.6% at 64 output tokens, 0.4% at 256)
+        timed = concurrency * out_tokens - before
+        if timed <= 0:
+            raise ValueError(f"{out_tokens} output tokens leave no decode step to time")
         results.append({"ttft_s": t_first, "prefill_tok_s": concurrency * n / t_first,
-                        "decode_tok_s": concurrency * (out_tokens - 1) / max(t_end - t_start,
-                                                                            1e-9),
-                        "decode_steps": out_tokens - 1, **gpu.summary()})
+                        "decode_tok_s": timed / max(t_end - t_start, 1e-9),
+                        "decode_steps": timed / concurrency,
+                        "steps_run_ahead": before / concurrency - 1, **gpu.summary()})
     scored = results[1:]
     cell = {k: _median(r[k] for r in scored) for k in scored[0]}
     # every scored repeat too: the spread, and a first repeat that paid for something the
@@ -201,28 +209,37 @@ def _sync(llm) -> None:
 
 
 def _run_requests(llm, tag: str, ids: list[list[int]], params,
-                  gpu: Sampler | None = None) -> tuple[float, float]:
+                  gpu: Sampler | None = None) -> tuple[float, float, int]:
     """Run requests to completion: (seconds until every request had its first token,
-    seconds until all finished), both from submission; `gpu` samples clock and power
-    between engine steps."""
+    seconds until all finished, both from submission; the tokens computed by then: those
+    returned, and those of a step the engine had launched ahead, `_tokens_ahead`); `gpu`
+    samples clock and power between engine steps."""
     _sync(llm)
     t0 = time.perf_counter()
     for i, p in enumerate(ids):
         llm.engine.add_request(f"{tag}-{i}", p, params)
-    seen: set[str] = set()
-    t_first = None
+    seen: dict[str, int] = {}  # request -> tokens returned
+    t_first, before = None, 0
     while llm.engine.has_unfinished():
         for o in llm.engine.step():
             if o.token_ids:
-                seen.add(o.request_id)
+                seen[o.request_id] = len(o.token_ids)
         if gpu is not None and llm.device.type == "cuda":
             gpu.sample()
         if t_first is None and len(seen) == len(ids):
-            _sync(llm)
+            before = sum(seen.values()) + _tokens_ahead(llm)
+            _sync(llm)  # (waits for the step launched ahead too)
             t_first = time.perf_counter() - t0
     _sync(llm)
     t_end = time.perf_counter() - t0
-    return (t_first if t_first is not None else t_end), t_end
+    return (t_first if t_first is not None else t_end), t_end, before
+
+
+def _tokens_ahead(llm) -> int:
+    """Tokens of the step the engine launched before the last one's tokens were read
+    (Engine.overlap, on by default on CUDA): queued on the device, not yet returned."""
+    pending = getattr(llm.engine, "_ahead", None)
+    return len(pending[0].chunks) if pending is not None else 0
 
 
 def weight_bytes(llm) -> int:
@@ -250,29 +267,34 @@ def _capture_s(graphs) -> float | None:
     return None if s is None else round(s, 2)
 
 
-def kv_read_tokens(spec, context: int, out_tokens: int | None = None) -> float:
+def kv_read_tokens(spec, context: int, out_tokens: int | None = None,
+                   timed_steps: int | None = None) -> float:
     """Cached tokens a decode step reads per sequence, averaged over the layers: a sliding
     layer (KVCacheSpec.layer_windows) reads at most its window. With `out_tokens` (a cell of
     run_cell: prompts of context - out_tokens tokens, out_tokens generated), also averaged
     over the cell's timed decode steps: step i (1 <= i < out_tokens) attends over
     context - out_tokens + i tokens, so the mean is context - out_tokens / 2, not `context`
     (counting `context` overstated the KV bytes, and so the roofline fraction, by up to
-    out_tokens / 2 tokens a sequence: 2.6% at 64 x 1K with 256 output tokens)."""
+    out_tokens / 2 tokens a sequence: 2.6% at 64 x 1K with 256 output tokens).
+    `timed_steps`: the last that many of those steps were timed (run_cell's decode_steps;
+    default all out_tokens - 1)."""
     if out_tokens is None or out_tokens < 2:
         steps = [context]
     else:
-        steps = range(context - out_tokens + 1, context)
+        n = out_tokens - 1 if timed_steps is None else max(1, min(timed_steps, out_tokens - 1))
+        steps = range(context - n, context)
     windows = spec.layer_windows or (None,)
     per_window = {w: sum(min(t, w or t) for t in steps) / len(steps) for w in set(windows)}
     return sum(per_window[w] for w in windows) / len(windows)
 
 
 def roofline_step_s(llm, concurrency: int, context: int, ceiling_tbs: float,
-                    out_tokens: int | None = None) -> float:
+                    out_tokens: int | None = None, timed_steps: int | None = None) -> float:
     """A decode step's roofline: the weights it reads in full (weight_bytes) plus every
     sequence's KV (kv_read_tokens) over the read ceiling."""
     spec = llm.pool.spec
-    kv = spec.bytes_per_token * concurrency * kv_read_tokens(spec, context, out_tokens)
+    kv = spec.bytes_per_token * concurrency * kv_read_tokens(spec, context, out_tokens,
+                                                             timed_steps)
     return (weight_bytes(llm) + kv) / (ceiling_tbs * 1e12)
 
 
@@ -318,12 +340,13 @@ def hf_baseline(model: str, batch: int, context: int, out_tokens: int,
             "decode_tok_s": batch * (out_tokens - 1) / max(dt - first, 1e-9)}
 
 
-def at_least_two(text: str) -> int:
-    """--out-tokens: decode is timed over the tokens after the first, so at least 2."""
+def decode_out_tokens(text: str) -> int:
+    """--out-tokens: decode is timed after the first token, when the overlapped engine (on
+    CUDA) has computed the second as well, so at least 3."""
     n = positive_int(text)
-    if n < 2:
-        raise argparse.ArgumentTypeError(f"must be >= 2 (decode is timed after the first "
-                                         f"token), got {n}")
+    if n < 3:
+        raise argparse.ArgumentTypeError(f"must be >= 3 (decode is timed after the first "
+                                         f"token, and the step after it already ran), got {n}")
     return n
 
 
@@ -335,7 +358,7 @@ def main(argv=None) -> int:
                     default=[1024, 4096, 16384, 32768, 131072])
     ap.add_argument("--kv", nargs="+", default=["fp16", "fp8", "fp8-software"],
                     choices=list(KV_MODES))
-    ap.add_argument("--out-tokens", type=at_least_two, default=256)
+    ap.add_argument("--out-tokens", type=decode_out_tokens, default=256)
     ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--kv-gib", type=positive_float, default=None,
                     help="fixed KV budget for every arm")
@@ -425,12 +448,13 @@ def main(argv=None) -> int:
                                 long_warmup=not args.short_warmup))
                             cell.update(merge_passes(runs[key]))
                             step = c / cell["decode_tok_s"]
+                            timed = round(cell["decode_steps"])
                             cell["roofline_fraction"] = roofline_step_s(
-                                llm, c, ctx, ceiling, args.out_tokens) / step
+                                llm, c, ctx, ceiling, args.out_tokens, timed) / step
                             # the model that fraction used (throughput_targets restates
                             # files without it: they counted `context` tokens a step)
                             cell["roofline_kv_tokens"] = kv_read_tokens(
-                                llm.pool.spec, ctx, args.out_tokens)
+                                llm.pool.spec, ctx, args.out_tokens, timed)
                         report["cells"] = [x for x in report["cells"] if not (
                             x["shape"] == shape and x["kv"] == mode and x["concurrency"] == c
                             and x["context"] == ctx)] + [cell]

@@ -14,7 +14,9 @@ later file's is used (as in kvcap.bench.throughput_report). A cell that did not 
 unquantized counterpart did not) is listed as skipped with its reason, never counted as met;
 a missing or NaN value is not met; a target no cell judges is reported missing. Roofline
 fractions of files written before the benchmark recorded `roofline_kv_tokens` are restated
-to the KV a timed decode step reads (roofline_fraction). The markdown goes to stdout; bad
+to the KV a timed decode step reads, and those (and the HF ratio's decode rates) of files
+written before cells recorded `steps_run_ahead` to the steps their decode clock timed
+(roofline_fraction, decode_tok_s). The markdown goes to stdout; bad
 input is one line on stderr (exit 2).
 """
 
@@ -89,6 +91,11 @@ def _ratio(a: object, b: object) -> float:
     return a / b if b > 0 and math.isfinite(b) else math.nan
 
 
+# Commits of committed throughput runs made before the engine's overlap (10ba699, 2026-11-29):
+# their decode steps ran one after another, so no step ran before the decode clock started.
+SERIAL_ENGINE_COMMITS = frozenset({"c78f26f", "bcab3ad", "446a61a"})
+
+
 @dataclass(frozen=True)
 class RunInfo:
     """What a file records for restating its roofline fractions and for the HF target."""
@@ -96,6 +103,7 @@ class RunInfo:
     out_tokens: int | None = None
     bytes_per_token: dict = field(default_factory=dict)  # (shape, kv) -> bytes
     hf_decode_tok_s: dict = field(default_factory=dict)  # (shape, batch, context) -> tok/s
+    overlapped: bool = True  # the engine ran a step ahead (not SERIAL_ENGINE_COMMITS)
 
 
 def run_infos(reports: list[tuple[str, dict]]) -> dict[str, RunInfo]:
@@ -110,20 +118,50 @@ def run_infos(reports: list[tuple[str, dict]]) -> dict[str, RunInfo]:
             {(c.get("shape"), c.get("kv")): c.get("bytes_per_token")
              for c in report.get("capacity") or [] if isinstance(c, dict)},
             {(h.get("shape"), h.get("batch"), h.get("context")): h.get("decode_tok_s")
-             for h in report.get("hf_baseline") or [] if isinstance(h, dict)})
+             for h in report.get("hf_baseline") or [] if isinstance(h, dict)},
+            report.get("commit") not in SERIAL_ENGINE_COMMITS)
     return out
+
+
+def steps_ahead(cell: dict, info: RunInfo | None) -> int:
+    """Steps a request had computed past its first token when the cell's decode clock
+    started, which its recorded rate counted as timed: 0 where the cell records
+    `steps_run_ahead` (its rate counts only what was timed) or the run's engine had no
+    overlap; else 1 -- the overlapped engine (on CUDA since 10ba699) launched the step after
+    the first token before reading it, and the sync that started the clock waited for it."""
+    if "steps_run_ahead" in cell or info is None or not info.overlapped:
+        return 0
+    return 1 if info.out_tokens is not None and info.out_tokens > 2 else 0
+
+
+def decode_tok_s(cell: dict, info: RunInfo | None) -> float:
+    """The cell's decode tok/s over the steps its clock timed: a recorded rate that counted
+    out_tokens - 1 steps a request over out_tokens - 2 steps' time (steps_ahead) is restated
+    by (out_tokens - 2) / (out_tokens - 1) (1.6% at 64 output tokens, 0.4% at 256)."""
+    tok_s = json_number(cell.get("decode_tok_s"))
+    ahead = steps_ahead(cell, info)
+    if not ahead:
+        return tok_s
+    counted = info.out_tokens - 1
+    return tok_s * (counted - ahead) / counted
 
 
 def roofline_fraction(cell: dict, info: RunInfo | None) -> tuple[float, str]:
     """(fraction, note): the cell's roofline fraction, restated for files written before the
-    benchmark counted the KV a decode step really reads. Those counted `context` tokens a
-    sequence, but the timed steps of a cell read context - out_tokens + 1 ... context - 1
-    (mean context - out_tokens / 2: kvcap.bench.throughput.kv_read_tokens), so their
-    fractions read high by bytes_per_token * out_tokens / 2 * decode_tok_s / ceiling (0.003
-    at 16 x 16K E4M3, 0.02-0.03 at 64 x 1K). Only for the 8B shape (no sliding layers); the
+    benchmark counted what a timed decode step reads and how many steps it timed.
+
+    KV: files without `roofline_kv_tokens` counted `context` tokens a sequence, but the timed
+    steps of a cell read context - out_tokens + 1 ... context - 1 (mean context - out_tokens
+    / 2: kvcap.bench.throughput.kv_read_tokens), so their fractions read high by
+    bytes_per_token * out_tokens / 2 * decode_tok_s / ceiling (0.003 at 16 x 16K E4M3,
+    0.02-0.03 at 64 x 1K). Steps: files without `steps_run_ahead` divided the time of
+    out_tokens - 2 steps by out_tokens - 1 (steps_ahead), so the step time read short and the
+    fraction high by (out_tokens - 1) / (out_tokens - 2); the steps timed read the KV of
+    context - out_tokens + 2 ... context - 1. Only for the 8B shape (no sliding layers); the
     recorded value stays where the file lacks what restating needs."""
     frac = json_number(cell.get("roofline_fraction"))
-    if "roofline_kv_tokens" in cell or info is None or not math.isfinite(frac):
+    ahead = steps_ahead(cell, info)
+    if ("roofline_kv_tokens" in cell and not ahead) or info is None or not math.isfinite(frac):
         return frac, ""
     bpt = json_number(info.bytes_per_token.get((cell["shape"], cell["kv"])))
     ceiling, out = info.read_ceiling_tbs, info.out_tokens
@@ -131,8 +169,16 @@ def roofline_fraction(cell: dict, info: RunInfo | None) -> tuple[float, str]:
     if (cell["shape"] != ROOFLINE_SHAPE or out is None or out < 2 or not bpt > 0
             or not ceiling > 0 or not tok_s > 0):
         return frac, ""
-    restated = frac - bpt * (out / 2) * tok_s / (ceiling * 1e12)
-    return restated, f"recorded {frac:.3f} counting `context` KV tokens a step"
+    counted = out - 1
+    timed = counted - ahead
+    kv_used = json_number(cell.get("roofline_kv_tokens", cell["context"]))
+    kv_timed = cell["context"] - (timed + 1) / 2  # the mean of the steps timed
+    if not math.isfinite(kv_used):
+        return frac, ""
+    restated = (frac + bpt * (kv_timed - kv_used) * tok_s / (ceiling * 1e12)) * timed / counted
+    what = ([] if "roofline_kv_tokens" in cell else ["`context` KV tokens a step"]) + (
+        [f"{counted} steps over {timed} steps' time"] if ahead else [])
+    return restated, f"recorded {frac:.3f} counting {' and '.join(what)}"
 
 
 def judge(cells: list[dict], shape: str = DEFAULT_SHAPE,
@@ -203,7 +249,7 @@ def judge(cells: list[dict], shape: str = DEFAULT_SHAPE,
                 arm = f"{label}, {ARM_NAMES.get(kv, kv)}"
                 hf = info.hf_decode_tok_s[hf_key]
                 add(5, T_HF, conc, ctx, arm,
-                    _ratio(cell["decode_tok_s"], hf) if measured(cell) else math.nan,
+                    _ratio(decode_tok_s(cell, info), hf) if measured(cell) else math.nan,
                     HF_MIN, source, skip=None if measured(cell) else cell["skip"])
     for source, ratio in capacity:
         add(0, T_CAPACITY, 0, 0, "pool", ratio, CAPACITY_MIN, source)
