@@ -35,6 +35,9 @@ def test_run_cell_decodes_in_lockstep_after_a_prefix_hit(long_warmup):
     # the warm-up's full-length request (74 prompt tokens), unless left out
     assert ("wlong-0" in cached) == long_warmup
     assert cell["decode_tok_s"] > 0 and cell["prefill_tok_s"] > 0 and cell["ttft_s"] > 0
+    # end to end: TTFT, then the 5 remaining tokens' steps at the measured step time
+    assert cell["e2e_s"] == pytest.approx(cell["ttft_s"] + 5 * 4 / cell["decode_tok_s"])
+    assert cell["repeats"]["e2e_s"] == [round(cell["e2e_s"], 4)]
     # no GPU: no clock or power readings, recorded as None rather than failing
     assert cell["sm_mhz"] is None and cell["power_w_max"] is None
     assert cell["repeats"]["sm_mhz"] == [None]

@@ -135,6 +135,11 @@ def run_cell(llm, concurrency: int, context: int, out_tokens: int, repeats: int,
        requests decode. (Timing decode inside one cold run mixes it with the staggered
        prefill: early requests finish before late ones start, which overstates the rate.)
 
+    End-to-end time (`e2e_s`) is composed of the two measured phases: TTFT plus out_tokens - 1
+    decode steps at the measured step time -- from submission until every request has all its
+    tokens, for a batch whose prefills and decodes do not overlap. (The decode phase's own
+    wall time starts from cached prompts, so it is no end-to-end time.)
+
     `long_warmup=False` leaves out the warm-up's full-length request (the protocol before
     2026-12-02), to check that no kernel compiles inside the scored repeats without it.
     """
@@ -169,7 +174,9 @@ def run_cell(llm, concurrency: int, context: int, out_tokens: int, repeats: int,
         timed = concurrency * out_tokens - before
         if timed <= 0:
             raise ValueError(f"{out_tokens} output tokens leave no decode step to time")
+        step_s = max(t_end - t_start, 1e-9) * concurrency / timed
         results.append({"ttft_s": t_first, "prefill_tok_s": concurrency * n / t_first,
+                        "e2e_s": t_first + (out_tokens - 1) * step_s,
                         "decode_tok_s": timed / max(t_end - t_start, 1e-9),
                         "decode_steps": timed / concurrency,
                         "steps_run_ahead": before / concurrency - 1, **gpu.summary()})
@@ -179,7 +186,7 @@ def run_cell(llm, concurrency: int, context: int, out_tokens: int, repeats: int,
     # warm-up did not (a kernel compiled for a new specialization) shows there; the decode
     # phase's SM clock and power (None without NVML) tell a power-capped repeat apart
     cell["repeats"] = {k: [None if r[k] is None else round(r[k], 4) for r in scored]
-                       for k in ("ttft_s", "decode_tok_s", "prefill_tok_s", "sm_mhz",
+                       for k in ("ttft_s", "decode_tok_s", "prefill_tok_s", "e2e_s", "sm_mhz",
                                  "power_w")}
     return cell
 
@@ -517,14 +524,15 @@ def _mark_fp8_only(report: dict) -> None:
 def _print_table(report: dict) -> None:
     print(f"\n{report['gpu']}  read ceiling {report['read_ceiling_tbs']:.2f} TB/s")
     print(f"{'shape':14} {'kv':13} {'conc':>4} {'ctx':>7} {'decode tok/s':>12} {'TTFT s':>7} "
-          f"{'roofline':>8} {'SM MHz':>7}")
+          f"{'e2e s':>7} {'roofline':>8} {'SM MHz':>7}")
     for c in report["cells"]:
         if "skip" in c:
             print(f"{c['shape']:14} {c['kv']:13} {c['concurrency']:>4} {c['context']:>7}  skip: "
                   f"{c['skip']}")
         else:
             print(f"{c['shape']:14} {c['kv']:13} {c['concurrency']:>4} {c['context']:>7} "
-                  f"{c['decode_tok_s']:12.1f} {c['ttft_s']:7.2f} {c['roofline_fraction']:8.2f} "
+                  f"{c['decode_tok_s']:12.1f} {c['ttft_s']:7.2f} {c.get('e2e_s') or 0:7.2f} "
+                  f"{c['roofline_fraction']:8.2f} "
                   f"{c.get('sm_mhz') or '-':>7}")
     for cap in report["capacity"]:
         print(f"capacity {cap['shape']} {cap['kv']}: {cap['tokens']:,} tokens")
