@@ -63,6 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        # a path the system refuses (no such directory, permission, read-only or full disk):
+        # one line naming it, not a traceback from inside a write; -v logs the traceback
+        logging.getLogger("kvcap").debug("traceback", exc_info=True)
+        where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+        print(f"error: {where + ': ' if where else ''}{e.strerror or e} (check that the path "
+              "exists and is readable / writable)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import os
 import uuid
 from collections.abc import Mapping, Sequence
@@ -107,6 +108,47 @@ def _check_kernel_head_dim(head_dim: int, attention_backend: str, device: torch.
                       "model runs only on CPU, with the torch attention backend")
 
 
+def check_text(text: str, what: str) -> None:
+    """A text the tokenizer can encode: a lone surrogate (an argv or file byte that is not
+    UTF-8, decoded with surrogateescape) was a TypeError from inside the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"{what} is not valid UTF-8 text (character {e.start}: "
+                          f"{text[e.start]!r}, an undecodable byte?)") from None
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def _is_seq(x) -> bool:
+    """A list, tuple, range, ... of items; not a text or bytes."""
+    return isinstance(x, Sequence) and not isinstance(x, (str, bytes, bytearray))
+
+
+def _ids_of(p) -> list[int] | None:
+    """One prompt's token ids: a sequence of integers, or a 1-D integer tensor / array; None
+    for anything else (floats, bools, texts of digits, bytes)."""
+    if isinstance(p, torch.Tensor) or type(p).__module__ == "numpy":
+        dt = str(p.dtype)
+        if p.ndim != 1 or not any(k in dt for k in ("int", "uint")) or "bool" in dt:
+            return None
+        p = p.tolist()
+    if _is_seq(p) and all(_is_token_id(t) for t in p):
+        return [int(t) for t in p]
+    return None
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor) or type(x).__module__ == "numpy":
+        return f"a {type(x).__name__} of shape {tuple(x.shape)} and dtype {x.dtype}"
+    if _is_seq(x):
+        bad = next((t for t in x if not _is_token_id(t)), None)
+        return f"a {type(x).__name__} holding {type(bad).__name__} {bad!r}"[:120]
+    return f"{type(x).__name__} {x!r}"[:120]
+
+
 def _layer_list(layers: tuple[int, ...]) -> str:
     return f"{layers[0]}-{layers[-1]}" if layers == tuple(range(layers[0], layers[-1] + 1)) \
         else ", ".join(map(str, layers))
@@ -156,7 +198,19 @@ class LLM:
             # (the KV cache's "auto" dtype and the kernels know these three only)
             raise ConfigError(f"dtype {dtype} is not supported: use float32, float16 or "
                               "bfloat16")
-        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        if not isinstance(model, (str, os.PathLike)):  # (a TypeError from inside pathlib)
+            raise ConfigError(f"model must be 'default', a directory or 'dummy:CONFIG', got "
+                              f"{model!r}")
+        for name, flag in (("enable_prefix_caching", enable_prefix_caching),
+                           ("enforce_eager", enforce_eager)):
+            if not isinstance(flag, bool):  # ("no" was true)
+                raise ConfigError(f"{name} must be True or False, got {flag!r}")
+        if kv_observer is not None and not callable(getattr(kv_observer, "observe",
+                                                            kv_observer)):
+            raise ConfigError(f"kv_observer must have an observe(layer, k, v) method or be "
+                              f"callable, got {type(kv_observer).__name__}")
+        if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) \
+                or tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got "
                               f"{tensor_parallel_size!r}")
         # query-aware sparse attention (docs/qsa.md): a QSAConfig, a preset such as "every4"
@@ -491,6 +545,10 @@ class LLM:
         return obs.observe if hasattr(obs, "observe") else obs
 
     def set_kv_observer(self, obs) -> None:
+        if obs is not None and not callable(getattr(obs, "observe", obs)):
+            # (was a TypeError from inside the next forward)
+            raise ConfigError(f"a KV observer must have an observe(layer, k, v) method or be "
+                              f"callable, got {type(obs).__name__}")
         if obs is not None:
             self._observer_obj = obs
         if self.tp is not None:  # every rank records its own KV heads (DriverRunner)
@@ -500,16 +558,29 @@ class LLM:
 
     # --- generation -------------------------------------------------------------------------
     def _to_token_ids(self, prompts) -> list[list[int]]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """A text, one token-id list, or a list of texts and token-id lists -> id lists. Any
+        other shape is refused by name (bytes were read as ids, floats truncated to them)."""
+        if isinstance(prompts, torch.Tensor) or type(prompts).__module__ == "numpy":
+            raise ConfigError(f"prompts: a {type(prompts).__name__}; pass token ids as a list "
+                              "of ints (.tolist())")
+        if isinstance(prompts, str) or (_is_seq(prompts) and prompts
+                                        and _is_token_id(prompts[0])):
             prompts = [prompts]
+        if not _is_seq(prompts):
+            raise ConfigError(f"prompts must be a string, a list of token ids, or a list of "
+                              f"strings and token-id lists, got {_describe(prompts)}")
         out = []
-        for p in prompts:
+        for i, p in enumerate(prompts):
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise ConfigError("dummy models have no tokenizer: pass token ids")
+                check_text(p, f"prompt {i}")
                 out.append(encode_prompt(self.tokenizer, p))
+            elif (tok := _ids_of(p)) is not None:
+                out.append(tok)
             else:
-                out.append([int(t) for t in p])
+                raise ConfigError(f"prompt {i} must be a string or a list of integer token "
+                                  f"ids, got {_describe(p)}")
         return out
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
@@ -519,16 +590,25 @@ class LLM:
         ids = self._to_token_ids(prompts)
         if params is None:
             params = SamplingParams()
-        plist = list(params) if isinstance(params, Sequence) else [params] * len(ids)
+        plist = list(params) if _is_seq(params) else [params] * len(ids)
         if len(plist) != len(ids):
             raise ConfigError(f"{len(ids)} prompts but {len(plist)} SamplingParams")
+        for p in plist:  # (a dict was an AttributeError from inside the engine)
+            if not isinstance(p, SamplingParams):
+                raise ConfigError(f"params must be a SamplingParams or a list of them, one per "
+                                  f"prompt, got {type(p).__name__}")
         rids = [f"gen-{uuid.uuid4().hex[:12]}" for _ in ids]
-        for rid, tok, p in zip(rids, ids, plist, strict=True):
-            self.engine.add_request(rid, tok, p, want_prompt_logits=want_prompt_logits,
-                                    stream=False)  # only the final outputs are read
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2)
         try:
+            for i, (rid, tok, p) in enumerate(zip(rids, ids, plist, strict=True)):
+                try:  # a refused prompt aborts those queued before it (they ran in the next call)
+                    self.engine.add_request(rid, tok, p, want_prompt_logits=want_prompt_logits,
+                                            stream=False)  # only the final outputs are read
+                except ConfigError as e:
+                    if len(ids) == 1:
+                        raise
+                    raise ConfigError(f"prompt {i}: {e}") from None
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if out.finished:
@@ -548,7 +628,15 @@ class LLM:
         """messages: one conversation (list of {role, content}) or a list of them."""
         if self.tokenizer is None:
             raise ConfigError("dummy models have no tokenizer or chat template")
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not _is_seq(messages):
+            raise ConfigError(f"chat: messages must be a list of {{'role', 'content'}} dicts "
+                              f"(or a list of such lists), got {type(messages).__name__}")
+        convs = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        for c in convs:  # (a string was transformers' TypeError from inside the template)
+            if not _is_seq(c) or not all(isinstance(m, Mapping) for m in c):
+                raise ConfigError("chat: each message must be a {'role', 'content'} dict and a "
+                                  "conversation a list of them, got "
+                                  f"{c!r}"[:200])
         ids = [self.apply_chat_template(c) for c in convs]
         return self.generate(ids, params, use_tqdm=use_tqdm)
 
@@ -568,8 +656,12 @@ class LLM:
     def prompt_logits(self, prompts: Sequence[Sequence[int]], use_tqdm: bool = False
                       ) -> list[torch.Tensor]:
         """Teacher-forced logits [T_i, V] (FP32, CPU) at every prompt position."""
-        outs = self.generate([list(p) for p in prompts], SamplingParams(max_tokens=1,
-                             temperature=0.0), use_tqdm=use_tqdm, want_prompt_logits=True)
+        ids = [_ids_of(p) for p in prompts] if _is_seq(prompts) else [None]
+        if None in ids:  # (a text was a ValueError from int('h'), flat ids a TypeError)
+            raise ConfigError("prompt_logits takes a list of token-id lists (encode text "
+                              f"first), got {_describe(prompts)}")
+        outs = self.generate(ids, SamplingParams(max_tokens=1, temperature=0.0),
+                             use_tqdm=use_tqdm, want_prompt_logits=True)
         return [o.prompt_logits for o in outs]
 
 

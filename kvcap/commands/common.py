@@ -48,6 +48,17 @@ def require_cuda(parser: argparse.ArgumentParser, hint: str = "") -> None:
                      "is False)" + hint)
 
 
+def refuse_dummy(model: str, command: str) -> None:
+    """Commands that read a checkpoint's files: `dummy:CONFIG` (random weights, no checkpoint)
+    was "model path 'dummy:...' does not exist", of a config that exists."""
+    from kvcap.errors import ConfigError
+    from kvcap.models.loader import DUMMY_PREFIX
+
+    if str(model).startswith(DUMMY_PREFIX):
+        raise ConfigError(f"{command}: {model} is random weights, not a checkpoint; {command} "
+                          "needs 'default' or an HF-format directory")
+
+
 def set_threads(threads: int | None) -> None:
     """--threads (an argparse positive_int): torch's CPU threads, or torch's own choice."""
     if threads is not None:

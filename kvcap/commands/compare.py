@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvcap.commands.common import non_negative_int, positive_int, set_threads
+from kvcap.commands.common import non_negative_int, positive_int, refuse_dummy, set_threads
+from kvcap.errors import ConfigError
 
 HELP = ("A/B quality of the calibrated E4M3 KV cache against the unquantized reference (and a "
         "unit-scale negative control): held-out KL/top-1/perplexity, greedy generation, "
@@ -110,6 +111,9 @@ def qsa_table(section: dict, table_cls):
 def run(args: argparse.Namespace) -> int:
     from kvcap.eval.runner import CompareConfig, parse_tasks, run_compare
 
+    if args.no_control and args.control is not None:  # (--control was dropped without a word)
+        raise ConfigError("--control and --no-control contradict each other: give one")
+    refuse_dummy(args.model, "compare")
     set_threads(args.threads)
     cfg = CompareConfig(model=args.model, overlay=args.overlay, out=args.out,
                         tasks=parse_tasks(args.tasks), quick=args.quick, control=args.control,

@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from kvcap.commands.common import positive_float, positive_int, set_threads
+from kvcap.commands.common import positive_float, positive_int, refuse_dummy, set_threads
 
 HELP = ("run the whole calibrated-E4M3 chain on the embedded model (calibrate, overlay, "
         "materialize, gate, generate, compare --quick, capacity) and summarize it")
@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     from kvcap.scales.fsutil import make_dirs
 
     # A bad --model must fail before the run folder exists, not leave an empty one behind.
+    refuse_dummy(args.model, "demo")
     resolve_model_dir(args.model)
     console = Console()
     set_threads(args.threads)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import uuid
 from pathlib import Path
@@ -52,9 +53,12 @@ def read_schema(arg: str | None):
         text = arg
     else:
         try:
-            text = Path(arg).read_text()
+            text = Path(arg).read_text(encoding="utf-8")
         except OSError as e:
             raise ConfigError(f"--json-schema: cannot read {arg}: {e.strerror}") from None
+        except UnicodeDecodeError as e:  # (was a traceback)
+            raise ConfigError(f"--json-schema: {arg} is not UTF-8 text (byte {e.start}: "
+                              f"{e.reason}); save the schema as UTF-8") from None
     try:
         return json.loads(text)
     except ValueError as e:
@@ -63,9 +67,12 @@ def read_schema(arg: str | None):
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvcap.llm import LLM
+    from kvcap.llm import LLM, check_text
     from kvcap.models.text_prompt import encode_prompt
     from kvcap.sampling_params import SamplingParams
+
+    # bytes of argv that are not UTF-8 arrive as lone surrogates no tokenizer encodes
+    check_text(args.prompt, "--prompt")
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_tokens=args.max_tokens, min_p=args.min_p,
@@ -88,13 +95,23 @@ def run(args: argparse.Namespace) -> int:
     rid = f"cli-{uuid.uuid4().hex[:8]}"
     llm.engine.add_request(rid, ids, params)
     printed = 0
-    while llm.engine.has_unfinished():
-        for out in llm.engine.step():
-            if out.request_id == rid:
-                sys.stdout.write(out.text[printed:])
-                sys.stdout.flush()
-                printed = len(out.text)
-    sys.stdout.write("\n")
+    try:
+        while llm.engine.has_unfinished():
+            for out in llm.engine.step():
+                if out.request_id == rid:
+                    sys.stdout.write(out.text[printed:])
+                    sys.stdout.flush()
+                    printed = len(out.text)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader left (`kvcap generate ... | head`): stop quietly, as a process killed by
+        # SIGPIPE would (was a traceback); stdout goes to /dev/null so the exit flush is quiet
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 128 + 13  # SIGPIPE
     e = llm.engine
     if e.num_draft_tokens:  # what speculative decoding did for this request
         print(f"speculative decoding: {e.num_accepted_tokens} of {e.num_draft_tokens} draft "

@@ -22,9 +22,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvcap.commands.common import refuse_dummy
     from kvcap.models.loader import resolve_model_dir
     from kvcap.scales.materialize import materialize
 
+    refuse_dummy(args.model, "materialize")
     base = resolve_model_dir(args.model)
     out = materialize(base, args.overlay, args.out)
     print(f"materialized {out} from base {base} and overlay {args.overlay}")

@@ -49,12 +49,14 @@ def read_report(path: Path) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvcap.commands.common import refuse_dummy
     from kvcap.errors import OverlayError
     from kvcap.models.loader import resolve_model_dir
     from kvcap.scales.overlay import write_overlay
 
     if args.report is None and not args.unit_scale_negative_control:
         raise OverlayError("--report is required (or --unit-scale-negative-control)")
+    refuse_dummy(args.model, "overlay")
     base = resolve_model_dir(args.model)
     report = read_report(args.report) if args.report is not None else None
     out = write_overlay(

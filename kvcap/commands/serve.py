@@ -35,9 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=port_number, default=8000)
     p.add_argument(
         "--api-key",
-        default=os.environ.get("KVCAP_API_KEY"),
+        default=os.environ.get("KVCAP_API_KEY") or None,
         help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
-        "(default: $KVCAP_API_KEY; unset = no check)",
+        "(default: $KVCAP_API_KEY; unset or empty = no check)",
     )
     p.add_argument(
         "--max-queue",
@@ -83,6 +83,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def check_api_key(key: str | None) -> None:
+    """A key clients can send: `--api-key ""` turned the check off without a word, and a key
+    with spaces at its ends (the header's token is stripped) or outside printable ASCII (what
+    HTTP clients send in a header) never matched, so every request was a 401."""
+    from kvcap.errors import ConfigError
+
+    if key is None:
+        return
+    if not key.strip():
+        raise ConfigError("--api-key is empty: give a key, or leave --api-key out (and "
+                          "$KVCAP_API_KEY unset) to serve without one")
+    if key != key.strip() or not all(" " <= c <= "~" for c in key):
+        raise ConfigError("--api-key must be printable ASCII without spaces at its ends (what "
+                          "an 'Authorization: Bearer KEY' header can carry)")
+
+
 def check_listen_address(host: str, port: int) -> None:
     """Fail before the model loads (minutes for a large one) when the server could not listen
     where asked: an unknown host, or a port another process holds. Bound as uvicorn binds it
@@ -112,6 +128,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
+    check_api_key(args.api_key)
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        # (an empty name fell back to --model without a word)
+        raise ConfigError("--served-model-name is empty: give the name clients send, or leave "
+                          "it out to use the --model value")
     check_listen_address(args.host, args.port)
     llm = LLM(**engine_kwargs(args))  # runs the gate; raises before the port is bound
     defaults = {}

@@ -27,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvcap.commands.common import refuse_dummy
     from kvcap.errors import ScaleGateError
     from kvcap.llm import LLM
     from kvcap.models.loader import resolve_model_dir
@@ -34,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from kvcap.scales.materialize import verify_derived
     from kvcap.scales.overlay import read_manifest
 
+    refuse_dummy(args.model, "verify")
     start = time.perf_counter()
     model_dir = resolve_model_dir(args.model)
     binding = "checkpoint scales (no kvcap manifest)"

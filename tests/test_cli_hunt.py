@@ -1,0 +1,210 @@
+"""Bad input to the command line and the LLM API, as a user gives it: one `error:` line (exit 2)
+or a ConfigError that names the problem -- never a traceback from deep inside, never a silent
+fallback, and a failed call leaves nothing queued behind it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kvscale_helpers import make_checkpoint, make_report
+
+from kvcap import LLM, SamplingParams
+from kvcap.cli import main
+from kvcap.errors import ConfigError
+from kvcap.scales.overlay import write_overlay
+
+TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=320, hidden_size=64,
+            intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+            eos_token_id=2)
+
+
+def refused(capsys: pytest.CaptureFixture, match: str, *argv: str) -> str:
+    rc = main(list(argv))
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert match in err, err
+    return err
+
+
+@pytest.fixture
+def dummy(tmp_path: Path) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    return f"dummy:{tmp_path / 'config.json'}"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(model=str(tiny_dir), device="cpu", num_blocks=64)
+
+
+SP = SamplingParams(max_tokens=2, temperature=0.0)
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+def test_unwritable_output_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # (/proc takes no new directory: the staging mkdir's FileNotFoundError was a traceback)
+    base = make_checkpoint(tmp_path / "base")
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps(make_report(base)))
+    refused(capsys, "/proc/", "overlay", "--model", str(base), "--report", str(report),
+            "--out", "/proc/kvcap-hunt-pack")
+
+
+def test_generate_into_a_closed_pipe_stops_quietly(tiny_dir, monkeypatch,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    # `kvcap generate ... | head -c 1`: was a BrokenPipeError traceback
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self):
+            raise OSError("no fd")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    rc = main(["-q", "generate", "--model", str(tiny_dir), "--device", "cpu", "--prompt", "hi",
+               "--max-tokens", "2"])
+    err = capsys.readouterr().err
+    assert rc == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_generate_prompt_with_undecodable_bytes_is_one_line(tiny_dir,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    # argv bytes that are not UTF-8 arrive as lone surrogates: the tokenizer's TypeError
+    refused(capsys, "--prompt", "generate", "--model", str(tiny_dir), "--device", "cpu",
+            "--max-tokens", "2", "--prompt", "hi \udcff")
+
+
+def test_generate_json_schema_file_not_utf8(tiny_dir, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture) -> None:
+    schema = tmp_path / "schema.json"
+    schema.write_bytes(b'\xff\xfe{"type": "string"}')
+    refused(capsys, "--json-schema", "generate", "--model", str(tiny_dir), "--device", "cpu",
+            "--max-tokens", "2", "--prompt", "hi", "--json-schema", str(schema))
+
+
+@pytest.mark.parametrize("argv", [
+    ["verify", "--device", "cpu"],
+    ["overlay", "--unit-scale-negative-control", "--out", "{tmp}/pack"],
+    ["materialize", "--overlay", "{tmp}/pack", "--out", "{tmp}/derived"],
+    ["compare", "--overlay", "{tmp}/pack", "--out", "{tmp}/cmp"],
+    ["demo", "--out", "{tmp}/demo"],
+])
+def test_checkpoint_commands_say_a_dummy_model_is_not_a_checkpoint(
+        dummy: str, argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # (was "model path 'dummy:...' does not exist", of a file that exists)
+    err = refused(capsys, "random weights", *[a.format(tmp=tmp_path) for a in argv],
+                  "--model", dummy)
+    assert "does not exist" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+def test_compare_control_and_no_control_conflict(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    # --no-control silently dropped the --control pack given beside it
+    base = make_checkpoint(tmp_path / "base")
+    pack = write_overlay(base, tmp_path / "pack", make_report(base))
+    refused(capsys, "--no-control", "compare", "--model", str(base), "--overlay", str(pack),
+            "--control", str(pack), "--no-control", "--out", str(tmp_path / "cmp"))
+    assert not (tmp_path / "cmp").exists()
+
+
+@pytest.mark.parametrize("key", ["", "  ", " secret", "sécret"])
+def test_serve_refuses_an_api_key_no_client_can_send(tiny_dir, monkeypatch, key: str,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    # "" switched the key check off without a word; a padded or non-ASCII key never matched
+    monkeypatch.setattr("kvcap.commands.serve.check_listen_address", lambda host, port: None)
+    monkeypatch.setattr("kvcap.llm.LLM.__init__", lambda *a, **k: pytest.fail("model loaded"))
+    refused(capsys, "--api-key", "serve", "--model", str(tiny_dir), "--device", "cpu",
+            "--port", "0", "--api-key", key)
+
+
+def test_serve_refuses_an_empty_served_model_name(tiny_dir, monkeypatch,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr("kvcap.commands.serve.check_listen_address", lambda host, port: None)
+    monkeypatch.setattr("kvcap.llm.LLM.__init__", lambda *a, **k: pytest.fail("model loaded"))
+    refused(capsys, "--served-model-name", "serve", "--model", str(tiny_dir), "--device", "cpu",
+            "--port", "0", "--served-model-name", "")
+
+
+# --- the LLM API --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompts, message", [
+    (b"hi", "bytes"),                      # was read as token ids [104, 105]
+    ([b"hi"], "bytes"),
+    ([[1.7, 2.2]], "float"),               # was truncated to [1, 2]
+    ([[True, False]], "bool"),             # was [1, 0]
+    ([["1", "2"]], "str"),                 # was parsed to [1, 2]
+    (torch.tensor([1, 2, 3]), "tolist"),   # a RuntimeError from the tensor's truth value
+    (None, "NoneType"),                    # TypeError / KeyError from inside
+    (5, "int"),
+    ({"prompt": "hi"}, "dict"),
+    ([None], "NoneType"),
+    (["hi \udcff"], "UTF-8"),              # the tokenizer's TypeError
+])
+def test_generate_refuses_prompts_it_cannot_read(llm, prompts, message):
+    with pytest.raises(ConfigError, match=message):
+        llm.generate(prompts, SP, use_tqdm=False)
+
+
+@pytest.mark.parametrize("params", [{"max_tokens": 2}, [None], [{"max_tokens": 2}]])
+def test_generate_refuses_params_that_are_not_sampling_params(llm, params):
+    # (an AttributeError: 'dict' object has no attribute 'logit_bias')
+    with pytest.raises(ConfigError, match="SamplingParams"):
+        llm.generate(["hi"], params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("prompts, params", [
+    (["a", "b", ""], SP),
+    ([[1, 2], list(range(3, 300))], SP),  # longer than the context
+])
+def test_a_refused_batch_leaves_nothing_queued(llm, prompts, params):
+    # the prompts before the bad one stayed queued and ran in the next generate()
+    with pytest.raises(ConfigError, match="prompt 1|prompt 2"):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("messages", ["hi", ["hi"], [{"role": "user", "content": "hi"}, "x"]])
+def test_chat_refuses_messages_that_are_not_dicts(llm, messages):
+    with pytest.raises(ConfigError, match="message"):
+        llm.chat(messages, SP, use_tqdm=False)
+
+
+def test_prompt_logits_refuses_text_and_flat_ids(llm):
+    for bad in (["hi"], [1, 2]):
+        with pytest.raises(ConfigError, match="token"):
+            llm.prompt_logits(bad)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(model=None), "model"),
+    (dict(model=5), "model"),
+    (dict(tensor_parallel_size=True), "tensor_parallel_size"),
+    (dict(enable_prefix_caching="no"), "enable_prefix_caching"),
+    (dict(enforce_eager="no"), "enforce_eager"),
+    (dict(kv_observer=5), "kv_observer"),
+])
+def test_llm_refuses_arguments_of_the_wrong_type(dummy, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        LLM(**{"model": dummy, "device": "cpu", "num_blocks": 8, **kwargs})
+
+
+def test_token_ids_in_every_integer_form_still_run(llm):
+    import numpy as np
+
+    ref = llm.generate([[1, 2, 3]], SP, use_tqdm=False)[0].token_ids
+    for ids in ([torch.tensor([1, 2, 3])], [np.array([1, 2, 3])], [range(1, 4)],
+                [[np.int64(1), 2, 3]], (1, 2, 3)):
+        assert llm.generate(ids, SP, use_tqdm=False)[0].token_ids == ref
+    assert llm.prompt_logits([torch.tensor([1, 2, 3])])[0].shape[0] == 3
