@@ -193,3 +193,18 @@ def test_architectures_as_one_string_is_read():
 
     spec = ModelSpec.from_hf_config({**_SPEC_BASE, "architectures": "LlamaForCausalLM"})
     assert spec.architecture == "llama"
+
+
+def test_model_arguments_a_user_types_are_read_or_refused_by_name(tmp_path, monkeypatch):
+    """--model "" resolved to the current directory, "default/" was "'default' does not
+    exist", and a file got "has no config.json" rather than being called a file."""
+    from kvcap.models import loader
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(loader, "_default_model_dir", lambda: tmp_path / "embedded")
+    assert loader.resolve_model_dir("default/") == tmp_path / "embedded"
+    with pytest.raises(ModelLoadError, match="empty"):
+        loader.resolve_model_dir("")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="is a file"):
+        loader.resolve_model_dir(tmp_path / "model.safetensors")

@@ -38,14 +38,21 @@ def cache_root() -> Path:
 
 def resolve_model_dir(model: str | os.PathLike) -> Path:
     """Map a user's model argument to an HF-format directory (converting the default once)."""
-    if str(model) == DEFAULT_MODEL:
-        return _default_model_dir()
+    if str(model) == DEFAULT_MODEL or (str(model).rstrip("/") == DEFAULT_MODEL
+                                       and not Path(DEFAULT_MODEL).exists()):
+        return _default_model_dir()  # ("default/", a shell's completion, means it too)
+    if not str(model).strip():  # ("" was Path("."): the current directory)
+        raise ModelLoadError("the model argument is empty; pass 'default' for the embedded "
+                             "model or an HF-format directory")
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(
             f"model path {str(path)!r} does not exist; pass 'default' for the embedded model or "
             "an HF-format directory (config.json + *.safetensors + tokenizer)"
         )
+    if path.is_file():
+        raise ModelLoadError(f"{path} is a file; pass the HF-format directory that holds "
+                             "config.json, *.safetensors and the tokenizer")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json: not an HF-format model directory")
     return path
