@@ -182,3 +182,29 @@ def test_bad_baseline_kv_writes_nothing(default_model_dir, tmp_path: Path):
     with pytest.raises(ConfigError, match="baseline KV dtype"):
         runner.run_compare(cfg)
     assert not (tmp_path / "o").exists()
+
+
+def test_out_inside_the_overlay_pack_is_refused_before_any_write(default_model_dir,
+                                                                 tmp_path: Path):
+    """--out in the overlay pack put the unit-scale control pack and the corpus manifest into
+    it; --out in the base checkpoint would have written into the checkpoint."""
+    from kvcap.scales.overlay import write_overlay
+
+    pack = write_overlay(default_model_dir, tmp_path / "pack", None, negative_control=True)
+    before = sorted(p.name for p in pack.iterdir())
+    for out in (pack, pack / "cmp"):
+        with pytest.raises(ConfigError, match="lies inside the overlay pack"):
+            runner.run_compare(runner.CompareConfig(overlay=pack, out=out))
+    assert sorted(p.name for p in pack.iterdir()) == before
+
+
+def test_records_as_long_as_the_window_are_refused_up_front(default_model_dir):
+    """A record of the model's whole position limit passed the check (> only) and failed after
+    both arms had loaded ("prompt of N tokens does not fit"): one scored position follows
+    each record."""
+    from kvcap.models import loader
+
+    limit = loader.read_spec(default_model_dir).position_limit
+    with pytest.raises(ConfigError, match="--record-tokens"):
+        runner._resolve(runner.CompareConfig(overlay=default_model_dir,
+                                             overrides={"record_tokens": limit}))

@@ -107,8 +107,10 @@ def _resolve(cfg: CompareConfig) -> tuple[Path, Any, Budget]:
             if t not in retrieval.TASKS:
                 raise ConfigError(f"unknown retrieval task {t!r}: choose from "
                                   f"{', '.join(retrieval.TASKS)}")
-    if budget.record_tokens > window:
-        raise ConfigError(f"record length {budget.record_tokens} exceeds the window {window}")
+    if budget.record_tokens >= window:  # (a record is scored with one position after it)
+        raise ConfigError(f"record length {budget.record_tokens} does not fit below the "
+                          f"model's position limit {window}: pass --record-tokens "
+                          f"{min(budget.record_tokens, window) // 2} or fewer")
     if QSA_TASK in cfg.tasks and cfg.qsa is None:
         raise ConfigError("the qsa task needs a QSA preset (kvcap compare --qsa PRESET)")
     if cfg.qsa is not None:
@@ -140,6 +142,11 @@ def run_compare(cfg: CompareConfig) -> tuple[dict[str, Any], dict[str, Path]]:
         cfg = replace(cfg, tasks=(*cfg.tasks, QSA_TASK))
     base, spec, budget = _resolve(cfg)
     out = Path(cfg.out)
+    for what, d in (("the overlay pack", Path(cfg.overlay)), ("the base checkpoint", base)):
+        if out.resolve() == d.resolve() or d.resolve() in out.resolve().parents:
+            # (the control pack and corpus manifest went into it)
+            raise ConfigError(f"--out {out} lies inside {what} {d}: give a directory of its "
+                              "own")
     make_dirs(out, ConfigError)  # --out under a file: one line, not a mkdir traceback
     ab.overlay_fingerprint(base, Path(cfg.overlay))  # wrong checkpoint: fail before any write
     control = None if cfg.no_control else (
