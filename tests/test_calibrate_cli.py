@@ -209,6 +209,11 @@ def test_calibrate_refusals(chain: dict, capsys: pytest.CaptureFixture, tmp_path
     rc, _, err = cli(capsys, "calibrate", "--model", str(chain["base"]), "--out",
                      str(tmp_path / "x"), "--policy", "mse")
     assert rc == 2 and "unknown scale policy" in err
+    # an --out no one can create is refused before the model loads (it failed at the end)
+    (tmp_path / "file").write_text("")
+    rc, _, err = cli(capsys, "calibrate", "--model", "dummy-never-loaded", "--out",
+                     str(tmp_path / "file" / "cal"), "--corpus", "prose")
+    assert rc == 2 and "is a file, not a directory" in err
 
 
 def test_observer_sees_post_rope_k_and_v(chain: dict) -> None:

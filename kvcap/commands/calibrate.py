@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     from kvcap.llm import LLM
     from kvcap.scales.binding import BaseCheckpoint
     from kvcap.scales.figure import write_figure
-    from kvcap.scales.fsutil import atomic_write_text, staged_dir
+    from kvcap.scales.fsutil import atomic_write_text, check_can_create, staged_dir
     from kvcap.scales.observer import KVStatsObserver
     from kvcap.scales.report import build_report, parse_policy
 
@@ -137,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     names = corpora.resolve_names(args.corpus)
     if args.out.exists():
         raise CalibrationError(f"output {args.out} already exists; refusing to overwrite it")
+    check_can_create(args.out, CalibrationError)  # before minutes of model load and forwards
     tp = {"tensor_parallel_size": args.tensor_parallel_size} \
         if args.tensor_parallel_size != 1 else {}
     llm = LLM(

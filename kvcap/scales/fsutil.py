@@ -62,6 +62,18 @@ def make_dirs(path: Path, error: type[KvcapError]) -> None:
                     "path an existing file?)") from None
 
 
+def check_can_create(out: Path, error: type[KvcapError]) -> None:
+    """Refuse, before any long work, an output path that could not be created: its nearest
+    existing ancestor is a file, or a directory this process cannot write into."""
+    parent = Path(out).absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise error(f"cannot create {out}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise error(f"cannot create {out}: no permission to write into {parent}")
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -101,7 +113,10 @@ def staged_dir(out: Path, error: type[KvcapError]) -> Iterator[Path]:
     stage = out.parent / f".{out.name}{_STAGING_TAG}{os.getpid()}"
     if stage.exists():
         shutil.rmtree(stage)
-    stage.mkdir()
+    try:
+        stage.mkdir()
+    except OSError as e:  # (a read-only or unwritable parent was an OSError traceback)
+        raise error(f"cannot create {out}: {e.strerror or e} in {out.parent}") from None
     try:
         yield stage
         if out.exists() or out.is_symlink():
