@@ -222,3 +222,23 @@ def test_capacity_counts_a_sliding_windows_peak_blocks(tmp_path):
     fp16 = next(line for line in res.stdout.splitlines() if line.startswith("│ fp16"))
     assert [c.strip() for c in fp16.split("│")[1:-1]] == ["fp16", "131072", "163,840", "39"]
     assert "every layer slides over 4,096 tokens" in res.stdout
+
+
+def test_generate_warns_that_a_chat_template_needs_chat(monkeypatch, capsys):
+    """--chat-template without --chat was read and then never used, without a word."""
+    from kvcap.commands import generate
+
+    p = argparse.ArgumentParser()
+    generate.add_arguments(p)
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(**kw):
+        raise Stop
+
+    monkeypatch.setattr("kvcap.llm.LLM", fake_llm)
+    for extra, warned in (([], True), (["--chat"], False)):
+        with pytest.raises(Stop):
+            generate.run(p.parse_args(["--prompt", "hi", "--chat-template", "{{ x }}", *extra]))
+        assert ("--chat-template applies with --chat only" in capsys.readouterr().err) == warned

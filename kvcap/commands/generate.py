@@ -87,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
         # (its text prompt met a tokenizer of None deep inside: an AttributeError traceback)
         raise ConfigError(f"generate: {args.model} has random weights and no tokenizer to "
                           "encode --prompt with; use --model default or an HF checkpoint")
+    if args.chat_template is not None and not args.chat:
+        # (the template was read and then never used, without a word)
+        print("warning: --chat-template applies with --chat only; the prompt is encoded as "
+              "plain text", file=sys.stderr)
     llm = LLM(**engine_kwargs(args))
     if args.chat:
         ids = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
