@@ -11,7 +11,8 @@ output text. `kvcap serve --tool-call-parser NAME` picks the syntax of the serve
                Python's own parser, argument values as literals only
   mistral      `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}` objects (Mistral
                7B v0.3, Mixtral, Nemo), or `name[ARGS]{...}` / `name{...}` per call, each
-               after its own `[TOOL_CALLS]` (the later tokenizers); text before it is content
+               after its own `[TOOL_CALLS]` (the later tokenizers; v11's may write the call's
+               id, `name[CALL_ID]id[ARGS]{...}`); text before it is content
 
 A reply that does not parse as tool calls is plain content (nothing is lost). Streaming sends
 content as it comes and holds back text from the point where a tool call may have begun (a
@@ -63,7 +64,8 @@ HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"
 PYTHONIC_START, PYTHONIC_END = "<|python_start|>", "<|python_end|>"
-MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+_SURROGATE = re.compile("[\ud800-\udfff]")  # a str's half of a UTF-16 pair
 
 
 def _held_from(text: str, tag: str) -> int:
@@ -79,12 +81,16 @@ def _held_from(text: str, tag: str) -> int:
 def _call(obj: Any, args_key: str, tagged: bool = True) -> Call | None:
     """One call from its JSON object. Untagged (llama3_json: a reply that is plain JSON) it
     must name its arguments too: an answer such as {"name": "Bob", "age": 3} is content,
-    not a call to "Bob" (as vLLM's parser reads it)."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    not a call to "Bob" (as vLLM's parser reads it). The arguments may be under either
+    "arguments" or "parameters" (the key of the tools' schemas in the prompt), whichever
+    the syntax names: a call is never sent without the arguments the model wrote."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or \
+            _SURROGATE.search(obj["name"]):
         return None
     if not tagged and args_key not in obj and "arguments" not in obj:
         return None
-    args = obj.get(args_key, obj.get("arguments", {}))
+    key = next((k for k in (args_key, "arguments", "parameters") if k in obj), None)
+    args = obj[key] if key is not None else {}
     if isinstance(args, str):  # some models write the arguments as JSON text
         try:
             args = json.loads(args)
@@ -92,7 +98,20 @@ def _call(obj: Any, args_key: str, tagged: bool = True) -> Call | None:
             return None
     if not isinstance(args, dict):
         return None
-    return obj["name"], json.dumps(args, ensure_ascii=False)
+    text = _json_text(args)
+    return None if text is None else (obj["name"], text)
+
+
+def _json_text(args: dict[str, Any]) -> str | None:
+    """The arguments as JSON text, or None where they are no JSON: Python's decoder takes
+    NaN, Infinity and numbers past a float's range (inf), which written back are not JSON. A
+    lone surrogate (half of a `\\ud83d\\ude00` pair the model wrote as escapes) stays an
+    escape: UTF-8, which the reply is sent in, has no such character."""
+    try:
+        text = json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except (ValueError, TypeError, RecursionError):
+        return None
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def _hermes(text: str) -> tuple[int, list[Call]]:
@@ -154,10 +173,12 @@ def _pythonic(text: str) -> tuple[int, list[Call]]:
             args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
             if None in args:  # **kwargs
                 return len(text), []
-            calls.append((_dotted(node.func), json.dumps(args, ensure_ascii=False,
-                                                         allow_nan=False)))
         except (ValueError, TypeError, SyntaxError, RecursionError):
             return len(text), []
+        args_text = _json_text(args)
+        if args_text is None:
+            return len(text), []
+        calls.append((_dotted(node.func), args_text))
     return 0, calls
 
 
@@ -189,8 +210,8 @@ def _mistral(text: str) -> tuple[int, list[Call]]:
             if not sep:
                 brace = part.find("{")
                 name, args = (part[:brace], part[brace:]) if brace > 0 else ("", "")
-            found = [_call({"name": name.strip(), "arguments": args}, "arguments")
-                     if name.strip() else None]
+            name = name.partition(MISTRAL_CALL_ID)[0].strip()  # v11's `name[CALL_ID]id[ARGS]`
+            found = [_call({"name": name, "arguments": args}, "arguments") if name else None]
         if not found or None in found:
             return len(text), []
         calls += found
