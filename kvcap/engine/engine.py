@@ -322,10 +322,11 @@ class Engine:
         One decode per new token, only in steps whose text holds a stop string."""
         ids = req.output_token_ids
         sp = req.sampling_params
+        detok = self._detok[req.request_id]  # (made by the _decode that gave the step's text)
         for m in range(before + 1, len(ids)):
-            # uncleaned, as the detokenizer decodes: offsets are into that text
-            text = self.tokenizer.decode(ids[:m], skip_special_tokens=sp.skip_special_tokens,
-                                         clean_up_tokenization_spaces=False)
+            # as the detokenizer renders the output: offsets are into that text (a plain
+            # decode drops a SentencePiece output's first space, one character off)
+            text = detok.decode(ids[:m])
             if m >= sp.min_tokens:
                 hits = [(i, s) for s in sp.stop if (i := text.find(s, start)) >= 0]
                 if hits:
