@@ -286,14 +286,13 @@ class Engine:
             found, start, m = self._stop_before_last(req, before, start, longest)
             if found is not None:
                 self._drop_after_stop(req, m)
-        if found is None:  # the search of the step's last token, as a one-token step's
-            if req.status == RequestStatus.FINISHED_STOPPED:
-                return  # a stop token ended it there first
-            hits = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
-            if not hits:
-                return
-            found = min(hits)
-        idx, s = found
+            elif req.status == RequestStatus.FINISHED_STOPPED:
+                return  # a stop token ended it before a one-token step's last search
+            else:  # the step's last token searched as a one-token step would, from `start`
+                hits = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
+                if not hits:
+                    return
+        idx, s = found if found is not None else min(hits)
         keep = len(s) if req.sampling_params.include_stop_str_in_output else 0
         self._truncated[rid] = text[:idx + keep]
         if req.is_finished:  # ended by length or a stop token: its blocks are freed already
