@@ -40,6 +40,21 @@ CONFIG_DEFAULTS = {
 }
 
 
+def is_int(v) -> bool:
+    """An int and not a bool (True is an int to Python: top_k=True would mean top_k=1)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_integral(v) -> bool:
+    """An integer of any integral type (numpy's too) and not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def is_number(v) -> bool:
+    """An int or a float and not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def env_flag(name: str) -> bool:
     """True when environment variable `name` holds a true value: anything but unset, "", "0",
     "false" or "no" (any case). Switches are read at each use, so tests can flip them.
@@ -248,7 +263,7 @@ def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int, defaults: d
         layers = tuple(range(first, num_layers))
     if not layers:
         return None, ()
-    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+    if not is_int(window) or window < 1:
         raise ConfigError(f"config.json's sliding_window {window!r} is not a positive integer")
     return window, layers
 
@@ -325,7 +340,7 @@ class EngineConfig:
             v = getattr(self, name)
             if v is None and name in ("max_model_len", "num_blocks"):  # unset: sized for you
                 continue
-            if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+            if not is_integral(v):
                 raise ConfigError(f"{name} must be an integer, got {v!r}")
         for name, v in (("gpu_memory_utilization", self.gpu_memory_utilization),
                         ("kv_cache_memory_gib", 1.0 if self.kv_cache_memory_gib is None  # unset

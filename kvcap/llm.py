@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import numbers
 import os
 import uuid
 from collections.abc import Mapping, Sequence
@@ -20,7 +19,14 @@ import torch
 from tqdm.auto import tqdm
 
 from kvcap.attention.base import AttentionBackend
-from kvcap.config import EngineConfig, ModelSpec, resolve_dtype, resolve_kv_dtype
+from kvcap.config import (
+    EngineConfig,
+    ModelSpec,
+    is_int,
+    is_integral,
+    resolve_dtype,
+    resolve_kv_dtype,
+)
 from kvcap.engine.block_manager import BlockManager
 from kvcap.engine.cuda_graph import graphs_disabled
 from kvcap.engine.engine import Engine, RequestOutput
@@ -118,10 +124,6 @@ def check_text(text: str, what: str) -> None:
                           f"{text[e.start]!r}, an undecodable byte?)") from None
 
 
-def _is_token_id(t) -> bool:
-    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
-
-
 def _is_seq(x) -> bool:
     """A list, tuple, range, ... of items; not a text or bytes."""
     return isinstance(x, Sequence) and not isinstance(x, (str, bytes, bytearray))
@@ -135,7 +137,7 @@ def _ids_of(p) -> list[int] | None:
         if p.ndim != 1 or not any(k in dt for k in ("int", "uint")) or "bool" in dt:
             return None
         p = p.tolist()
-    if _is_seq(p) and all(_is_token_id(t) for t in p):
+    if _is_seq(p) and all(is_integral(t) for t in p):
         return [int(t) for t in p]
     return None
 
@@ -144,7 +146,7 @@ def _describe(x) -> str:
     if isinstance(x, torch.Tensor) or type(x).__module__ == "numpy":
         return f"a {type(x).__name__} of shape {tuple(x.shape)} and dtype {x.dtype}"
     if _is_seq(x):
-        bad = next((t for t in x if not _is_token_id(t)), None)
+        bad = next((t for t in x if not is_integral(t)), None)
         return f"a {type(x).__name__} holding {type(bad).__name__} {bad!r}"[:120]
     return f"{type(x).__name__} {x!r}"[:120]
 
@@ -191,7 +193,7 @@ class LLM:
         self.device = _resolve_device(device)
         # torch.manual_seed's range (dummy weights draw from it): past it, or not an integer,
         # the seed failed deep inside the weight init
-        if not isinstance(seed, int) or isinstance(seed, bool) or not -2**63 <= seed < 2**64:
+        if not is_int(seed) or not -2**63 <= seed < 2**64:
             raise ConfigError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
         if isinstance(dtype, torch.dtype) and dtype not in (torch.float32, torch.float16,
                                                             torch.bfloat16):
@@ -209,8 +211,7 @@ class LLM:
                                                             kv_observer)):
             raise ConfigError(f"kv_observer must have an observe(layer, k, v) method or be "
                               f"callable, got {type(kv_observer).__name__}")
-        if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) \
-                or tensor_parallel_size < 1:
+        if not is_int(tensor_parallel_size) or tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got "
                               f"{tensor_parallel_size!r}")
         # query-aware sparse attention (docs/qsa.md): a QSAConfig, a preset such as "every4"
@@ -295,7 +296,8 @@ class LLM:
         # decode graphs get memory kept back from the KV budget only when they will be captured
         self._graphs_planned = (self.device.type == "cuda" and not enforce_eager
                                 and not graphs_disabled()
-                                and (self.qsa is None or self.qsa.path != "torch"))
+                                and (self.qsa is None or qsa_wiring.path_graph_refusal(
+                                    self.qsa.resolved_path(self.device.type)) is None))
         self._activation_bytes = self._profile_activations(backend)
         if self.qsa is not None:  # QSA's transient buffers (the profile runs dense)
             self._activation_bytes += qsa_wiring.qsa_activation_bytes(
@@ -564,7 +566,7 @@ class LLM:
             raise ConfigError(f"prompts: a {type(prompts).__name__}; pass token ids as a list "
                               "of ints (.tolist())")
         if isinstance(prompts, str) or (_is_seq(prompts) and prompts
-                                        and _is_token_id(prompts[0])):
+                                        and is_integral(prompts[0])):
             prompts = [prompts]
         if not _is_seq(prompts):
             raise ConfigError(f"prompts must be a string, a list of token ids, or a list of "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvcap.config import is_int, is_number
 from kvcap.errors import ConfigError
 from kvcap.sampling.json_grammar import Grammar
 from kvcap.sampling.json_schema import (
@@ -23,15 +24,6 @@ GREEDY_BELOW = 1e-5
 # The fields a checkpoint's generation_config.json may give defaults for (kvcap serve
 # --generation-config auto; models.loader.read_sampling_defaults).
 CHECKPOINT_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def _integer(v) -> bool:
-    """An int and not a bool (True is an int to Python: top_k=True would mean top_k=1)."""
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass
@@ -76,20 +68,20 @@ class SamplingParams:
             raise ConfigError(f"invalid SamplingParams: {msg}")
 
         # (`not >= 0` also refuses NaN, which would pass `< 0` and sample garbage)
-        if not _number(self.temperature) or not self.temperature >= 0:
+        if not is_number(self.temperature) or not self.temperature >= 0:
             bad(f"temperature must be >= 0, got {self.temperature!r}")
-        if not _integer(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             bad(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
-        if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+        if not is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not _integer(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _integer(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             bad(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], got "
                 f"{self.min_tokens!r}")
-        if self.seed is not None and not _integer(self.seed):
+        if self.seed is not None and not is_int(self.seed):
             bad(f"seed must be an integer, got {self.seed!r}")
         for name in ("include_stop_str_in_output", "skip_special_tokens", "ignore_eos",
                      "json_object"):
@@ -97,7 +89,7 @@ class SamplingParams:
                 bad(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not _integer(v) or v < 0):
+            if v is not None and (not is_int(v) or v < 0):
                 bad(f"{name} must be a non-negative integer, got {v!r}")
         if not isinstance(self.stop, (list, tuple)) or any(
                 not isinstance(s, str) or not s for s in self.stop):
@@ -105,22 +97,20 @@ class SamplingParams:
         # (the engine checks them against the vocabulary: under min_tokens each is masked
         # by index, and a bad one would fail the whole step)
         if not isinstance(self.stop_token_ids, (list, tuple)) or any(
-                not _integer(t) or t < 0 for t in self.stop_token_ids):
+                not is_int(t) or t < 0 for t in self.stop_token_ids):
             bad(f"stop_token_ids must be a list of token ids (integers >= 0), got "
                 f"{self.stop_token_ids!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not _number(v) or not -2.0 <= v <= 2.0:
+            if not is_number(v) or not -2.0 <= v <= 2.0:
                 bad(f"{name} must be in [-2, 2], got {v!r}")
         r = self.repetition_penalty
-        if not _number(r) or not 0.0 < r < float("inf"):
+        if not is_number(r) or not 0.0 < r < float("inf"):
             bad(f"repetition_penalty must be a positive number (1 = off), got {r!r}")
         asked = [n for n, on in (("json_object", self.json_object),
                                  ("json_schema", self.json_schema is not None),
                                  ("choice", self.choice is not None),
                                  ("regex", self.regex is not None)) if on]
-        if self.choice is not None and not isinstance(self.choice, (list, tuple)):
-            bad(f"choice must be a list of strings, got {self.choice!r}")  # not its characters
         if len(asked) > 1:
             bad(f"{' and '.join(asked)} are each a whole output format: give one")
         if asked and (self.ignore_eos or self.min_tokens):
@@ -137,9 +127,9 @@ class SamplingParams:
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             bad(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
         for tok, b in (self.logit_bias or {}).items():
-            if not _integer(tok) or tok < 0:
+            if not is_int(tok) or tok < 0:
                 bad(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
-            if not _number(b) or not -100.0 <= b <= 100.0:
+            if not is_number(b) or not -100.0 <= b <= 100.0:
                 bad(f"logit_bias values must be in [-100, 100], got {b!r} for token {tok}")
 
     @property

@@ -19,7 +19,7 @@ SentencePiece tokenizers (Llama 2, Mistral 7B) need two more rules:
 
 from __future__ import annotations
 
-from kvcap.engine.token_bytes import _SPIECE_BYTE, SPIECE_SPACE, _describe
+from kvcap.engine.token_bytes import SPIECE_BYTE, SPIECE_SPACE, describe_decoder
 
 
 class IncrementalDetokenizer:
@@ -41,7 +41,7 @@ class IncrementalDetokenizer:
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         if decoder is None or type(decoder).__name__ == "ByteLevel":
             return
-        desc = _describe(decoder)
+        desc = describe_decoder(decoder)
         self._byte_fallback = "ByteFallback" in desc
         if self.skip_special_tokens:  # dropped before the decoder: byte runs join across them
             specials = set(getattr(tokenizer, "all_special_ids", []) or [])
@@ -92,7 +92,7 @@ class IncrementalDetokenizer:
             if hit is None:
                 piece = self.tokenizer.convert_ids_to_tokens(tok)
                 hit = self._is_byte[tok] = isinstance(piece, str) and \
-                    _SPIECE_BYTE.fullmatch(piece) is not None
+                    SPIECE_BYTE.fullmatch(piece) is not None
             return hit
         return False
 

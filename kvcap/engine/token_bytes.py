@@ -14,7 +14,7 @@ import re
 from functools import lru_cache
 
 SPIECE_SPACE = "\u2581"
-_SPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+SPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 @lru_cache(maxsize=1)
@@ -32,7 +32,7 @@ def _byte_level_decoder() -> dict[str, int]:
     return chars
 
 
-def _describe(decoder) -> str:
+def describe_decoder(decoder) -> str:
     """A tokenizers decoder's JSON description ("" when there is none)."""
     try:
         state = decoder.__getstate__()
@@ -50,7 +50,7 @@ class TokenTexts:
         decoder = getattr(backend, "decoder", None)
         self.byte_level = type(decoder).__name__ == "ByteLevel"
         # SentencePiece decoders (Metaspace, or Replace "\u2581" -> " " + ByteFallback)
-        self.sentencepiece = not self.byte_level and SPIECE_SPACE in _describe(decoder)
+        self.sentencepiece = not self.byte_level and SPIECE_SPACE in describe_decoder(decoder)
         self._cache: dict[int, tuple[str, list[int]]] = {}
         self._specials: set[int] | None = None
         self._table: list[bytes] | None = None
@@ -73,7 +73,7 @@ class TokenTexts:
                 return raw.decode("utf-8", errors="replace"), list(raw)
         if self.sentencepiece and tok not in self.special_ids:
             piece = self.tokenizer.convert_ids_to_tokens(tok)
-            byte = _SPIECE_BYTE.fullmatch(piece or "")
+            byte = SPIECE_BYTE.fullmatch(piece or "")
             raw = bytes([int(byte.group(1), 16)]) if byte else \
                 (piece or "").replace(SPIECE_SPACE, " ").encode()
             return raw.decode("utf-8", errors="replace"), list(raw)

@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 WEIGHT_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")
 DROPPED_SUFFIXES = (".input_scale", ".input_scale_ub")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass(frozen=True)
@@ -237,7 +238,7 @@ def fp8_tensors(tensors: Iterable[tuple[str, torch.Tensor]], fmt: FP8Weights,
             prefix, part, tensor = name[: -len(suffix)], "scale", (name, tensor)
         elif tensor.dtype == torch.float8_e4m3fn and name.endswith(".weight"):
             prefix, part = name[: -len(".weight")], "weight"
-        elif tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        elif tensor.dtype in FP8_DTYPES:
             raise ModelLoadError(f"{name}: an FP8 ({tensor.dtype}) tensor kvcap cannot dequantize")
         else:
             yield name, tensor

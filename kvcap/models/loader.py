@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from kvcap.config import ModelSpec
+from kvcap.config import ModelSpec, is_int
 from kvcap.errors import KvcapError, ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ def read_generation_eos(model_dir: Path | None, vocab_size: int) -> tuple[int, .
         raise ModelLoadError(f"cannot read {path}: {e}") from None
     ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
     for i in ids:
-        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab_size:
+        if not is_int(i) or not 0 <= i < vocab_size:
             raise ModelLoadError(f"{path}: eos_token_id {eos!r} is not a token id (integers in "
                                  f"[0, {vocab_size})); fix the file")
     return tuple(ids)

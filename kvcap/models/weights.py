@@ -24,7 +24,12 @@ import torch
 from kvcap.config import ModelSpec
 from kvcap.errors import ModelLoadError
 from kvcap.models.fp8_linear import dummy_fp8, fp8_linears, init_dummy
-from kvcap.models.fp8_weights import FP8Tensor
+from kvcap.models.fp8_weights import (
+    DROPPED_SUFFIXES,
+    FP8_DTYPES,
+    WEIGHT_SCALE_SUFFIXES,
+    FP8Tensor,
+)
 from kvcap.models.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
@@ -35,9 +40,6 @@ _GATE_UP = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate|up)_proj\.weight$")
 _ROW = re.compile(r"^model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-_FP8_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".input_scale_ub")
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # (dim, lo, hi, full size): the slice of a checkpoint tensor this rank loads
 Source = tuple[int, int, int, int]
@@ -123,8 +125,8 @@ def load_weights(model: LlamaModel,
     head = None  # a tied model's lm_head.weight from the checkpoint: placed after the loop
 
     def load(name: str, tensor: torch.Tensor | FP8Tensor) -> None:
-        if name.endswith(_FP8_SCALE_SUFFIXES) or (isinstance(tensor, torch.Tensor)
-                                                  and tensor.dtype in _FP8_DTYPES):
+        if name.endswith(WEIGHT_SCALE_SUFFIXES + DROPPED_SUFFIXES) or (
+                isinstance(tensor, torch.Tensor) and tensor.dtype in FP8_DTYPES):
             # (only a checkpoint without a quantization_config streams these in raw: the E4M3
             # bytes cast without their scales would be silently wrong weights)
             raise ModelLoadError(f"{name} is an FP8 weight or scale, but config.json declares "
@@ -179,18 +181,15 @@ def load_weights(model: LlamaModel,
             load(name, tensor)
         if head is not None:
             _place_tied_head(model, head, load, ids, written)
-    missing = [n for n, p in model.named_parameters()
+    params = dict(model.named_parameters())
+    missing = [n for n, p in params.items()
                if n not in scale_params and written.get(n, 0) != p.shape[0]]
     if missing:
         # as the checkpoint names them (kvcap fuses q/k/v and gate/up)
-        names = [hf for n in missing for hf, _ in _hf_named(model, n, _param(model, n))
+        names = [hf for n in missing for hf, _ in _hf_named(model, n, params[n])
                  if hf not in seen] or missing
         raise ModelLoadError(f"checkpoint is missing {len(names)} tensors, e.g. {names[:3]}")
     return scales
-
-
-def _param(model: LlamaModel, name: str) -> torch.Tensor:
-    return dict(model.named_parameters())[name]
 
 
 def _place_tied_head(model: LlamaModel, head: torch.Tensor | FP8Tensor, load,

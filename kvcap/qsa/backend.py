@@ -89,9 +89,7 @@ class QSABackend(AttentionBackend):
         self.config = config.validate()
         self.side = side
         self.layers = frozenset(side.layers)
-        path = config.path
-        if path == "auto":
-            path = "triton" if device.type == "cuda" else "torch"
+        path = config.resolved_path(device.type)
         if path == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ConfigError(f"the QSA triton path needs CUDA (or TRITON_INTERPRET=1), the "
                               f"device is {device.type}: use QSAConfig(path='auto' or 'torch')")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcap.config import env_flag
+from kvcap.config import env_flag, is_int
 from kvcap.errors import ConfigError
 
 ENV_DISABLE_QSA = "KVCAP_DISABLE_QSA"
@@ -20,10 +20,6 @@ INDEXERS = ("trained", "training_free")
 SUMMARIES = ("mean", "minmax")
 HEAD_REDUCTIONS = ("sum", "max")
 PATHS = ("auto", "torch", "triton")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def qsa_disabled() -> bool:
@@ -64,6 +60,12 @@ class QSAConfig:
     side_dtype: str = "fp16"
     path: str = "auto"
 
+    def resolved_path(self, device_type: str) -> str:
+        """`path` on a device of that type: "auto" is triton on CUDA, torch elsewhere."""
+        if self.path == "auto":
+            return "triton" if device_type == "cuda" else "torch"
+        return self.path
+
     @property
     def token_budget(self) -> int:
         return self.topk_groups * self.compress_ratio
@@ -77,10 +79,10 @@ class QSAConfig:
         # sizes and layer ids are used as tensor shapes and ranges: a float or a string would
         # otherwise fail deep inside the first forward
         for name in ("every_n", "first_dense", "compress_ratio", "topk_groups"):
-            if not _is_int(getattr(self, name)):
+            if not is_int(getattr(self, name)):
                 raise ConfigError(f"QSA {name} must be an integer, got "
                                   f"{getattr(self, name)!r}")
-        if not isinstance(self.layers, (tuple, list)) or not all(map(_is_int, self.layers)):
+        if not isinstance(self.layers, (tuple, list)) or not all(map(is_int, self.layers)):
             raise ConfigError(f"QSA layers must be a tuple of layer indices, got "
                               f"{self.layers!r}")
         if self.layers and self.layer_rule != "explicit":

@@ -95,7 +95,13 @@ def qsa_activation_bytes(config: QSAConfig, spec: ModelSpec, max_num_batched_tok
 
 def graph_refusal(backend) -> str | None:
     """Why decode CUDA graphs cannot record `backend` (None: they can)."""
-    if isinstance(backend, QSABackend) and backend.path == "torch":
+    return path_graph_refusal(backend.path) if isinstance(backend, QSABackend) else None
+
+
+def path_graph_refusal(path: str) -> str | None:
+    """graph_refusal of a QSA backend on that (resolved) path: known before the backend
+    exists, so the KV budget keeps memory for graphs only where they will be captured."""
+    if path == "torch":
         return ("the QSA torch path reads host-side sequence lengths, which a CUDA graph "
                 "would freeze; use QSAConfig(path='triton' or 'auto') for graphs")
     return None

@@ -140,6 +140,8 @@ def regex_grammar(pattern: str) -> Grammar:
 
 def choice_grammar(choices: list[str]) -> Grammar:
     """Exactly one of these strings, as plain text (vLLM's `guided_choice`)."""
+    if not isinstance(choices, (list, tuple)):  # a string is not the list of its characters
+        raise SchemaError(f"choices must be a list of strings, got {choices!r}")
     if not choices or any(not isinstance(c, str) or not c for c in choices):
         raise SchemaError("choices must be a non-empty list of non-empty strings")
     return _choice_grammar(tuple(dict.fromkeys(choices)))

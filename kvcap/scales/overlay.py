@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvcap.config import is_number
 from kvcap.errors import OverlayError
 from kvcap.scales.binding import (
     MANIFEST_KIND,
@@ -75,7 +76,7 @@ def _scales_from_report(report: dict[str, Any], base: BaseCheckpoint
         if not isinstance(name, str):  # (a list or dict name was a TypeError further down)
             raise OverlayError(f"calibration report tensor record {i}: name {name!r} is not a "
                                "string")
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (s, m)):
+        if not all(is_number(v) for v in (s, m)):
             raise OverlayError(f"calibration report tensor {name!r}: scale {s!r} and max_abs "
                                f"{m!r} must be numbers")
         if name in scales:  # a second record would silently replace the first

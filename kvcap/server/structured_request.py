@@ -88,8 +88,6 @@ def structured_request(req: Any) -> dict[str, Any]:
             if isinstance(out["json_schema"], str):  # guided_json may be the schema's text
                 out["json_schema"] = json.loads(out["json_schema"])
         elif "choice" in out:
-            if not isinstance(out["choice"], list):  # a string is not its characters
-                raise SchemaError(f"choices must be a list of strings, got {out['choice']!r}")
             choice_grammar(out["choice"])
         elif "regex" in out:
             regex_grammar(out["regex"])
