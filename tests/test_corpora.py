@@ -124,6 +124,13 @@ def test_file_corpus_and_manifest(tokenizer, tmp_path):
     assert corpora.manifest_hashes(out) == set(shard.hashes())
 
 
+def test_file_corpus_must_be_utf8(tmp_path):
+    f = tmp_path / "latin1.txt"
+    f.write_bytes("caf\u00e9 au lait ".encode("latin-1") * 50)
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 3"):
+        corpora.resolve_names([str(f)])
+
+
 def test_exclude_hashes(tokenizer):
     (first,) = corpora.build_shards(tokenizer, ["prose"], 2000, "evaluation", 128, progress=False)
     (second,) = corpora.build_shards(tokenizer, ["prose"], 2000, "evaluation", 128,

@@ -125,7 +125,7 @@ def _tool_records(tokenizer: Any, split: Split, seed: int, record_tokens: int
 def _file_records(tokenizer: Any, path: Path, record_tokens: int
                   ) -> Iterator[tuple[list[int], dict[str, Any]]]:
     raw = path.read_bytes()
-    doc = Document(f"file:{path}", str(path), raw.decode("utf-8", errors="replace"),
+    doc = Document(f"file:{path}", str(path), raw.decode("utf-8"),
                    {"source": "file", "path": str(path), "sha256": hashlib.sha256(raw).hexdigest()})
     yield from _chunk_docs(tokenizer, [doc], record_tokens)
 
@@ -143,6 +143,18 @@ def _records(tokenizer: Any, name: str, split: Split, seed: int, record_tokens: 
     if name == "tool_json":
         return _tool_records(tokenizer, split, seed, record_tokens)
     return _file_records(tokenizer, Path(name[len("file:"):]), record_tokens)
+
+
+def _check_utf8(path: Path) -> None:
+    # A corpus file is decoded strictly: replacing bad bytes with U+FFFD would calibrate on
+    # text the user never wrote, and the manifest's sha256 would not say so.
+    try:
+        path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"corpus file {path} is not UTF-8 text (byte {e.start}: {e.reason}): "
+                          "convert it, e.g. iconv -t UTF-8, or pass another file") from None
+    except OSError as e:
+        raise ConfigError(f"corpus file {path} cannot be read: {e.strerror}") from None
 
 
 def resolve_names(names: list[str] | None) -> list[str]:
@@ -165,6 +177,7 @@ def resolve_names(names: list[str] | None) -> list[str]:
                 raise ConfigError(f"corpus {n!r} is unavailable: {reason}")
             out.append(n)
         elif Path(n).is_file():
+            _check_utf8(Path(n))
             out.append(f"file:{Path(n).resolve()}")
         else:
             raise ConfigError(f"unknown corpus {n!r}: use one of {', '.join(SHARD_NAMES)} "
