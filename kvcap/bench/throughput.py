@@ -472,9 +472,9 @@ def main(argv=None) -> int:
                 gc.collect()
                 torch.cuda.empty_cache()
         if args.hf_baseline or args.hf_only:
-            for b in (1, 16):
+            for b in (1, 16):  # kvcap's output length too: the same mean context per step
                 report["hf_baseline"].append({"shape": shape, **hf_baseline(
-                    model, b, 1024, 64)})
+                    model, b, 1024, args.out_tokens)})
                 _save(report, path)
     _mark_fp8_only(report)
     report["complete"] = True
