@@ -189,6 +189,21 @@ def test_envelope_cli(chain: dict, capsys: pytest.CaptureFixture, tmp_path: Path
                "--out", str(tmp_path / "pack"))[0] == 0
 
 
+@pytest.mark.parametrize("field", ["num_layers", "policy"])
+def test_envelope_of_a_report_the_figure_cannot_show(field: str, chain: dict,
+                                                     capsys: pytest.CaptureFixture,
+                                                     tmp_path: Path) -> None:
+    """Fields only the figure reads: a report without them was a KeyError traceback."""
+    report = tmp_path / "r.json"
+    shutil.copy(chain["calib"] / "calibration-report.json", report)
+    rewrite_json(report, lambda r: r.pop(field) if field == "num_layers"
+                 else r["policy"].pop("formula"))
+    rc, _, err = cli(capsys, "envelope", "--reports", str(report), "--out",
+                     str(tmp_path / "env.json"))
+    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert not (tmp_path / "env.json").exists() and not (tmp_path / "env.png").exists()
+
+
 def test_calibrate_aborts_on_non_finite(default_model_dir: Path, tmp_path: Path,
                                         capsys: pytest.CaptureFixture) -> None:
     base = build_tiny(tmp_path / "nan", default_model_dir, nan_layer=1)
@@ -214,6 +229,17 @@ def test_calibrate_refusals(chain: dict, capsys: pytest.CaptureFixture, tmp_path
     rc, _, err = cli(capsys, "calibrate", "--model", "dummy-never-loaded", "--out",
                      str(tmp_path / "file" / "cal"), "--corpus", "prose")
     assert rc == 2 and "is a file, not a directory" in err
+
+
+def test_calibrate_refuses_records_longer_than_the_context(chain: dict, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    """The tiny model holds 1024 positions: 2000-token records were refused only as `prompt 1:
+    ... does not fit the context`, after the corpora were built, naming no flag."""
+    rc, _, err = cli(capsys, "calibrate", "--model", str(chain["base"]), "--out",
+                     str(tmp_path / "c"), "--corpus", "prose", "--max-tokens", "4000",
+                     "--record-tokens", "2000")
+    assert rc == 2 and "--record-tokens 2000" in err and "1023 or less" in err, err
+    assert not (tmp_path / "c").exists()
 
 
 def test_observer_sees_post_rope_k_and_v(chain: dict) -> None:

@@ -193,6 +193,15 @@ def test_verify_derived_detects_tampering(base: Path, pack: Path, tmp_path: Path
         mat.verify_derived(out)
 
 
+def test_verify_derived_index_not_utf8(base: Path, pack: Path, tmp_path: Path) -> None:
+    """A corrupted merged index (bytes that are not UTF-8) is refused by name; it was a
+    UnicodeDecodeError traceback out of `kvcap verify`."""
+    out = mat.materialize(base, pack, tmp_path / "d")
+    (out / INDEX_NAME).write_bytes(b"\xff\xfe not an index")
+    with pytest.raises(OverlayError, match=f"cannot read .*{INDEX_NAME}"):
+        mat.verify_derived(out)
+
+
 def test_verify_derived_detects_base_change(base: Path, pack: Path, tmp_path: Path) -> None:
     out = mat.materialize(base, pack, tmp_path / "d")
     rewrite_json(base / "config.json", lambda d: d.update(rope_theta=5.0))

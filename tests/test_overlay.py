@@ -125,6 +125,48 @@ def test_report_with_bad_scale_refused(base: Path, tmp_path: Path, bad: float) -
         write_overlay(base, tmp_path / "p", make_report(base, scales))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -7.0, 0.0])
+def test_report_with_bad_max_abs_refused(base: Path, tmp_path: Path, bad: float) -> None:
+    """max_abs goes into the manifest: NaN / inf were written there as bare NaN / Infinity
+    (not JSON to strict readers), a negative one passed as is."""
+    report = make_report(base)
+    report["tensors"][2]["max_abs"] = bad
+    with pytest.raises(OverlayError, match="max_abs .* not a finite number > 0"):
+        write_overlay(base, tmp_path / "p", report)
+    assert not (tmp_path / "p").exists()
+
+
+def test_report_scale_that_saturates_under_the_max_policy_refused(base: Path,
+                                                                   tmp_path: Path) -> None:
+    """A report claiming the max policy with 448 * scale < max_abs would saturate on its own
+    calibration set: refused. A percentile report may clip (explicit opt-in)."""
+    report = make_report(base)
+    report["tensors"][1]["max_abs"] = report["tensors"][1]["scale"] * 448.0 * 1.5
+    with pytest.raises(OverlayError, match="under the max policy"):
+        write_overlay(base, tmp_path / "p", report)
+    report["policy"] = {"name": "percentile", "percentile": 99.9}
+    write_overlay(base, tmp_path / "p", report)
+
+
+def test_duplicate_json_keys_refused(base: Path, pack: Path, tmp_path: Path) -> None:
+    """json.loads keeps the last of two equal keys in silence (other readers the first): a
+    manifest or report that says both true and false is refused, not read one way."""
+    from kvcap.commands.overlay import read_report
+
+    manifest = pack / MANIFEST_NAME
+    text = manifest.read_text()
+    assert '"negative_control": false' in text
+    manifest.write_text(text.replace('"negative_control": false',
+                                     '"negative_control": true, "negative_control": false'))
+    with pytest.raises(OverlayError, match="repeats the key 'negative_control'"):
+        load_overlay_scales(base, pack)
+    report = tmp_path / "report.json"
+    text = json.dumps(make_report(base))
+    report.write_text(text.replace('"scale": 0.015625,', '"scale": 0.5, "scale": 0.015625,', 1))
+    with pytest.raises(OverlayError, match="repeats the key 'scale'"):
+        read_report(report)
+
+
 def test_base_with_scale_keys_refused(tmp_path: Path) -> None:
     base = make_checkpoint(tmp_path / "b", extra={
         "model.layers.0.self_attn.k_scale": torch.tensor(0.5)})

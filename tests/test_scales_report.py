@@ -238,6 +238,22 @@ def test_envelope_refusals() -> None:
         envelope([])
 
 
+@pytest.mark.parametrize("index,edit", [
+    (0, lambda r: r.pop("histogram")),
+    (0, lambda r: r["tensors"][1].pop("hist")),
+    (0, lambda r: r["tensors"][0].pop("shards")),
+    (0, lambda r: r["tensors"][0].update(count="12")),
+    (1, lambda r: r.pop("shard_names")),
+], ids=["no-histogram", "no-hist", "no-shards", "str-count", "no-shard-names-1"])
+def test_envelope_refuses_reports_without_statistics(index: int, edit) -> None:
+    """Report 0's distribution statistics (and every report's shard names) were read unchecked:
+    a truncated report was a KeyError / TypeError traceback out of `kvcap envelope`."""
+    reports = [report_for({"prose": make_data(0)}), report_for({"prose": make_data(1)})]
+    edit(reports[index])
+    with pytest.raises(CalibrationError, match="lacks the statistics"):
+        envelope(reports)
+
+
 def test_stats_roundtrip_gives_same_report(tmp_path: Path) -> None:
     obs = KVStatsObserver(3)
     observe(obs, make_data(4))

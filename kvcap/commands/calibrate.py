@@ -152,6 +152,14 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         **tp,
     )
+    if args.record_tokens + 1 > llm.max_model_len:
+        # LLM caps max_model_len at the model's position limit; records that long would only be
+        # refused later, one prompt at a time, after the corpora were built
+        raise CalibrationError(
+            f"--record-tokens {args.record_tokens} does not fit the model: its context holds "
+            f"{llm.max_model_len} tokens (a record + 1 sampled token); use --record-tokens "
+            f"{llm.max_model_len - 1} or less"
+        )
     base = BaseCheckpoint.inspect(llm.model_dir)
     model = {
         **base.describe(),

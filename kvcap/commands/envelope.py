@@ -46,7 +46,11 @@ def run(args: argparse.Namespace) -> int:
         {"path": str(p), "sha256": r["_sha256"]} for p, r in zip(args.reports, reports, strict=True)
     ]
     make_dirs(args.out.parent, CalibrationError)
-    write_figure(merged, png)
+    try:
+        write_figure(merged, png)
+    except (KeyError, TypeError, AttributeError) as e:  # report 0 lacks what the figure shows
+        raise CalibrationError(f"cannot draw the figure from report 0 ({type(e).__name__}: "
+                               f"{e}); use reports written by kvcap calibrate") from None
     try:
         atomic_write_text(args.out, json.dumps(merged, indent=1) + "\n")
     except BaseException:  # no figure without its report (it would also block a rerun)

@@ -41,7 +41,7 @@ def read_report(path: Path) -> dict[str, Any]:
 
     if path.is_dir():
         path = path / REPORT_NAME
-    report = read_json(path, OverlayError)
+    report = read_json(path, OverlayError, unique_keys=True)
     if not isinstance(report, dict):
         raise OverlayError(f"{path} is not a calibration report")
     report["_sha256"] = sha256_file(path)

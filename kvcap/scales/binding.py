@@ -36,11 +36,37 @@ MANIFEST_KIND = "kvcap.kvscales-overlay"
 SCALE_CONTRACT = "e4m3fn(x/scale), max_abs/448"
 
 
-def read_json(path: Path, error: type[Exception] = OverlayError) -> Any:
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise _DuplicateKey(key)
+        obj[key] = value
+    return obj
+
+
+def read_json(path: Path, error: type[Exception] = OverlayError,
+              unique_keys: bool = False) -> Any:
+    """Parse a JSON file, refusing with `error` (one line) whatever is wrong with it.
+
+    `unique_keys`: refuse an object that repeats a key. json.loads keeps the last value in
+    silence, other readers the first, so a manifest or report that says
+    `"negative_control": true, ..., "negative_control": false` means different things to
+    different tools; kvcap never writes one (used for kvcap's own artifacts, not for a base's
+    config or index, which transformers reads leniently).
+    """
+    hook = _unique_object if unique_keys else None
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text(), object_pairs_hook=hook)
     except FileNotFoundError:
         raise error(f"{path} does not exist") from None
+    except _DuplicateKey as e:
+        raise error(f"{path} repeats the key {e.args[0]!r} in one object (hand-edited or "
+                    "corrupted?); write it again with kvcap") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise error(f"cannot read {path}: {e}") from None
 

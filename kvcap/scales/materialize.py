@@ -27,6 +27,7 @@ from kvcap.scales.binding import (
     SCALE_FILE,
     SINGLE_NAME,
     BaseCheckpoint,
+    read_json,
 )
 from kvcap.scales.fsutil import atomic_write_text, sha256_file, staged_dir
 from kvcap.scales.overlay import verify_pack
@@ -138,10 +139,7 @@ def verify_derived(derived: Path | str) -> dict[str, Any]:
     base.refuse_existing_scales()
     manifest, tensors = verify_pack(base, derived)
     index_path = derived / INDEX_NAME
-    try:
-        index = json.loads(index_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise OverlayError(f"cannot read {index_path}: {e}") from None
+    index = read_json(index_path)  # (bytes that are not UTF-8 were a UnicodeDecodeError)
     want = merged_index(base, list(manifest["tensor_names"]),
                         safetensors_data_bytes(derived / SCALE_FILE))
     if index != want:

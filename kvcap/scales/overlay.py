@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -88,9 +89,23 @@ def _scales_from_report(report: dict[str, Any], base: BaseCheckpoint
         extra = sorted(set(scales) - set(expected))
         raise OverlayError(f"report tensors do not match the base's {len(expected)} scale names"
                            f" (missing {missing[:4]}, unexpected {extra[:4]})")
+    policy = report.get("policy")
     for name, s in scales.items():
         if not (math.isfinite(s) and s > 0 and float(np.float32(s)) == s):
             raise OverlayError(f"report scale for {name} is {s!r}: not a positive FP32 value")
+        m = max_abs[name]
+        # max_abs goes into the manifest: NaN or inf would be written as bare NaN / Infinity,
+        # which strict JSON readers refuse, and a value <= 0 cannot come from calibration.
+        if not (math.isfinite(m) and m > 0):
+            raise OverlayError(f"report max_abs for {name} is {m!r}: not a finite number > 0 "
+                               "(a corrupted report? recalibrate)")
+        # The max policy guarantees 448 * scale >= max_abs (zero saturation on the calibration
+        # set); a report that claims it but breaks it would saturate silently.
+        if isinstance(policy, dict) and policy.get("name") == "max" and \
+                Fraction(s) * int(E4M3_MAX) < Fraction(m):
+            raise OverlayError(f"report scale for {name} is {s!r} but its max_abs {m!r} needs "
+                               f"at least {m / E4M3_MAX!r} under the max policy (448 * scale >= "
+                               "max_abs); the report was edited or corrupted: recalibrate")
     info = {"policy": report.get("policy"), "tokens": report.get("tokens"),
             "shards": report.get("shard_names"), "report_sha256": report.get("_sha256")}
     return scales, max_abs, info
@@ -148,7 +163,7 @@ def write_overlay(base_dir: Path | str, out_dir: Path | str, report: dict[str, A
 
 
 def read_manifest(pack_dir: Path) -> dict[str, Any]:
-    manifest = read_json(Path(pack_dir) / MANIFEST_NAME)
+    manifest = read_json(Path(pack_dir) / MANIFEST_NAME, unique_keys=True)
     if not isinstance(manifest, dict) or manifest.get("kind") != MANIFEST_KIND:
         raise OverlayError(f"{pack_dir / MANIFEST_NAME} is not a kvcap scale manifest")
     if manifest.get("schema_version") != SCHEMA_VERSION:

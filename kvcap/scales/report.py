@@ -260,19 +260,25 @@ def envelope(reports: list[dict[str, Any]]) -> dict[str, Any]:
                     not (math.isfinite(m) and m > 0):
                 raise CalibrationError(f"report {i}: {name} has max_abs {m!r}; expected a "
                                        "finite number > 0 (a corrupted report?)")
-    bins = base["histogram"]["bins"]
-    edges = bin_edges(bins, *base["histogram"]["log2_range"])
-    for i, t in enumerate(base["tensors"]):
-        m = max(float(r["tensors"][i]["max_abs"]) for r in reports)
-        dist = _Dist(_hist_from_json(t["hist"], bins), t["count"], t["nonzero"], m, edges)
-        shards = {s: v["max_abs"] for s, v in t["shards"].items()}
-        new = _tensor_entry(t["name"], t["layer"], TENSORS.index(t["tensor"]), dist,
-                            base["policy"], shards)
-        for key in ("max_abs", "scale", "saturation_ratio", "at_scale", "shards",
-                    "shard_ratio_min", "shard_ratio_max"):
-            t[key] = new[key]
-        t["envelope_max_abs"] = [r["tensors"][i]["max_abs"] for r in reports]
-    base["envelope"] = {"count": len(reports), "shard_names": [r["shard_names"] for r in reports],
-                        "tokens": [r["tokens"] for r in reports]}
-    base["summary"] = summarize(base["tensors"])
+    try:  # report 0's distribution statistics: a truncated one was a KeyError traceback here
+        bins = base["histogram"]["bins"]
+        edges = bin_edges(bins, *base["histogram"]["log2_range"])
+        for i, t in enumerate(base["tensors"]):
+            m = max(float(r["tensors"][i]["max_abs"]) for r in reports)
+            dist = _Dist(_hist_from_json(t["hist"], bins), t["count"], t["nonzero"], m, edges)
+            shards = {s: v["max_abs"] for s, v in t["shards"].items()}
+            new = _tensor_entry(t["name"], t["layer"], TENSORS.index(t["tensor"]), dist,
+                                base["policy"], shards)
+            for key in ("max_abs", "scale", "saturation_ratio", "at_scale", "shards",
+                        "shard_ratio_min", "shard_ratio_max"):
+                t[key] = new[key]
+            t["envelope_max_abs"] = [r["tensors"][i]["max_abs"] for r in reports]
+        base["envelope"] = {"count": len(reports),
+                            "shard_names": [r["shard_names"] for r in reports],
+                            "tokens": [r["tokens"] for r in reports]}
+        base["summary"] = summarize(base["tensors"])
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
+        raise CalibrationError(f"a report lacks the statistics the envelope recomputes from "
+                               f"({type(e).__name__}: {e}); use reports written by kvcap "
+                               "calibrate") from None
     return base
