@@ -80,6 +80,15 @@ def test_negative_control(base: Path, tmp_path: Path) -> None:
     assert k == v == [1.0, 1.0, 1.0]
 
 
+def test_negative_control_relabelled_in_the_manifest_refused(base: Path, tmp_path: Path) -> None:
+    pack = write_overlay(base, tmp_path / "nc", None, negative_control=True)
+    manifest = pack / MANIFEST_NAME
+    manifest.write_text(manifest.read_text().replace('"negative_control": true',
+                                                     '"negative_control": false'))
+    with pytest.raises(OverlayError, match="manifest says negative_control false but"):
+        load_overlay_scales(base, pack)
+
+
 def test_overlay_needs_a_report(base: Path, tmp_path: Path) -> None:
     with pytest.raises(OverlayError, match="needs a calibration report"):
         write_overlay(base, tmp_path / "p", None)

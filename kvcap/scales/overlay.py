@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kvcap.config import is_number
@@ -235,7 +236,19 @@ def verify_pack(base: BaseCheckpoint, pack_dir: Path) -> tuple[dict[str, Any],
             raise OverlayError(f"manifest says negative control but {name} = {value!r}")
     if not isinstance(negative, bool):
         raise OverlayError(f"manifest negative_control is {negative!r}, not a boolean")
+    # The scale file's own flag is under the checksum; the manifest's is not: a unit-scale
+    # control relabelled "false" by hand would otherwise pass as a calibrated pack.
+    flag = _scale_file_metadata(scale_path).get("kvcap_negative_control")
+    if flag is not None and flag != str(negative).lower():
+        raise OverlayError(f"manifest says negative_control {str(negative).lower()} but "
+                           f"{scale_path.name} was written with {flag}: the manifest was edited; "
+                           "rewrite the overlay with kvcap overlay")
     return manifest, tensors
+
+
+def _scale_file_metadata(path: Path) -> dict[str, str]:
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata() or {}
 
 
 def load_overlay_scales(base_dir: Path | str, pack_dir: Path | str) -> dict[str, torch.Tensor]:
