@@ -11,10 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from kvscale_helpers import make_checkpoint, make_report
 
 from kvcap.commands import compare
 from kvcap.errors import ConfigError
-from kvcap.eval import corpora, disjoint, heldout, metrics, report, report_md, runner
+from kvcap.eval import ab, corpora, disjoint, heldout, metrics, report, report_md, runner
 from kvcap.eval.corpora import Shard
 from kvcap.eval.internals import LayerErrors
 
@@ -208,3 +209,32 @@ def test_records_as_long_as_the_window_are_refused_up_front(default_model_dir):
     with pytest.raises(ConfigError, match="--record-tokens"):
         runner._resolve(runner.CompareConfig(overlay=default_model_dir,
                                              overrides={"record_tokens": limit}))
+
+
+@pytest.mark.parametrize("overrides, flag", [({"record_tokens": 8}, "--record-tokens 8"),
+                                             ({"heldout_tokens": 10}, "--heldout-tokens 10"),
+                                             ({"qsa_context": 8}, "--qsa-context 8")])
+def test_records_below_the_shortest_are_refused_up_front(default_model_dir, overrides, flag):
+    """--record-tokens / --qsa-context under 16 passed validation and failed in build_shards
+    after every arm had loaded; --heldout-tokens under 16 built no record at all and reported
+    the held-out goals as "not run"."""
+    qsa = "every4:1024" if "qsa_context" in overrides else None
+    with pytest.raises(ConfigError, match=flag):
+        runner._resolve(runner.CompareConfig(overlay=default_model_dir, qsa=qsa,
+                                             overrides=overrides))
+    runner._resolve(runner.CompareConfig(overlay=default_model_dir, qsa=qsa,
+                                         overrides={k: 16 for k in overrides}))
+
+
+def test_control_that_is_not_a_negative_control_is_refused(tmp_path: Path):
+    """--control PACK was taken as it came: a calibrated pack (say the --overlay itself) was
+    reported as the "unit-scale E4M3 (negative control)" arm."""
+    from kvcap.scales.overlay import write_overlay
+
+    base = make_checkpoint(tmp_path / "base")
+    cal = write_overlay(base, tmp_path / "cal", make_report(base))
+    unit = write_overlay(base, tmp_path / "unit", None, negative_control=True)
+    with pytest.raises(ConfigError, match="not a unit-scale negative control"):
+        ab.arm_specs(base, cal, cal)
+    arms = ab.arm_specs(base, cal, unit)
+    assert arms[2].name == ab.CONTROL and arms[2].overlay["negative_control"] is True

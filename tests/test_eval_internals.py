@@ -97,3 +97,35 @@ def _shard():
     from kvcap.eval.corpora import Shard
 
     return Shard("tiny", [IDS], [{"generator": "test"}])
+
+
+def test_internals_through_a_cuda_runners_padded_pieces(llms):
+    """A CUDA runner pads each prefill step to a token bucket and replays piecewise graphs,
+    where no decoder layer is called as a module: the input capture found no rows (a
+    RuntimeError once the arms had loaded), and eager, the arm's padded forward did not match
+    the recorded rows. Simulated on the CPU: the buckets, and the pieces as plain calls."""
+    from kvcap.engine.piecewise_graph import PiecewiseGraphs, token_buckets
+
+    arms = {"reference": llms["reference"], "e4m3": llms["e4m3"]}
+    want, _ = heldout.run_heldout(arms, "reference", [_shard()], internals=True)
+    try:
+        for llm in arms.values():
+            runner = llm.runner
+            runner.token_buckets = token_buckets(llm.config.max_num_batched_tokens)
+            assert runner.token_buckets == [16]  # 40 tokens: the last chunk of 8 is padded
+            runner.piecewise = PiecewiseGraphs(llm.model, runner.backend, llm.pool,
+                                               torch.device("cpu"), runner.token_buckets,
+                                               graphs=False)
+            runner.piecewise.capture()
+        got, _ = heldout.run_heldout(arms, "reference", [_shard()], internals=True)
+        assert all(llm.runner.piecewise is not None for llm in arms.values())  # put back
+    finally:
+        for llm in arms.values():
+            llm.runner.token_buckets, llm.runner.piecewise = [], None
+    for key in ("internals", "internals_isolated"):
+        for a, b in zip(want["arms"]["e4m3"][key]["per_layer"],
+                        got["arms"]["e4m3"][key]["per_layer"], strict=True):
+            assert b["cosine"] == pytest.approx(a["cosine"], rel=1e-6)
+            assert b["rel_l2"] == pytest.approx(a["rel_l2"], rel=1e-4)
+    assert got["arms"]["e4m3"]["kl_mean"] == pytest.approx(want["arms"]["e4m3"]["kl_mean"],
+                                                           rel=1e-4)

@@ -59,6 +59,9 @@ def test_score():
     kv = retrieval.RetrievalCase("kv", 512, 50, [1], "a1b2c3", 0)
     assert retrieval.score(kv, 'a1b2c3",')
     assert not retrieval.score(kv, 'a1b2c4"')
+    assert retrieval.score(kv, " a1b2c3") and retrieval.score(kv, "a1b2c3 is the value")
+    assert not retrieval.score(kv, 'a1b2c3d",')  # a 7-digit value was scored right
+    assert not retrieval.score(kv, "a1b2c3F")
 
 
 def test_validate_contexts():

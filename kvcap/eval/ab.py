@@ -76,13 +76,18 @@ def arm_specs(
         ArmSpec(CALIBRATED, "calibrated E4M3", "fp8_e4m3", overlay, cal),
     ]
     if control is not None:
+        ctl = overlay_fingerprint(base_dir, control)
+        if not ctl["negative_control"]:  # (the report would call a calibrated pack the control)
+            raise ConfigError(f"--control {control} is not a unit-scale negative control overlay "
+                              "(kvcap overlay --unit-scale-negative-control writes one; leave "
+                              "--control out to have compare write it)")
         arms.append(
             ArmSpec(
                 CONTROL,
                 "unit-scale E4M3 (negative control)",
                 "fp8_e4m3",
                 control,
-                overlay_fingerprint(base_dir, control),
+                ctl,
             )
         )
     return arms

@@ -21,6 +21,7 @@ from kvcap.eval.internals import (
     LayerErrors,
     LayerInputCapture,
     LayerInputInjection,
+    hooked_forwards,
 )
 
 logger = logging.getLogger(__name__)
@@ -60,11 +61,13 @@ def _logits(llm: Any, ids: list[int], capture: bool, record_inputs: bool = False
     if not capture:
         return llm.prompt_logits([ids])[0], None, None
     inputs = None
-    with AttnOutCapture(llm.model) as cap:
+    with hooked_forwards(llm), AttnOutCapture(llm.model) as cap:
         if record_inputs:
             with LayerInputCapture(llm.model) as rec:
                 logits = llm.prompt_logits([ids])[0]
-            inputs = rec.inputs(len(ids))
+            # every row, the padding of a CUDA step's token bucket too: the arm's forward pads
+            # its steps alike, and the injection replaces them row for row
+            inputs = rec.inputs()
         else:
             logits = llm.prompt_logits([ids])[0]
     return logits, cap.layer_outputs(len(ids)), inputs
@@ -72,7 +75,8 @@ def _logits(llm: Any, ids: list[int], capture: bool, record_inputs: bool = False
 
 def _isolated(llm: Any, ids: list[int], ref_inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per-layer attention outputs when every layer is fed the reference's layer inputs."""
-    with AttnOutCapture(llm.model) as cap, LayerInputInjection(llm.model, ref_inputs):
+    with (hooked_forwards(llm), AttnOutCapture(llm.model) as cap,
+          LayerInputInjection(llm.model, ref_inputs)):
         llm.prompt_logits([ids])
     return cap.layer_outputs(len(ids))
 

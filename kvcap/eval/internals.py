@@ -15,6 +15,8 @@ the reference's last MLP output into the arm's own residual stream.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,6 +30,23 @@ def attention_modules(model: Any) -> list[torch.nn.Module]:
         return [layer.self_attn.attn_out for layer in model.layers]
     except AttributeError as exc:
         raise RuntimeError("model has no layers[i].self_attn.attn_out hook points") from exc
+
+
+@contextmanager
+def hooked_forwards(llm: Any) -> Iterator[None]:
+    """While active, `llm`'s forwards call every decoder layer and `attn_out` as modules, so
+    the hooks here fire. A CUDA runner's piecewise graphs replay the layers' pieces instead
+    (no hook fires: nothing captured, nothing injected): they are set aside. Its eager steps
+    still pad to the same token buckets, so they compute the graphs' sums (the same logits)."""
+    runner = getattr(llm, "runner", None)
+    pieces = getattr(runner, "piecewise", None)
+    if pieces is not None:
+        runner.piecewise = None
+    try:
+        yield
+    finally:
+        if pieces is not None:
+            runner.piecewise = pieces
 
 
 class AttnOutCapture:

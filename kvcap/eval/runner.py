@@ -111,6 +111,15 @@ def _resolve(cfg: CompareConfig) -> tuple[Path, Any, Budget]:
         raise ConfigError(f"record length {budget.record_tokens} does not fit below the "
                           f"model's position limit {window}: pass --record-tokens "
                           f"{min(budget.record_tokens, window) // 2} or fewer")
+    # (build_shards refuses shorter records only after every arm has loaded; a held-out
+    # budget below one record scored nothing and reported the goals as "not run")
+    least = corpora.MIN_RECORD_TOKENS
+    if "heldout" in cfg.tasks or "internals" in cfg.tasks:
+        for flag, value in (("--record-tokens", budget.record_tokens),
+                            ("--heldout-tokens", budget.heldout_tokens)):
+            if value < least:
+                raise ConfigError(f"{flag} {value} is below the shortest held-out record "
+                                  f"({least} tokens): pass {least} or more")
     if QSA_TASK in cfg.tasks and cfg.qsa is None:
         raise ConfigError("the qsa task needs a QSA preset (kvcap compare --qsa PRESET)")
     if cfg.qsa is not None:
@@ -119,6 +128,9 @@ def _resolve(cfg: CompareConfig) -> tuple[Path, Any, Budget]:
         ctx = budget.qsa_context or min(2 * parse_preset(cfg.qsa).token_budget, window)
         if ctx > window:
             raise ConfigError(f"QSA context {ctx} exceeds the window {window}")
+        if ctx < least:
+            raise ConfigError(f"--qsa-context {ctx} is below the shortest record ({least} "
+                              "tokens)")
         budget = Budget(**{**asdict(budget), "qsa_context": ctx})
     return base, spec, budget
 
