@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvcap.commands import calibrate, overlay
 from kvcap.eval import runner
@@ -18,14 +19,21 @@ def _args(module, argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+CUDA = pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])
+
+
+# On CUDA the arms run the GPU engine (triton backend, CUDA graphs, piecewise prefill graphs),
+# which the CPU run never reaches: the internals task once crashed there after every arm loaded.
 @pytest.mark.slow
-def test_compare_end_to_end(default_model_dir, tmp_path: Path):
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_compare_end_to_end(default_model_dir, tmp_path: Path, device: str):
     cal, pack, out = tmp_path / "cal", tmp_path / "pack", tmp_path / "cmp"
     calibrate.run(_args(calibrate, ["--out", str(cal), "--max-tokens", "640",
-                                    "--record-tokens", "64", "--device", "cpu"]))
+                                    "--record-tokens", "64", "--device", device]))
     overlay.run(_args(overlay, ["--model", "default", "--report", str(cal), "--out", str(pack)]))
     cfg = runner.CompareConfig(
-        overlay=pack, out=out, device="cpu", tasks=runner.TASKS, quick=True,
+        overlay=pack, out=out, device=device, tasks=runner.TASKS, quick=True,
         overrides={"heldout_tokens": 96, "record_tokens": 48, "plain_prompts": 1,
                    "chat_prompts": 1, "max_new_tokens": 4, "contexts": (256,),
                    "depths": (0, 100), "retrieval_tasks": ("passkey",)})
