@@ -238,3 +238,28 @@ def test_control_that_is_not_a_negative_control_is_refused(tmp_path: Path):
         ab.arm_specs(base, cal, cal)
     arms = ab.arm_specs(base, cal, unit)
     assert arms[2].name == ab.CONTROL and arms[2].overlay["negative_control"] is True
+
+
+def test_calibration_manifest_is_the_one_beside_the_packs_report(tmp_path: Path):
+    """Two calibration runs under one parent: the pack's own (by its report's sha256) is
+    found, not the first in name order; none where no report matches."""
+    import hashlib
+
+    for run in ("a-run", "b-run"):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "calibration-corpus.json").write_text(json.dumps(
+            {"schema": corpora.MANIFEST_SCHEMA, "split": "calibration", "shards": []}))
+        (tmp_path / run / "calibration-report.json").write_text(json.dumps({"run": run}))
+    report = (tmp_path / "b-run" / "calibration-report.json").read_bytes()
+    pack = tmp_path / "pack"
+    pack.mkdir()
+
+    def bind(sha) -> Path | None:
+        (pack / "kvscales-manifest.json").write_text(json.dumps(
+            {"calibration": {"report_sha256": sha}}))
+        return disjoint.find_calibration_manifest(pack)
+
+    assert bind(hashlib.sha256(report).hexdigest()) == \
+        tmp_path / "b-run" / "calibration-corpus.json"
+    assert bind("0" * 64) is None
+    assert bind(None) == tmp_path / "a-run" / "calibration-corpus.json"  # a pack that says not

@@ -10,8 +10,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from kvcap.commands.calibrate import REPORT_NAME
 from kvcap.errors import ConfigError
 from kvcap.eval.corpora import MANIFEST_SCHEMA, manifest_hashes, tokenizer_fingerprint
+from kvcap.scales.fsutil import sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -27,24 +29,32 @@ def _is_calibration_manifest(path: Path) -> bool:
 
 def find_calibration_manifest(overlay: Path) -> Path | None:
     """A calibration corpus manifest near an overlay pack (`kvcap calibrate` writes
-    calibration-corpus.json): in the pack dir, its parent, their subdirectories, or a path the
-    pack manifest names. None when there is none."""
-    candidates: list[Path] = []
+    calibration-corpus.json beside calibration-report.json): in the pack dir, its parent, or
+    their subdirectories. Where the pack records the sha256 of the report it was made from,
+    only a manifest beside that very report counts: with several calibration runs under one
+    parent, the first in name order was taken, and disjointness checked against another run's
+    records. None when there is none."""
+    want = None
     try:
         pack = json.loads((overlay / "kvscales-manifest.json").read_text(encoding="utf-8"))
-        cal = pack.get("calibration") or {}
-        for key in ("corpus_manifest", "manifest", "out_dir", "report_path"):
-            if isinstance(cal.get(key), str):
-                p = Path(cal[key])
-                candidates += [p] if p.suffix == ".json" else sorted(p.glob("*.json"))
+        want = (pack.get("calibration") or {}).get("report_sha256")
     except (OSError, ValueError, AttributeError):
         pass
+    candidates: list[Path] = []
     for d in (overlay, overlay.parent):
         candidates += sorted(d.glob("*.json")) + sorted(d.glob("*/*.json"))
     for c in candidates:
         if c.is_file() and c.stat().st_size < 64 * 2**20 and _is_calibration_manifest(c):
-            return c
+            if not isinstance(want, str) or _report_sha256(c.parent) == want:
+                return c
+            logger.info("calibration manifest %s is beside another report than %s's; not it",
+                        c, overlay)
     return None
+
+
+def _report_sha256(directory: Path) -> str | None:
+    report = directory / REPORT_NAME
+    return sha256_file(report) if report.is_file() else None
 
 
 def load_calibration_hashes(path: Path, tokenizer: Any) -> tuple[set[str], dict[str, Any]]:
