@@ -158,3 +158,43 @@ def test_triton_path_without_cuda_is_a_config_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="path='auto' or 'torch'"):
         make_backend(QSAConfig(layer_rule="explicit", layers=(0,), path="triton"), 4, 16, 1, 8)
+
+
+def test_enable_qsa_refuses_a_speculative_llm(tiny_model):
+    """As LLM(qsa=...) does; before, enable_qsa installed QSA beside prompt-lookup drafts and
+    the keys of rejected drafts stayed in the side rows: greedy log-probs moved by 0.13 from
+    the same model without drafts, on a repetitive prompt."""
+    llm = _llm(tiny_model, num_speculative_tokens=3)
+    dense = llm.runner.backend
+    with pytest.raises(ConfigError, match="cannot run with QSA") as e:
+        enable_qsa(llm, SMALL)
+    assert "\n" not in str(e.value)
+    assert llm.runner.backend is dense
+
+
+def test_enable_qsa_drops_piecewise_graphs_of_the_dense_backend(tiny_model):
+    """A CUDA LLM holds decode graphs and piecewise prefill graphs, both recording the dense
+    backend. enable_qsa with the torch path (which graphs cannot record) dropped only the
+    decode graphs: prefill and mixed steps still ran through the dense pieces, so QSA layers
+    attended densely there and decode selected from side rows never written (log-probs off
+    by 0.1 from both QSA and dense). Simulated on the CPU: the pieces run as plain calls."""
+    from kvcap.engine.piecewise_graph import PiecewiseGraphs, token_buckets
+
+    cfg = QSAConfig(layer_rule="all_but_first", first_dense=1, topk_groups=4, summary="minmax",
+                    path="torch")
+    a, b = _shared_prefix_pair()
+    want = _llm(tiny_model, qsa=cfg, enable_prefix_caching=False).generate(
+        [a, b], GREEDY, use_tqdm=False)
+    llm = _llm(tiny_model, enable_prefix_caching=False)
+    runner = llm.runner
+    runner.token_buckets = token_buckets(llm.config.max_num_batched_tokens)
+    pieces = PiecewiseGraphs(llm.model, runner.backend, llm.pool, torch.device("cpu"),
+                             runner.token_buckets, graphs=False)
+    with torch.inference_mode():
+        pieces.capture()
+    runner.piecewise = pieces
+    runner.graphs = object()  # as captured decode graphs: enable_qsa re-records or drops them
+    enable_qsa(llm, cfg)
+    assert runner.graphs is None and runner.piecewise is None
+    for got, ref in zip(llm.generate([a, b], GREEDY, use_tqdm=False), want, strict=True):
+        _assert_same(got, ref)

@@ -133,6 +133,12 @@ def enable_qsa(llm: LLM, config: QSAConfig) -> QSABackend:
     if llm.spec.sliding_window is not None:  # as LLM(qsa=...) refuses it
         raise ConfigError(f"QSA cannot serve a sliding-window model (it attends to the last "
                           f"{llm.spec.sliding_window} tokens only): use a dense LLM")
+    if llm.config.num_speculative_tokens:  # as LLM(qsa=...) refuses it
+        # the side caches fold in every key a verify step writes: a rejected draft's key
+        # stays in its group's bounds / ring, and later selections differ from plain decode
+        raise ConfigError("speculative decoding (num_speculative_tokens) cannot run with "
+                          "QSA: its indexer caches would keep the keys of rejected drafts; "
+                          "use one or the other")
     pool = llm.pool
     cspec = pool.spec
     config.check_block_size(cspec.block_size)
@@ -167,11 +173,15 @@ def _reset_prefix_cache(llm: LLM) -> None:
 
 
 def _recapture(llm: LLM) -> None:
-    """Re-record existing decode graphs with the current backend (or drop them if it
-    cannot be recorded)."""
+    """Re-record existing decode (and piecewise) graphs with the current backend, or drop
+    them if it cannot be recorded."""
     if llm.runner.graphs is None:
         return
     llm.runner.graphs = None
+    # The piecewise (prefill / mixed step) graphs hold the backend they were captured with and
+    # call it for every attention: left in place when the new backend cannot be recorded, they
+    # ran prefill through the old one (QSA's side rows never written, or QSA never left).
+    llm.runner.piecewise = None
     reason = graph_refusal(llm.runner.backend)
     if reason:
         logger.info("CUDA graphs off (%s): eager decode", reason)
