@@ -299,3 +299,27 @@ def test_first_stop_string_completed_in_a_step_of_kept_drafts_wins(model):
         assert (list(got.token_ids), got.text, got.finish_reason) == (
             list(want.token_ids), want.text, want.finish_reason), j
     assert drafting.engine.num_accepted_tokens > 0
+
+
+# --- aborts while a step runs ahead ------------------------------------------------------------
+def test_abort_of_every_request_drops_the_step_run_ahead(model):
+    """Aborting every request while a step runs ahead left that step pending with the engine
+    idle (architecture.md: nothing stays in flight when the engine idles): the next request's
+    first step was the stale one."""
+    llm = _llm(model)
+    eng = llm.engine
+    eng.overlap = True
+    ref = list(llm.generate([[4, 8, 15]], SamplingParams(temperature=0, max_tokens=6,
+                                                         ignore_eos=True),
+                            use_tqdm=False)[0].token_ids)
+    eng.add_request("a", [5, 9, 13, 2, 7], SamplingParams(temperature=0, max_tokens=50,
+                                                          ignore_eos=True))
+    while eng._ahead is None:
+        eng.step()
+    assert eng.abort_request("a")
+    assert eng._ahead is None and not eng.has_unfinished()
+    eng.step()  # reports the abort
+    got = llm.generate([[4, 8, 15]], SamplingParams(temperature=0, max_tokens=6,
+                                                    ignore_eos=True), use_tqdm=False)
+    assert list(got[0].token_ids) == ref
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_total_blocks

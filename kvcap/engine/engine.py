@@ -124,6 +124,10 @@ class Engine:
 
     def abort_request(self, request_id: str) -> bool:
         ok = self.scheduler.abort_request(request_id)
+        if self._ahead is not None and all(c.request.is_finished for c in self._ahead[0].chunks):
+            # nothing left to read it for: with no request unfinished the loop goes idle, and
+            # the stale step would hold back the next request's first step by one
+            self._drop_ahead()
         return ok
 
     def has_unfinished(self) -> bool:
