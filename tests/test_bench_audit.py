@@ -112,7 +112,10 @@ def test_judge_restates_decode_rates_of_runs_that_ran_a_step_ahead_unrecorded():
     serial = _report([_cell("fp16", tok, 0.80, roofline_kv_tokens=1024 - out / 2)], hf=hf,
                      commit="c78f26f")
     v = throughput_targets.judge_reports([("serial.json", serial)])
-    assert _by(v, throughput_targets.T_ROOFLINE, "16 x 1K, unquantized").value == 0.80
+    # (no step to restate; only the input embedding table its roofline counted, as every run
+    # before faf91da did: test_judge_restates_rooflines_that_counted_the_whole_input_embedding)
+    assert _by(v, throughput_targets.T_ROOFLINE, "16 x 1K, unquantized").value == \
+        pytest.approx(0.80 - throughput_targets.embedding_bytes() / 16 * tok / 4e12)
 
 
 def test_committed_h200_16x16k_native_roofline_restated_below_target():
@@ -159,3 +162,57 @@ def test_nan_and_missing_values_never_meet_a_kernel_target():
     lines = kernels.target_verdicts([row])
     assert "met in 0 of 1" in lines[0] and "met in 0 of 1" in lines[1]
     assert "(not measured)" in lines[3]
+
+
+def _llama8b_bytes() -> tuple[int, int]:
+    """(bytes a decode step reads of the 8B shape's 16-bit weights: every linear, norm and the
+    LM head; bytes of its untied input embedding table), from its config."""
+    import json
+
+    cfg = json.loads((Path(throughput.__file__).parent / "configs" / "llama-3.1-8b.json")
+                     .read_text())
+    h, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    layer = h * q + 2 * h * kv + q * h + 3 * h * inter + 2 * h  # qkv, o, gate/up/down, 2 norms
+    emb = cfg["vocab_size"] * h
+    return 2 * (cfg["num_hidden_layers"] * layer + h + emb), 2 * emb  # + final norm, LM head
+
+
+def test_judge_restates_rooflines_that_counted_the_whole_input_embedding():
+    """Runs before faf91da (2026-12-01) counted every parameter in a step's weight bytes, the
+    untied input embedding table too (1.05 GB of the 8B shape), of which a step gathers only
+    one row per token: their fractions read high by that table over the step time (0.04 at
+    16 x 1K). The judge takes the table out as it restates the KV and the steps; runs from
+    faf91da on are as before."""
+    bpt, out, tok = 131072, 64, 3000.0
+    _, emb = _llama8b_bytes()
+    assert emb == throughput_targets.embedding_bytes() == 128256 * 4096 * 2
+    factor = (out - 2) / (out - 1)
+    for commit, counted_table in (("6b725da", True), ("c78f26f", True), ("f5279de", False)):
+        v = _by(throughput_targets.judge_reports([("o.json", _report(
+            [_cell("fp16", tok, 0.80)], commit=commit))]), throughput_targets.T_ROOFLINE,
+            "16 x 1K, unquantized")
+        ahead = commit != "c78f26f"  # (a run of the serial engine: no step ahead to restate)
+        want = 0.80 - (bpt * (out - 1 if ahead else out) / 2
+                       + (emb / 16 if counted_table else 0)) * tok / 4e12
+        assert v.value == pytest.approx(want * (factor if ahead else 1.0))
+        assert ("input embedding" in v.note) == counted_table
+
+
+def test_committed_h200_roofline_before_faf91da_is_restated_from_first_principles():
+    """throughput-2026-11-30-h200-16k.json (6b725da, 64 output tokens, overlapped engine):
+    the 16 x 16K FP16 cell's step, timed over 62 steps of 63 counted, reads the 8B
+    shape's weights without the input embedding and 16 sequences' KV of the timed steps
+    (context - 63 / 2 tokens each): 0.847 of the roofline, which the file recorded as 0.880."""
+    name = "throughput-2026-11-30-h200-16k.json"
+    reports = throughput_targets.load_reports([BENCH / name])
+    report = reports[0][1]
+    (cell,) = [c for c in report["cells"] if c["kv"] == "fp16" and c["concurrency"] == 16]
+    weights, _ = _llama8b_bytes()
+    tok = cell["decode_tok_s"] * 62 / 63
+    kv = 131072 * 16 * (cell["context"] - 63 / 2)
+    want = (weights + kv) / (report["read_ceiling_tbs"] * 1e12) / (16 / tok)
+    v = _by(throughput_targets.judge_reports(reports), throughput_targets.T_ROOFLINE,
+            "16 x 16K, unquantized")
+    assert v.value == pytest.approx(want) and 0.84 < v.value < 0.85
+    assert cell["roofline_fraction"] > 0.87

@@ -14,18 +14,21 @@ later file's is used (as in kvcap.bench.throughput_report). A cell that did not 
 unquantized counterpart did not) is listed as skipped with its reason, never counted as met;
 a missing or NaN value is not met; a target no cell judges is reported missing. Roofline
 fractions of files written before the benchmark recorded `roofline_kv_tokens` are restated
-to the KV a timed decode step reads, and those (and the HF ratio's decode rates) of files
-written before cells recorded `steps_run_ahead` to the steps their decode clock timed
-(roofline_fraction, decode_tok_s). The markdown goes to stdout; bad
+to the KV a timed decode step reads, those of files written before faf91da without the input
+embedding table (which a step only gathers rows of), and those (and the HF ratio's decode
+rates) of files written before cells recorded `steps_run_ahead` to the steps their decode clock
+timed (roofline_fraction, decode_tok_s). The markdown goes to stdout; bad
 input is one line on stderr (exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvcap.bench.throughput_report import (
     DEFAULT_SHAPE,
@@ -94,6 +97,18 @@ def _ratio(a: object, b: object) -> float:
 # Commits of committed throughput runs made before the engine's overlap (10ba699, 2026-11-29):
 # their decode steps ran one after another, so no step ran before the decode clock started.
 SERIAL_ENGINE_COMMITS = frozenset({"c78f26f", "bcab3ad", "446a61a"})
+# Commits of committed throughput runs made before faf91da (2026-12-01): their roofline counted
+# every parameter, the untied input embedding table too (1.05 GB of the 8B shape's 16-bit
+# weights), of which a decode step only gathers one row per token (throughput.weight_bytes).
+WHOLE_EMBEDDING_COMMITS = frozenset({"c78f26f", "bcab3ad", "446a61a", "b195e08", "6b725da",
+                                     "758ca81", "d2ca851"})
+ROOFLINE_CONFIG = Path(__file__).parent / "configs" / "llama-3.1-8b.json"
+
+
+def embedding_bytes() -> int:
+    """Bytes of ROOFLINE_SHAPE's input embedding table in 16-bit weights (vocab x hidden)."""
+    cfg = json.loads(ROOFLINE_CONFIG.read_text())
+    return cfg["vocab_size"] * cfg["hidden_size"] * 2
 
 
 @dataclass(frozen=True)
@@ -104,6 +119,7 @@ class RunInfo:
     bytes_per_token: dict = field(default_factory=dict)  # (shape, kv) -> bytes
     hf_decode_tok_s: dict = field(default_factory=dict)  # (shape, batch, context) -> tok/s
     overlapped: bool = True  # the engine ran a step ahead (not SERIAL_ENGINE_COMMITS)
+    whole_embedding: bool = False  # the roofline counted the input embedding table
 
 
 def run_infos(reports: list[tuple[str, dict]]) -> dict[str, RunInfo]:
@@ -119,7 +135,8 @@ def run_infos(reports: list[tuple[str, dict]]) -> dict[str, RunInfo]:
              for c in report.get("capacity") or [] if isinstance(c, dict)},
             {(h.get("shape"), h.get("batch"), h.get("context")): h.get("decode_tok_s")
              for h in report.get("hf_baseline") or [] if isinstance(h, dict)},
-            report.get("commit") not in SERIAL_ENGINE_COMMITS)
+            report.get("commit") not in SERIAL_ENGINE_COMMITS,
+            report.get("commit") in WHOLE_EMBEDDING_COMMITS)
     return out
 
 
@@ -157,11 +174,16 @@ def roofline_fraction(cell: dict, info: RunInfo | None) -> tuple[float, str]:
     0.02-0.03 at 64 x 1K). Steps: files without `steps_run_ahead` divided the time of
     out_tokens - 2 steps by out_tokens - 1 (steps_ahead), so the step time read short and the
     fraction high by (out_tokens - 1) / (out_tokens - 2); the steps timed read the KV of
-    context - out_tokens + 2 ... context - 1. Only for the 8B shape (no sliding layers); the
-    recorded value stays where the file lacks what restating needs."""
+    context - out_tokens + 2 ... context - 1. Weights: files of WHOLE_EMBEDDING_COMMITS counted
+    the untied input embedding table, which a step does not read in full, so their fractions
+    read high by its bytes (embedding_bytes) * decode_tok_s / concurrency / ceiling (0.04 at
+    16 x 1K, 0.02 at 16 x 16K). Only for the 8B shape (no sliding layers); the recorded value
+    stays where the file lacks what restating needs."""
     frac = json_number(cell.get("roofline_fraction"))
     ahead = steps_ahead(cell, info)
-    if ("roofline_kv_tokens" in cell and not ahead) or info is None or not math.isfinite(frac):
+    whole_embedding = info is not None and info.whole_embedding
+    if (("roofline_kv_tokens" in cell and not ahead and not whole_embedding) or info is None
+            or not math.isfinite(frac)):
         return frac, ""
     bpt = json_number(info.bytes_per_token.get((cell["shape"], cell["kv"])))
     ceiling, out = info.read_ceiling_tbs, info.out_tokens
@@ -175,8 +197,11 @@ def roofline_fraction(cell: dict, info: RunInfo | None) -> tuple[float, str]:
     kv_timed = cell["context"] - (timed + 1) / 2  # the mean of the steps timed
     if not math.isfinite(kv_used):
         return frac, ""
-    restated = (frac + bpt * (kv_timed - kv_used) * tok_s / (ceiling * 1e12)) * timed / counted
-    what = ([] if "roofline_kv_tokens" in cell else ["`context` KV tokens a step"]) + (
+    emb = embedding_bytes() / cell["concurrency"] if whole_embedding else 0.0
+    restated = ((frac + (bpt * (kv_timed - kv_used) - emb) * tok_s / (ceiling * 1e12))
+                * timed / counted)
+    what = (["the input embedding table"] if whole_embedding else []) + (
+        [] if "roofline_kv_tokens" in cell else ["`context` KV tokens a step"]) + (
         [f"{counted} steps over {timed} steps' time"] if ahead else [])
     return restated, f"recorded {frac:.3f} counting {' and '.join(what)}"
 
