@@ -90,7 +90,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=block_size, default=16,
                    help="tokens per KV block (a power of two)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="no decode CUDA graphs (eager launches every step)")
+                   help="no CUDA graphs, decode or piecewise prefill (eager launches every step)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse the KV blocks of a shared prompt prefix")
     p.add_argument("--seed", type=int, default=0,
