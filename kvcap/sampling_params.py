@@ -23,6 +23,7 @@ GREEDY_BELOW = 1e-5
 
 # The fields a checkpoint's generation_config.json may give defaults for (kvcap serve
 # --generation-config auto; models.loader.read_sampling_defaults).
+FLT_MAX = 3.4028234663852886e38  # the largest finite FP32 value: logits are divided in FP32
 CHECKPOINT_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -67,9 +68,10 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise ConfigError(f"invalid SamplingParams: {msg}")
 
-        # (`not >= 0` also refuses NaN, which would pass `< 0` and sample garbage)
-        if not is_number(self.temperature) or not self.temperature >= 0:
-            bad(f"temperature must be >= 0, got {self.temperature!r}")
+        # (`not >= 0` also refuses NaN, which would pass `< 0` and sample garbage; past FP32's
+        # range the logits are divided by inf: uniform sampling, an inf logit turned NaN)
+        if not is_number(self.temperature) or not 0 <= self.temperature <= FLT_MAX:
+            bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not is_int(self.top_k) or self.top_k < -1:
             bad(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
         if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:

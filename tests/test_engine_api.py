@@ -19,7 +19,9 @@ def llm(default_model_dir):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(temperature=-0.5), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("inf")), "temperature must be a finite number >= 0"),
+    (dict(temperature=1e39), "temperature must be a finite number >= 0"),
     (dict(top_p=0.0), "top_p must be in"),
     (dict(top_p=1.5), "top_p must be in"),
     (dict(max_tokens=0), "max_tokens must be an integer >= 1"),

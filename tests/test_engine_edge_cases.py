@@ -97,7 +97,7 @@ def test_stop_token_id_outside_the_vocabulary_is_refused_and_engine_keeps_servin
 
 
 def test_nan_temperature_is_refused():
-    with pytest.raises(ConfigError, match="temperature must be >= 0"):
+    with pytest.raises(ConfigError, match="temperature must be a finite number >= 0"):
         SamplingParams(temperature=float("nan"))
 
 

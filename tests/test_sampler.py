@@ -109,6 +109,18 @@ def test_batch_from_params_and_greedy() -> None:
     assert Sampler("cpu").sample(logits, greedy).tolist() == [1, 3]
 
 
+def test_greedy_rows_without_a_finite_logit_ignore_the_batch() -> None:
+    # the all-greedy shortcut once read -inf as -FLT_MAX (above the NaNs' -inf) and took the
+    # first -inf token, where the same row in a batch with a sampled row took token 0
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[nan, -inf, -inf], [nan, nan, -inf], [1.0, inf, inf], [0.0, 2.0, 2.0]])
+    greedy = Sampler.sample_greedy(x)
+    params = [SamplingParams(temperature=0.0)] * 4 + [SamplingParams()]
+    batch = SamplingBatch.from_params(params, [0] * 5, [0] * 5, "cpu")
+    mixed = Sampler("cpu").sample(torch.cat([x, torch.zeros(1, 3)]), batch)
+    assert greedy.tolist() == mixed[:4].tolist() == [0, 0, 1, 1]
+
+
 def test_top_k_past_int32_keeps_every_token() -> None:
     # top_k is an int32 tensor: a larger k once overflowed inside the engine step
     logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(3)) * 3

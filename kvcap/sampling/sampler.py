@@ -192,7 +192,11 @@ class Sampler:
     def sample_greedy(logits: torch.Tensor) -> torch.Tensor:
         """Every row greedy (what ``sample`` does for an all-greedy batch, without building it):
         arg-max with NaN as -inf, lowest index on ties."""
-        return torch.argmax(torch.nan_to_num(logits.float(), nan=float("-inf")), dim=1)
+        # neginf kept: nan_to_num's default turns -inf into -FLT_MAX, above the NaNs' -inf, so
+        # a row with no finite logit took its first -inf token here but token 0 in a batch
+        # with sampled rows (the reference / kernel), and the token depended on the batch
+        return torch.argmax(torch.nan_to_num(logits.float(), nan=float("-inf"),
+                                             neginf=float("-inf")), dim=1)
 
 
 def logprob_dicts(logits: torch.Tensor, chosen: list[int], top_n: list[int]
