@@ -649,8 +649,16 @@ class LLM:
             raise ConfigError(f"chat: the tokenizer of {self.model_dir} has no chat template (a "
                               "base model?); give one with chat_template= (--chat-template "
                               "FILE), or send plain text without --chat")
-        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
-                                                 tokenize=True)
+        try:
+            ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                                     tokenize=True)
+        except Exception as e:
+            # a template refuses a conversation its own way (raise_exception("...") for roles
+            # it does not take, an undefined variable, a TypeError): a traceback from inside
+            # jinja under `kvcap generate --chat` (the server answers it with a 400)
+            msg = " ".join(str(e).split()) or type(e).__name__
+            raise ConfigError(f"chat: the chat template refused the conversation: {msg}"
+                              ) from None
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)

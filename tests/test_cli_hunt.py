@@ -4,6 +4,7 @@ fallback, and a failed call leaves nothing queued behind it."""
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from pathlib import Path
@@ -135,6 +136,74 @@ def test_serve_refuses_an_empty_served_model_name(tiny_dir, monkeypatch,
     monkeypatch.setattr("kvcap.llm.LLM.__init__", lambda *a, **k: pytest.fail("model loaded"))
     refused(capsys, "--served-model-name", "serve", "--model", str(tiny_dir), "--device", "cpu",
             "--port", "0", "--served-model-name", "")
+
+
+def test_serve_refuses_a_host_of_another_machine(monkeypatch,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    # (192.0.2.1, TEST-NET-1, is no address of this machine: the message said "pick another
+    # --port" about a port that was free)
+    monkeypatch.setattr("kvcap.llm.LLM.__init__", lambda *a, **k: pytest.fail("model loaded"))
+    err = refused(capsys, "--host '192.0.2.1' is not an address of this machine", "serve",
+                  "--device", "cpu", "--host", "192.0.2.1", "--port", "0")
+    assert "another --port" not in err
+
+
+@pytest.mark.parametrize("template, message", [
+    ('{{ raise_exception("System role not supported") }}', "System role not supported"),
+    ("{{ messages[0].content + 1 }}", "concatenate"),   # a TypeError inside jinja
+    ("{{ messages[3].content }}", "no element 3"),      # an UndefinedError
+])
+def test_generate_chat_template_that_refuses_is_one_line(tiny_dir, template: str, message: str,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    # templates refuse conversations they do not take by raising: was a traceback from inside
+    # jinja (the server answers the same with a 400)
+    refused(capsys, message, "-q", "generate", "--model", str(tiny_dir), "--device", "cpu",
+            "--max-tokens", "2", "--prompt", "hi", "--chat", "--chat-template", template)
+
+
+def test_generate_prompt_the_kv_pool_cannot_hold_is_an_error(tiny_dir,
+                                                             capsys: pytest.CaptureFixture
+                                                             ) -> None:
+    # one 16-token block (256 bytes a token): the engine ends the 40-token request with an
+    # error, which was an empty line on stdout and exit 0
+    err = refused(capsys, "--kv-cache-memory-gib", "-q", "generate", "--model", str(tiny_dir),
+                  "--device", "cpu", "--kv-cache-memory-gib", str(4096 / 2**30),
+                  "--max-tokens", "2", "--prompt", "word " * 40)
+    assert "KV blocks" in err
+
+
+def test_generate_cut_by_the_context_says_so(tiny_dir, capsys: pytest.CaptureFixture) -> None:
+    # --max-tokens 50 after a 21-token prompt in a 32-token context: 11 tokens, exit 0, and
+    # not a word that --max-tokens was not reached
+    rc = main(["-q", "generate", "--model", str(tiny_dir), "--device", "cpu",
+               "--max-model-len", "32", "--max-tokens", "50", "--prompt", "word " * 20])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "warning: stopped after 11 of --max-tokens 50" in err and "max_model_len 32" in err
+    rc = main(["-q", "generate", "--model", str(tiny_dir), "--device", "cpu",
+               "--max-model-len", "32", "--max-tokens", "5", "--prompt", "word " * 20])
+    assert rc == 0 and "warning" not in capsys.readouterr().err
+
+
+def test_generate_to_a_stdout_that_cannot_encode_the_text(tiny_dir, monkeypatch,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    # PYTHONIOENCODING=ascii, a Latin-1 locale: a UnicodeEncodeError traceback mid-output
+    out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", out)
+    rc = main(["-q", "generate", "--model", str(tiny_dir), "--device", "cpu", "--max-tokens",
+               "4", "--prompt", "hi", "--choice", "caf\u00e9"])
+    assert rc == 0, capsys.readouterr().err
+    out.flush()
+    assert out.buffer.getvalue() == b"caf\\xe9\n"
+
+
+def test_generate_checkpoint_without_tokenizer_is_one_line(tiny_dir, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    # transformers' "Couldn't instantiate the backend tokenizer" runs over five lines
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((tiny_dir / name).read_bytes())
+    refused(capsys, "tokenizer files", "-q", "generate", "--model", str(tmp_path), "--device",
+            "cpu", "--max-tokens", "2", "--prompt", "hi")
 
 
 # --- the LLM API --------------------------------------------------------------------------------

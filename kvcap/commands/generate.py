@@ -96,16 +96,21 @@ def run(args: argparse.Namespace) -> int:
         ids = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:
         ids = encode_prompt(llm.tokenizer, args.prompt)  # as LLM.generate encodes it
+    if hasattr(sys.stdout, "reconfigure"):
+        # a stdout whose encoding lacks a character of the output (PYTHONIOENCODING=ascii, a
+        # Latin-1 locale, a redirect on Windows) raised UnicodeEncodeError mid-output, a
+        # traceback: such characters are written as backslash escapes (\xe9, \u597d) instead
+        sys.stdout.reconfigure(errors="backslashreplace")
     rid = f"cli-{uuid.uuid4().hex[:8]}"
     llm.engine.add_request(rid, ids, params)
-    printed = 0
+    printed, last = 0, None
     try:
         while llm.engine.has_unfinished():
             for out in llm.engine.step():
                 if out.request_id == rid:
                     sys.stdout.write(out.text[printed:])
                     sys.stdout.flush()
-                    printed = len(out.text)
+                    printed, last = len(out.text), out
         sys.stdout.write("\n")
         sys.stdout.flush()
     except BrokenPipeError:
@@ -116,6 +121,21 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError):
             pass
         return 128 + 13  # SIGPIPE
+    if last is not None and last.error:
+        # the engine ended the request (a prompt the KV pool can never hold, an output no token
+        # of the vocabulary can continue): was an empty line and exit 0, the reason only in a
+        # log line
+        hint = ("; give the KV cache more memory (--kv-cache-memory-gib, "
+                "--gpu-memory-utilization) or ask for fewer tokens (--max-tokens, a shorter "
+                "prompt)") if "KV blocks" in last.error else ""
+        raise ConfigError(f"generate: {last.error.removeprefix('error: ')}{hint}")
+    if (last is not None and last.finish_reason == "length"
+            and len(last.token_ids) < params.max_tokens):
+        # the context ended it before --max-tokens (the server refuses such a max_tokens; here
+        # the output was cut short without a word)
+        print(f"warning: stopped after {len(last.token_ids)} of --max-tokens {params.max_tokens}"
+              f" tokens: the prompt's {len(ids)} tokens and the output reached max_model_len "
+              f"{llm.engine.max_model_len} (--max-model-len)", file=sys.stderr)
     e = llm.engine
     if e.num_draft_tokens:  # what speculative decoding did for this request
         print(f"speculative decoding: {e.num_accepted_tokens} of {e.num_draft_tokens} draft "

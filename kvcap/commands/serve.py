@@ -9,6 +9,7 @@ bound. SIGTERM / Ctrl-C: stop accepting connections, let in-flight requests fini
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -115,8 +116,12 @@ def check_listen_address(host: str, port: int) -> None:
         try:
             probe.bind(addr)
         except OSError as e:
-            raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}): pick another "
-                              "--port, or stop what holds it") from None
+            # (an address of another machine was told to pick another --port)
+            what = (f"--host {host!r} is not an address of this machine: use 127.0.0.1 (this "
+                    "machine only), 0.0.0.0 (every interface) or one of its own addresses"
+                    if e.errno == errno.EADDRNOTAVAIL else
+                    "pick another --port, or stop what holds it")
+            raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}): {what}") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -123,8 +123,9 @@ def load_tokenizer(model_dir: Path):
         f"merges.txt, with tokenizer_config.json) are not in {model_dir}: copy them there")
     try:
         tok = AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as e:
-        raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {e}{hint}") from None
+    except Exception as e:  # transformers' messages run over several lines: one line here
+        raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: "
+                             f"{' '.join(str(e).split())}{hint}") from None
     # Without the files transformers 5 may build an empty tokenizer from the config's class
     # alone (Qwen2Tokenizer: one special token) instead of failing: every prompt would then
     # encode to no tokens, and its one token id would stop generation.
