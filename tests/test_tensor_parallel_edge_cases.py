@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -210,6 +212,41 @@ def test_worker_raising_mid_run_stops_the_group_with_its_error(tmp_path, inject)
             llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
         assert _worker_pids_alive(pids) == []
     finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("call", ["generate", "shutdown"])
+def test_a_stopped_worker_fails_rank0s_message_in_bounded_time(tmp_path, call):
+    """A worker that is alive but takes no message (stopped here; wedged alike) is no exit the
+    watchdog could see, and a gloo send waits for its receiver: rank 0's step broadcast, and
+    even shutdown()'s message, waited on the control group's 365-day timeout (Ctrl-C cannot
+    interrupt it). Rank 0's messages now give up after the send timeout (KVCAP_TP_TIMEOUT_S;
+    shortened here), the group is stopped and the worker killed."""
+    from datetime import timedelta
+
+    llm = LLM(model=_model(tmp_path), device="cpu", num_blocks=16, tensor_parallel_size=2)
+    pids = [p.pid for p in llm.tp.procs]
+    llm.tp.comm.send_timeout = timedelta(seconds=2)
+    os.kill(pids[0], signal.SIGSTOP)
+    # a regression would wait forever: the kill turns it into a failure (another message)
+    rescue = threading.Timer(30.0, lambda: [os.kill(p, signal.SIGKILL)
+                                            for p in _worker_pids_alive(pids)])
+    rescue.start()
+    try:
+        start = time.monotonic()
+        if call == "generate":
+            with pytest.raises(TensorParallelError, match=r"did not take rank 0's message in 2 "
+                                                          r"s \(KVCAP_TP_TIMEOUT_S\)"):
+                llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+            with pytest.raises(TensorParallelError, match="wedged or stopped"):  # stays down
+                llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+        llm.shutdown()
+        assert time.monotonic() - start < 20.0
+        assert _worker_pids_alive(pids) == []
+    finally:
+        rescue.cancel()
+        for pid in _worker_pids_alive(pids):
+            os.kill(pid, signal.SIGKILL)
         llm.shutdown()
 
 

@@ -4,8 +4,9 @@ Two groups per rank: the *data* group (NCCL on CUDA, gloo on CPU) carries the al
 the row-parallel layers and the logits gather; the *control* group (always gloo, CPU objects)
 carries rank 0's step messages and start-up agreements. The control group has a very long
 timeout because workers legitimately wait there while rank 0 is idle; liveness is enforced by
-the watchdogs in kvcap.distributed.launch instead. Data-group collectives time out after
-`KVCAP_TP_TIMEOUT_S` seconds (default 300).
+the watchdogs in kvcap.distributed.launch instead. Data-group collectives, and rank 0's
+messages on the control group (`broadcast_object`: workers wait for them indefinitely), time
+out after `KVCAP_TP_TIMEOUT_S` seconds (default 300).
 
 All-reduce switch `KVCAP_ALLREDUCE`: `nccl` (default: the data group's own all-reduce) or
 `symm` (torch's symmetric-memory one-shot all-reduce for messages up to 1 MiB on CUDA, the data
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -134,11 +136,13 @@ class Communicator:
         self.ctrl_group: Any = None
         self.symm: Any = None  # SymmAllReduce when KVCAP_ALLREDUCE=symm took effect
         self.store: dist.Store | None = None  # kept alive for the groups (see WatchedStore)
+        self.send_timeout = CONTROL_TIMEOUT  # rank 0's messages (broadcast_object); init sets it
 
     # --- set-up / tear-down ---------------------------------------------------------------
     def init(self, store: dist.Store) -> None:
         """Join the group (collective). Rank 0 and the workers call it with the same store."""
         self.store = store
+        self.send_timeout = data_timeout()
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -208,10 +212,37 @@ class Communicator:
         return ids
 
     # --- Python objects (control group) -----------------------------------------------------
-    def broadcast_object(self, obj: Any = None) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.ctrl_group)
-        return box[0]
+    def broadcast_object(self, obj: Any = None, timeout: timedelta | None = None) -> Any:
+        """Rank 0's `obj` on every rank. Workers wait for it indefinitely (they idle here
+        between requests); rank 0 gives up after `timeout` (default `send_timeout`): a gloo
+        send waits for the receiver to post its buffer, so a worker that is alive but wedged
+        or stopped (where the watchdog sees no exit) held rank 0 -- a step, or even
+        shutdown() -- forever, and Ctrl-C cannot interrupt the wait."""
+        size = torch.empty(1, dtype=torch.int64)
+        if self.rank != 0:
+            dist.broadcast(size, src=0, group=self.ctrl_group)
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.broadcast(data, src=0, group=self.ctrl_group)
+            return pickle.loads(data.numpy().tobytes())
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size[0] = data.numel()
+        limit = timeout or self.send_timeout
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, limit
+        start = time.monotonic()
+        try:
+            for t in (size, data):
+                self.ctrl_group.broadcast([t], opts).wait()
+        except RuntimeError:
+            if time.monotonic() - start < 0.99 * limit.total_seconds():
+                raise  # not the timeout (a dead worker: the caller tells its story)
+            from kvcap.distributed.protocol import TensorParallelError
+
+            raise TensorParallelError(
+                f"a tensor-parallel rank did not take rank 0's message in "
+                f"{limit.total_seconds():g} s ({TIMEOUT_ENV}): a worker is wedged or "
+                "stopped") from None
+        return obj
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world

@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 KEY = "kvcap/tp"
+SHUTDOWN_SEND_TIMEOUT = timedelta(seconds=15)  # as long as a clean shutdown's grace
 _CURRENT_WORKER: TPRuntime | None = None  # set in worker processes before they build an LLM
 
 
@@ -221,7 +223,11 @@ class TPDriver(TPRuntime):
     # --- messages ---------------------------------------------------------------------------
     def send(self, msg: tuple) -> None:
         self.check_alive()
-        self.comm.broadcast_object(msg)
+        try:
+            self.comm.broadcast_object(msg)
+        except TensorParallelError as e:  # a wedged worker: every later call says so too
+            self.failure = f"{e}; all ranks stopped"
+            raise
 
     # --- shutdown ---------------------------------------------------------------------------
     def _kill_workers(self, grace: float) -> None:
@@ -247,7 +253,9 @@ class TPDriver(TPRuntime):
         abort = abort or self.step_open
         if not abort and self.failure is None and self.comm.ctrl_group is not None:
             try:
-                self.comm.broadcast_object((SHUTDOWN,))
+                # (bounded: a wedged or stopped worker is killed after the grace below)
+                self.comm.broadcast_object((SHUTDOWN,), timeout=min(
+                    self.comm.send_timeout, SHUTDOWN_SEND_TIMEOUT))
             except Exception as e:
                 logger.warning("tensor-parallel shutdown message failed: %s", e)
                 abort = True
