@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from test_scales_report import make_data, report_for
 
 from kvcap.cli import main
-from kvcap.errors import OverlayError
+from kvcap.errors import CalibrationError, OverlayError
 from kvcap.scales.binding import MANIFEST_NAME, SCALE_FILE
 from kvcap.scales.fsutil import sha256_file
 from kvcap.scales.materialize import materialize
@@ -215,3 +218,71 @@ def test_demo_bad_model_leaves_no_run_dir(tmp_path: Path, capsys: pytest.Capture
     refused(capsys, "does not exist", "demo", "--model", str(tmp_path / "nope"), "--out",
             str(tmp_path / "runs"), "--device", "cpu")
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_demo_out_inside_the_base_refused_before_calibrating(base: Path, monkeypatch,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    # calibration wrote its output into the checkpoint, then the overlay step refused the place
+    monkeypatch.setattr("kvcap.commands.calibrate.run", lambda a: pytest.fail("calibrated"))
+    refused(capsys, "inside the base checkpoint", "demo", "--model", str(base), "--out",
+            str(base / "runs"), "--device", "cpu")
+    assert not (base / "runs").exists()
+
+
+def test_demo_failed_first_step_names_it_and_leaves_no_run_dir(
+        base: Path, tmp_path: Path, monkeypatch, capsys: pytest.CaptureFixture) -> None:
+    # (a bad --device or too few --calib-tokens: each failed run left one more empty run
+    # folder, and the error named calibrate's --max-tokens with no word of which step spoke)
+    def refuse(args):
+        raise CalibrationError("--max-tokens 20 too small")
+
+    monkeypatch.setattr("kvcap.commands.calibrate.run", refuse)
+    refused(capsys, "demo step 1. calibrate: --max-tokens", "demo", "--model", str(base),
+            "--out", str(tmp_path / "runs"), "--device", "cpu")
+    assert not any((tmp_path / "runs").iterdir())
+
+
+def test_demo_sigterm_removes_the_staging_dir(base: Path, tmp_path: Path) -> None:
+    # SIGTERM (`timeout kvcap demo`) killed the process inside calibrate's staged_dir: its
+    # hidden staging dir stayed in the run folder, where no later run ever sweeps it
+    script = textwrap.dedent(f"""
+        import os, signal, sys, time
+        from kvcap.commands import calibrate
+        from kvcap.errors import CalibrationError
+        from kvcap.scales.fsutil import staged_dir
+
+        def run(args):
+            with staged_dir(args.out, CalibrationError) as stage:
+                (stage / "calibration-corpus.json").write_text("partial")
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(30)
+
+        calibrate.run = run
+        from kvcap.cli import main
+        sys.exit(main(["demo", "--model", {str(base)!r}, "--out", {str(tmp_path / "runs")!r},
+                       "--device", "cpu"]))
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 130, res.stderr
+    assert not list((tmp_path / "runs").rglob("*"))
+
+
+def test_demo_summary_prints_whole_paths(base: Path, tmp_path: Path, monkeypatch,
+                                         capsys: pytest.CaptureFixture) -> None:
+    # an 80-column terminal cut every artifact path in the summary to "/tmp/.../run-2026…" and
+    # broke the run folder's path of the last line in two
+    for step in ("calibrate", "overlay", "materialize", "verify"):
+        monkeypatch.setattr(f"kvcap.commands.{step}.run", lambda a: 0)
+    monkeypatch.setattr("kvcap.commands.demo._generate", lambda d, dev: "64 tokens (length)")
+    monkeypatch.setattr("kvcap.commands.demo._capacity", lambda m, g: "n tokens")
+    monkeypatch.setenv("COLUMNS", "80")
+    rc, out, err = cli(capsys, "demo", "--model", str(base), "--out",
+                       str(tmp_path / "a-long-parent-folder" / "runs"), "--device", "cpu",
+                       "--skip-compare")
+    assert rc == 0, err
+    summary = out[out.index("summary"):]
+    assert "…" not in summary, summary
+    assert "derived-checkpoint" in summary and "overlay" in summary
+    run_dir = next((tmp_path / "a-long-parent-folder" / "runs").iterdir())
+    assert f"inside it): {run_dir}\n" in summary, summary  # (was broken over two lines)

@@ -8,6 +8,8 @@ function the individual command runs.
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -50,10 +52,22 @@ class _Steps:
         self.rows: list[tuple[str, str, float]] = []
 
     def run(self, name: str, fn: Callable[[], str]) -> None:
+        from kvcap.errors import KvcapError
+
         self.console.rule(f"[bold]{name}")
         t = time.perf_counter()
-        result = fn()
+        try:
+            result = fn()
+        except KvcapError as e:
+            # The step's own message names that command's flags (--max-tokens, --record-tokens),
+            # not demo's: say which step refused. Same exception, so the CLI's gate hint stays.
+            e.args = (f"demo step {name.split(' (')[0]}: {e}",)
+            raise
         self.rows.append((name, result, time.perf_counter() - t))
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _device_default(device: str | None) -> str:
@@ -98,7 +112,13 @@ def run(args: argparse.Namespace) -> int:
 
     # A bad --model must fail before the run folder exists, not leave an empty one behind.
     refuse_dummy(args.model, "demo")
-    resolve_model_dir(args.model)
+    base = resolve_model_dir(args.model)
+    # Inside the base the calibration step wrote its minutes of output into the checkpoint
+    # (which is never modified) before the overlay step refused that place.
+    out_res, base_res = args.out.resolve(), Path(base).resolve()
+    if out_res == base_res or base_res in out_res.parents:
+        raise ConfigError(f"--out {args.out} lies inside the base checkpoint {base}; give a "
+                          "directory of its own")
     console = Console()
     set_threads(args.threads)
     device = _device_default(args.device)
@@ -120,17 +140,17 @@ def run(args: argparse.Namespace) -> int:
         calibrate.run(_command_args(calibrate, ["--model", args.model, "--out", str(cal),
                                                 "--max-tokens", str(tokens),
                                                 "--record-tokens", "512", *dev]))
-        return f"{tokens} tokens -> {cal / calibrate.REPORT_NAME}"
+        return f"{tokens} tokens -> {(cal / calibrate.REPORT_NAME).relative_to(run_dir)}"
 
     def _overlay() -> str:
         overlay.run(_command_args(overlay, ["--model", args.model, "--report", str(cal),
                                             "--out", str(pack)]))
-        return str(pack)
+        return str(pack.relative_to(run_dir))
 
     def _materialize() -> str:
         materialize.run(_command_args(materialize, ["--model", args.model, "--overlay",
                                                     str(pack), "--out", str(derived)]))
-        return str(derived)
+        return str(derived.relative_to(run_dir))
 
     def _verify() -> str:
         verify.run(_command_args(verify, ["--model", str(derived), *dev]))
@@ -146,24 +166,42 @@ def run(args: argparse.Namespace) -> int:
         compare.print_summary(report, paths)
         goals = report["goals"]
         met = sum(g["met"] is True for g in goals)
-        return f"{met}/{len(goals)} goals met -> {paths['md']}"
+        return f"{met}/{len(goals)} goals met -> {Path(paths['md']).relative_to(run_dir)}"
 
-    steps.run("1. calibrate (FP16/FP32-KV forwards, K/V statistics)", _calibrate)
-    steps.run("2. overlay (revision-bound scale pack)", _overlay)
-    steps.run("3. materialize (derived checkpoint)", _materialize)
-    steps.run("4. gate (kvcap verify)", _verify)
-    steps.run("5. generate with the E4M3 KV cache", lambda: _generate(derived, device))
-    if not args.skip_compare:
-        steps.run("6. compare --quick (reference vs E4M3 vs unit-scale control)", _compare)
-    steps.run("7. capacity", lambda: _capacity(args.model, args.memory_gib))
+    # SIGTERM (`timeout`, a job scheduler) killed the process inside a step's staged_dir and
+    # left its hidden staging directory; stale ones are only swept by a later write to the
+    # same output, which a demo (a new run folder each time) never makes. Unwind as Ctrl-C does.
+    main = threading.current_thread() is threading.main_thread()  # (signal's own rule)
+    previous = signal.signal(signal.SIGTERM, _terminated) if main else None
+    try:
+        steps.run("1. calibrate (FP16/FP32-KV forwards, K/V statistics)", _calibrate)
+        steps.run("2. overlay (revision-bound scale pack)", _overlay)
+        steps.run("3. materialize (derived checkpoint)", _materialize)
+        steps.run("4. gate (kvcap verify)", _verify)
+        steps.run("5. generate with the E4M3 KV cache", lambda: _generate(derived, device))
+        if not args.skip_compare:
+            steps.run("6. compare --quick (reference vs E4M3 vs unit-scale control)", _compare)
+        steps.run("7. capacity", lambda: _capacity(args.model, args.memory_gib))
+    except BaseException:
+        # a first step that refused (bad --device, too few --calib-tokens) left the run folder
+        # empty: a rerun would only add another empty one beside it
+        if not any(run_dir.iterdir()):
+            run_dir.rmdir()
+        raise
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
     table = Table(title=f"kvcap demo on {device} ({time.perf_counter() - start:.0f} s)")
     table.add_column("step")
-    table.add_column("result")
+    # paths relative to the run folder, folded: an 80-column terminal cut every absolute path
+    # in this column to "/tmp/.../run-2026…"
+    table.add_column("result", overflow="fold")
     table.add_column("seconds", justify="right")
     for name, result, secs in steps.rows:
         table.add_row(name, result, f"{secs:.1f}")
     console.rule("[bold]summary")
     console.print(table)
-    console.print(f"artifacts: {run_dir}")
+    # soft_wrap: rich broke a long path over two lines (in a log file too)
+    console.print(f"artifacts (the paths above are inside it): {run_dir}", soft_wrap=True)
     return 0
