@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from kvscale_helpers import make_checkpoint, make_report
+from test_cli_edge_cases import refused  # one `error:` line, exit 2, naming the problem
 
 from kvcap import LLM, SamplingParams
 from kvcap.cli import main
@@ -22,15 +23,6 @@ TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=320, hidden_size=64,
             intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
             eos_token_id=2)
-
-
-def refused(capsys: pytest.CaptureFixture, match: str, *argv: str) -> str:
-    rc = main(list(argv))
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    assert match in err, err
-    return err
 
 
 @pytest.fixture

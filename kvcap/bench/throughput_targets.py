@@ -24,6 +24,7 @@ input is one line on stderr (exit 2).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -105,6 +106,7 @@ WHOLE_EMBEDDING_COMMITS = frozenset({"c78f26f", "bcab3ad", "446a61a", "b195e08",
 ROOFLINE_CONFIG = Path(__file__).parent / "configs" / "llama-3.1-8b.json"
 
 
+@functools.cache  # read once, not per restated cell
 def embedding_bytes() -> int:
     """Bytes of ROOFLINE_SHAPE's input embedding table in 16-bit weights (vocab x hidden)."""
     cfg = json.loads(ROOFLINE_CONFIG.read_text())

@@ -108,15 +108,14 @@ def run(args: argparse.Namespace) -> int:
     from kvcap.commands import calibrate, compare, materialize, overlay, verify
     from kvcap.errors import ConfigError
     from kvcap.models.loader import resolve_model_dir
-    from kvcap.scales.fsutil import make_dirs
+    from kvcap.scales.fsutil import lies_within, make_dirs
 
     # A bad --model must fail before the run folder exists, not leave an empty one behind.
     refuse_dummy(args.model, "demo")
     base = resolve_model_dir(args.model)
     # Inside the base the calibration step wrote its minutes of output into the checkpoint
     # (which is never modified) before the overlay step refused that place.
-    out_res, base_res = args.out.resolve(), Path(base).resolve()
-    if out_res == base_res or base_res in out_res.parents:
+    if lies_within(args.out.resolve(), Path(base).resolve()):
         raise ConfigError(f"--out {args.out} lies inside the base checkpoint {base}; give a "
                           "directory of its own")
     console = Console()

@@ -25,7 +25,7 @@ from kvcap.eval import (
     report,
     retrieval,
 )
-from kvcap.scales.fsutil import make_dirs
+from kvcap.scales.fsutil import lies_within, make_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def run_compare(cfg: CompareConfig) -> tuple[dict[str, Any], dict[str, Path]]:
     base, spec, budget = _resolve(cfg)
     out = Path(cfg.out)
     for what, d in (("the overlay pack", Path(cfg.overlay)), ("the base checkpoint", base)):
-        if out.resolve() == d.resolve() or d.resolve() in out.resolve().parents:
+        if lies_within(out.resolve(), d.resolve()):
             # (the control pack and corpus manifest went into it)
             raise ConfigError(f"--out {out} lies inside {what} {d}: give a directory of its "
                               "own")

@@ -62,6 +62,12 @@ def make_dirs(path: Path, error: type[KvcapError]) -> None:
                     "path an existing file?)") from None
 
 
+def lies_within(path: Path, directory: Path) -> bool:
+    """`path` is `directory` or lies below it (both as the caller resolved them: an output
+    that does not exist yet is resolved up to its parent)."""
+    return path == directory or directory in path.parents
+
+
 def check_can_create(out: Path, error: type[KvcapError]) -> None:
     """Refuse, before any long work, an output path that could not be created: its nearest
     existing ancestor is a file, or a directory this process cannot write into."""

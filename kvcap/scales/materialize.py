@@ -29,7 +29,7 @@ from kvcap.scales.binding import (
     BaseCheckpoint,
     read_json,
 )
-from kvcap.scales.fsutil import atomic_write_text, sha256_file, staged_dir
+from kvcap.scales.fsutil import atomic_write_text, lies_within, sha256_file, staged_dir
 from kvcap.scales.overlay import verify_pack
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def materialize(base_dir: Path | str, pack_dir: Path | str, out_dir: Path | str)
         raise OverlayError(f"output {out} already exists; refusing to overwrite it")
     base_res = base_dir.resolve()
     out_res = _resolved_out(out)
-    if out_res == base_res or base_res in out_res.parents:
+    if lies_within(out_res, base_res):
         raise OverlayError(f"output {out} lies inside the base checkpoint {base_dir}; "
                            "the base is never modified")
     base = BaseCheckpoint.inspect(base_res)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from kvcap.config import is_number
 from kvcap.errors import OverlayError
@@ -33,7 +33,7 @@ from kvcap.scales.binding import (
     check_same_base,
     read_json,
 )
-from kvcap.scales.fsutil import atomic_write_text, sha256_file, staged_dir
+from kvcap.scales.fsutil import atomic_write_text, lies_within, sha256_file, staged_dir
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def write_overlay(base_dir: Path | str, out_dir: Path | str, report: dict[str, A
     """Write a pack for `base_dir` from a calibration `report` (or a unit-scale control)."""
     out = Path(out_dir)
     out_res, base_res = out.parent.resolve() / out.name, Path(base_dir).resolve()
-    if base_res == out_res or base_res in out_res.parents:  # as materialize refuses it
+    if lies_within(out_res, base_res):  # as materialize refuses it
         raise OverlayError(f"output {out} lies inside the base checkpoint {base_dir}; the base "
                            "is never modified: write the pack elsewhere")
     base = BaseCheckpoint.inspect(base_dir)
@@ -212,7 +212,9 @@ def verify_pack(base: BaseCheckpoint, pack_dir: Path) -> tuple[dict[str, Any],
         raise OverlayError(f"checksum mismatch: {scale_path} has sha256 {digest[:16]} but the "
                            f"manifest records {str(file_rec.get('sha256'))[:16]}")
     try:
-        tensors = load_file(str(scale_path))
+        with safe_open(str(scale_path), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            metadata = f.metadata() or {}
     except Exception as e:  # safetensors raises its own error types
         raise OverlayError(f"cannot read {scale_path}: {e}") from None
     if set(tensors) != set(expected):
@@ -238,17 +240,12 @@ def verify_pack(base: BaseCheckpoint, pack_dir: Path) -> tuple[dict[str, Any],
         raise OverlayError(f"manifest negative_control is {negative!r}, not a boolean")
     # The scale file's own flag is under the checksum; the manifest's is not: a unit-scale
     # control relabelled "false" by hand would otherwise pass as a calibrated pack.
-    flag = _scale_file_metadata(scale_path).get("kvcap_negative_control")
+    flag = metadata.get("kvcap_negative_control")
     if flag is not None and flag != str(negative).lower():
         raise OverlayError(f"manifest says negative_control {str(negative).lower()} but "
                            f"{scale_path.name} was written with {flag}: the manifest was edited; "
                            "rewrite the overlay with kvcap overlay")
     return manifest, tensors
-
-
-def _scale_file_metadata(path: Path) -> dict[str, str]:
-    with safe_open(str(path), framework="pt") as f:
-        return f.metadata() or {}
 
 
 def load_overlay_scales(base_dir: Path | str, pack_dir: Path | str) -> dict[str, torch.Tensor]:
