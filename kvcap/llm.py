@@ -39,7 +39,7 @@ from kvcap.kv_cache.spec import KVCacheSpec, peak_blocks
 from kvcap.models import loader
 from kvcap.models.fp8_linear import large_batch_note, resolve_keep
 from kvcap.models.registry import load_model
-from kvcap.models.text_prompt import encode_prompt
+from kvcap.models.text_prompt import TemplateRefused, chat_ids, encode_prompt
 from kvcap.qsa import enable as qsa_wiring
 from kvcap.qsa.config import QSAConfig
 from kvcap.sampling_params import SamplingParams
@@ -650,18 +650,10 @@ class LLM:
                               "base model?); give one with chat_template= (--chat-template "
                               "FILE), or send plain text without --chat")
         try:
-            ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
-                                                     tokenize=True)
-        except Exception as e:
-            # a template refuses a conversation its own way (raise_exception("...") for roles
-            # it does not take, an undefined variable, a TypeError): a traceback from inside
-            # jinja under `kvcap generate --chat` (the server answers it with a 400)
-            msg = " ".join(str(e).split()) or type(e).__name__
-            raise ConfigError(f"chat: the chat template refused the conversation: {msg}"
+            return chat_ids(self.tokenizer, conversation, add_generation_prompt=True)
+        except TemplateRefused as e:
+            raise ConfigError(f"chat: the chat template refused the conversation: {e}"
                               ) from None
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
 
     def prompt_logits(self, prompts: Sequence[Sequence[int]], use_tqdm: bool = False
                       ) -> list[torch.Tensor]:

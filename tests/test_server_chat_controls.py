@@ -107,6 +107,24 @@ def test_template_controls_reach_the_template(srv):
             t.chat_template = saved
 
 
+def test_a_template_that_refuses_the_conversation_is_a_400(srv):
+    """A template refuses what it does not take by raising (raise_exception, as real templates
+    do for roles); its message, on one line, goes back as a 400 on `messages`."""
+    saved = srv.llm.tokenizer.chat_template
+    for t in _tokenizers(srv):
+        t.chat_template = ("{% for m in messages %}{% if m.role == 'user' %}"
+                           "{{ raise_exception('no users\nhere') }}{% endif %}{% endfor %}")
+    try:
+        r = srv.http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["message"] == "messages: the chat template refused them: no users here"
+        assert error["param"] == "messages"
+    finally:
+        for t in _tokenizers(srv):
+            t.chat_template = saved
+
+
 def _tokenizers(srv):
     """The engine's tokenizer and the server's own copy (create_app loads one for the event
     loop)."""

@@ -38,3 +38,19 @@ def encode_prompt(tokenizer: Any, text: str, add_special_tokens: bool = True) ->
         return ids
     prefix = text_prefix(tokenizer)
     return ids if ids[:len(prefix)] == prefix else prefix + ids
+
+
+class TemplateRefused(ValueError):
+    """A chat template refused a conversation (its message, on one line)."""
+
+
+def chat_ids(tokenizer: Any, conversation: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+    """A conversation's token ids through the tokenizer's chat template. A template refuses a
+    conversation its own way (raise_exception("...") for roles it does not take, an undefined
+    variable, a TypeError): TemplateRefused, for the caller to answer as its own bad input
+    (a 400 in the server, a ConfigError offline) instead of a traceback from inside jinja."""
+    try:
+        ids = tokenizer.apply_chat_template(conversation, tokenize=True, **kwargs)
+    except Exception as e:
+        raise TemplateRefused(" ".join(str(e).split()) or type(e).__name__) from None
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

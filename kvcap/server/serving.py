@@ -22,7 +22,7 @@ from starlette.requests import Request
 
 from kvcap.engine.engine import RequestOutput
 from kvcap.engine.token_bytes import TokenTexts
-from kvcap.models.text_prompt import encode_prompt
+from kvcap.models.text_prompt import TemplateRefused, chat_ids, encode_prompt
 from kvcap.server import protocol as P
 from kvcap.server.async_engine import (
     AsyncEngine,
@@ -226,14 +226,12 @@ class OpenAIServing:
         extra = check_template_controls(conv, add_generation_prompt, continue_final,
                                         template_kwargs)
         try:
-            ids = self.tokenizer.apply_chat_template(
-                conv, tools=tools or None, add_generation_prompt=add_generation_prompt,
-                tokenize=True, **extra)
-        except Exception as e:  # jinja raises its own errors for unsupported conversations
+            return chat_ids(self.tokenizer, conv, tools=tools or None,
+                            add_generation_prompt=add_generation_prompt, **extra)
+        except TemplateRefused as e:
             raise P.APIError(
                 400, f"messages: the chat template refused them: {e}", param="messages"
             ) from None
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def params_for(
         self, req: P._SamplingFields, ids: list[int], max_tokens: int | None, prompt_field: str
