@@ -551,6 +551,32 @@ def test_dummy_fp8_model_runs(tmp_path):
     assert len(out[0].token_ids) == 4
 
 
+def test_dummy_fp8_saturates_samples_past_448(monkeypatch):
+    """A sample past 7 sigma (448 * scale; rare, but an 8B model draws billions) becomes
+    +-448, never a NaN byte: torch's float8 cast turned |x| >= 480 into 0x7F/0xFF before it
+    saturated by itself (torch>=2.4 spans both). That cast is emulated here, the outliers
+    planted."""
+    from kvcap.models.fp8_linear import dummy_fp8
+
+    normal_, to = torch.Tensor.normal_, torch.Tensor.to
+
+    def planted(self, mean=0.0, std=1.0, generator=None):
+        normal_(self, mean, std, generator=generator)
+        self.view(-1)[:3] = torch.tensor([8.0, -9.0, 1e6]) * std
+        return self
+
+    def nan_past_480(self, *args, **kwargs):
+        if torch.float8_e4m3fn in args or kwargs.get("dtype") is torch.float8_e4m3fn:
+            self = self.masked_fill(self.abs() >= 480, float("nan"))
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "normal_", planted)
+    monkeypatch.setattr(torch.Tensor, "to", nan_past_480)
+    w, _ = dummy_fp8((64, 64), 32, 32, torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert w[0, :3].tolist() == [0x7E, 0xFE, 0x7E]  # +448, -448, +448
+    assert not ((w & 0x7F) == 0x7F).any()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("rows", [1, 16, 64, 256])

@@ -253,13 +253,15 @@ def dummy_fp8(shape: tuple[int, int], row_block: int, k_group: int, device: torc
               gen: torch.Generator, std: float = 0.02) -> tuple[torch.Tensor, torch.Tensor]:
     """Random FP8 weights for performance runs, as (E4M3 bytes, FP32 group scales): N(0, std)
     quantized under one scale that puts the spread well inside E4M3's range (448 = 7
-    standard deviations)."""
+    standard deviations). The rare sample past 7 sigma saturates to +-448: torch's cast gave
+    it a NaN byte on versions before the cast itself saturated (the supported range spans
+    both)."""
     s = 7 * std / 448
     w = torch.empty(shape, device=device)
     w.normal_(0.0, std, generator=gen)
     scale = torch.full((math.ceil(shape[0] / row_block), math.ceil(shape[1] / k_group)), s,
                        device=device)
-    return (w / s).to(torch.float8_e4m3fn).view(torch.uint8), scale
+    return (w / s).clamp_(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8), scale
 
 
 def init_dummy(layer: FP8Linear, gen: torch.Generator) -> None:
