@@ -255,6 +255,8 @@ class LLM:
             raise ConfigError(f"QSA cannot serve a sliding-window model (layers "
                               f"{_layer_list(self.spec.sliding_layers)} attend to the last "
                               f"{self.spec.sliding_window} tokens only): drop qsa=")
+        if self.qsa is not None:
+            qsa_wiring.check_budget(self.qsa, self.max_model_len)
         if self.model_dir is not None:
             # Tensor-parallel workers never detokenize: rank 0 does.
             self.tokenizer = (None if tensor_parallel_size > 1 and _in_tp_worker()

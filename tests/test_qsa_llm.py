@@ -102,6 +102,29 @@ def test_refusals(tiny_model):
     assert graph_refusal(be.inner) is None
 
 
+def test_a_budget_past_the_context_is_refused(tiny_model, tmp_path):
+    """A budget past max_model_len selects nothing more, while its selection rows and the
+    activation reserve grow with it: every2:4000000 passed and reserved terabytes. Budgets up
+    to the default 2,048 pass at any context (the presets run on short models)."""
+    huge = QSAConfig(layer_rule="every_nth", every_n=2, topk_groups=10**6, summary="minmax")
+    for qsa in ("every2:4000000", huge):
+        with pytest.raises(ConfigError) as e:
+            LLM(model=tiny_model, num_blocks=8, qsa=qsa)
+        msg = str(e.value)
+        assert "exceeds the context (max_model_len 1024)" in msg and "\n" not in msg
+        assert "at most 2048 tokens (topk_groups <= 512)" in msg
+    LLM(model=tiny_model, num_blocks=8, max_model_len=512, qsa="every2:2048")
+    dense = LLM(model=tiny_model, num_blocks=8)
+    with pytest.raises(ConfigError, match="exceeds the context"):
+        enable_qsa(dense, huge)
+    assert not isinstance(dense.runner.backend, QSABackend)
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "max_position_embeddings": 8192}))
+    long = f"dummy:{tmp_path / 'config.json'}"
+    LLM(model=long, num_blocks=8, qsa="every2:8192")
+    with pytest.raises(ConfigError, match=r"max_model_len 8192\).*at most 8192 tokens"):
+        LLM(model=long, num_blocks=8, qsa="every2:8196")
+
+
 def test_throughput_bench_help_lists_qsa_without_error(capsys):
     """(generate and serve passing --qsa to the LLM: tests/test_cli_numbers.py)"""
     from kvcap.bench import throughput

@@ -6,7 +6,8 @@
   qsa_side_bytes_per_token(...) added to `KVCacheSpec.side_bytes_per_token` *before* the pool
                                 is sized (explicit num_blocks, kv_cache_memory_gib, and the GPU
                                 profiled budget all go through `LLM._kv_spec`), and
-                                qsa_activation_bytes(...) added to the profiled activation peak;
+                                qsa_activation_bytes(...) added to the profiled activation peak
+                                (check_budget first: no budget past the context);
   enable_qsa(llm, cfg)          after the runner exists and before CUDA-graph capture, so the
                                 decode graphs record the QSA backend (`graph_refusal` says when
                                 they cannot: the torch path reads host-side lengths).
@@ -39,7 +40,8 @@ _SIDE_DTYPES = {"fp16": 2, "bf16": 2}
 DEFAULT_BUDGET = 2048  # tokens per query row (512 groups of 4), SYSTEM.md §6
 PRESET_HELP = ("QSA preset: 'every<N>' (every Nth layer, e.g. every4) or 'all-but-<N>' (every "
                "layer after the first N, e.g. all-but-2), optionally ':<tokens>' for the "
-               f"budget (a multiple of 4; default {DEFAULT_BUDGET}, e.g. every4:1024); "
+               f"budget (a multiple of 4, at most the context or {DEFAULT_BUDGET}; default "
+               f"{DEFAULT_BUDGET}, e.g. every4:1024); "
                "training-free indexer, min/max group bounds")
 _PRESET = re.compile(r"^(?:every(\d+)|all-but-(\d+))(?::(\d+))?$")
 
@@ -79,6 +81,20 @@ def _check_servable(config: QSAConfig) -> QSAConfig:
                           "indexer: use indexer='training_free' (kvcap.qsa.model builds a "
                           "model with a trained indexer)")
     return config
+
+
+def check_budget(config: QSAConfig, max_model_len: int) -> None:
+    """Refuse a budget past the context. A row never sees more than `max_model_len` tokens,
+    so a larger budget selects nothing more, while the selection rows (int32 [tokens, heads,
+    budget]) and the activation reserve grow with it (every4:4000000 reserved terabytes).
+    Budgets up to DEFAULT_BUDGET pass at any context, so the presets run on short models."""
+    r = config.compress_ratio
+    limit = max(max_model_len, DEFAULT_BUDGET) // r  # groups
+    if config.topk_groups > limit:
+        raise ConfigError(f"QSA budget {config.token_budget} tokens ({config.topk_groups} "
+                          f"groups of {r}) exceeds the context (max_model_len "
+                          f"{max_model_len}), where it selects every token anyway: use at "
+                          f"most {limit * r} tokens (topk_groups <= {limit})")
 
 
 def qsa_activation_bytes(config: QSAConfig, spec: ModelSpec, max_num_batched_tokens: int,
@@ -139,6 +155,7 @@ def enable_qsa(llm: LLM, config: QSAConfig) -> QSABackend:
         raise ConfigError("speculative decoding (num_speculative_tokens) cannot run with "
                           "QSA: its indexer caches would keep the keys of rejected drafts; "
                           "use one or the other")
+    check_budget(config, llm.max_model_len)
     pool = llm.pool
     cspec = pool.spec
     config.check_block_size(cspec.block_size)
