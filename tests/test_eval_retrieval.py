@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvcap.errors import ConfigError
@@ -75,3 +77,48 @@ def test_validate_contexts():
 def test_unknown_task(tok):
     with pytest.raises(ConfigError, match="unknown retrieval task"):
         retrieval.build_cases(tok, ["needle"], [512])
+
+
+def _sentencepiece_like():
+    """A byte-fallback BPE built as Llama-2's fast tokenizer is: every text gets a leading
+    "▁", so "\\n" encodes as ["▁", "<0x0A>"] and "▁" alone decodes to nothing."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)},
+             "\u2581": 259, "\u2581\u2581": 260}
+    tk = Tokenizer(models.BPE(vocab, [("\u2581", "\u2581")], unk_token="<unk>",
+                              byte_fallback=True, fuse_unk=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                          normalizers.Replace(" ", "\u2581")])
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                    decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def test_kv_padding_is_newlines_with_a_sentencepiece_tokenizer(tok):
+    """The key-value case pads with the token that decodes to "\\n": it took the first token
+    of "\\n", which a SentencePiece tokenizer makes the leading-space piece (padding of
+    spaces, not newlines)."""
+    sp = _sentencepiece_like()
+    assert sp("\n", add_special_tokens=False)["input_ids"] == [259, 13]
+    case = retrieval.kv_case(sp, 512, 50, 0)
+    assert len(case.prompt_ids) + retrieval.MAX_NEW_TOKENS == 512
+    text = sp.decode(case.prompt_ids)
+    assert re.search(r'",\n\n{8,} }\n\nWhat is the value of key', text), text[-200:]
+    assert retrieval.newline_token(sp) == 13
+    assert tok.decode([retrieval.newline_token(tok)]) == "\n"  # the default's one token
+
+
+def test_kv_padding_refuses_a_tokenizer_without_a_newline_token():
+    class NoNewline:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [5, 6] if text == "\n" else [1]}
+
+        def decode(self, ids):
+            return " "
+
+    with pytest.raises(ConfigError, match=r"no token of this tokenizer decodes to a newline on "
+                                          r"its own \('\\n' encodes as \[5, 6\]\)"):
+        retrieval.newline_token(NoNewline())

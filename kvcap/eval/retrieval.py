@@ -105,6 +105,18 @@ def _hex(rng: random.Random, n: int = 6) -> str:
     return "".join(rng.choice(_HEX) for _ in range(n))
 
 
+def newline_token(tokenizer: Any) -> int:
+    """The token that decodes to exactly "\n", the padding of a key-value case. A
+    SentencePiece tokenizer encodes "\n" as a leading-space piece and the newline byte, so
+    the encoding's first token padded with spaces."""
+    ids = _enc(tokenizer, "\n")
+    for t in ids:
+        if tokenizer.decode([t]) == "\n":
+            return t
+    raise ConfigError(f"no token of this tokenizer decodes to a newline on its own ('\\n' "
+                      f"encodes as {ids}): the key-value retrieval task pads with newlines")
+
+
 def kv_case(tokenizer: Any, context: int, depth: int, seed: int) -> RetrievalCase:
     rng = random.Random(f"retrieval:{seed}:kv:{context}:{depth}")
     intro = encode_prompt(tokenizer, _KV_INTRO)  # the prompt's start: as served
@@ -134,7 +146,7 @@ def kv_case(tokenizer: Any, context: int, depth: int, seed: int) -> RetrievalCas
     at = round(depth / 100 * len(lines))
     before = [t for ln in lines[:at] for t in ln]
     after = [t for ln in lines[at:] for t in ln]
-    pad = _enc(tokenizer, "\n")[:1] * (budget - used)  # exact length: newline tokens
+    pad = [newline_token(tokenizer)] * (budget - used)  # exact length: newline tokens
     prompt = intro + before + target_line + after + pad + question
     prov = {"generator": "retrieval.kv", "seed": seed, "pairs": len(lines) + 1}
     return RetrievalCase("kv", context, depth, prompt, answer, len(intro) + len(before), prov)
