@@ -86,6 +86,34 @@ def test_generate_json_schema_file_not_utf8(tiny_dir, tmp_path: Path,
             "--max-tokens", "2", "--prompt", "hi", "--json-schema", str(schema))
 
 
+def test_generate_json_schema_is_inline_json_or_a_file(tiny_dir, tmp_path: Path, monkeypatch,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    """--json-schema is the schema when it parses as JSON, else a file: `true` (a valid
+    schema) was read as a file name ('cannot read true'), as was any JSON not starting with
+    '{'. A value that is both is refused, naming both readings; --help says the rule."""
+    import argparse
+
+    from kvcap.commands import generate
+
+    monkeypatch.chdir(tmp_path)
+    assert generate.read_schema("true") is True
+    assert generate.read_schema(' {"type": "object"}') == {"type": "object"}
+    (tmp_path / "s.json").write_text('{"type": "string"}')
+    assert generate.read_schema("s.json") == {"type": "string"}
+    (tmp_path / "true").write_text('{"type": "string"}')
+    with pytest.raises(ConfigError, match=r"^--json-schema: 'true' is both inline JSON and an "
+                                          r"existing file: pass the file as \./true"):
+        generate.read_schema("true")
+    assert generate.read_schema("./true") == {"type": "string"}
+    with pytest.raises(ConfigError, match=r"is neither valid JSON \(Expecting ',' delimiter"):
+        generate.read_schema('{"type": "object"')
+    refused(capsys, "'nope.json' is neither valid JSON (Expecting value", "generate", "--model",
+            str(tiny_dir), "--device", "cpu", "--prompt", "hi", "--json-schema", "nope.json")
+    p = argparse.ArgumentParser()
+    generate.add_arguments(p)
+    assert "when the value parses as JSON" in " ".join(p.format_help().split())
+
+
 @pytest.mark.parametrize("argv", [
     ["verify", "--device", "cpu"],
     ["overlay", "--unit-scale-negative-control", "--out", "{tmp}/pack"],

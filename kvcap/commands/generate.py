@@ -37,8 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     fmt.add_argument("--json", action="store_true",
                      help="JSON mode: the output is one JSON object (then it stops)")
     fmt.add_argument("--json-schema", metavar="FILE_OR_JSON",
-                     help="the output is one JSON value valid under this JSON Schema (a .json "
-                          "file, or the schema itself)")
+                     help="the output is one JSON value valid under this JSON Schema: the "
+                          "schema itself when the value parses as JSON (e.g. "
+                          "'{\"type\": \"object\"}' or true), else the path of a UTF-8 file "
+                          "holding it; a value that is both JSON and an existing file is "
+                          "refused")
     fmt.add_argument("--choice", nargs="+", metavar="TEXT",
                      help="the output is exactly one of these strings")
     fmt.add_argument("--regex", metavar="PATTERN",
@@ -46,24 +49,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def read_schema(arg: str | None):
-    """--json-schema's value: the schema's text, or a file holding it."""
+    """--json-schema's value: inline JSON when it parses as JSON, else a file holding the
+    schema. A value that is both (`true`, and a file of that name) is refused."""
     if arg is None:
         return None
-    if arg.lstrip().startswith("{"):
-        text = arg
+    try:
+        schema = json.loads(arg)
+    except ValueError as e:
+        if not os.path.exists(arg):
+            raise ConfigError(f"--json-schema: {arg!r} is neither valid JSON ({e}) nor an "
+                              "existing file") from None
     else:
-        try:
-            text = Path(arg).read_text(encoding="utf-8")
-        except OSError as e:
-            raise ConfigError(f"--json-schema: cannot read {arg}: {e.strerror}") from None
-        except UnicodeDecodeError as e:  # (was a traceback)
-            raise ConfigError(f"--json-schema: {arg} is not UTF-8 text (byte {e.start}: "
-                              f"{e.reason}); save the schema as UTF-8") from None
+        if os.path.exists(arg):
+            raise ConfigError(f"--json-schema: {arg!r} is both inline JSON and an existing "
+                              f"file: pass the file as ./{arg} (a path that is not JSON), or "
+                              "the schema where no file has that name")
+        return schema
+    try:
+        text = Path(arg).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"--json-schema: cannot read {arg}: {e.strerror}") from None
+    except UnicodeDecodeError as e:  # (was a traceback)
+        raise ConfigError(f"--json-schema: {arg} is not UTF-8 text (byte {e.start}: "
+                          f"{e.reason}); save the schema as UTF-8") from None
     try:
         return json.loads(text)
     except ValueError as e:
-        raise ConfigError(f"--json-schema: {arg if text is not arg else 'the text'} is not "
-                          f"valid JSON: {e}") from None
+        raise ConfigError(f"--json-schema: {arg} is not valid JSON: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
