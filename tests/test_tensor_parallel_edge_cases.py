@@ -77,6 +77,17 @@ elif FAULT == "ctrl":  # killed in the control group's rendezvous, after the dat
     def new_group(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
     comm.dist.new_group = new_group
+elif FAULT == "wedge-ctrl":  # alive but stuck before the control group's rendezvous
+    import time
+    def new_group(*args, **kwargs):
+        time.sleep(3600)
+    comm.dist.new_group = new_group
+elif FAULT == "wedge-stats":  # alive but stuck computing its K/V statistics
+    import time
+    from kvcap.scales import observer
+    def stats(self):
+        time.sleep(3600)
+    observer.KVStatsObserver.stats = stats
 elif FAULT.startswith("drop:"):  # this worker's view of the scales lacks one
     run_gate = kvcap.llm.LLM._run_gate
     def dropping(self, found, kv_scales):
@@ -196,6 +207,27 @@ def test_worker_dying_in_the_rendezvous_fails_startup_at_once(tmp_path, inject, 
     assert second[1] == "ok", lines
 
 
+def test_a_worker_wedged_before_the_control_group_fails_startup_in_bounded_time(tmp_path,
+                                                                               inject):
+    """A worker alive but stuck before the control group's rendezvous (no exit for the
+    watchdog to see) held rank 0 in that rendezvous on the group's 365-day timeout. Rank 0's
+    rendezvous reads now give up after KVCAP_TP_TIMEOUT_S (10 s here), the worker is killed,
+    and the process can start another TP LLM."""
+    inject("")  # the driver script sets the fault for its own workers
+    env = {**os.environ, "KVCAP_TP_TIMEOUT_S": "10", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _RENDEZVOUS_DRIVER, _model(tmp_path),
+                           "wedge-ctrl"], capture_output=True, text=True, timeout=120, env=env)
+    lines = {x.split()[0]: x for x in proc.stdout.splitlines() if x.startswith(("FIRST",
+                                                                                 "SECOND"))}
+    assert set(lines) == {"FIRST", "SECOND"}, proc.stderr[-3000:]
+    first = lines["FIRST"].split(maxsplit=3)
+    assert float(first[1]) < 30.0, lines
+    assert first[2:] == ["TensorParallelError", "a tensor-parallel rank did not join the "
+                         "process group in 10 s (KVCAP_TP_TIMEOUT_S): a worker is wedged or "
+                         "stopped"], lines
+    assert lines["SECOND"].split()[1] == "ok", lines
+
+
 def test_worker_raising_mid_run_stops_the_group_with_its_error(tmp_path, inject):
     inject("step")
     llm = LLM(model=_model(tmp_path), device="cpu", num_blocks=64, tensor_parallel_size=2)
@@ -242,6 +274,43 @@ def test_a_stopped_worker_fails_rank0s_message_in_bounded_time(tmp_path, call):
                 llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
         llm.shutdown()
         assert time.monotonic() - start < 20.0
+        assert _worker_pids_alive(pids) == []
+    finally:
+        rescue.cancel()
+        for pid in _worker_pids_alive(pids):
+            os.kill(pid, signal.SIGKILL)
+        llm.shutdown()
+
+
+def test_a_worker_wedged_in_collect_kv_stats_fails_rank0_in_bounded_time(tmp_path, inject):
+    """A worker alive but stuck computing its statistics after rank 0's ("stats",) message:
+    rank 0's gather of the replies waited on the control group's 365-day timeout. It now
+    gives up after the send timeout (KVCAP_TP_TIMEOUT_S; shortened here) and the group
+    stops."""
+    from datetime import timedelta
+
+    from kvcap.scales.observer import KVStatsObserver
+
+    inject("wedge-stats")
+    llm = LLM(model=_model(tmp_path), device="cpu", num_blocks=16, tensor_parallel_size=2)
+    pids = [p.pid for p in llm.tp.procs]
+    # a regression would wait forever: the kill turns it into another failure
+    rescue = threading.Timer(30.0, lambda: [os.kill(p, signal.SIGKILL)
+                                            for p in _worker_pids_alive(pids)])
+    rescue.start()
+    try:
+        llm.set_kv_observer(KVStatsObserver(TINY["num_hidden_layers"]))
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+        llm.tp.comm.send_timeout = timedelta(seconds=2)
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"^a tensor-parallel rank did not send "
+                                                      r"rank 0 its reply in 2 s \(KVCAP_TP_"
+                                                      r"TIMEOUT_S\): a worker is wedged or "
+                                                      r"stopped$"):
+            llm.collect_kv_stats()
+        assert time.monotonic() - start < 20.0
+        with pytest.raises(TensorParallelError, match="wedged or stopped"):  # stays down
+            llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
         assert _worker_pids_alive(pids) == []
     finally:
         rescue.cancel()

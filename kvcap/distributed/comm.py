@@ -4,9 +4,10 @@ Two groups per rank: the *data* group (NCCL on CUDA, gloo on CPU) carries the al
 the row-parallel layers and the logits gather; the *control* group (always gloo, CPU objects)
 carries rank 0's step messages and start-up agreements. The control group has a very long
 timeout because workers legitimately wait there while rank 0 is idle; liveness is enforced by
-the watchdogs in kvcap.distributed.launch instead. Data-group collectives, and rank 0's
-messages on the control group (`broadcast_object`: workers wait for them indefinitely), time
-out after `KVCAP_TP_TIMEOUT_S` seconds (default 300).
+the watchdogs in kvcap.distributed.launch instead. Data-group collectives, rank 0's messages
+on the control group (`broadcast_object`: workers wait for them indefinitely) and the replies
+it gathers (`gather_object`), and rank 0's rendezvous while the groups form (WatchedStore's
+limit) time out after `KVCAP_TP_TIMEOUT_S` seconds (default 300).
 
 All-reduce switch `KVCAP_ALLREDUCE`: `nccl` (default: the data group's own all-reduce) or
 `symm` (torch's symmetric-memory one-shot all-reduce for messages up to 1 MiB on CUDA, the data
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 from kvcap.errors import ConfigError
 
@@ -77,20 +79,28 @@ class WatchedStore(dist.Store):
     """Rank 0's view of its TCPStore while the group forms. torch's rendezvous blocks in the
     store until the other ranks post their keys, for the whole data timeout: a TCPStore wait
     cannot be interrupted, so a worker that died joining left rank 0 waiting minutes. Here the
-    blocking reads poll instead and fail as soon as `dead()` is true. Everything else is passed
-    through. torch keeps only the C++ side of a Python store: the Python object must outlive
-    the groups (Communicator.store holds it)."""
+    blocking reads poll instead and fail as soon as `dead()` is true. While `limit` is set, no
+    read waits longer: the control group's rendezvous asks for its year-long timeout, so a
+    worker alive but wedged before joining it held rank 0 for good (`timed_out` then says
+    why it failed). Everything else is passed through. torch keeps only the C++ side of a
+    Python store: the Python object must outlive the groups (Communicator.store holds it)."""
 
-    def __init__(self, store: dist.Store, dead: Callable[[], bool]):
+    def __init__(self, store: dist.Store, dead: Callable[[], bool],
+                 limit: timedelta | None = None):
         super().__init__()
-        self.store, self.dead = store, dead
+        self.store, self.dead, self.limit = store, dead, limit
+        self.timed_out = False
 
     def _await(self, keys: list[str], timeout: timedelta | None) -> None:
-        deadline = time.monotonic() + (timeout or self.store.timeout).total_seconds()
+        wait = timeout or self.store.timeout
+        if self.limit is not None:
+            wait = min(wait, self.limit)
+        deadline = time.monotonic() + wait.total_seconds()
         while not self.store.check(keys):
             if self.dead():
                 raise dist.DistStoreError(f"a rank died while rank 0 waited for {keys}")
             if time.monotonic() > deadline:
+                self.timed_out = True
                 raise dist.DistStoreError(f"wait timeout for {keys}")
             time.sleep(0.02)
 
@@ -136,7 +146,9 @@ class Communicator:
         self.ctrl_group: Any = None
         self.symm: Any = None  # SymmAllReduce when KVCAP_ALLREDUCE=symm took effect
         self.store: dist.Store | None = None  # kept alive for the groups (see WatchedStore)
-        self.send_timeout = CONTROL_TIMEOUT  # rank 0's messages (broadcast_object); init sets it
+        # rank 0's messages and the replies it gathers (broadcast_object, gather_object); init
+        # sets it
+        self.send_timeout = CONTROL_TIMEOUT
 
     # --- set-up / tear-down ---------------------------------------------------------------
     def init(self, store: dist.Store) -> None:
@@ -229,19 +241,12 @@ class Communicator:
         limit = timeout or self.send_timeout
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, limit
-        start = time.monotonic()
-        try:
+
+        def send() -> None:
             for t in (size, data):
                 self.ctrl_group.broadcast([t], opts).wait()
-        except RuntimeError:
-            if time.monotonic() - start < 0.99 * limit.total_seconds():
-                raise  # not the timeout (a dead worker: the caller tells its story)
-            from kvcap.distributed.protocol import TensorParallelError
 
-            raise TensorParallelError(
-                f"a tensor-parallel rank did not take rank 0's message in "
-                f"{limit.total_seconds():g} s ({TIMEOUT_ENV}): a worker is wedged or "
-                "stopped") from None
+        _within(limit, send, "take rank 0's message")
         return obj
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -249,10 +254,50 @@ class Communicator:
         dist.all_gather_object(out, obj, group=self.ctrl_group)
         return out
 
-    def gather_object(self, obj: Any) -> list[Any] | None:
-        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.ctrl_group)
-        return out
+    def gather_object(self, obj: Any, timeout: timedelta | None = None) -> list[Any] | None:
+        """Every rank's `obj` on rank 0, in rank order (None elsewhere). Every rank gives up
+        after `timeout` (default `send_timeout`), as rank 0 does in broadcast_object: rank 0
+        asks for the replies just before (the `("stats",)` message), and a worker wedged
+        before it sent its own held rank 0 on the control group's year-long timeout."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        limit = timeout or self.send_timeout
+        sizes = [torch.empty(1, dtype=torch.int64) for _ in range(self.world)]
+        parts: list[torch.Tensor] = []
+
+        def gather() -> None:
+            opts = AllgatherOptions()
+            opts.timeout = limit
+            self.ctrl_group.allgather([sizes], [torch.tensor([data.numel()])], opts).wait()
+            buf = torch.zeros(max(int(n) for n in sizes), dtype=torch.uint8)
+            buf[:data.numel()] = data
+            if self.rank == 0:
+                parts.extend(torch.empty_like(buf) for _ in range(self.world))
+            gopts = dist.GatherOptions()
+            gopts.rootRank, gopts.timeout = 0, limit
+            self.ctrl_group.gather([parts] if self.rank == 0 else [], [buf], gopts).wait()
+
+        if self.rank != 0:
+            gather()
+            return None
+        _within(limit, gather, "send rank 0 its reply")
+        return [pickle.loads(p[:int(n)].numpy().tobytes()) for p, n in zip(parts, sizes,
+                                                                             strict=True)]
 
     def min_int(self, value: int) -> int:
         return min(int(v) for v in self.all_gather_object(int(value)))
+
+
+def _within(limit: timedelta, wait: Callable[[], None], what: str) -> None:
+    """Rank 0's side of a control-group collective bounded by `limit` (gloo's own timeout):
+    its timeout becomes a TensorParallelError that says a worker did not `what`."""
+    start = time.monotonic()
+    try:
+        wait()
+    except RuntimeError:
+        if time.monotonic() - start < 0.99 * limit.total_seconds():
+            raise  # not the timeout (a dead worker: the caller tells its story)
+        from kvcap.distributed.protocol import TensorParallelError
+
+        raise TensorParallelError(
+            f"a tensor-parallel rank did not {what} in {limit.total_seconds():g} s "
+            f"({TIMEOUT_ENV}): a worker is wedged or stopped") from None

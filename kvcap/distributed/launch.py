@@ -35,7 +35,13 @@ import torch
 import torch.distributed as dist
 
 from kvcap.config import ModelSpec
-from kvcap.distributed.comm import Communicator, WatchedStore, data_timeout, set_nccl_env
+from kvcap.distributed.comm import (
+    TIMEOUT_ENV,
+    Communicator,
+    WatchedStore,
+    data_timeout,
+    set_nccl_env,
+)
 from kvcap.distributed.layers import ModelParallel
 from kvcap.distributed.partition import plan_shard
 from kvcap.distributed.protocol import SHUTDOWN, TensorParallelError, agree
@@ -153,7 +159,9 @@ class TPDriver(TPRuntime):
             # A worker dying now would leave torch's rendezvous waiting out the timeout. On
             # NCCL the store stays under the data group for its life (its watchdog reads it
             # from C++ threads): test_watched_store_carries_an_nccl_group (H100, 2026-12-06).
-            store = WatchedStore(self.store, lambda: any(p.poll() is not None for p in procs))
+            # A worker alive but wedged before a group formed: no wait beyond the data timeout.
+            store = WatchedStore(self.store, lambda: any(p.poll() is not None for p in procs),
+                                 limit=timeout)
             try:
                 self.comm.init(store)
             except Exception:
@@ -162,7 +170,13 @@ class TPDriver(TPRuntime):
                 if dead:
                     raise TensorParallelError(f"{dead} while joining the process group"
                                               ) from None
+                if store.timed_out:
+                    raise TensorParallelError(
+                        f"a tensor-parallel rank did not join the process group in "
+                        f"{timeout.total_seconds():g} s ({TIMEOUT_ENV}): a worker is wedged or "
+                        "stopped") from None
                 raise
+            store.limit = None  # formed: later reads (NCCL's, from C++) keep their timeouts
         except BaseException:
             self.shutdown(abort=True)
             raise
@@ -228,6 +242,16 @@ class TPDriver(TPRuntime):
         except TensorParallelError as e:  # a wedged worker: every later call says so too
             self.failure = f"{e}; all ranks stopped"
             raise
+
+    def gather(self) -> list[Any]:
+        """Every rank's reply to the message just sent (rank 0's own slot is None)."""
+        try:
+            out = self.comm.gather_object(None)
+        except TensorParallelError as e:  # a wedged worker, as in send()
+            self.failure = f"{e}; all ranks stopped"
+            raise
+        assert out is not None  # rank 0 receives
+        return out
 
     # --- shutdown ---------------------------------------------------------------------------
     def _kill_workers(self, grace: float) -> None:

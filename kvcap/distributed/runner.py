@@ -67,9 +67,8 @@ class DriverRunner(ModelRunner):
         """K/V statistics of every rank's observer: merged, or a list in rank order."""
         try:
             self.driver.send((STATS,))
-            stats = self.driver.comm.gather_object(None)
+            stats = self.driver.gather()
         except BaseException as e:
             self._fatal(e)
-        assert stats is not None  # rank 0 receives
         stats[0] = self.observer.stats() if self.observer is not None else None
         return stats if per_rank else merge_rank_stats(stats)
