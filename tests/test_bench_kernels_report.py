@@ -241,3 +241,38 @@ def test_a_cell_is_skipped_by_free_memory_not_a_fixed_cap():
     why = cell_does_not_fit(64, 131072, 8, 128, h100_free)
     assert why == "needs ~113 GiB (32 GiB of FP16 KV), 78 GiB free"
     assert cell_does_not_fit(16, 131072, 8, 128, h100_free) is None
+
+
+def test_markdown_and_summary_refuse_files_they_cannot_read_in_one_line(tmp_path, capsys):
+    """--markdown read its file unchecked (a missing file, bad JSON or another benchmark's
+    result was a traceback), and --summary took the cells of another benchmark's JSON that
+    have a batch and a context but no shape (qsa, verify_cost: `--summary docs/benchmarks/*`)
+    and raised KeyError 'shape' while judging them: each is one line and status 2."""
+    foreign = tmp_path / "qsa.json"
+    foreign.write_text(json.dumps({"cells": [{"batch": 1, "context": 16384,
+                                              "dense_fp16_auto": {"us": 10.0}}]}))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for path in (tmp_path / "missing.json", bad, foreign):
+        assert main(["--markdown", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"error: {path} is not a readable" in err
+    assert main(["--summary", str(foreign)]) == 2
+    assert "is not a readable kvcap.bench.kernels result" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,flag", [(["--batches", "0,8"], "--batches"),
+                                       (["--contexts", "16k"], "--contexts"),
+                                       (["--shapes", "llama-3.1-8b"], "--shapes"),
+                                       (["--occupancy-arms", "native"], "--occupancy-arms"),
+                                       (["--block-size", "24"], "--block-size"),
+                                       (["--min-graph-calls", "0"], "--min-graph-calls")])
+def test_bad_lists_are_usage_errors_before_the_gpu_is_needed(capsys, argv, flag):
+    """The comma lists were parsed after the checks and the ceilings had run on the GPU: a
+    0 batch divided by zero, a non-number was a ValueError traceback, and an unknown shape
+    name (throughput's llama-3.1-8b for llama31-8b) matched nothing and ran no cell; a
+    block size that is no power of two reached the kernels, and 0 calls a graph became 1."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert f"argument {flag}:" in capsys.readouterr().err

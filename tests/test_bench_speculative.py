@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from kvcap.bench import speculative
 
 
@@ -24,3 +26,18 @@ def test_tiny_exact_run_records_agreement(tmp_path):
     for r in rows:
         assert r["requests_equal"] == r["concurrency"] and r["first_difference"] is None
         assert r["requests_equal_alone"] == r["concurrency"]
+
+
+@pytest.mark.parametrize("argv,flag", [(["--repeats", "0"], "--repeats"),
+                                       (["--k", "0,two"], "--k"),
+                                       (["--concurrency", "1,0"], "--concurrency"),
+                                       (["--max-tokens", "0"], "--max-tokens"),
+                                       (["--threads", "-2"], "--threads")])
+def test_meaningless_arguments_are_usage_errors(capsys, argv, flag):
+    """--repeats 0 loaded the model and divided by zero at its first row; the comma lists
+    were int() tracebacks; 0 tokens or requests, or a negative thread count, were errors from
+    deep inside the engine or torch."""
+    with pytest.raises(SystemExit) as e:
+        speculative.main(["--device", "cpu", "--k", "0,2", "--max-tokens", "4", *argv])
+    assert e.value.code == 2
+    assert f"argument {flag}:" in capsys.readouterr().err

@@ -108,10 +108,16 @@ def test_hf_baseline_runs_the_embedded_checkpoint_itself(default_model_dir):
 
 @pytest.mark.parametrize("argv,message", [
     (["--context", "4096", "--max-model-len", "1000"], "--max-model-len 1000 is shorter"),
-    (["--context", "1024", "--block-size", "24"], "--block-size must be a power of two")])
+    (["--context", "1024", "--block-size", "24"], "--block-size must be a power of two"),
+    (["--context", "256", "4096"], "--context 256 leaves no prompt"),
+    (["--context", "64", "--out-tokens", "64"], "--context 64 leaves no prompt"),
+    (["--hf-only", "--out-tokens", "1024"], "--out-tokens 1024 leaves the HF baseline")])
 def test_bad_arguments_are_refused_before_the_gpu_is_needed(capsys, argv, message):
-    """A maximum length under the longest context (its cells could not run) and a block size
-    the kernels do not take are usage errors on any machine, before any model is built."""
+    """A maximum length under the longest context (its cells could not run), a block size
+    the kernels do not take and a context or HF baseline with no room for a prompt before
+    the output tokens (after the ceiling and the calibration: an empty prompt deep in the
+    engine, or HF generate on none) are usage errors on any machine, before any model is
+    built."""
     from kvcap.bench.throughput import main
 
     with pytest.raises(SystemExit) as e:

@@ -84,6 +84,7 @@ def test_serve_refuses_a_bad_port_before_loading_the_model():
     ("serving", ["--concurrency", "0"], "--concurrency"),
     ("serving", ["--rate", "0"], "--rate"),
     ("verify_cost", ["--k", "0"], "--k"),
+    ("gemm", ["--linears", "q_proj"], "--linears"),  # matched no linear: ran nothing
 ])
 def test_bench_suites_refuse_bad_numbers(suite, args, name):
     # --repeats 0 was an IndexError after the model loaded, --out-tokens 1 a rate of 0
@@ -242,3 +243,17 @@ def test_generate_warns_that_a_chat_template_needs_chat(monkeypatch, capsys):
         with pytest.raises(Stop):
             generate.run(p.parse_args(["--prompt", "hi", "--chat-template", "{{ x }}", *extra]))
         assert ("--chat-template applies with --chat only" in capsys.readouterr().err) == warned
+
+
+@pytest.mark.parametrize("where", ["missing/load.json", "."])
+def test_serving_bench_refuses_an_output_it_cannot_write_before_the_load(tmp_path, capsys,
+                                                                         where):
+    # the report was written only after the whole load had run: an --output in a directory
+    # that does not exist (or a directory itself) failed there, and the report was lost
+    from kvcap.bench.serving import main
+
+    with pytest.raises(SystemExit) as e:  # (no server: the load is never reached)
+        main(["--url", "http://127.0.0.1:9", "--num-requests", "1",
+              "--output", str(tmp_path / where)])
+    assert e.value.code == 2
+    assert "--output" in capsys.readouterr().err

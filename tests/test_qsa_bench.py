@@ -36,3 +36,18 @@ def test_bench_arms_compute_attention():
     sparse = attend_masked_reference(cell.q[0], kf, vf, selection_mask(sel, 160), 256 ** -0.5)
     torch.testing.assert_close(cell.out[0].float(), sparse, rtol=2e-2, atol=2e-2)
     assert not torch.allclose(sparse, dense, atol=1e-3)
+
+
+@pytest.mark.parametrize("argv,flag", [(["--batches", "0"], "--batches"),
+                                       (["--contexts", "16K"], "--contexts"),
+                                       (["--e2e-concurrency", "1,-8"], "--e2e-concurrency"),
+                                       (["--topk-chunks", "big"], "--topk-chunks")])
+def test_bad_lists_are_usage_errors_before_the_gpu_is_needed(capsys, argv, flag):
+    """The comma lists were parsed after the checks ran on the GPU: a 0 batch divided by zero
+    in QSACell, a non-number was a ValueError traceback."""
+    from kvcap.bench.qsa import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert f"argument {flag}:" in capsys.readouterr().err

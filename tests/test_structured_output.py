@@ -754,3 +754,15 @@ def test_structured_output_waits_for_the_thinking_to_end(llm):
                                                     choice=["yes", "no"], reasoning="qwen3"),
                           use_tqdm=False)[0]
     assert answer.text in ("yes", "no") and answer.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("docs", ["0", "1"])
+def test_structured_bench_refuses_fewer_than_two_documents(tmp_path, capsys, docs):
+    """--docs 1 timed no warm document (StatisticsError: no median for empty data, after the
+    tokenizer's vocabulary walk) and --docs 0 none at all (IndexError): a usage error."""
+    from kvcap.bench.structured import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--docs", docs, "--out", str(tmp_path / "s.json")])
+    assert e.value.code == 2
+    assert "argument --docs:" in capsys.readouterr().err

@@ -179,3 +179,38 @@ def test_ratios_across_runs_are_marked(tmp_path):
     assert f"| 16 x 1K | 3,100 | 3,200 (1.03x) | 3,060 (0.99x{tr.CROSS_RUN}) |" in table
     assert table.endswith("(kvcap bench throughput_targets compares arms of one run only)")
     assert tr.CROSS_RUN not in tr.markdown_table(tr.load_cells([new]))
+
+
+@pytest.mark.parametrize("change,what", [
+    (lambda r: r.update(args="--dtype bfloat16"), "'args' is not an object"),
+    (lambda r: r.update(args={"dtype": ["bfloat16"]}), "args.dtype is not a string"),
+    (lambda r: r.update(capacity=3), "'capacity' is not a list"),
+    (lambda r: r["capacity"][0].update(shape=[SHAPE]), "'capacity' is not a list"),
+    (lambda r: r["cells"][0].update(kv={"name": "fp16"}), "shape and kv must be strings"),
+    (lambda r: r["cells"][0].update(roofline_fraction="0.7"), "roofline_fraction is not"),
+    (lambda r: r["cells"][1].update(decode_tok_s=True), "neither 'decode_tok_s'")])
+def test_foreign_fields_are_one_line_errors(tmp_path, capsys, change, what):
+    """Fields another program writes differently ('args' a string, a list where a name goes,
+    a roofline as text) were AttributeError / TypeError tracebacks from inside the table and
+    the PNG (unhashable names, "Unknown format code 'f'"): one line naming the file."""
+    report = _report([_cell("fp16", 16, 1024, 2955.67), _cell("fp8", 16, 1024, 3104.07)])
+    change(report)
+    path = _write(tmp_path, "foreign.json", report)
+    assert tr.main([str(path), "--png", str(tmp_path / "t.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: foreign.json: ") and what in err
+    assert not (tmp_path / "t.png").exists()
+
+
+def test_a_zero_unquantized_rate_is_no_ratio_not_a_division_error(tmp_path, capsys):
+    """An unquantized cell with decode_tok_s 0 (and a skipped cell whose capacity record's
+    tokens are text) was a ZeroDivisionError / TypeError: the ratio is nan, as one to a NaN
+    rate, and the pool comes from the skip reason."""
+    skip = {"shape": SHAPE, "kv": "fp16", "concurrency": 64, "context": 16384,
+            "skip": "needs 65536 KV blocks, pool has 54967"}
+    report = _report([_cell("fp16", 16, 1024, 0.0), _cell("fp8", 16, 1024, 3104.07), skip])
+    report["capacity"][0]["tokens"] = "879472"
+    assert tr.main([str(_write(tmp_path, "zero.json", report))]) == 0
+    out = capsys.readouterr().out
+    assert "| 16 x 1K | 0 | 3,104 (nanx) |" in out
+    assert "| 64 x 16K | does not fit (879K-token pool) |" in out

@@ -246,3 +246,20 @@ def test_roofline_is_judged_on_the_8b_shape_only(tmp_path):
     verdicts = tt.judge(load_cells([run]), "gqa6-d256")
     assert _by(verdicts, "roofline") == {}
     assert _by(verdicts, "E4M3 >= unquantized")["16 x 1K"].met
+
+
+@pytest.mark.parametrize("field,value", [("commit", ["abc1234"]), ("hf_baseline", 16),
+                                         ("hf_baseline", [{"shape": SHAPE, "batch": [16]}])])
+def test_foreign_run_fields_are_one_line_errors(tmp_path, capsys, field, value):
+    """A commit that is not a string, or an HF baseline that is not a list of records with
+    scalar keys, was a TypeError traceback from run_infos (unhashable, not iterable): one
+    line naming the file, before any verdict."""
+    path = _write(tmp_path, "run.json", [_cell("fp16", 16, 1024, 3000.0),
+                                         _cell("fp8", 16, 1024, 3090.0)])
+    report = json.loads(path.read_text())
+    report[field] = value
+    path.write_text(json.dumps(report))
+    assert tt.main([str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("error: run.json: ")
+    assert len(captured.err.strip().splitlines()) == 1

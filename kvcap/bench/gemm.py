@@ -141,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config", type=Path, default=CONFIGS / "llama-3.1-8b.json")
     ap.add_argument("--rows", type=positive_int, nargs="+", default=[16, 64])
     ap.add_argument("--linears", nargs="+", default=None,
+                    choices=["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head",
+                             "swiglu"],  # (linear_shapes; an unknown name timed nothing)
                     help="which of the model's linears (default: all, and swiglu)")
     ap.add_argument("--stages", type=positive_int, nargs="+", default=list(SWEEP_STAGES),
                     help="pipeline depths the Triton sweep tries")

@@ -36,7 +36,7 @@ import triton.language as tl
 from kvcap.bench.provenance import result_path, stamp
 from kvcap.bench.telemetry import sm_clock_mhz
 from kvcap.bench.throughput_targets import json_number
-from kvcap.commands.common import positive_int
+from kvcap.commands.common import block_size, positive_int, positive_int_list
 from kvcap.kernels.common import sm_count
 from kvcap.kernels.decode import choose_num_splits, default_launch, paged_decode
 from kvcap.scales.fsutil import atomic_write_text
@@ -336,9 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None,
                     help="a .json file, or a directory for kernels.json (-2, -3, ... when that "
                          "exists: an earlier run is never overwritten); default $OUT or .")
-    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
-    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--batches", type=positive_int_list, default=",".join(map(str, BATCHES)))
+    ap.add_argument("--contexts", type=positive_int_list, default=",".join(map(str, CONTEXTS)))
+    ap.add_argument("--shapes", type=parse_names([s[0] for s in SHAPES]),
+                    default=",".join(s[0] for s in SHAPES))
     ap.add_argument("--sweep", action="store_true", help="also sweep decode launch configs")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--sweep-only", action="store_true", help="skip the decode matrix")
@@ -366,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
                          "E4M3 default route on the target cells, then stop")
     ap.add_argument("--occupancy-configs", type=parse_configs, default=OCCUPANCY_CONFIGS,
                     help="BN:WARPS:STAGES:MAXNREG,... for --sweep-occupancy")
-    ap.add_argument("--occupancy-arms", default="e4m3_native,e4m3_software",
+    ap.add_argument("--occupancy-arms", type=parse_names(ARMS[1:]),
+                    default="e4m3_native,e4m3_software",
                     help="arms --sweep-occupancy times (paged_fp16, e4m3_native, e4m3_software)")
     ap.add_argument("--occupancy-words", action="store_true",
                     help="--sweep-occupancy times the E4M3 word route with byte pairs (the "
@@ -377,14 +379,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--occupancy-splits", type=parse_splits, default=None, metavar="S,S,...",
                     help="--sweep-occupancy times exactly these split counts, on the cells of "
                          "--shapes x --batches x --contexts instead of its own cells")
-    ap.add_argument("--block-size", type=positive_int, default=BLOCK_SIZE,
-                    help="tokens per KV cache block (default 16, the engine's)")
+    ap.add_argument("--block-size", type=block_size, default=BLOCK_SIZE,
+                    help="tokens per KV cache block, a power of two (default 16, the engine's)")
     ap.add_argument("--contiguous-tables", action="store_true",
                     help="every sequence's KV blocks in order (default: a random permutation)")
     ap.add_argument("--rounds", type=positive_int, default=2,
                     help="time every arm of a matrix cell this many times, alternating the "
                          "arms' order; cells report the median and the spread (max/min - 1)")
-    ap.add_argument("--min-graph-calls", type=int, default=MIN_GRAPH_CALLS,
+    ap.add_argument("--min-graph-calls", type=positive_int, default=MIN_GRAPH_CALLS,
                     help="calls per timed CUDA graph (1: the protocol before 2026-12-01's "
                     "second session, which charged a replay's ~10 us to one call)")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"],
@@ -400,21 +402,20 @@ def main(argv: list[str] | None = None) -> int:
                          "files (their cells together), then stop")
     args = ap.parse_args(argv)
     if args.markdown:
-        with open(args.markdown) as fh:
-            print(markdown_tables(json.load(fh)))
+        try:
+            text = markdown_tables(read_result(args.markdown))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            print(f"error: {args.markdown} is not a readable kvcap.bench.kernels result ({e})",
+                  file=sys.stderr)
+            return 2
+        print(text)
         return 0
     if args.summary:
         rows, sources = [], []
         for name in args.summary:
             try:
-                with open(name) as fh:
-                    result = json.load(fh)
-                cells = result["cells"]
-                if not isinstance(cells, list) or not all(
-                        isinstance(r, dict) and isinstance(r.get("batch"), int)
-                        and isinstance(r.get("context"), int) for r in cells):
-                    raise TypeError("'cells' is not a list of cells with batch and context")
-                rows += cells
+                result = read_result(name)
+                rows += result["cells"]
                 info = result.get("info") or {}
                 # the issue's targets are the H200's, against FP16: each file says its own
                 sources.append(f"{Path(name).name}: {info.get('gpu', 'unknown GPU')}, "
@@ -439,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{args.block_size}")
     BLOCK_SIZE = args.block_size
     CONTIGUOUS_TABLES = args.contiguous_tables
-    MIN_GRAPH_CALLS = max(1, args.min_graph_calls)
+    MIN_GRAPH_CALLS = args.min_graph_calls
     DTYPE = torch.bfloat16 if args.dtype == "bfloat16" or args.compare_bf16 else torch.float16
     info = run_info()
     info["contiguous_tables"] = CONTIGUOUS_TABLES
@@ -453,9 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     ceil = measure_ceilings()
     print(f"read ceiling {ceil['read_tbs']:.2f} TB/s, D2D copy {ceil['copy_rw_tbs']:.2f} TB/s",
           flush=True)
-    shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
-    batches = [int(x) for x in args.batches.split(",")]
-    contexts = [int(x) for x in args.contexts.split(",")]
+    shapes = [s for s in SHAPES if s[0] in args.shapes]
+    batches, contexts = args.batches, args.contexts
     grid = [(name, hq, hkv, d, b, ctx) for name, hq, hkv, d in shapes
             for b in batches for ctx in contexts] if args.grid else None
     sweep: list[dict] = []
@@ -499,13 +499,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.sweep_occupancy:
         info["sweep_occupancy"] = []
-        cells = [c for c in OCCUPANCY_CELLS if c[0] in args.shapes.split(",")]
+        cells = [c for c in OCCUPANCY_CELLS if c[0] in args.shapes]
         splits = args.occupancy_splits
         if splits or args.grid:
             cells = [(name, hq, hkv, d, b, ctx) for name, hq, hkv, d in shapes
                      for b in batches for ctx in contexts]
         sweep_occupancy(l2, ceil["read_tbs"], info["sweep_occupancy"], save,
-                        arms=tuple(args.occupancy_arms.split(",")), waves=args.occupancy_waves,
+                        arms=tuple(args.occupancy_arms), waves=args.occupancy_waves,
                         configs=args.occupancy_configs, cells=cells, splits=splits,
                         route=dict(words=True, pairs=True) if args.occupancy_words else None)
         return 0
@@ -562,6 +562,21 @@ def main(argv: list[str] | None = None) -> int:
     print_summary(rows)
     print(f"wrote {out}")
     return 0
+
+
+def read_result(name: str) -> dict:
+    """A result file of this benchmark, its cells checked: a list of objects with a shape, a
+    batch and a context (the cells of other benchmarks' JSONs -- qsa, verify_cost -- have no
+    shape). OSError, ValueError or TypeError otherwise."""
+    with open(name) as fh:
+        result = json.load(fh)
+    cells = result.get("cells") if isinstance(result, dict) else None
+    if not isinstance(cells, list) or not all(
+            isinstance(r, dict) and isinstance(r.get("shape"), str)
+            and isinstance(r.get("batch"), int) and isinstance(r.get("context"), int)
+            for r in cells):
+        raise TypeError("'cells' is not a list of cells with shape, batch and context")
+    return result
 
 
 def cell_does_not_fit(b: int, ctx: int, hkv: int, d: int, free_bytes: int) -> str | None:
@@ -856,6 +871,21 @@ def parse_splits(text: str) -> list[int]:
     if not counts or min(counts) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected split counts >= 1, e.g. 1,2,3,4")
     return counts
+
+
+def parse_names(known: list[str]):
+    """An argparse type for 'a,b' -> ['a', 'b'], each one of `known` (--shapes, a name of
+    kvcap.bench.throughput's like llama-3.1-8b matched nothing and ran no cell)."""
+    def parse(text: str) -> list[str]:
+        names = text.split(",")
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, unknown))}: "
+                                             f"expected comma-separated names among "
+                                             f"{', '.join(known)}")
+        return names
+    parse.__name__ = "names"
+    return parse
 
 
 def split_candidates(b: int, hkv: int, ctx: int, bn: int, sms: int, waves: bool) -> list[int]:

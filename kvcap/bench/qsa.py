@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from kvcap.bench.provenance import result_path
+from kvcap.commands.common import positive_int_list
 from kvcap.scales.fsutil import atomic_write_text
 
 BLOCK_SIZE = 16
@@ -179,15 +180,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None,
                     help="a .json file, or a directory for qsa.json (-2, -3, ... when that "
                          "exists: an earlier run is never overwritten); default $OUT or .")
-    ap.add_argument("--batches", default="1,4,8,16")
-    ap.add_argument("--contexts", default="16384,32768,65536,131072")
+    ap.add_argument("--batches", type=positive_int_list, default="1,4,8,16")
+    ap.add_argument("--contexts", type=positive_int_list, default="16384,32768,65536,131072")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--quality", action="store_true")
     ap.add_argument("--e2e", action="store_true",
                     help="also end-to-end decode, dummy gqa6-d256 weights, E4M3, dense vs QSA")
-    ap.add_argument("--e2e-contexts", default="16384,65536")
-    ap.add_argument("--e2e-concurrency", default="1,8")
-    ap.add_argument("--topk-chunks", default="1024,4096,8192",
+    ap.add_argument("--e2e-contexts", type=positive_int_list, default="16384,65536")
+    ap.add_argument("--e2e-concurrency", type=positive_int_list, default="1,8")
+    ap.add_argument("--topk-chunks", type=lambda t: positive_int_list(t) if t else [],
+                    default="1024,4096,8192",
                     help="extra top-k-only timings with these stage-1 chunk sizes "
                          "(the default chunk is max(4k, 2048))")
     args = ap.parse_args(argv)
@@ -214,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     arms = [f"{k}_{kv}_{m}" for k in ("dense", "qsa") for kv, m in KVS]
     parts = ["update_e4m3_native", "score_e4m3_native", "topk_e4m3_native",
              "attn_e4m3_native"]
-    for b in [int(x) for x in args.batches.split(",")]:
-        for ctx in [int(x) for x in args.contexts.split(",")]:
+    for b in args.batches:
+        for ctx in args.contexts:
             if b * ctx * HKV * D * 4 > 40 * 2**30:
                 doc["cells"].append({"batch": b, "context": ctx, "skipped": "FP16 KV > 40 GiB"})
                 continue
@@ -223,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             row: dict = {"batch": b, "context": ctx, "rotations": cell.r}
             for arm in arms + parts:
                 row[arm] = {"us": 1e3 * _graph_time(cell.fns(arm))}
-            for c in [int(x) for x in args.topk_chunks.split(",") if x]:
+            for c in args.topk_chunks:
                 row[f"topk_chunk{c}"] = {"us": 1e3 * _graph_time(cell.fns("topk_e4m3_native",
                                                                           chunk=c))}
             for kv, m in KVS:
@@ -237,9 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             del cell
             torch.cuda.empty_cache()
     if args.e2e:
-        doc["e2e"] = run_e2e([int(x) for x in args.e2e_contexts.split(",")],
-                             [int(x) for x in args.e2e_concurrency.split(",")],
-                             lambda: save())
+        doc["e2e"] = run_e2e(args.e2e_contexts, args.e2e_concurrency, lambda: save())
     if args.quality:
         doc["quality"] = run_quality()
         print(json.dumps(doc["quality"]["layers"], indent=1))

@@ -274,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 0.0 <= args.disconnect_fraction <= 1.0:
         ap.error(f"--disconnect-fraction must be between 0 and 1, got {args.disconnect_fraction}")
+    if args.output is not None and (args.output.is_dir() or not args.output.parent.is_dir()):
+        # (was found only once the whole load had run, and the report was lost)
+        ap.error(f"--output {args.output}: not a file in an existing directory")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     cfg = LoadConfig(**{k: v for k, v in vars(args).items() if k != "output"})
     try:

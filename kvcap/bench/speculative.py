@@ -29,6 +29,13 @@ from pathlib import Path
 import torch
 
 from kvcap.bench.provenance import result_path, stamp
+from kvcap.commands.common import (
+    non_negative_int_list,
+    positive_float,
+    positive_int,
+    positive_int_list,
+    set_threads,
+)
 from kvcap.errors import ConfigError
 from kvcap.scales.fsutil import atomic_write_text
 
@@ -86,12 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda if present)")
-    ap.add_argument("--k", default="0,2,4,8", help="draft tokens per step to compare (0 first)")
-    ap.add_argument("--concurrency", default="1,4", help="requests decoded together")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=1, help="scored repeats (the best counts)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--kv-cache-memory-gib", type=float, default=1.0,
+    ap.add_argument("--k", type=non_negative_int_list, default="0,2,4,8",
+                    help="draft tokens per step to compare (0 first)")
+    ap.add_argument("--concurrency", type=positive_int_list, default="1,4",
+                    help="requests decoded together")
+    ap.add_argument("--max-tokens", type=positive_int, default=128)
+    ap.add_argument("--repeats", type=positive_int, default=1,
+                    help="scored repeats (the best counts)")
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    ap.add_argument("--kv-cache-memory-gib", type=positive_float, default=1.0,
                     help="each engine's KV pool (default 1 GiB: ample for these requests)")
     ap.add_argument("--dtype", default="auto",
                     help="model dtype (default: the engine's; float32 makes the check exact)")
@@ -103,12 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from kvcap import LLM, SamplingParams
 
-    ks = [int(k) for k in args.k.split(",")]
+    ks = args.k
     if ks[0] != 0:
         raise ConfigError("--k must start with 0: the run without drafts is the reference")
-    conc = [int(c) for c in args.concurrency.split(",")]
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    conc = args.concurrency
+    set_threads(args.threads)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     rows, ref = [], {}
     for k in ks:

@@ -28,6 +28,13 @@ from pathlib import Path
 import torch
 
 from kvcap.bench.throughput import weight_bytes
+from kvcap.commands.common import (
+    block_size,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    set_threads,
+)
 from kvcap.engine.timing import PHASES, StepTimer
 from kvcap.scales.fsutil import atomic_write_text
 
@@ -53,7 +60,8 @@ def tiny_config_path() -> str:
     path = Path(tempfile.gettempdir()) / "kvcap-step-overhead-tiny.json"
     text = json.dumps(TINY_CONFIG)
     if not path.is_file() or path.read_text() != text:
-        path.write_text(text)
+        # staged and renamed: another process (a second pytest worker) may be reading it
+        atomic_write_text(path, text)
     return str(path)
 
 
@@ -150,27 +158,32 @@ def main(argv=None) -> int:
                     help="HF config.json of a random-weight model (default: tiny 2-layer Llama)")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
-    ap.add_argument("--steps", type=int, default=32, help="timed decode steps per concurrency")
-    ap.add_argument("--warmup", type=int, default=4, help="untimed decode steps first")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--context", type=positive_int, default=1024,
+                    help="prompt tokens per request")
+    ap.add_argument("--steps", type=positive_int, default=32,
+                    help="timed decode steps per concurrency")
+    ap.add_argument("--warmup", type=non_negative_int, default=4,
+                    help="untimed decode steps first")
+    ap.add_argument("--block-size", type=block_size, default=16)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--sync", action="store_true",
                     help="CUDA: synchronize at phase boundaries (attributable phases)")
     ap.add_argument("--both", action="store_true", help="measure overlapped and --sync modes")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--read-gbps", type=float, default=None,
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    ap.add_argument("--read-gbps", type=positive_float, default=None,
                     help="CUDA: memory read ceiling for the roofline (default: measured)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    config = args.config or tiny_config_path()
     cmax = max(args.concurrency)
     budget = 2048  # the engine's default max_num_batched_tokens
+    if cmax >= budget:  # (the prefill bound below divides by what the decodes leave)
+        ap.error(f"--concurrency {cmax}: at most {budget - 1} (the engine's {budget} tokens a "
+                 "step must leave room for a prompt beside every decoding request)")
+    set_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    config = args.config or tiny_config_path()
     prefill = -(-cmax * args.context // (budget - cmax)) + 2
     max_model_len = args.context + prefill + args.warmup + args.steps + args.block_size
     t0 = time.perf_counter()

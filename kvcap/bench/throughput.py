@@ -347,6 +347,9 @@ def hf_baseline(model: str, batch: int, context: int, out_tokens: int,
             "decode_tok_s": batch * (out_tokens - 1) / max(dt - first, 1e-9)}
 
 
+HF_CONTEXT = 1024  # the HF transformers baseline's context (--hf-baseline, --hf-only)
+
+
 def decode_out_tokens(text: str) -> int:
     """--out-tokens: decode is timed after the first token, when the overlapped engine (on
     CUDA) has computed the second as well, so at least 3."""
@@ -400,6 +403,13 @@ def main(argv=None) -> int:
     if args.max_model_len is not None and args.max_model_len < max(args.context):
         ap.error(f"--max-model-len {args.max_model_len} is shorter than the longest --context "
                  f"({max(args.context)})")
+    if not args.hf_only and min(args.context) <= args.out_tokens:
+        ap.error(f"--context {min(args.context)} leaves no prompt: a cell's prompt is --context "
+                 f"minus --out-tokens ({args.out_tokens}) tokens; raise --context or lower "
+                 "--out-tokens")
+    if (args.hf_baseline or args.hf_only) and args.out_tokens >= HF_CONTEXT:
+        ap.error(f"--out-tokens {args.out_tokens} leaves the HF baseline no prompt (it runs "
+                 f"at {HF_CONTEXT} tokens of context): lower --out-tokens")
     require_cuda(ap, "; the CPU path of the pipeline is `kvcap demo`")
     logging.basicConfig(level=logging.WARNING)
     from kvcap import LLM
@@ -474,7 +484,7 @@ def main(argv=None) -> int:
         if args.hf_baseline or args.hf_only:
             for b in (1, 16):  # kvcap's output length too: the same mean context per step
                 report["hf_baseline"].append({"shape": shape, **hf_baseline(
-                    model, b, 1024, args.out_tokens)})
+                    model, b, HF_CONTEXT, args.out_tokens)})
                 _save(report, path)
     _mark_fp8_only(report)
     report["complete"] = True

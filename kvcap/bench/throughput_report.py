@@ -43,6 +43,7 @@ def cells_from_report(report: object, source: str) -> list[dict]:
     (the run's capacity record, else the block counts in its skip reason)."""
     if not isinstance(report, dict) or not isinstance(report.get("cells"), list):
         raise ReportError(f"{source}: no 'cells' list (not a kvcap.bench.throughput JSON)")
+    _check_run_fields(report, source)
     capacity = pool_tokens(report)
     cells = []
     for i, raw in enumerate(report["cells"]):
@@ -51,22 +52,58 @@ def cells_from_report(report: object, source: str) -> list[dict]:
         for key in ("shape", "kv", "concurrency", "context"):
             if key not in raw:
                 raise ReportError(f"{source}: cell {i} has no {key!r}")
+        if not all(isinstance(raw[k], str) for k in ("shape", "kv")):
+            raise ReportError(f"{source}: cell {i}: shape and kv must be strings")
         if not all(isinstance(raw[k], int) and raw[k] > 0 for k in ("concurrency", "context")):
             raise ReportError(f"{source}: cell {i}: concurrency and context must be positive "
                               "integers")
-        if "skip" not in raw and not isinstance(raw.get("decode_tok_s"), (int, float)):
+        if "skip" not in raw and not _is_number(raw.get("decode_tok_s")):
             raise ReportError(f"{source}: cell {i} has neither 'decode_tok_s' nor 'skip'")
+        if raw.get("roofline_fraction") is not None and not _is_number(raw["roofline_fraction"]):
+            raise ReportError(f"{source}: cell {i}: roofline_fraction is not a number")
         cell = dict(raw)
         cell.update(source=source, gpu=report.get("gpu", "unknown GPU"),
                     date=report.get("date", "unknown date"),
                     commit=report.get("commit", "unknown"),
                     # runs before the benchmark's --dtype all used FP16 weights
                     dtype=(report.get("args") or {}).get("dtype", "float16"))
-        if "skip" in cell and cell.get("pool_tokens") is None:
-            cell["pool_tokens"] = (capacity.get((cell["shape"], cell["kv"]))
+        if "skip" in cell and not _is_count(cell.get("pool_tokens")):
+            pool = capacity.get((cell["shape"], cell["kv"]))
+            cell["pool_tokens"] = ((pool if _is_count(pool) else None)
                                    or _pool_tokens_from_skip(cell))
         cells.append(cell)
     return cells
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_run_fields(report: dict, source: str) -> None:
+    """The run's fields that the tables and the judges (kvcap.bench.throughput_targets) read,
+    where present, of the types the benchmark writes: one ReportError naming the file, not an
+    AttributeError or TypeError from inside them, for another program's JSON."""
+    args = report.get("args")
+    if args is not None and not isinstance(args, dict):
+        raise ReportError(f"{source}: 'args' is not an object")
+    if not isinstance((args or {}).get("dtype", ""), str):
+        raise ReportError(f"{source}: args.dtype is not a string")
+    if not isinstance(report.get("commit", ""), str):
+        raise ReportError(f"{source}: 'commit' is not a string")
+    for key, fields in (("capacity", ("shape", "kv", "tokens", "bytes_per_token")),
+                        ("hf_baseline", ("shape", "batch", "context"))):
+        records = report.get(key)
+        if records is None:
+            continue
+        if not isinstance(records, list) or not all(
+                isinstance(r.get(f), (str, int, float, type(None)))
+                for r in records if isinstance(r, dict) for f in fields):
+            raise ReportError(f"{source}: {key!r} is not a list of records whose "
+                              f"{', '.join(fields)} are strings or numbers")
 
 
 def _pool_tokens_from_skip(cell: dict) -> int | None:
@@ -186,7 +223,9 @@ def _cell_text(cell: dict | None, fp16: dict | None, ratio: bool, kv16: str = "F
     text = f"{cell['decode_tok_s']:,.0f}"
     if ratio and measured(fp16):
         cross = cell["source"] != fp16["source"]  # two runs: marked, see markdown_table
-        text += f" ({cell['decode_tok_s'] / fp16['decode_tok_s']:.2f}x{CROSS_RUN if cross else ''})"
+        base = fp16["decode_tok_s"]  # (no ratio to a rate of 0: nan, as to a NaN one)
+        value = cell["decode_tok_s"] / base if base else math.nan
+        text += f" ({value:.2f}x{CROSS_RUN if cross else ''})"
     elif ratio and (cell.get("fits_only_in_e4m3") or fp16 is not None):
         text += f" ({kv16} does not fit)"
     return text
