@@ -29,29 +29,58 @@ def test_expected_bits_match_the_reference_decoder():
     native = decoder_check.expected_bits(codes, False).view(torch.float16).float()
     assert torch.equal(native[finite], ref[finite]) and native[~finite].isnan().all()
     soft = decoder_check.expected_bits(codes, True).view(torch.float16).float()
-    assert torch.equal(soft[finite] * 256, ref[finite])
-    assert torch.equal(torch.signbit(soft), codes >= 128)
+    assert torch.equal(soft[finite] * 256, ref[finite]) and soft[~finite].isnan().all()
+    assert torch.equal(torch.signbit(soft[finite]), codes[finite] >= 128)
 
 
-@pytest.mark.parametrize("software", [False, True])
-def test_every_form_passes_in_the_interpreter(software):
-    decoder_check._PASSED.clear()
-    if DEV.type == "cuda" and not software and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("the hardware conversion needs SM89+")
-    decoder_check.check_e4m3_decoders(DEV, {software})
-    assert len(decoder_check._PASSED) == 1
+def test_decoded_wrong_compares_finite_bits_and_nan_as_nan():
+    codes = torch.tensor([0x00, 0x80, 0x41, 0x7F, 0xFF], dtype=torch.uint8)
+    want = decoder_check.expected_bits(codes, True)
+    right = want.view(torch.float16).clone()
+    right[3:] = torch.tensor([0x7FFF, 0xFC01], dtype=torch.int32).to(torch.int16).view(
+        torch.float16)  # other NaN payloads and signs
+    assert not decoder_check.decoded_wrong(right, want).any()
+    old = torch.tensor([0, 0x8000, 0x2080, 0x3F80, 0xBF80],  # +-480 * 2^-8: before 2026-12-07
+                       dtype=torch.int32).to(torch.int16).view(torch.float16)
+    assert decoder_check.decoded_wrong(old, want).tolist() == [False, False, False, True, True]
+    minus_zero = right.clone()
+    minus_zero[0] = -0.0  # +0 and -0 differ
+    assert decoder_check.decoded_wrong(minus_zero, want).tolist()[0]
 
 
-def test_a_wrong_decoder_is_refused(monkeypatch):
+def test_the_decoders_no_longer_read_0x7f_as_480(monkeypatch):
+    """Judged by the reference of before 2026-12-07 (0x7F/0xFF as the finite +-480 * 2^-8),
+    today's software decoder is refused at code 0x7f: it gives a NaN there."""
     decoder_check._PASSED.clear()
     real = decoder_check.expected_bits
 
-    def off_by_one(codes, software):  # what a decoder wrong on code 0x41 would be judged by
-        bits = real(codes, software)
-        return torch.where(codes == 0x41, bits + 1, bits)
+    def old_reference(codes, software):
+        b = codes.to(torch.int32)
+        return torch.where((b & 0x7F) == 0x7F, (((b & 0x80) << 8) | 0x3F80).to(torch.int16),
+                           real(codes, software))
 
-    monkeypatch.setattr(decoder_check, "expected_bits", off_by_one)
-    with pytest.raises(DecoderCheckError, match="software E4M3 decoder .*code 0x41"):
+    monkeypatch.setattr(decoder_check, "expected_bits", old_reference)
+    with pytest.raises(DecoderCheckError, match="code 0x7f to FP16 bits .*expected 0x3f80"):
+        decoder_check.check_e4m3_decoders(DEV, {True})
+    assert not decoder_check._PASSED
+
+
+def test_a_decoder_reading_0x7f_as_a_number_is_refused(monkeypatch):
+    """A decoder that gives a finite number for a NaN code is refused with 'expected a NaN'."""
+    decoder_check._PASSED.clear()
+
+    class FiniteNaNCodes:  # stands in for the probe kernel: exact, but 0x7F/0xFF -> +-480 * 2^-8
+        def __getitem__(self, grid):
+            def launch(words, out, software, *args, **kwargs):
+                b = words.view(torch.uint8).to(torch.int32)
+                bits = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(torch.int16)
+                out.copy_(bits.view(torch.float16).expand_as(out))
+            return launch
+
+    monkeypatch.setattr(decoder_check, "_decode_all_forms", FiniteNaNCodes())
+    with pytest.raises(DecoderCheckError,
+                       match=r"software E4M3 decoder \(byte tile\) decoded code 0x7f to FP16 "
+                             r"bits 0x3f80, expected a NaN"):
         decoder_check.check_e4m3_decoders(DEV, {True})
     assert not decoder_check._PASSED
 

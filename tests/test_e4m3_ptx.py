@@ -1,6 +1,6 @@
 """The inline-PTX E4M3 decoders (kvcap.kernels.common), run on the CPU by a small emulator of
-the PTX instructions they use (prmt.b32 in its generic mode, shl/and/mov.b32, and
-cvt.rn.f16x2.e4m3x2 through torch's float8_e4m3fn), over every byte pair: each string must
+the PTX instructions they use (prmt.b32 in its generic mode, shl/and/mov.b32, mul/fma.rn.f16x2
+and cvt.rn.f16x2.e4m3x2 through torch's float8_e4m3fn), over every byte pair: each string must
 decode like the reference (kvcap.numerics.e4m3; the software decoder times 2^-8) and put each
 byte where its kernel expects it. The GPU tests run the same strings compiled
 (test_kernels_gpu.py, test_decoder_check.py); this catches a wrong selector or register
@@ -40,6 +40,21 @@ def _cvt_e4m3x2(h: np.ndarray) -> np.ndarray:
                                                       << 16)
 
 
+def _f16x2_arith(op: str, *operands: np.ndarray | int) -> np.ndarray:
+    """mul.rn.f16x2 d, a, b / fma.rn.f16x2 d, a, b, c per 16-bit half, IEEE with subnormals
+    (no .ftz): computed in float64, where these products and sums are exact, then rounded
+    once to FP16 (NaN and inf as IEEE gives them)."""
+    out = np.zeros(np.broadcast(*operands).shape, dtype=np.uint32)
+    for half in (0, 1):
+        x = [((np.asarray(o, dtype=np.uint32) >> (16 * half)) & 0xFFFF).astype(np.uint16)
+             .view(np.float16).astype(np.float64) for o in operands]
+        with np.errstate(invalid="ignore", over="ignore"):
+            r = x[0] * x[1] if op.startswith("mul") else x[0] * x[1] + x[2]
+            bits = r.astype(np.float16).view(np.uint16).astype(np.uint32)
+        out |= bits << (16 * half)
+    return out
+
+
 def run_ptx(ptx: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Execute one of common.py's PTX strings on uint32 arrays; returns every register."""
     regs = dict(inputs)
@@ -63,6 +78,8 @@ def run_ptx(ptx: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             regs[args[0]] = (val(args[1]) << val(args[2])) & 0xFFFFFFFF
         elif op == "and.b32":
             regs[args[0]] = val(args[1]) & val(args[2])
+        elif op in ("mul.rn.f16x2", "fma.rn.f16x2"):
+            regs[args[0]] = _f16x2_arith(op, *(val(a) for a in args[1:]))
         elif op == "cvt.rn.f16x2.e4m3x2":
             regs[args[0]] = _cvt_e4m3x2(val(args[1]))
         elif op == "mov.b32" and args[0].startswith("{"):  # split into 16-bit halves
@@ -87,8 +104,8 @@ def _f16(bits: np.ndarray) -> torch.Tensor:
 
 
 def _expect(codes: np.ndarray, software: bool) -> torch.Tensor:
-    """Reference decode of uint8 codes (software: times 2^-8, NaN codes as +-480 * 2^-8; the
-    startup check's reference, itself tested against kvcap.numerics.e4m3)."""
+    """Reference decode of uint8 codes (software: times 2^-8; NaN codes NaN; the startup check's
+    reference, itself tested against kvcap.numerics.e4m3)."""
     c = torch.from_numpy(codes.astype(np.uint8))
     return expected_bits(c, software).view(torch.float16)
 

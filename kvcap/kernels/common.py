@@ -363,21 +363,31 @@ def prefetch_l2(ptrs, mask):
             "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
-# The packed software decoder, one FP16 pair per 32-bit register in three instructions: a byte
-# permute `prmt` puts the two E4M3 bytes at bits 0-7 and 16-23 and, in the byte above each,
-# that byte's sign replicated (prmt's sign mode: selector nibble | 8); a shift left by 7 then
-# moves each `eeeemmm` to FP16 exponent/mantissa bits 7-13 (+16) and brings a sign copy to
-# bit 15 (+16); one AND keeps those bits (0xBF80 per half). The FP16 half is the E4M3 value
-# times 2^-8 exactly, subnormals included (before 2026-12-02: shifts, two masks and an OR per
-# pair, 16 integer instructions per two words where this takes 12; same bits).
+# The packed software decoder, one FP16 pair per 32-bit register: a byte permute `prmt` puts
+# the two E4M3 bytes at bits 0-7 and 16-23 and, in the byte above each, that byte's sign
+# replicated (prmt's sign mode: selector nibble | 8); a shift left by 7 then moves each
+# `eeeemmm` to FP16 exponent/mantissa bits 7-13 (+16) and brings a sign copy to bit 15 (+16);
+# one AND keeps those bits (0xBF80 per half). The FP16 half is the E4M3 value times 2^-8
+# exactly, subnormals included (before 2026-12-02: shifts, two masks and an OR per pair).
+# Those three integer instructions give the NaN codes 0x7F/0xFF as +-1.875 (480 * 2^-8), the
+# only results of magnitude above 1.75 (448 * 2^-8). Two FP16 instructions, on the FMA pipe
+# rather than the integer pipe the three above load, make exactly those NaN (SYSTEM.md §1;
+# before 2026-12-07 they stayed +-480): h * 36864 is exact and at most 1.75 * 36864 = 64512
+# for every finite code and overflows to +-inf only at +-1.875, and fma(that, 0, h) is h
+# again, or NaN where it is 0 * inf.
 _SOFTWARE_MASK = "0xBF80BF80"
+_NAN_FACTOR = "0x78807880"  # 36864 = 1.125 * 2^15 in each FP16 half
+# the registers _packed_pair_ptx uses, declared once per asm block: t, n scratch; k, z constants
+_PAIR_REGS = f".reg .b32 t, n, k, z; mov.b32 k, {_NAN_FACTOR}; mov.b32 z, 0; "
 
 
 def _packed_pair_ptx(dst: str, a: str, b: str, sel: int) -> str:
-    """dst (f16x2, value * 2^-8) <- E4M3 bytes picked from a (bytes 0-3) / b (4-7) by the
-    prmt selector `sel`: nibbles (low half's byte, its sign | 8, high half's byte, its sign | 8)."""
+    """dst (f16x2, value * 2^-8; NaN for 0x7F/0xFF) <- E4M3 bytes picked from a (bytes 0-3) /
+    b (4-7) by the prmt selector `sel`: nibbles (low half's byte, its sign | 8, high half's
+    byte, its sign | 8). Needs _PAIR_REGS."""
     return (f"prmt.b32 t, {a}, {b}, {sel:#06x}; shl.b32 t, t, 7; "
-            f"and.b32 {dst}, t, {_SOFTWARE_MASK}; ")
+            f"and.b32 t, t, {_SOFTWARE_MASK}; mul.rn.f16x2 n, t, k; "
+            f"fma.rn.f16x2 {dst}, n, z, t; ")
 
 
 def _sign_selector(lo: int, hi: int) -> int:
@@ -386,15 +396,15 @@ def _sign_selector(lo: int, hi: int) -> int:
 
 
 def _packed_word_ptx(src: str) -> str:
-    """The four bytes of `src` in element order: bytes 0,1 -> f16x2 u, bytes 2,3 -> v (declared
-    with t by the caller). Results go to temporaries, moved out last by the caller: an inline
-    asm output may share the input's register."""
+    """The four bytes of `src` in element order: bytes 0,1 -> f16x2 u, bytes 2,3 -> v (declared,
+    with _PAIR_REGS, by the caller). Results go to temporaries, moved out last by the caller: an
+    inline asm output may share the input's register."""
     return (_packed_pair_ptx("u", src, src, _sign_selector(0, 1))
             + _packed_pair_ptx("v", src, src, _sign_selector(2, 3)))
 
 
 # software, element order: bytes 0,1 -> $0, bytes 2,3 -> $1
-_SOFTWARE_PTX = tl.constexpr("{ .reg .b32 t, u, v; " + _packed_word_ptx("$2")
+_SOFTWARE_PTX = tl.constexpr("{ .reg .b32 u, v; " + _PAIR_REGS + _packed_word_ptx("$2")
                              + "mov.b32 $0, u; mov.b32 $1, v; }")
 
 
@@ -420,10 +430,12 @@ def _e4m3_ptx(x, SOFTWARE: tl.constexpr, OPAQUE: tl.constexpr):
 
 @triton.jit
 def _e4m3_software_ops(x):
-    """The packed decoder's result (value * 2^-8 as FP16 bits) with Triton ops, per byte."""
+    """The packed decoder's result (value * 2^-8 as FP16 bits; NaN for 0x7F/0xFF) with Triton
+    ops, per byte."""
     w = x.to(tl.int32)
     h = ((w & 0x80) << 8) | ((w & 0x7F) << 7)
-    return h.to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.where((w & 0x7F) == 0x7F, float("nan"),
+                    h.to(tl.int16).to(tl.float16, bitcast=True)).to(tl.float16)
 
 
 @triton.jit
@@ -437,8 +449,9 @@ def convert_tile(x, FP8: tl.constexpr, SOFTWARE: tl.constexpr, OUT_DTYPE: tl.con
             x = _e4m3_ptx(x, SOFTWARE, OPAQUE)
         elif SOFTWARE:
             x = _e4m3_software_ops(x)
-        else:
-            x = x.to(tl.float8e4nv, bitcast=True)
+        else:  # the interpreter's numpy cast reads 0x7F/0xFF as +-480
+            x = tl.where((x & 0x7F) == 0x7F, float("nan"),
+                         x.to(tl.float8e4nv, bitcast=True).to(tl.float16)).to(tl.float16)
     return x.to(OUT_DTYPE)
 
 
@@ -450,7 +463,7 @@ _NATIVE_WORD_PTX = tl.constexpr(
     "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
     "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
     "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }")
-_SOFTWARE_WORD_PTX = tl.constexpr("{ .reg .b32 t, u, v; " + _packed_word_ptx("$4")
+_SOFTWARE_WORD_PTX = tl.constexpr("{ .reg .b32 u, v; " + _PAIR_REGS + _packed_word_ptx("$4")
                                   + "mov.b32 {$0, $1}, u; mov.b32 {$2, $3}, v; }")
 # Two words (two elements of the same thread, pack=2) -> each group's pair as one f16x2
 # register, which is how the MMA operand holds them: the bytes are permuted before the
@@ -462,7 +475,7 @@ _NATIVE_PAIR_PTX = tl.constexpr(
     "cvt.rn.f16x2.e4m3x2 $0, xl; cvt.rn.f16x2.e4m3x2 $1, xh; "
     "cvt.rn.f16x2.e4m3x2 $2, yl; cvt.rn.f16x2.e4m3x2 $3, yh; }")
 _SOFTWARE_PAIR_PTX = tl.constexpr(
-    "{ .reg .b32 t, g0, g1, g2, g3; "
+    "{ .reg .b32 g0, g1, g2, g3; " + _PAIR_REGS
     + "".join(_packed_pair_ptx(f"g{j}", "$4", "$5", _sign_selector(j, 4 + j)) for j in range(4))
     + "mov.b32 $0, g0; mov.b32 $1, g1; mov.b32 $2, g2; mov.b32 $3, g3; }")
 

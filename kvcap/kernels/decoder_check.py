@@ -63,13 +63,21 @@ def _decode_all_forms(words_ptr, out_ptr, SOFTWARE: tl.constexpr, ROWS: tl.const
 
 
 def expected_bits(codes: torch.Tensor, software: bool) -> torch.Tensor:
-    """FP16 bit patterns (int16) the decoder must produce for uint8 `codes`. Native: the exact
-    value (torch's float8_e4m3fn; NaN for 0x7F/0xFF, not compared); software: the value times
-    2^-8, the NaN codes as +-480 * 2^-8 (the encoder never writes them)."""
+    """FP16 bit patterns (int16) the decoder must produce for uint8 `codes`: the exact value
+    (torch's float8_e4m3fn), times 2^-8 for the software decoder; NaN for 0x7F/0xFF (compared
+    as NaN, whatever its payload)."""
     b = codes.to(torch.int32)
     if software:
-        return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(torch.int16)
+        bits = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(torch.int16)
+        return torch.where((b & 0x7F) == 0x7F, torch.full_like(bits, 0x7E00), bits)
     return codes.view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16)
+
+
+def decoded_wrong(got: torch.Tensor, want_bits: torch.Tensor) -> torch.Tensor:
+    """Where FP16 `got` is not the decode whose bits are `want_bits` (expected_bits): finite
+    codes bit for bit, the NaN codes any NaN."""
+    nan = want_bits.view(torch.float16).isnan()
+    return torch.where(nan, ~got.isnan(), got.view(torch.int16) != want_bits)
 
 
 def check_e4m3_decoders(device: torch.device, software_decoders: set[bool]) -> None:
@@ -89,19 +97,17 @@ def check_e4m3_decoders(device: torch.device, software_decoders: set[bool]) -> N
         _decode_all_forms[(1,)](codes.view(torch.int32), out, software, _ROWS, _WORDS,
                                 **FP_FUSION)
         want_bits = expected_bits(codes, software)
-        # native: the 254 finite codes (the encoder never writes the NaN codes; the
-        # interpreter's twin decodes them to +-480, the hardware to NaN)
-        compared = (torch.ones_like(codes, dtype=torch.bool) if software
-                    else ~want_bits.view(torch.float16).isnan())
         for form, got in zip(forms, out, strict=True):
-            bad = compared & (got.view(torch.int16) != want_bits)
+            bad = decoded_wrong(got, want_bits)
             if bad.any():
                 i = int(bad.nonzero()[0])
                 name = "software" if software else "hardware (cvt.rn.f16x2.e4m3x2)"
+                want = want_bits[i:i + 1]
+                expected = ("a NaN" if want.view(torch.float16).isnan().item()
+                            else f"{int(want) & 0xFFFF:#06x}")
                 raise DecoderCheckError(
                     f"the {name} E4M3 decoder ({form}) decoded code {int(codes[i]):#04x} to FP16 "
-                    f"bits {int(got.view(torch.int16)[i]) & 0xFFFF:#06x}, expected "
-                    f"{int(want_bits[i]) & 0xFFFF:#06x}"
+                    f"bits {int(got.view(torch.int16)[i]) & 0xFFFF:#06x}, expected {expected}"
                     f", on {where} (triton "
                     f"{triton.__version__}): it "
                     "would read the E4M3 cache wrong. Serve with kv_cache_dtype='auto' (16-bit "
