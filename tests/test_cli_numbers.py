@@ -40,6 +40,7 @@ def test_numbers_in_range_pass_through():
 
 @pytest.mark.parametrize("args, name", [
     (["--memory-gib", "-1"], "--memory-gib"),
+    (["--memory-gib", "1e300"], "--memory-gib"),  # (was an OverflowError traceback)
     (["--memory-gib", "8", "--block-size", "0"], "--block-size"),
     (["--memory-gib", "8", "--block-size", "3"], "--block-size"),
     (["--memory-gib", "8", "--context", "1024", "0"], "--context"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvcap.commands.common import block_size, positive_float, positive_int
+from kvcap.commands.common import block_size, memory_gib, positive_int
 from kvcap.config import ModelSpec
 from kvcap.errors import ConfigError
 from kvcap.kv_cache.spec import KVCacheSpec, peak_blocks
@@ -15,8 +15,8 @@ HELP = "print KV-cache capacity (tokens, max concurrency) for FP16 vs E4M3 at a 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="'default', an HF directory, or dummy:/path/config.json")
-    p.add_argument("--memory-gib", type=positive_float, required=True,
-                   help="KV-cache memory budget")
+    p.add_argument("--memory-gib", type=memory_gib, required=True,
+                   help="KV-cache memory budget (up to 2^30 GiB)")
     p.add_argument("--block-size", type=block_size, default=16,
                    help="tokens per KV block (a power of two)")
     p.add_argument("--context", type=positive_int, nargs="+",

@@ -31,6 +31,9 @@ port_number = _number_type(int, lambda v: 0 <= v <= 65535, "a port number 0-6553
 non_negative_float = _number_type(float, lambda v: v >= 0 and math.isfinite(v),
                                   "a finite number >= 0", "non_negative_float")
 non_negative_int = _number_type(int, lambda v: v >= 0, "an integer >= 0", "non_negative_int")
+# a memory budget in GiB whose bytes an int holds (1e300 overflowed capacity's int())
+memory_gib = _number_type(float, lambda v: 0 < v <= 2**30, "a number of GiB in (0, 2^30]",
+                          "memory_gib")
 fraction = _number_type(float, lambda v: 0 < v <= 1, "a number in (0, 1]", "fraction")
 # the engine's paged blocks (EngineConfig.validate refuses the rest, deep inside; capacity
 # would print a table for a size no engine can use)
