@@ -111,13 +111,15 @@ def test_hf_baseline_runs_the_embedded_checkpoint_itself(default_model_dir):
     (["--context", "1024", "--block-size", "24"], "--block-size must be a power of two"),
     (["--context", "256", "4096"], "--context 256 leaves no prompt"),
     (["--context", "64", "--out-tokens", "64"], "--context 64 leaves no prompt"),
-    (["--hf-only", "--out-tokens", "1024"], "--out-tokens 1024 leaves the HF baseline")])
+    (["--hf-only", "--out-tokens", "1024"], "--out-tokens 1024 leaves the HF baseline"),
+    (["--kv", "fp8", "fp16", "fp8"], "--kv names fp8 more than once"),
+    (["--concurrency", "16", "16"], "--concurrency names 16 more than once")])
 def test_bad_arguments_are_refused_before_the_gpu_is_needed(capsys, argv, message):
     """A maximum length under the longest context (its cells could not run), a block size
     the kernels do not take and a context or HF baseline with no room for a prompt before
     the output tokens (after the ceiling and the calibration: an empty prompt deep in the
-    engine, or HF generate on none) are usage errors on any machine, before any model is
-    built."""
+    engine, or HF generate on none) and a list flag naming a value twice (its cells ran
+    again) are usage errors on any machine, before any model is built."""
     from kvcap.bench.throughput import main
 
     with pytest.raises(SystemExit) as e:

@@ -398,6 +398,11 @@ def main(argv=None) -> int:
                     help="a .json file, or a directory for throughput-DATE.json (-2, -3, ... "
                          "when that exists: an earlier run is never overwritten)")
     args = ap.parse_args(argv)
+    for flag in ("shapes", "concurrency", "context", "kv"):
+        values = getattr(args, flag)
+        twice = sorted({str(v) for v in values if values.count(v) > 1})
+        if twice:  # (each ran its cells again and the report counted them as passes)
+            ap.error(f"--{flag} names {', '.join(twice)} more than once")
     if args.block_size & (args.block_size - 1):
         ap.error(f"--block-size must be a power of two, got {args.block_size}")
     if args.max_model_len is not None and args.max_model_len < max(args.context):
