@@ -68,6 +68,33 @@ def test_goals():
     assert all(g["met"] is None for g in missing)
 
 
+def test_a_failed_figure_write_leaves_the_earlier_figure_whole(tmp_path: Path, monkeypatch):
+    """A figure is rendered in memory and renamed into place: a write that fails midway
+    (disk full, a stopped run) keeps the earlier PNG and leaves no partial or staging file
+    (savefig wrote the file in place)."""
+    results = _results()
+    labels = {"reference": "fp16 KV", "e4m3": "E4M3", "e4m3_unit": "unit"}
+    plots.write_plots(results, labels, tmp_path)
+    before = (tmp_path / "kl_distribution.png").read_bytes()
+    real_open = open
+
+    def full_disk(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        if "w" in mode and ".png" in str(file):
+            f.write(b"\x89PNG partial")
+            f.close()
+            raise OSError(28, "No space left on device")
+        return f
+
+    monkeypatch.setattr("builtins.open", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        plots.kl_distribution(results["heldout"], labels, tmp_path / "kl_distribution.png")
+    monkeypatch.undo()
+    assert (tmp_path / "kl_distribution.png").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "kl_distribution.png", "per_layer_error.png", "retrieval_grid.png"]
+
+
 def test_report_files_are_self_describing(tmp_path: Path):
     results = _results()
     labels = {"reference": "fp16 KV", "e4m3": "E4M3", "e4m3_unit": "unit"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,23 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from kvcap.scales.fsutil import atomic_write_bytes  # noqa: E402
+
 logger = logging.getLogger(__name__)
+
+
+def _save(fig, path: Path) -> Path:
+    """Render `fig` to PNG in memory and write it through a rename, as report.json is: a run
+    that fails or is stopped mid-write never leaves a truncated figure (savefig wrote in
+    place)."""
+    fig.tight_layout()
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format="png", dpi=110)
+    finally:
+        plt.close(fig)
+    atomic_write_bytes(Path(path), buf.getvalue())
+    return path
 
 
 def per_layer_error(heldout: dict[str, Any], labels: dict[str, str], path: Path) -> Path | None:
@@ -36,10 +53,7 @@ def per_layer_error(heldout: dict[str, Any], labels: dict[str, str], path: Path)
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def kl_distribution(heldout: dict[str, Any], labels: dict[str, str], path: Path) -> Path | None:
@@ -64,10 +78,7 @@ def kl_distribution(heldout: dict[str, Any], labels: dict[str, str], path: Path)
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def retrieval_grid(ret: dict[str, Any], labels: dict[str, str], path: Path) -> Path | None:
@@ -100,10 +111,7 @@ def retrieval_grid(ret: dict[str, Any], labels: dict[str, str], path: Path) -> P
                 ax.set_ylabel("context (tokens)", fontsize=8)
             if ti == len(tasks) - 1:
                 ax.set_xlabel("needle depth", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def write_plots(results: dict[str, Any], labels: dict[str, str], out: Path) -> list[str]:
