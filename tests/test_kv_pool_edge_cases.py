@@ -82,6 +82,26 @@ def test_capacity_marks_contexts_past_the_position_limit(tmp_path, capsys, monke
     assert "position limit (8,192 tokens)" in out
 
 
+@pytest.mark.parametrize("contexts, counts", [
+    ([], ["728", "182", "-", "-", "-"]),  # the defaults: 1K, 4K, 16K, 32K, 128K
+    (["--context", *(str(2**k) for k in range(10, 18))],
+     ["728", "364", "182", "91", "-", "-", "-", "-"]),
+])
+def test_capacity_prints_every_cell_whole_at_80_columns(tmp_path, capsys, monkeypatch, contexts,
+                                                        counts):
+    """At 80 columns (a pipe's width, a common terminal's) rich cut the cells that did not fit
+    to a prefix and an ellipsis: the README's `kvcap capacity --model default --memory-gib 8`
+    printed "fp8_e4..." and "bytes/...", and with eight contexts the counts themselves."""
+    monkeypatch.setenv("COLUMNS", "80")
+    assert _capacity(_dummy(tmp_path, SMOL), "--memory-gib", "8", *contexts) == 0
+    out = capsys.readouterr().out
+    assert "\u2026" not in out
+    e4m3 = next(line for line in out.splitlines() if line.startswith("│ fp8_e4m3 "))
+    # 8 GiB / (16 x 11,520 B) = 46,603 blocks; 1,024 tokens take 64 of them
+    assert [c.strip() for c in e4m3.split("│")[1:-1]] == ["fp8_e4m3", "11520", "745,648",
+                                                          *counts]
+
+
 def test_sliding_window_pool_shorter_than_max_model_len_does_not_warn(tmp_path, caplog):
     """Every layer slides over 32 tokens, so a 256-token sequence prefilled in 32-token chunks
     holds at most ceil(63 / 16) + 1 = 5 blocks: 8 blocks serve it (the startup line says

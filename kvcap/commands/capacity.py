@@ -37,6 +37,7 @@ def capacity_rows(spec: ModelSpec, memory_gib: float, block_size: int,
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.measure import Measurement
     from rich.table import Table
 
     from kvcap.models import loader
@@ -54,11 +55,15 @@ def run(args: argparse.Namespace) -> int:
     limit = spec.position_limit
     table = Table(title=f"KV capacity at {args.memory_gib:g} GiB ({spec.num_layers} layers, "
                         f"{spec.num_kv_heads} KV heads x {spec.head_dim})")
-    table.add_column("KV dtype")
-    table.add_column("bytes/token", justify="right")
-    table.add_column("tokens", justify="right")
+    # (rich cut a cell that did not fit the console to a prefix and an ellipsis: at 80
+    # columns, a pipe's width, the README's command printed "fp8_e4" and "bytes/", and with
+    # more --context values the counts themselves, "17" for 1728): cells never wrap or
+    # shrink, headers break at their newline, and a table wider than the console widens it)
+    table.add_column("KV dtype", no_wrap=True)
+    table.add_column("bytes/\ntoken", justify="right", no_wrap=True)
+    table.add_column("tokens", justify="right", no_wrap=True)
     for c in args.context:
-        table.add_column(f"seqs @ {c}", justify="right")
+        table.add_column(f"seqs @\n{c}", justify="right", no_wrap=True)
     for r in rows:
         # (a context past the model's position limit is one it never runs: no count)
         table.add_row(r["kv_dtype"], str(r["bytes_per_token"]), f"{r['tokens']:,}",
@@ -66,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
                         for c in args.context])
     ratio = rows[1]["tokens"] / rows[0]["tokens"]
     console = Console()
+    need = Measurement.get(console, console.options.update_width(2**20), table).maximum
+    if need > console.width:
+        console = Console(width=need)
     console.print(table)
     console.print(f"E4M3 / FP16 tokens: {ratio:.3f}x")
     if max(args.context) > limit:
