@@ -205,6 +205,23 @@ def test_generate_cut_by_the_context_says_so(tiny_dir, capsys: pytest.CaptureFix
     assert rc == 0 and "warning" not in capsys.readouterr().err
 
 
+def test_generate_structured_output_cut_by_max_tokens_says_so(tiny_dir,
+                                                              capsys: pytest.CaptureFixture
+                                                              ) -> None:
+    # --json promises one JSON object; --max-tokens 3 printed a fragment of one with exit 0
+    # and not a word
+    argv = ["-q", "generate", "--model", str(tiny_dir), "--device", "cpu", "--prompt", "hi"]
+    assert main([*argv, "--max-tokens", "3", "--json"]) == 0
+    out, err = capsys.readouterr()
+    with pytest.raises(ValueError):
+        json.loads(out)
+    assert "warning: --max-tokens 3 ended the output before it was complete under --json" in err
+    # a whole value at exactly --max-tokens (one digit, no room left for EOS) is not warned of
+    assert main([*argv, "--max-tokens", "1", "--regex", "[0-9]"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip().isdigit() and "warning" not in err
+
+
 def test_generate_to_a_stdout_that_cannot_encode_the_text(tiny_dir, monkeypatch,
                                                           capsys: pytest.CaptureFixture) -> None:
     # PYTHONIOENCODING=ascii, a Latin-1 locale: a UnicodeEncodeError traceback mid-output

@@ -78,6 +78,17 @@ def read_schema(arg: str | None):
         raise ConfigError(f"--json-schema: {arg} is not valid JSON: {e}") from None
 
 
+def _format_complete(llm, params, token_ids) -> bool:
+    """Whether the output's tokens are a whole value of the request's structured format."""
+    from kvcap.engine.token_bytes import TokenTexts
+
+    grammar, texts = params.grammar(), TokenTexts(llm.tokenizer)
+    state = grammar.start
+    for tok in token_ids:
+        state = grammar.feed(state, texts(tok)[1])
+    return grammar.complete(state)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvcap.llm import LLM, check_text
     from kvcap.models.text_prompt import encode_prompt
@@ -148,6 +159,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: stopped after {len(last.token_ids)} of --max-tokens {params.max_tokens}"
               f" tokens: the prompt's {len(ids)} tokens and the output reached max_model_len "
               f"{llm.engine.max_model_len} (--max-model-len)", file=sys.stderr)
+    elif (last is not None and last.finish_reason == "length" and params.structured
+          and not _format_complete(llm, params, last.token_ids)):
+        # --json / --json-schema / --choice / --regex promise a whole value, but --max-tokens
+        # cut it off mid-way (`{"name": "Ava", "desc`): exit 0 and not a word
+        flag = next(f for f, v in (("--json", args.json), ("--json-schema", args.json_schema),
+                                   ("--choice", args.choice), ("--regex", args.regex)) if v)
+        print(f"warning: --max-tokens {params.max_tokens} ended the output before it was "
+              f"complete under {flag}: raise --max-tokens", file=sys.stderr)
     e = llm.engine
     if e.num_draft_tokens:  # what speculative decoding did for this request
         print(f"speculative decoding: {e.num_accepted_tokens} of {e.num_draft_tokens} draft "
