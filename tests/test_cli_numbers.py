@@ -95,6 +95,20 @@ def test_bench_suites_refuse_bad_numbers(suite, args, name):
     assert f"argument {name}:" in res.stderr and "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("suite", ["verify_cost", "sampler"])
+def test_bench_suite_usage_names_its_command(suite, capsys):
+    # a suite's parser took its name from sys.argv[0]: "usage: kvcap [-h] ..." and "kvcap:
+    # error: argument --k: ...", a command line that does not exist
+    from kvcap.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", suite, "--no-such-flag"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert err.startswith(f"usage: kvcap bench {suite} [-h]")
+    assert f"kvcap bench {suite}: error: unrecognized arguments: --no-such-flag" in err
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible")
 @pytest.mark.parametrize("suite", ["throughput", "step_profile", "gemm", "verify_cost"])
 def test_gpu_bench_suites_say_they_need_a_gpu(suite):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 from kvcap.errors import ConfigError
 
@@ -26,4 +27,11 @@ def run(args: argparse.Namespace) -> int:
         mod = importlib.import_module(f"kvcap.bench.{args.suite}")
     except ModuleNotFoundError as e:
         raise ConfigError(f"benchmark suite {args.suite!r} is not available: {e}") from None
-    return int(mod.main(args.args) or 0)
+    # (a suite's parser takes its name from sys.argv[0]: its usage read "usage: kvcap [-h]
+    # [--shapes ...]" and its errors "kvcap: error: argument --concurrency: ...", a command
+    # line that does not exist)
+    argv0, sys.argv[0] = sys.argv[0], f"kvcap bench {args.suite}"
+    try:
+        return int(mod.main(args.args) or 0)
+    finally:
+        sys.argv[0] = argv0
