@@ -36,6 +36,19 @@ def test_enum_and_const_keep_only_the_values_the_other_keywords_allow(schema, va
         assert accepts(g, text) == valid, (schema, text)
 
 
+def test_a_pydantic_model_class_as_the_schema_names_its_schema():
+    """README: "a schema (pydantic's, or any dict)"; the model class itself was refused with
+    only "Object of type ModelMetaclass is not JSON serializable"."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class Pet(pydantic.BaseModel):
+        name: str
+
+    with pytest.raises(SchemaError, match=r"not JSON data: .*Model\.model_json_schema\(\)"):
+        compile_schema(Pet)
+    assert accepts(compile_schema(Pet.model_json_schema()), '{"name": "Ava"}')
+
+
 @pytest.mark.parametrize("schema", [
     {"const": "x", "enum": ["y"]},
     {"type": "string", "enum": [1, 2]},

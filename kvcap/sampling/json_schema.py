@@ -105,7 +105,11 @@ def compile_schema(schema: Any) -> Grammar:
     try:
         text = json.dumps(schema, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise SchemaError(f"the schema is not JSON data: {e}") from None
+        # (a pydantic model class, as OpenAI's client takes it, met only "Object of type
+        # ModelMetaclass is not JSON serializable")
+        hint = ("; pass the model's schema, Model.model_json_schema()"
+                if hasattr(schema, "model_json_schema") else "")
+        raise SchemaError(f"the schema is not JSON data: {e}{hint}") from None
     return _compile_text(text)
 
 
