@@ -14,7 +14,6 @@ one line on stderr (exit 2).
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import re
@@ -22,7 +21,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from kvcap.scales.fsutil import atomic_write_bytes
+from kvcap.scales.fsutil import atomic_write_png
 
 DEFAULT_SHAPE = "llama-3.1-8b"
 CROSS_RUN = "\u2020"  # a ratio between cells of two files (runs): a footnote says so
@@ -309,11 +308,9 @@ def plot(cells: list[dict], out_png: str | Path, shape: str = DEFAULT_SHAPE) -> 
     ax.legend(fontsize=7, loc="upper left", title="KV cache (bar labels: roofline fraction)",
               title_fontsize=7)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out, buf.getvalue())
+    atomic_write_png(out, fig, dpi=120)
     return out
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import logging
 from pathlib import Path
 from typing import Any
@@ -13,22 +12,18 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kvcap.scales.fsutil import atomic_write_bytes  # noqa: E402
+from kvcap.scales.fsutil import atomic_write_png  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 
 def _save(fig, path: Path) -> Path:
-    """Render `fig` to PNG in memory and write it through a rename, as report.json is: a run
-    that fails or is stopped mid-write never leaves a truncated figure (savefig wrote in
-    place)."""
+    """Write `fig` through a rename, as report.json is (savefig wrote in place), and close it."""
     fig.tight_layout()
-    buf = io.BytesIO()
     try:
-        fig.savefig(buf, format="png", dpi=110)
+        atomic_write_png(Path(path), fig, dpi=110)
     finally:
         plt.close(fig)
-    atomic_write_bytes(Path(path), buf.getvalue())
     return path
 
 

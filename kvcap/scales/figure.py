@@ -3,14 +3,13 @@ values fall against E4M3's underflow / subnormal / normal / saturation ranges.""
 
 from __future__ import annotations
 
-import io
 import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvcap.scales.fsutil import atomic_write_bytes
+from kvcap.scales.fsutil import atomic_write_png
 from kvcap.scales.report import E4M3_MAX, MIN_NORMAL, UNDERFLOW
 
 _RANGES = (("underflow", "underflow_frac", "#d62728"), ("subnormal", "subnormal_frac", "#ff7f0e"),
@@ -100,8 +99,6 @@ def write_figure(report: dict[str, Any], path: Path | str) -> Path:
     fig.suptitle(f"kvcap calibration: {report['num_layers']} layers, {tokens} tokens, shards "
                  f"{', '.join(report['shard_names'])}", fontsize=10)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    atomic_write_png(Path(path), fig, dpi=110)
     plt.close(fig)
-    atomic_write_bytes(Path(path), buf.getvalue())
     return Path(path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import logging
 import os
 import shutil
@@ -43,6 +44,14 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def atomic_write_png(path: Path, fig, dpi: int) -> None:
+    """A matplotlib figure as PNG, rendered in memory and written with atomic_write_bytes: a
+    failed or stopped write never leaves a truncated figure (savefig writes in place)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    atomic_write_bytes(Path(path), buf.getvalue())
 
 
 def atomic_write_text(path: Path, text: str, errors: str = "strict") -> None:
