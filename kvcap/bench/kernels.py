@@ -36,7 +36,7 @@ import triton.language as tl
 from kvcap.bench.provenance import result_path, stamp
 from kvcap.bench.telemetry import sm_clock_mhz
 from kvcap.bench.throughput_targets import json_number
-from kvcap.commands.common import block_size, positive_int, positive_int_list
+from kvcap.commands.common import block_size, list_type, positive_int, positive_int_list
 from kvcap.kernels.common import sm_count
 from kvcap.kernels.decode import choose_num_splits, default_launch, paged_decode
 from kvcap.scales.fsutil import atomic_write_text
@@ -862,15 +862,8 @@ def parse_configs(text: str) -> list[tuple]:
                          "(MAXNREG 0 = no cap), e.g. 128:4:3:128,64:4:4:0") from None
 
 
-def parse_splits(text: str) -> list[int]:
-    """'1,2,3' -> [1, 2, 3] (split counts >= 1) for --occupancy-splits."""
-    try:
-        counts = [int(x) for x in text.split(",")]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected split counts >= 1, e.g. 1,2,3,4")
-    return counts
+# '1,2,3' -> [1, 2, 3] (split counts >= 1) for --occupancy-splits
+parse_splits = list_type(positive_int, "split counts >= 1, e.g. 1,2,3,4", "parse_splits")
 
 
 def parse_names(known: list[str]):

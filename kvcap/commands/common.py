@@ -41,7 +41,7 @@ block_size = _number_type(int, lambda v: v >= 1 and not v & (v - 1), "a power of
                           "block_size")
 
 
-def _list_type(item, expected: str, name: str):
+def list_type(item, expected: str, name: str):
     """An argparse type for comma-separated values, each one `item` (an argparse type above):
     a value it refuses is a one-line usage error naming the whole list."""
     def parse(text: str) -> list:
@@ -54,9 +54,9 @@ def _list_type(item, expected: str, name: str):
 
 
 # a benchmark's batches, contexts, ... ("1,4,8"); draft counts where 0 is the reference run
-positive_int_list = _list_type(positive_int, "comma-separated integers >= 1, e.g. 1,4,8",
+positive_int_list = list_type(positive_int, "comma-separated integers >= 1, e.g. 1,4,8",
                                "positive_int_list")
-non_negative_int_list = _list_type(non_negative_int, "comma-separated integers >= 0, e.g. 0,2,4",
+non_negative_int_list = list_type(non_negative_int, "comma-separated integers >= 0, e.g. 0,2,4",
                                    "non_negative_int_list")
 
 
