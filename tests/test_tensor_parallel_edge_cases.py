@@ -8,6 +8,7 @@ Every test runs with KVCAP_TP_TIMEOUT_S=60, so a regression fails instead of han
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -180,6 +181,18 @@ except Exception as e:
 """
 
 
+def _run_rendezvous_driver(tmp_path, fault: str, timeout_s: str, wait: float) -> dict[str, str]:
+    """_RENDEZVOUS_DRIVER in a subprocess with `fault` for its workers and
+    KVCAP_TP_TIMEOUT_S=`timeout_s`: its FIRST and SECOND lines by their first word."""
+    env = {**os.environ, "KVCAP_TP_TIMEOUT_S": timeout_s, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _RENDEZVOUS_DRIVER, _model(tmp_path), fault],
+                          capture_output=True, text=True, timeout=wait, env=env)
+    lines = {x.split()[0]: x for x in proc.stdout.splitlines() if x.startswith(("FIRST",
+                                                                                 "SECOND"))}
+    assert set(lines) == {"FIRST", "SECOND"}, proc.stderr[-3000:]
+    return lines
+
+
 @pytest.mark.parametrize(("fault", "reason"), [
     ("init", r"exit code 1\): RuntimeError: injected rendezvous failure"),
     ("ctrl", r"killed by SIGKILL\)"),
@@ -193,12 +206,7 @@ def test_worker_dying_in_the_rendezvous_fails_startup_at_once(tmp_path, inject, 
     too). Run in a subprocess: the old failure poisoned torch.distributed's global state for
     every later TP test in the same process."""
     inject("")  # the driver script sets the fault for its own workers
-    env = {**os.environ, "KVCAP_TP_TIMEOUT_S": "120", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", _RENDEZVOUS_DRIVER, _model(tmp_path), fault],
-                          capture_output=True, text=True, timeout=240, env=env)
-    lines = {x.split()[0]: x for x in proc.stdout.splitlines() if x.startswith(("FIRST",
-                                                                                 "SECOND"))}
-    assert set(lines) == {"FIRST", "SECOND"}, proc.stderr[-3000:]
+    lines = _run_rendezvous_driver(tmp_path, fault, "120", wait=240)
     first, second = lines["FIRST"].split(maxsplit=3), lines["SECOND"].split(maxsplit=3)
     assert float(first[1]) < 30.0, lines  # not the data timeout
     assert first[2] == "TensorParallelError", lines
@@ -214,12 +222,7 @@ def test_a_worker_wedged_before_the_control_group_fails_startup_in_bounded_time(
     rendezvous reads now give up after KVCAP_TP_TIMEOUT_S (10 s here), the worker is killed,
     and the process can start another TP LLM."""
     inject("")  # the driver script sets the fault for its own workers
-    env = {**os.environ, "KVCAP_TP_TIMEOUT_S": "10", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", _RENDEZVOUS_DRIVER, _model(tmp_path),
-                           "wedge-ctrl"], capture_output=True, text=True, timeout=120, env=env)
-    lines = {x.split()[0]: x for x in proc.stdout.splitlines() if x.startswith(("FIRST",
-                                                                                 "SECOND"))}
-    assert set(lines) == {"FIRST", "SECOND"}, proc.stderr[-3000:]
+    lines = _run_rendezvous_driver(tmp_path, "wedge-ctrl", "10", wait=120)
     first = lines["FIRST"].split(maxsplit=3)
     assert float(first[1]) < 30.0, lines
     assert first[2:] == ["TensorParallelError", "a tensor-parallel rank did not join the "
@@ -247,6 +250,21 @@ def test_worker_raising_mid_run_stops_the_group_with_its_error(tmp_path, inject)
         llm.shutdown()
 
 
+@contextlib.contextmanager
+def _killed_if_stuck(pids: list[int], after: float = 30.0):
+    """A regression of the bounded waits below would wait forever: after `after` seconds the
+    workers are killed, which turns it into another failure; and none outlives the block."""
+    rescue = threading.Timer(after, lambda: [os.kill(p, signal.SIGKILL)
+                                             for p in _worker_pids_alive(pids)])
+    rescue.start()
+    try:
+        yield
+    finally:
+        rescue.cancel()
+        for pid in _worker_pids_alive(pids):
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("call", ["generate", "shutdown"])
 def test_a_stopped_worker_fails_rank0s_message_in_bounded_time(tmp_path, call):
     """A worker that is alive but takes no message (stopped here; wedged alike) is no exit the
@@ -260,25 +278,19 @@ def test_a_stopped_worker_fails_rank0s_message_in_bounded_time(tmp_path, call):
     pids = [p.pid for p in llm.tp.procs]
     llm.tp.comm.send_timeout = timedelta(seconds=2)
     os.kill(pids[0], signal.SIGSTOP)
-    # a regression would wait forever: the kill turns it into a failure (another message)
-    rescue = threading.Timer(30.0, lambda: [os.kill(p, signal.SIGKILL)
-                                            for p in _worker_pids_alive(pids)])
-    rescue.start()
     try:
-        start = time.monotonic()
-        if call == "generate":
-            with pytest.raises(TensorParallelError, match=r"did not take rank 0's message in 2 "
-                                                          r"s \(KVCAP_TP_TIMEOUT_S\)"):
-                llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
-            with pytest.raises(TensorParallelError, match="wedged or stopped"):  # stays down
-                llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
-        llm.shutdown()
-        assert time.monotonic() - start < 20.0
-        assert _worker_pids_alive(pids) == []
+        with _killed_if_stuck(pids):
+            start = time.monotonic()
+            if call == "generate":
+                with pytest.raises(TensorParallelError, match=r"did not take rank 0's message "
+                                                              r"in 2 s \(KVCAP_TP_TIMEOUT_S\)"):
+                    llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+                with pytest.raises(TensorParallelError, match="wedged or stopped"):  # stays down
+                    llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+            llm.shutdown()
+            assert time.monotonic() - start < 20.0
+            assert _worker_pids_alive(pids) == []
     finally:
-        rescue.cancel()
-        for pid in _worker_pids_alive(pids):
-            os.kill(pid, signal.SIGKILL)
         llm.shutdown()
 
 
@@ -294,28 +306,22 @@ def test_a_worker_wedged_in_collect_kv_stats_fails_rank0_in_bounded_time(tmp_pat
     inject("wedge-stats")
     llm = LLM(model=_model(tmp_path), device="cpu", num_blocks=16, tensor_parallel_size=2)
     pids = [p.pid for p in llm.tp.procs]
-    # a regression would wait forever: the kill turns it into another failure
-    rescue = threading.Timer(30.0, lambda: [os.kill(p, signal.SIGKILL)
-                                            for p in _worker_pids_alive(pids)])
-    rescue.start()
     try:
-        llm.set_kv_observer(KVStatsObserver(TINY["num_hidden_layers"]))
-        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
-        llm.tp.comm.send_timeout = timedelta(seconds=2)
-        start = time.monotonic()
-        with pytest.raises(TensorParallelError, match=r"^a tensor-parallel rank did not send "
-                                                      r"rank 0 its reply in 2 s \(KVCAP_TP_"
-                                                      r"TIMEOUT_S\): a worker is wedged or "
-                                                      r"stopped$"):
-            llm.collect_kv_stats()
-        assert time.monotonic() - start < 20.0
-        with pytest.raises(TensorParallelError, match="wedged or stopped"):  # stays down
+        with _killed_if_stuck(pids):
+            llm.set_kv_observer(KVStatsObserver(TINY["num_hidden_layers"]))
             llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
-        assert _worker_pids_alive(pids) == []
+            llm.tp.comm.send_timeout = timedelta(seconds=2)
+            start = time.monotonic()
+            with pytest.raises(TensorParallelError, match=r"^a tensor-parallel rank did not "
+                                                          r"send rank 0 its reply in 2 s "
+                                                          r"\(KVCAP_TP_TIMEOUT_S\): a worker "
+                                                          r"is wedged or stopped$"):
+                llm.collect_kv_stats()
+            assert time.monotonic() - start < 20.0
+            with pytest.raises(TensorParallelError, match="wedged or stopped"):  # stays down
+                llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+            assert _worker_pids_alive(pids) == []
     finally:
-        rescue.cancel()
-        for pid in _worker_pids_alive(pids):
-            os.kill(pid, signal.SIGKILL)
         llm.shutdown()
 
 
