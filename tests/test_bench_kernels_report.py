@@ -276,3 +276,39 @@ def test_bad_lists_are_usage_errors_before_the_gpu_is_needed(capsys, argv, flag)
         main(argv)
     assert e.value.code == 2
     assert f"argument {flag}:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--sweep-occupancy", "--batches", "8"],
+     "--sweep-occupancy times its own cells unless --grid is given: add --grid to time "
+     "--shapes x --batches x --contexts (--batches would be ignored)"),
+    (["--compare-fold", "--contexts", "16384"], "--compare-fold times its own cells unless"),
+    (["--compare-words", "--grid"], "--compare-words times its own cells: --grid would be"),
+    (["--compare-decoders", "--batches", "4"], "--compare-decoders times its own cells"),
+])
+def test_own_cell_modes_refuse_cell_flags_they_would_ignore(argv, message, capsys):
+    """Refused before any GPU work: a sweep told `--batches 8` without --grid once timed
+    its own four cells instead."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_own_cell_modes_take_cell_flags_with_grid(monkeypatch):
+    """With --grid (or --occupancy-splits for the sweep) the flags choose the cells: no refusal."""
+    from kvcap.bench.kernels import own_cells_error
+
+    seen = []
+    monkeypatch.setattr(kvcap_kernels_bench, "own_cells_error",
+                        lambda args: seen.append(args) or "stop here")  # main's parsed args
+
+    def parsed(*argv):
+        with pytest.raises(SystemExit):
+            main(list(argv))
+        return seen[-1]
+
+    assert own_cells_error(parsed("--sweep-occupancy", "--batches", "8", "--grid")) is None
+    assert own_cells_error(parsed("--sweep-occupancy", "--batches", "8",
+                                  "--occupancy-splits", "1,2")) is None
+    assert own_cells_error(parsed("--sweep-occupancy")) is None  # its own cells, no flags

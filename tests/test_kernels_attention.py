@@ -620,3 +620,60 @@ def test_backend_builds_a_steps_launchers_once_for_every_layer(monkeypatch, kv_d
     be.forward(step.q, step.k, step.v, step.cache, step.meta, step.softmax_scale,
                step.out_buffer())  # a new step's metadata: planned again
     assert len(builds) == 10
+
+
+def test_word_route_tiles_by_gpu(monkeypatch):
+    """E4M3 word route at D = 128: 64-token tiles (5 stages, 4 resident programs per SM,
+    splits aiming at 3) on the GPUs WORD_ROUTE_TILE_BY_GPU names, over calls longer than
+    WIDE_WORD_ROUTE_TOKENS; 128-token tiles elsewhere; KVCAP_WORD_ROUTE_TILE forces either and
+    refuses anything else. The split counts are the H100 sweep's best: 6 / 3 / 1 at 8 / 16 / 64
+    sequences of 8 KV heads."""
+    from types import SimpleNamespace
+
+    from kvcap.kernels import decode
+
+    gpu = {"name": "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(decode, "device_properties", lambda device: SimpleNamespace(
+        major=9, minor=0, name=gpu["name"], shared_memory_per_multiprocessor=233472,
+        regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048))
+    monkeypatch.setattr(decode, "has_mma", lambda device: True)
+    monkeypatch.setattr(decode, "sm_count", lambda device: 132)
+    monkeypatch.delenv(decode.ENV_WORD_ROUTE_TILE, raising=False)
+    cuda = torch.device("cuda")
+    for b, ctx, splits in ((8, 16384, 6), (16, 16384, 3), (64, 16384, 1), (8, 32768, 6),
+                           (16, 131072, 3), (64, 131072, 1)):
+        words, cfg, n = decode.default_launch(b, 8, ctx, 128, True, cuda)
+        assert words and (cfg.block_n, cfg.num_stages, cfg.maxnreg, cfg.resident) == \
+            (64, 5, 128, 4), (b, ctx)
+        assert n == splits, (b, ctx, n)
+    short = decode.default_launch(64, 8, decode.WIDE_WORD_ROUTE_TOKENS, 128, True, cuda)
+    assert short[1].block_n == 128 and short[1].num_stages == 3  # the wide short-call launch
+    assert decode.default_launch(8, 8, 16384, 128, False, cuda)[1].block_n == 64  # 16-bit
+    gpu["name"] = "NVIDIA H200"
+    assert decode.default_launch(64, 8, 16384, 128, True, cuda)[1].block_n == 128
+    monkeypatch.setenv(decode.ENV_WORD_ROUTE_TILE, "64")
+    assert decode.default_launch(64, 8, 2048, 128, True, cuda)[1].block_n == 64
+    gpu["name"] = "NVIDIA H100 80GB HBM3"
+    monkeypatch.setenv(decode.ENV_WORD_ROUTE_TILE, "128")
+    assert decode.default_launch(64, 8, 16384, 128, True, cuda)[1].block_n == 128
+    monkeypatch.setenv(decode.ENV_WORD_ROUTE_TILE, "96")
+    with pytest.raises(ValueError, match="KVCAP_WORD_ROUTE_TILE='96': expected 64 or 128"):
+        decode.default_launch(64, 8, 16384, 128, True, cuda)
+
+
+def test_word_route_64_token_residency():
+    """The 64-token word-route program's shared memory leaves registers (128 per thread) as
+    what bounds it: 4 programs per Hopper SM, as on the A100 (164 KiB) too."""
+    from types import SimpleNamespace
+
+    from kvcap.kernels.common import programs_per_sm
+    from kvcap.kernels.decode import WORD_ROUTE_64_SHARED_BYTES
+
+    def props(shared):
+        return SimpleNamespace(major=9, minor=0, shared_memory_per_multiprocessor=shared,
+                               regs_per_multiprocessor=65536,
+                               max_threads_per_multi_processor=2048)
+
+    assert programs_per_sm(props(233472), WORD_ROUTE_64_SHARED_BYTES, 128, 4) == 4
+    assert programs_per_sm(props(167936), WORD_ROUTE_64_SHARED_BYTES, 128, 4) == 4
+    assert programs_per_sm(props(102400), WORD_ROUTE_64_SHARED_BYTES, 128, 4) == 2

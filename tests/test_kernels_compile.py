@@ -24,6 +24,7 @@ from kvcap.kernels.decode import (  # noqa: E402
     BYTE_ROUTE_D64_REGISTERS,
     BYTE_ROUTE_D64_SHARED_BYTES,
     SIXTEEN_BIT_SHARED_BYTES,
+    WORD_ROUTE_64_SHARED_BYTES,
     WORD_ROUTE_D256_REGISTERS,
     WORD_ROUTE_D256_SHARED_BYTES,
     WORD_ROUTE_SHARED_BYTES,
@@ -146,6 +147,19 @@ def test_fp16_cache_residency_on_mma_gpus(sm, dtype):
                     "--dtype", dtype)
         assert c["shared memory bytes"] <= WORD_ROUTE_SHARED_BYTES[3]
         assert c["spill store bytes"] <= 8
+
+
+@pytest.mark.parametrize("cache,dtype", [("native", "bf16"), ("software", "bf16"),
+                                         ("native", "fp16")])
+def test_word_route_64_token_tiles_residency_on_hopper(cache, dtype):
+    """The word route's 64-token launch (decode_config where word_route_tile gives 64: 4 warps,
+    5 stages, 128-register cap, byte pairs) fits WORD_ROUTE_64_SHARED_BYTES on sm_90 without
+    spills, so 4 programs per SM hold as its split rule assumes."""
+    c = _counts("--cache", cache, "--words", "--sm", "90", "--block-n", "64", "--num-warps",
+                "4", "--num-stages", "5", "--maxnreg", "128", "--pairs", "--dtype", dtype)
+    assert c["shared memory bytes"] <= WORD_ROUTE_64_SHARED_BYTES
+    assert c["registers"] <= 128
+    assert c["spill store bytes"] == 0
 
 
 @pytest.mark.parametrize("sm", [80, 86, 90])

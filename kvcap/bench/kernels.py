@@ -431,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:  # e.g. `... --summary FILE | head`: the reader left, no traceback
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    cells_error = own_cells_error(args)
+    if cells_error:
+        ap.error(cells_error)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -834,6 +837,31 @@ def compare_decoders(l2: int, read_tbs: float) -> list[dict]:
         del cell
         torch.cuda.empty_cache()
     return rows
+
+
+def own_cells_error(args) -> str | None:
+    """Why --batches / --contexts / --grid would be ignored, or None. The knob comparisons
+    and the occupancy sweep time their own target cells unless --grid (or, for the sweep,
+    --occupancy-splits) asks for --shapes x --batches x --contexts; --compare-words and
+    --compare-decoders always time their own. A sweep told `--batches 8` once ran other cells."""
+    chose = [flag for flag, value, default in (("--batches", args.batches, BATCHES),
+                                               ("--contexts", args.contexts, CONTEXTS))
+             if value != default]
+    fixed = [f for f, on in (("--compare-words", args.compare_words),
+                             ("--compare-decoders", args.compare_decoders)) if on]
+    if fixed and (chose or args.grid):
+        return (f"{fixed[0]} times its own cells: {', '.join(chose + ['--grid'] * args.grid)} "
+                f"would be ignored")
+    gridded = [f for f, on in (("--compare-pairs", args.compare_pairs),
+                               ("--compare-bf16", args.compare_bf16),
+                               ("--compare-fold", args.compare_fold),
+                               ("--compare-prewait", args.compare_prewait),
+                               ("--sweep-occupancy", args.sweep_occupancy
+                                and not args.occupancy_splits)) if on]
+    if gridded and chose and not args.grid:
+        return (f"{gridded[0]} times its own cells unless --grid is given: add --grid to time "
+                f"--shapes x --batches x --contexts ({', '.join(chose)} would be ignored)")
+    return None
 
 
 # (block_n, num_warps, num_stages, maxnreg) for the occupancy sweep: at the default 128/4/2 the

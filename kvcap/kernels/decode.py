@@ -16,6 +16,7 @@ decoders give FP16 values, so only the query is converted, once per program.
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -550,6 +551,19 @@ WORD_ROUTE_SHARED_BYTES = {3: 41472, 5: 74752}
 # 557 against 538 (there the double-buffered tiles matter more than the merge), hence the
 # bound.
 WIDE_WORD_ROUTE_TOKENS = 4096
+# The word route at D = 128 in 64-token tiles (4 warps, 5 stages, byte pairs, 128-register cap):
+# ptxas sm_90a, triton 3.9, 39,424 bytes of shared memory and 119 registers, so registers bound
+# it at 4 programs per Hopper SM where the 128-token program's 74,752 bytes hold 3. H100, 8B
+# shape, BF16 queries, three sweeps in one run (docs/benchmarks/word-tiles-2026-12-07-h100-8b-
+# bf16.json; docs/kernels.md, "Thirty-ninth change"): over 16K / 32K tokens 64-token tiles took
+# 0.94-0.95x the 128-token launch's time at 64 sequences (one split: 512 programs, one wave of
+# 4 x 132) and 0.97-0.99x at 8 and 16 sequences (6 / 3 splits, ~3 programs per SM, beat the
+# full 4), natively and in software. Taken on the GPUs where it was measured
+# (WORD_ROUTE_TILE_BY_GPU, matched by name as common.PDL_MAX_ROWS_BY_GPU is) and past
+# WIDE_WORD_ROUTE_TOKENS only: shorter calls keep the launches measured there.
+WORD_ROUTE_64_SHARED_BYTES = 39424
+WORD_ROUTE_TILE_BY_GPU = {"H100 80GB HBM3": 64}
+ENV_WORD_ROUTE_TILE = "KVCAP_WORD_ROUTE_TILE"
 
 # The 16-bit kernel's program by head size (4 warps, 2 stages; BLOCK_N 128 at D = 64, 64 above) on
 # sm_80 to sm_90: shared memory bytes, and registers per thread by target (sm_80; other pre-Hopper
@@ -669,6 +683,22 @@ def word_route_launch(props) -> tuple[int, int]:
     return 3, word_route_programs(props, 3)
 
 
+def word_route_tile(device: torch.device, max_seq_len: int) -> int:
+    """Tokens per tile of the E4M3 word route at D = 128: 64 on the GPUs WORD_ROUTE_TILE_BY_GPU
+    names, over calls longer than WIDE_WORD_ROUTE_TOKENS; else 128. KVCAP_WORD_ROUTE_TILE=64|128
+    forces either on any GPU (for measurements)."""
+    raw = os.environ.get(ENV_WORD_ROUTE_TILE, "").strip()
+    if raw:
+        if raw not in ("64", "128"):
+            raise ValueError(f"{ENV_WORD_ROUTE_TILE}={raw!r}: expected 64 or 128 tokens per "
+                             f"tile of the E4M3 word route (unset it for the default)")
+        return int(raw)
+    if max_seq_len <= WIDE_WORD_ROUTE_TOKENS:
+        return 128
+    name = getattr(device_properties(device), "name", "")
+    return next((v for k, v in WORD_ROUTE_TILE_BY_GPU.items() if k in name), 128)
+
+
 def word_route_programs(props, stages: int) -> int:
     """Programs per SM of the E4M3 word route at D = 128 with `stages` pipeline stages (its
     shared memory, WORD_ROUTE_SHARED_BYTES; 128 registers; 4 warps)."""
@@ -716,6 +746,14 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
         return DecodeConfig(64, 4, 2, False, 8, short_programs_per_sm=8)
     if fp8 and words and head_dim == 128:
         props = device_properties(device)
+        if word_route_tile(device, max_seq_len) == 64:
+            # Splits aim at 3 programs per SM (8 / 16 sequences: 6 / 3 splits beat the full 4),
+            # but a grid that fits one wave of the 4 resident stays unsplit (64 sequences).
+            resident = programs_per_sm(props, WORD_ROUTE_64_SHARED_BYTES, 128, 4)
+            return DecodeConfig(64, 4, 5, False, min(3, resident), maxnreg=128,
+                                whole_waves=True, pairs=True,
+                                short_programs_per_sm=SHORT_WORD_PROGRAMS_PER_SM,
+                                resident=resident)
         stages, resident = word_route_launch(props)
         if stages == 5 and 0 < max_seq_len <= WIDE_WORD_ROUTE_TOKENS:
             wide, sms = word_route_programs(props, 3), sm_count(device)
