@@ -39,7 +39,7 @@ from kvcap.kv_cache.spec import KVCacheSpec, peak_blocks
 from kvcap.models import loader
 from kvcap.models.fp8_linear import large_batch_note, resolve_keep
 from kvcap.models.registry import load_model
-from kvcap.models.text_prompt import TemplateRefused, chat_ids, encode_prompt
+from kvcap.models.text_prompt import TemplateRefused, chat_ids, chat_messages, encode_prompt
 from kvcap.qsa import enable as qsa_wiring
 from kvcap.qsa.config import QSAConfig
 from kvcap.sampling_params import SamplingParams
@@ -629,7 +629,9 @@ class LLM:
 
     def chat(self, messages, params: SamplingParams | None = None, use_tqdm: bool = True
              ) -> list[RequestOutput]:
-        """messages: one conversation (list of {role, content}) or a list of them."""
+        """messages: one conversation (list of {role, content}) or a list of them, as the
+        server's chat route takes them (text content parts, `developer`, tool calls with JSON
+        arguments); other keys of a message reach the chat template as given."""
         if self.tokenizer is None:
             raise ConfigError("dummy models have no tokenizer or chat template")
         if not _is_seq(messages):
@@ -641,7 +643,16 @@ class LLM:
                 raise ConfigError("chat: each message must be a {'role', 'content'} dict and a "
                                   "conversation a list of them, got "
                                   f"{c!r}"[:200])
-        ids = [self.apply_chat_template(c) for c in convs]
+        # the server's messages work here too: text parts, `developer`, tool calls' JSON
+        # arguments; all checked before the first conversation renders
+        norm = []
+        for k, c in enumerate(convs):
+            try:
+                norm.append(chat_messages(c))
+            except ConfigError as e:
+                raise ConfigError(f"chat: conversation {k}: {e}" if len(convs) > 1
+                                  else f"chat: {e}") from None
+        ids = [self.apply_chat_template(c) for c in norm]
         return self.generate(ids, params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, conversation) -> list[int]:

@@ -18,7 +18,6 @@ completions' `echo` are formatted by `kvcap.server.logprobs`.
 
 from __future__ import annotations
 
-import json
 import time
 import types
 import uuid
@@ -33,6 +32,8 @@ from pydantic import (
     model_validator,
 )
 
+from kvcap.errors import ConfigError
+from kvcap.models.text_prompt import template_call
 from kvcap.sampling_params import CHECKPOINT_SAMPLING_FIELDS, SamplingParams
 from kvcap.server.structured_request import StructuredRequestError, structured_request
 from kvcap.server.tools import ToolPlan, ToolRequestError, plan_tools
@@ -427,19 +428,10 @@ def conversation(messages: list[ChatMessage] | None) -> list[dict[str, Any]]:
 
 
 def _template_call(call: dict[str, Any], where: str) -> dict[str, Any]:
-    fn = call.get("function")
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise APIError(400, f"{where}: must have function.name and function.arguments",
-                       param="messages")
-    args = fn.get("arguments", "{}")
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            raise APIError(400, f"{where}.function.arguments: not valid JSON",
-                           param="messages") from None
-    return {"id": call.get("id"), "type": "function",
-            "function": {"name": fn["name"], "arguments": args}}
+    try:  # (shared with LLM.chat, which answers the same call the same way offline)
+        return template_call(call, where)
+    except ConfigError as e:
+        raise APIError(400, str(e), param="messages") from None
 
 
 class TokenizeRequest(BaseModel):
