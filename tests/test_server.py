@@ -307,6 +307,12 @@ def test_tokenize_and_detokenize(srv, offline):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert httpx.post(f"{srv.url}/tokenize", json={"model": "tiny", "prompt": "x"}
                       ).status_code == 401  # the API key guards it
+    # vLLM's routes take the model as optional: the served one; a wrong one is still a 404
+    plain = srv.http.post("/tokenize", json={"prompt": text}).json()
+    assert plain["tokens"] == offline.tokenizer.encode(text, add_special_tokens=False)
+    assert srv.http.post("/detokenize", json={"tokens": plain["tokens"]}).json()["prompt"] == \
+        offline.tokenizer.decode(plain["tokens"])
+    assert srv.http.post("/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
 
 
 TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"

@@ -201,7 +201,8 @@ def create_app(
     async def tokenize(request: Request) -> dict[str, Any]:
         """vLLM's token counting route: a prompt or chat messages -> token ids."""
         req = P.parse_request(await request.body(), P.TokenizeRequest)
-        serving.check_model(req.model)
+        if req.model is not None:
+            serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise P.APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
@@ -219,7 +220,8 @@ def create_app(
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
         req = P.parse_request(await request.body(), P.DetokenizeRequest)
-        serving.check_model(req.model)
+        if req.model is not None:
+            serving.check_model(req.model)
         if any(not 0 <= t < llm.spec.vocab_size for t in req.tokens):
             raise P.APIError(400, f"tokens: token ids must be in [0, {llm.spec.vocab_size})",
                              param="tokens")

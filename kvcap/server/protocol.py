@@ -438,7 +438,7 @@ class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
-    model: str
+    model: str | None = None  # optional, as in vLLM: the served model
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Any] | None = None  # shown to the chat template, as on the chat route
@@ -452,7 +452,7 @@ class TokenizeRequest(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    model: str
+    model: str | None = None  # optional, as in vLLM: the served model
     tokens: list[int]
 
 
