@@ -77,10 +77,10 @@ async def completion(serving: OpenAIServing, name: str, max_pending: int,
         return P.CompletionResponse(id=rid, created=created, model=name, choices=choices,
                                     usage=usage)
 
-    def opening(i: int, out: RequestOutput) -> P.CompletionResponse:
+    def opening(i: int, out: RequestOutput, usage: P.UsageInfo | None) -> P.CompletionResponse:
         return response([P.CompletionChoice(
             index=i, text=echoes[i // req.n],
-            logprobs=logprobs(i, out.prompt_token_ids, out.prompt_logprobs or []))])
+            logprobs=logprobs(i, out.prompt_token_ids, out.prompt_logprobs or []))], usage)
 
     def chunk(i: int | None, text: str = "", finish: str | None = None, role: bool = False,
               usage: P.UsageInfo | None = None, out: RequestOutput | None = None,
@@ -92,10 +92,11 @@ async def completion(serving: OpenAIServing, name: str, max_pending: int,
         lp = logprobs(i, out.token_ids[slice(*span)], out.logprobs[slice(*span)]) \
             if out is not None and out.logprobs is not None else None
         return response([P.CompletionChoice(index=i, text=text, finish_reason=finish,
-                                            logprobs=lp)])
+                                            logprobs=lp)], usage)  # continuous usage, or None
 
     if req.stream:
-        return _sse(serving, streams, req, chunk, opening if req.echo else None)
+        return _sse(serving, streams, req, chunk, [len(p) for p in prompts for _ in range(req.n)],
+                    opening if req.echo else None)
     outs = await serving.collect(streams, request)
     choices = []
     for i, o in enumerate(outs):
@@ -167,7 +168,7 @@ async def chat_completion(serving: OpenAIServing, name: str, max_pending: int,
         )
 
     if req.stream:
-        return _sse(serving, streams, req, chunk)
+        return _sse(serving, streams, req, chunk, [len(ids)] * req.n)
     outs = await serving.collect(streams, request)
     return JSONResponse(
         P.ChatCompletionResponse(
@@ -186,10 +187,12 @@ async def chat_completion(serving: OpenAIServing, name: str, max_pending: int,
     )
 
 
-def _sse(serving, streams, req, chunk, opening=None) -> StreamingResponse:
-    """The server-sent-events response both completion routes stream through."""
+def _sse(serving, streams, req, chunk, prompt_lens, opening=None) -> StreamingResponse:
+    """The server-sent-events response both completion routes stream through; `prompt_lens`:
+    each stream's prompt length, for the usage every event carries with continuous usage."""
     return StreamingResponse(
-        serving.stream(streams, req.stop_list, chunk, req.include_usage, opening, req.n),
+        serving.stream(streams, req.stop_list, chunk, req.include_usage, opening, req.n,
+                       prompt_lens if req.continuous_usage else None),
         media_type="text/event-stream",
         headers=SSE_HEADERS,
     )

@@ -119,6 +119,8 @@ def _defaults_without_none(cls: type[BaseModel]) -> frozenset[str]:
 class StreamOptions(_NullIsDefault):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    # vLLM's extension: every chunk with a choice carries that choice's usage so far too
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_NullIsDefault):
@@ -169,6 +171,12 @@ class _SamplingFields(_NullIsDefault):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """stream_options.continuous_usage_stats, which counts only with include_usage: vLLM
+        (`should_include_usage`) ignores it without, and so does kvcap, to answer as it."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None
                         ) -> SamplingParams:

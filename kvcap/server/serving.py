@@ -338,22 +338,32 @@ class OpenAIServing:
         stops: list[str],
         chunk: Callable[..., Any],
         include_usage: bool,
-        opening: Callable[[int, RequestOutput], Any] | None = None,
+        opening: Callable[[int, RequestOutput, P.UsageInfo | None], Any] | None = None,
         n: int = 1,
+        prompt_lens: list[int] | None = None,
     ) -> AsyncIterator[str]:
         """SSE events: `chunk(index, text=, finish=, role=, usage=, out=, span=)` builds each
         event; `span` is the range of generated tokens that event covers (for their logprobs):
         the tokens since the previous event, whose text may have been held back.
-        `opening(index, out)`, where given, builds an event sent before a choice's first text
-        (completions' echo of the prompt). Every n streams share a prompt (n choices), which
-        the usage counts once."""
+        `opening(index, out, usage)`, where given, builds an event sent before a choice's first
+        text (completions' echo of the prompt). Every n streams share a prompt (n choices),
+        which the final usage counts once. `prompt_lens` (each stream's prompt length) is
+        given for stream_options.continuous_usage_stats: then every event with a choice
+        carries that choice's usage so far as well."""
         sent = [""] * len(streams)
         sent_tokens = [0] * len(streams)
         opened = [opening is None] * len(streams)
         usage = [0, 0]
+
+        def so_far(i: int, generated: int) -> P.UsageInfo | None:
+            # As vLLM counts it: the choice's own prompt and the tokens generated up to and
+            # including this event (not the request's totals, which only the last event
+            # has). None, without continuous usage, leaves each event as it was (usage null).
+            return None if prompt_lens is None else P.UsageInfo.of(prompt_lens[i], generated)
+
         try:
             for i in range(len(streams)):
-                first = chunk(i, role=True)
+                first = chunk(i, role=True, usage=so_far(i, 0))
                 if first is not None:
                     yield sse(first)
             async with aclosing(merge(streams, self.poll_s)) as items:
@@ -364,18 +374,20 @@ class OpenAIServing:
                     i, out = item
                     if not opened[i]:
                         opened[i] = True
-                        yield sse(opening(i, out))
+                        yield sse(opening(i, out, so_far(i, 0)))  # the prompt: none yet
                     delta = text_delta(sent[i], out.text, out.finished, stops)
                     sent[i] += delta
                     span = (sent_tokens[i], len(out.token_ids))
                     if delta:
-                        event = chunk(i, text=delta, out=out, span=span)
+                        event = chunk(i, text=delta, out=out, span=span,
+                                      usage=so_far(i, span[1]))
                         if event is not None:  # None: held back by the route (tool calls)
                             yield sse(event)
                         sent_tokens[i] = span[1]
                     if out.finished:
                         span = (sent_tokens[i], len(out.token_ids))
-                        yield sse(chunk(i, finish=out.finish_reason, out=out, span=span))
+                        yield sse(chunk(i, finish=out.finish_reason, out=out, span=span,
+                                        usage=so_far(i, span[1])))
                         sent_tokens[i] = span[1]
                         usage[0] += len(out.prompt_token_ids) if i % n == 0 else 0
                         usage[1] += len(out.token_ids)
