@@ -556,7 +556,7 @@ WIDE_WORD_ROUTE_TOKENS = 4096
 # it at 4 programs per Hopper SM where the 128-token program's 74,752 bytes hold 3. H100, 8B
 # shape, BF16 queries, three sweeps in one run (docs/benchmarks/word-tiles-2026-12-07-h100-8b-
 # bf16.json; docs/kernels.md, "Thirty-ninth change"): over 16K / 32K tokens 64-token tiles took
-# 0.94-0.95x the 128-token launch's time at 64 sequences (one split: 512 programs, one wave of
+# 0.93-0.94x the 128-token launch's time at 64 sequences (one split: 512 programs, one wave of
 # 4 x 132) and 0.97-1.00x at 8 and 16 sequences (6 / 3 splits, ~3 programs per SM, beat the
 # full 4), natively and in software. Taken on the GPUs where it was measured
 # (WORD_ROUTE_TILE_BY_GPU, matched by name as common.PDL_MAX_ROWS_BY_GPU is) and past
