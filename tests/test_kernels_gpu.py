@@ -277,3 +277,32 @@ def test_wide_call_default_launch(kv, mode):
     if dev.type == "cuda" and torch.cuda.get_device_capability() == (9, 0) \
             and sm_count(dev) >= 128:
         assert splits == 1 and (not fp8 or cfg.num_stages == 3), (splits, cfg)
+
+
+@pytest.mark.parametrize("mode", ["native", "software"])
+@pytest.mark.parametrize("batch", [3, 16, 64])
+def test_word_route_tiles_agree(monkeypatch, mode, batch):
+    """The E4M3 word route's default launch in 64- and in 128-token tiles
+    (KVCAP_WORD_ROUTE_TILE; 64 is the H100's default past 4K tokens, docs/kernels.md
+    "Thirty-ninth change"), each with its own split rule, over a context class past 4K: both
+    match a dense float64 computation, and each other."""
+    from kvcap.kernels import decode
+
+    g = torch.Generator().manual_seed(batch)
+    seqs = [(int(x), 1) for x in torch.randint(300, 9000, (batch,), generator=g)]
+    case = make_case(seqs, 32, 8, 128, kv_dtype="fp8_e4m3", dtype=torch.bfloat16,
+                     device=DEVICE, seed=batch + 11)
+    m, c = case.meta, case.cache
+    store_kv(case.k, case.v, c.k_cache, c.v_cache, m.slot_mapping, c.k_scale, c.v_scale)
+    exp, n, outs = dense_expected(case), m.num_tokens, []
+    for tile in ("64", "128"):
+        monkeypatch.setenv(decode.ENV_WORD_ROUTE_TILE, tile)
+        cfg = decode.default_launch(batch, 8, 16384, 128, True, torch.device(DEVICE))[1]
+        assert cfg.block_n == int(tile)
+        out = case.out_buffer()
+        paged_decode(case.q, c.k_cache, c.v_cache, out, m.block_tables, m.seq_lens,
+                     m.query_start_loc, case.softmax_scale, 16384, c.k_scale, c.v_scale,
+                     fp8_mode=mode)
+        assert _err(out[:n], exp) < 2e-2, tile
+        outs.append(out[:n])
+    assert _err(outs[0], outs[1]) < 5e-3
