@@ -58,6 +58,9 @@ positive_int_list = list_type(positive_int, "comma-separated integers >= 1, e.g.
                                "positive_int_list")
 non_negative_int_list = list_type(non_negative_int, "comma-separated integers >= 0, e.g. 0,2,4",
                                    "non_negative_int_list")
+# where in a context a needle sits, in percent of it (the QSA needle and recall probes)
+percent_list = list_type(_number_type(int, lambda v: 0 <= v <= 100, "an integer 0-100", "percent"),
+                         "comma-separated integers 0-100, e.g. 0,50,100", "percent_list")
 
 
 def require_cuda(parser: argparse.ArgumentParser, hint: str = "") -> None:

@@ -19,8 +19,10 @@ import json
 import logging
 from pathlib import Path
 
+from kvcap.commands.common import non_negative_int, percent_list, positive_int
 from kvcap.qsa.config import QSAConfig
 from kvcap.qsa.quality import MassRecallProbe
+from kvcap.scales.fsutil import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -74,28 +76,33 @@ def build_pair(model: str, context: int, config: QSAConfig):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    # (every argument is checked before the two models load: a bad --depths was a ValueError
+    # traceback after both had)
     ap.add_argument("--model", default="default")
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--topk", type=int, default=128)
-    ap.add_argument("--first-dense", type=int, default=2)
+    ap.add_argument("--context", type=positive_int, default=2048)
+    ap.add_argument("--topk", type=positive_int, default=128)
+    ap.add_argument("--first-dense", type=non_negative_int, default=2)
     ap.add_argument("--summary", default="minmax")
     ap.add_argument("--head-reduce", default="sum")
-    ap.add_argument("--depths", default="0,25,50,75,100")
-    ap.add_argument("--every", type=int, default=8)
+    ap.add_argument("--depths", type=percent_list, default="0,25,50,75,100")
+    ap.add_argument("--every", type=positive_int, default=8)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    cfg = QSAConfig(layer_rule="all_but_first", first_dense=args.first_dense,
-                    topk_groups=args.topk, summary=args.summary, head_reduce=args.head_reduce)
+    try:
+        cfg = QSAConfig(layer_rule="all_but_first", first_dense=args.first_dense,
+                        topk_groups=args.topk, summary=args.summary,
+                        head_reduce=args.head_reduce).validate()
+    except ValueError as e:
+        ap.error(str(e))
     dense, qsa = build_pair(args.model, args.context, cfg)
-    res = run_needle(dense, qsa, cfg, args.context, [int(d) for d in args.depths.split(",")],
-                     args.every)
+    res = run_needle(dense, qsa, cfg, args.context, args.depths, args.every)
     res["date"] = datetime.date.today().isoformat()
     logger.info("dense %d/%d, qsa %d/%d, mean mass recall %.4f", res["dense_passed"],
                 len(res["cases"]), res["qsa_passed"], len(res["cases"]), res["recall_mean"])
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))
+        atomic_write_text(Path(args.out), json.dumps(res, indent=1))
     return 0
 
 

@@ -22,9 +22,11 @@ from pathlib import Path
 
 import torch
 
+from kvcap.commands.common import percent_list, positive_int, positive_int_list
 from kvcap.qsa.config import QSAConfig
 from kvcap.qsa.indexer import QSASideCaches
 from kvcap.qsa.quality import MassRecallProbe, ShadowSelect
+from kvcap.scales.fsutil import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +83,12 @@ def measure(llm, prompts: list[list[int]], budgets: list[int], every: int) -> di
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--budgets", default="128,64", help="top-k groups (x4 tokens)")
-    ap.add_argument("--depths", default="50")
-    ap.add_argument("--every", type=int, default=8)
+    # (checked before the model loads: a bad --depths or --budgets was a traceback after it)
+    ap.add_argument("--context", type=positive_int, default=2048)
+    ap.add_argument("--budgets", type=positive_int_list, default="128,64",
+                    help="top-k groups (x4 tokens)")
+    ap.add_argument("--depths", type=percent_list, default="50")
+    ap.add_argument("--every", type=positive_int, default=8)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
@@ -95,9 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(model=args.model, attention_backend="torch", enable_prefix_caching=False,
               max_num_batched_tokens=args.context, max_model_len=args.context + 16,
               num_blocks=-(-(args.context + 16) // 16) + 1)
-    depths = [int(d) for d in args.depths.split(",")]
+    depths, budgets = args.depths, args.budgets
     cases = build_cases(llm.tokenizer, ["passkey"], [args.context], depths)
-    budgets = [int(b) for b in args.budgets.split(",")]
     res = measure(llm, [c.prompt_ids for c in cases], budgets, args.every)
     for name, r in res.items():
         logger.info("%-18s mean %.4f  mean(layers>=2) %.4f  min %.4f", name, r["mean"],
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
            "budgets_groups": budgets, "candidates": res}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=1))
+        atomic_write_text(Path(args.out), json.dumps(doc, indent=1))
     return 0
 
 
