@@ -625,9 +625,10 @@ def test_backend_builds_a_steps_launchers_once_for_every_layer(monkeypatch, kv_d
 def test_word_route_tiles_by_gpu(monkeypatch):
     """E4M3 word route at D = 128: 64-token tiles (5 stages, 4 resident programs per SM,
     splits aiming at 3) on the GPUs WORD_ROUTE_TILE_BY_GPU names, over calls longer than
-    WIDE_WORD_ROUTE_TOKENS; 128-token tiles elsewhere; KVCAP_WORD_ROUTE_TILE forces either and
-    refuses anything else. The split counts are the H100 sweep's best: 6 / 3 / 1 at 8 / 16 / 64
-    sequences of 8 KV heads."""
+    WIDE_WORD_ROUTE_TOKENS, except at more than one but at most three (sequence, KV head)
+    programs per SM (32 sequences: 128-token tiles measured faster); 128-token tiles elsewhere;
+    KVCAP_WORD_ROUTE_TILE forces either and refuses anything else. The split counts are the H100
+    sweep's best: 6 / 3 / 1 at 8 / 16 / 64 sequences of 8 KV heads."""
     from types import SimpleNamespace
 
     from kvcap.kernels import decode
@@ -646,6 +647,9 @@ def test_word_route_tiles_by_gpu(monkeypatch):
         assert words and (cfg.block_n, cfg.num_stages, cfg.maxnreg, cfg.resident) == \
             (64, 5, 128, 4), (b, ctx)
         assert n == splits, (b, ctx, n)
+    for b in (17, 32, 49):  # 136-392 programs: more than one, at most three per SM
+        assert decode.default_launch(b, 8, 16384, 128, True, cuda)[1].block_n == 128, b
+    assert decode.default_launch(50, 8, 16384, 128, True, cuda)[1].block_n == 64
     short = decode.default_launch(64, 8, decode.WIDE_WORD_ROUTE_TOKENS, 128, True, cuda)
     assert short[1].block_n == 128 and short[1].num_stages == 3  # the wide short-call launch
     assert decode.default_launch(8, 8, 16384, 128, False, cuda)[1].block_n == 64  # 16-bit

@@ -683,10 +683,16 @@ def word_route_launch(props) -> tuple[int, int]:
     return 3, word_route_programs(props, 3)
 
 
-def word_route_tile(device: torch.device, max_seq_len: int) -> int:
+def word_route_tile(device: torch.device, max_seq_len: int, programs: int = 0) -> int:
     """Tokens per tile of the E4M3 word route at D = 128: 64 on the GPUs WORD_ROUTE_TILE_BY_GPU
-    names, over calls longer than WIDE_WORD_ROUTE_TOKENS; else 128. KVCAP_WORD_ROUTE_TILE=64|128
-    forces either on any GPU (for measurements)."""
+    names, over calls longer than WIDE_WORD_ROUTE_TOKENS, except where the call's `programs`
+    ((sequence, KV head) pairs) hold more than one but at most three per SM; else 128.
+    KVCAP_WORD_ROUTE_TILE=64|128 forces either on any GPU (for measurements).
+
+    The exception is the H100's 32 x 16K / 32K (256 programs on 132 SMs, one split either way):
+    128-token tiles took 0.98-0.99x the 64-token time there, natively and in software, where
+    64-token tiles won at 64 and 128 programs (0.97-1.00x) and at 512 (0.93-0.94x)
+    (docs/benchmarks/word-tiles-2026-12-07c-h100-8b-bf16-32-and-short.json)."""
     raw = os.environ.get(ENV_WORD_ROUTE_TILE, "").strip()
     if raw:
         if raw not in ("64", "128"):
@@ -696,7 +702,9 @@ def word_route_tile(device: torch.device, max_seq_len: int) -> int:
     if max_seq_len <= WIDE_WORD_ROUTE_TOKENS:
         return 128
     name = getattr(device_properties(device), "name", "")
-    return next((v for k, v in WORD_ROUTE_TILE_BY_GPU.items() if k in name), 128)
+    tile = next((v for k, v in WORD_ROUTE_TILE_BY_GPU.items() if k in name), 128)
+    sms = sm_count(device)
+    return 128 if tile == 64 and sms < programs <= 3 * sms else tile
 
 
 def word_route_programs(props, stages: int) -> int:
@@ -746,7 +754,7 @@ def decode_config(head_dim: int, grouped: bool, fp8: bool, device: torch.device,
         return DecodeConfig(64, 4, 2, False, 8, short_programs_per_sm=8)
     if fp8 and words and head_dim == 128:
         props = device_properties(device)
-        if word_route_tile(device, max_seq_len) == 64:
+        if word_route_tile(device, max_seq_len, programs) == 64:
             # Splits aim at 3 programs per SM (8 / 16 sequences: 6 / 3 splits beat the full 4),
             # but a grid that fits one wave of the 4 resident stays unsplit (64 sequences).
             resident = programs_per_sm(props, WORD_ROUTE_64_SHARED_BYTES, 128, 4)
