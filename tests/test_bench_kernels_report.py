@@ -285,6 +285,7 @@ def test_bad_lists_are_usage_errors_before_the_gpu_is_needed(capsys, argv, flag)
     (["--compare-fold", "--contexts", "16384"], "--compare-fold times its own cells unless"),
     (["--compare-words", "--grid"], "--compare-words times its own cells: --grid would be"),
     (["--compare-decoders", "--batches", "4"], "--compare-decoders times its own cells"),
+    (["--sweep-only", "--contexts", "4096"], "--sweep-only times its own cells: --contexts"),
 ])
 def test_own_cell_modes_refuse_cell_flags_they_would_ignore(argv, message, capsys):
     """Refused before any GPU work: a sweep told `--batches 8` without --grid once timed

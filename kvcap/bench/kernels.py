@@ -842,13 +842,15 @@ def compare_decoders(l2: int, read_tbs: float) -> list[dict]:
 def own_cells_error(args) -> str | None:
     """Why --batches / --contexts / --grid would be ignored, or None. The knob comparisons
     and the occupancy sweep time their own target cells unless --grid (or, for the sweep,
-    --occupancy-splits) asks for --shapes x --batches x --contexts; --compare-words and
-    --compare-decoders always time their own. A sweep told `--batches 8` once ran other cells."""
+    --occupancy-splits) asks for --shapes x --batches x --contexts; --compare-words,
+    --compare-decoders and --sweep-only (the launch sweep without the matrix) always time their
+    own. A sweep told `--batches 8` once ran other cells."""
     chose = [flag for flag, value, default in (("--batches", args.batches, BATCHES),
                                                ("--contexts", args.contexts, CONTEXTS))
              if value != default]
     fixed = [f for f, on in (("--compare-words", args.compare_words),
-                             ("--compare-decoders", args.compare_decoders)) if on]
+                             ("--compare-decoders", args.compare_decoders),
+                             ("--sweep-only", args.sweep_only)) if on]
     if fixed and (chose or args.grid):
         return (f"{fixed[0]} times its own cells: {', '.join(chose + ['--grid'] * args.grid)} "
                 f"would be ignored")
