@@ -24,6 +24,15 @@ def _escape(v: str) -> str:
     return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
+def _number(value: float) -> str:
+    """A sample value in full: `{value:g}` kept 6 significant digits, so a counter past a
+    million (tokens, requests) was exported rounded (12345678 -> 1.23457e+07) and stood still
+    between scrapes while it grew, which rate() read as no traffic and then a jump."""
+    if isinstance(value, int) or float(value).is_integer():
+        return str(int(value))
+    return repr(float(value))
+
+
 class ServerMetrics:
     """HTTP responses by endpoint and status; everything else comes from EngineStats."""
 
@@ -52,7 +61,8 @@ class ServerMetrics:
             for labels, value in samples:
                 lab = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
                 lines.append(
-                    f"kvcap_{name}{{{lab}}} {value:g}" if lab else f"kvcap_{name} {value:g}"
+                    f"kvcap_{name}{{{lab}}} {_number(value)}" if lab
+                    else f"kvcap_{name} {_number(value)}"
                 )
 
         http = self.http_counts()
