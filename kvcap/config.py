@@ -371,7 +371,9 @@ class EngineConfig:
         check_ngram_settings(self.num_speculative_tokens, self.prompt_lookup_max,
                              self.prompt_lookup_min)
         b = self.speculative_disable_by_batch_size
-        if b is not None and (not isinstance(b, int) or b < 1):
+        # is_integral, as the counts above: `isinstance(b, int)` took True as a limit of 1
+        # request and refused numpy's integers with "must be an integer ..., got 2"
+        if b is not None and (not is_integral(b) or b < 1):
             raise ConfigError(f"speculative_disable_by_batch_size must be an integer >= 1 (or "
                               f"unset: drafts at any batch size), got {b!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
