@@ -179,6 +179,14 @@ PDL_MAX_ROWS = 16
 PDL_MAX_ROWS_BY_GPU = {"H100 80GB HBM3": 64, "H200": 64}  # where it was measured
 
 
+def for_gpu(table: dict, gpu_name: str, default):
+    """The value of `table` (launch settings measured per GPU, keyed by part of the GPU's name,
+    e.g. "H100 80GB HBM3" for the SXM H100, not the PCIe one) whose key `gpu_name` holds, else
+    `default`: one matching rule for the kernels' tables (models.decode_gemm.row_limits keeps
+    its own copy: it must not import triton)."""
+    return next((v for k, v in table.items() if k in gpu_name), default)
+
+
 def pdl_max_rows(device: torch.device | None = None) -> int:
     """PDL_MAX_ROWS (PDL_MAX_ROWS_BY_GPU's on the GPUs it names), or KVCAP_PDL_MAX_ROWS=N
     (for measurements: e.g. 64 with KVCAP_SKINNY_GEMM_MAX_ROWS=64, every kernel of a 64-row
@@ -186,8 +194,7 @@ def pdl_max_rows(device: torch.device | None = None) -> int:
     raw = os.environ.get(ENV_PDL_MAX_ROWS, "").strip()
     if not raw:
         if device is not None and device.type == "cuda":
-            name = device_properties(device).name
-            return next((v for k, v in PDL_MAX_ROWS_BY_GPU.items() if k in name), PDL_MAX_ROWS)
+            return for_gpu(PDL_MAX_ROWS_BY_GPU, device_properties(device).name, PDL_MAX_ROWS)
         return PDL_MAX_ROWS
     try:
         return max(0, int(raw))

@@ -33,6 +33,7 @@ from kvcap.kernels.common import (
     convert_words,
     device_properties,
     dot_dtype,
+    for_gpu,
     fp16_dots_enabled,
     grouped_enabled,
     has_mma,
@@ -701,8 +702,7 @@ def word_route_tile(device: torch.device, max_seq_len: int, programs: int = 0) -
         return int(raw)
     if max_seq_len <= WIDE_WORD_ROUTE_TOKENS:
         return 128
-    name = getattr(device_properties(device), "name", "")
-    tile = next((v for k, v in WORD_ROUTE_TILE_BY_GPU.items() if k in name), 128)
+    tile = for_gpu(WORD_ROUTE_TILE_BY_GPU, getattr(device_properties(device), "name", ""), 128)
     sms = sm_count(device)
     return 128 if tile == 64 and sms < programs <= 3 * sms else tile
 
