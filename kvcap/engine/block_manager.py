@@ -80,8 +80,9 @@ class BlockManager:
         # Free blocks: unhashed ones (handed out first) and cached ones in LRU order.
         self._free_plain: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() from the end
         self._free_cached: OrderedDict[int, None] = OrderedDict()
-        # Chained hashes of each request's leading full blocks (request_id -> hashes).
-        self._req_hashes: dict[str, list[BlockHash]] = {}
+        # Chained hashes of each request's leading full blocks (request_id -> hashes; None for
+        # a request that ran across reset_prefix_cache: it caches nothing more).
+        self._req_hashes: dict[str, list[BlockHash] | None] = {}
 
     # ----------------------------------------------------------------- counts
     @property
@@ -219,6 +220,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         hashes = self._req_hashes.setdefault(req.request_id, [])
+        if hashes is None:
+            return
         num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
         if num_full <= len(hashes):
             return
@@ -279,6 +282,11 @@ class BlockManager:
         self._free_cached.clear()
         self._cache.clear()
         self._block_hash = [None] * self._num_blocks
+        # A request holding blocks computed before the reset fills its next blocks with K/V
+        # that attended to them: registered under the same token chain, those blocks were
+        # hits for a prefix recomputed after the reset (stale K/V). Its digests go too.
+        for request_id in self._req_hashes:
+            self._req_hashes[request_id] = None
         logger.info("prefix cache reset")
 
     # ----------------------------------------------------------------- tests

@@ -286,7 +286,9 @@ class Scheduler:
             start = req.num_computed_tokens
             fits = (len(req.block_ids) + bm.num_free_blocks) * bm.block_size - start
             n = min(req.num_tokens - start, budget, fits)
-            assert n >= 1 and bm.ensure_slots(req, n)
+            # (not inside an assert: `python -O` strips asserts, and the chunk had no blocks)
+            if n < 1 or not bm.ensure_slots(req, n):
+                raise AssertionError(f"request {req.request_id}: free blocks vanished")
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             keys = [self._order[r.request_id] for r in self.running]
