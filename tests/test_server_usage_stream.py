@@ -2,9 +2,10 @@
 that carries a choice (chat's role chunk, text and tool-call deltas, completions' echo, the
 finish chunk) also carries that choice's usage so far -- its prompt, the tokens generated up
 to that chunk -- while the final usage-only chunk keeps the request's totals. Without it (or
-without include_usage, which vLLM needs for it too) chunks stay as they were: `usage: null`
-but on the last. In-process (FastAPI's TestClient) over a 2-layer random Llama with the real
-SmolLM2 tokenizer."""
+with include_usage false, which vLLM needs for it too) chunks stay as they were: `usage: null`
+but on the last. As in vLLM, include_usage defaults to true once stream_options is given.
+In-process (FastAPI's TestClient) over a 2-layer random Llama with the real SmolLM2
+tokenizer."""
 
 from __future__ import annotations
 
@@ -103,12 +104,16 @@ def test_every_choice_chunk_carries_its_usage_so_far(client, path, n):
         assert [(e["choices"][0]["index"], e["choices"][0]["delta"].get("role"),
                  e["usage"]["completion_tokens"]) for e in events[:n]] == \
             [(i, "assistant", 0) for i in range(n)]
-    # without it -- and, as in vLLM, with it but without include_usage -- the same stream
-    # as before: usage null on every chunk but the last (and no usage at all without
-    # include_usage)
-    for options, totals in [({"include_usage": True}, True),
+    # include_usage defaults to true within stream_options (vLLM's StreamOptions): the
+    # continuous stream without naming it
+    implied = _events(client, path, {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert _check_continuous(implied, n, prompt_len) == dict.fromkeys(range(n), 6)
+    # without it -- and, as in vLLM, with it but with include_usage false -- the same stream
+    # as before: usage null on every chunk but the last (and no usage at all with
+    # include_usage false); an empty stream_options includes the totals
+    for options, totals in [({"include_usage": True}, True), ({}, True),
                             ({"include_usage": False, "continuous_usage_stats": True}, False),
-                            ({"continuous_usage_stats": True}, False)]:
+                            ({"include_usage": False}, False)]:
         plain = _events(client, path, {**body, "stream_options": options})
         assert _texts(plain, path) == _texts(events, path)
         chunks = plain[:-1] if totals else plain

@@ -118,7 +118,9 @@ def _defaults_without_none(cls: type[BaseModel]) -> frozenset[str]:
 
 class StreamOptions(_NullIsDefault):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    # True once stream_options is given at all, as in vLLM: {"continuous_usage_stats": true}
+    # alone then streams usage (it streamed none); without stream_options there is none
+    include_usage: bool = True
     # vLLM's extension: every chunk with a choice carries that choice's usage so far too
     continuous_usage_stats: bool = False
 
