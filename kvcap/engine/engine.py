@@ -248,10 +248,16 @@ class Engine:
         # token at index min_tokens, which may stop, was masked once more).
         if self.scheduler.proposer is not None and self._ahead_run >= self._ahead_limit:
             return False  # the proposer looks at the next step's tokens first
+        # A step run ahead is dropped and run again when a row of this one comes back to the
+        # host sampler (the fused sampler does so only in batches with top-p); QSA's min/max
+        # bounds keep the keys the dropped step wrote (its placeholder token's among them), so
+        # under such a backend no look-ahead while a request samples with top-p.
+        folds = getattr(self.runner.backend, "folds_every_key", False)
         return (self.overlap and self.runner.can_run_ahead() and not any(
             c.request.sampling_params.logprobs is not None
             or c.request.sampling_params.structured
             or c.request.sampling_params.adjusts_logits_after(len(c.request.output_token_ids))
+            or (folds and c.request.sampling_params.top_p < 1.0)
             for c in out.chunks))
 
     def _drop_ahead(self) -> None:

@@ -109,6 +109,16 @@ class QSABackend(AttentionBackend):
     def bounds(self) -> bool:
         return self.config.indexer == "training_free" and self.config.summary == "minmax"
 
+    @property
+    def folds_every_key(self) -> bool:
+        """True when a key written at a position stays in the side caches even after that
+        position is written again: the min/max bounds of an open group are running bounds
+        (the ring of the mean / trained summaries is overwritten in place instead). The
+        engine then must not launch a step that it may drop and run again (Engine's look-ahead
+        with rows left to the host sampler): the dropped step's placeholder keys would stay in
+        the bounds."""
+        return self.bounds
+
     def _row_info(self, meta: AttentionMetadata, num_rows: int) -> RowInfo:
         """Built once per metadata object and shared by the layers of a step; rebuilt inside
         a CUDA-graph capture so that the graph recomputes it from its static buffers."""
