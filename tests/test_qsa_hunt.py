@@ -83,3 +83,23 @@ def test_minmax_qsa_still_looks_ahead_without_top_p(tiny_model):
     assert overlapped[0] == serial[0]
     for a, b in zip(serial[1], overlapped[1], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("flag", ["--decode", "--prompt", "--chunk", "--topk"])
+def test_refrun_refuses_sizes_below_one(flag, capsys):
+    """--decode 0 sliced oa[-0:], scoring every row as a decode row; the others failed deep
+    inside the run: each is now a usage error before any model is built."""
+    from kvcap.qsa import refrun
+
+    with pytest.raises(SystemExit) as e:
+        refrun.main([flag, "0"])
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_include_tail_must_be_a_bool():
+    """include_tail="no" was truthy, so taken as True."""
+    from kvcap.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="include_tail must be true or false"):
+        QSAConfig(include_tail="no").validate()
+    assert QSAConfig(include_tail=True).validate().include_tail is True

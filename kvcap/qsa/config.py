@@ -82,6 +82,9 @@ class QSAConfig:
             if not is_int(getattr(self, name)):
                 raise ConfigError(f"QSA {name} must be an integer, got "
                                   f"{getattr(self, name)!r}")
+        if not isinstance(self.include_tail, bool):  # ("no" is truthy)
+            raise ConfigError(f"QSA include_tail must be true or false, got "
+                              f"{self.include_tail!r}")
         if not isinstance(self.layers, (tuple, list)) or not all(map(is_int, self.layers)):
             raise ConfigError(f"QSA layers must be a tuple of layer indices, got "
                               f"{self.layers!r}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -136,11 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
 
+    from kvcap.commands.common import positive_int
+    from kvcap.scales.fsutil import atomic_write_text
+
+    # (sizes below 1 were tracebacks, or --decode 0 scored every row as a decode row)
     ap = argparse.ArgumentParser(description="QSA FP16 vs calibrated E4M3 (reference shape)")
-    ap.add_argument("--prompt", type=int, default=384)
-    ap.add_argument("--decode", type=int, default=8)
-    ap.add_argument("--chunk", type=int, default=128)
-    ap.add_argument("--topk", type=int, default=16)
+    ap.add_argument("--prompt", type=positive_int, default=384)
+    ap.add_argument("--decode", type=positive_int, default=8)
+    ap.add_argument("--chunk", type=positive_int, default=128)
+    ap.add_argument("--topk", type=positive_int, default=16)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -159,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                           dtype=dtype)
     text = json.dumps(rep, indent=1)
     if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
+        atomic_write_text(Path(args.out), text)
     print(json.dumps(rep["layers"], indent=1))
     print(json.dumps(rep["logits"]))
     return 0
