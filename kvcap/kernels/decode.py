@@ -980,6 +980,8 @@ def decode_launcher(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_splits is None:
         num_splits = config_splits(cfg, num_seqs, head_programs, max_seq_len,
                                    sm_count(q.device), bn)
+    elif num_splits < 1:  # a grid of no splits launches nothing: `out` was left unwritten
+        raise ValueError(f"num_splits={num_splits}: a decode needs at least one split")
     block_h = max(16, triton.next_power_of_2(heads)) if grouped else 1
     counters = k_cache  # unused without fold
     fold = fold and num_splits > 1

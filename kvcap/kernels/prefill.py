@@ -108,6 +108,13 @@ class PrefillConfig(NamedTuple):
 # registers, holds it at 2 programs per SM there.
 PREFILL_E4M3_MAXNREG = 168
 
+# CUDA caps a grid's y axis, the query tiles of a chunk, at 65,535 programs. Without MMA at
+# D = 256 a GQA-6 tile holds 2 tokens (16 rows / 8 padded heads: the reference model's shape on
+# a V100), so a 128K-token chunk made 65,536 tiles and its launch failed ("invalid argument");
+# 64-row tiles at GQA 64 fail past 65,535 tokens. Such chunks take taller tiles (more tokens a
+# program; a compile of its own) until they fit; every other launch keeps its configuration.
+MAX_GRID_Y = 65535
+
 
 def prefill_config(head_dim: int, group: int, device: torch.device, fp8: bool = False,
                    mma: bool | None = None) -> PrefillConfig:
@@ -182,6 +189,8 @@ def prefill_launcher(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_m, bn, nw, ns = (knob or default for knob, default in
                            zip(knobs, cfg[:4], strict=True))
     block_q = max(1, block_m // block_g)
+    while triton.cdiv(max_query_len, block_q) > MAX_GRID_Y:  # see MAX_GRID_Y
+        block_q *= 2
     dt, ieee = dot_dtype(q.dtype)
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), hkv)
     scalars = (softmax_scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
