@@ -342,6 +342,14 @@ class LLM:
         if self.qsa is not None:  # before capture: the decode graphs record the QSA backend
             qsa_wiring.enable_qsa(self, self.qsa)
         self.runner.set_token_buckets(self.config.max_num_batched_tokens)  # after QSA's swap
+        if self.tp is not None:
+            # Every rank must pad a step to the same rows (its forward's all-reduces and
+            # gathers), but the buckets follow this rank's parameter count, and uneven shards
+            # can fall on both sides of a cap (a step past the lower cap then ran unpadded on
+            # one rank and padded on another: a collective size mismatch). All take rank 0's:
+            # it holds the largest shard, hence the lowest cap.
+            self.runner.token_buckets = self.tp.comm.all_gather_object(
+                self.runner.token_buckets)[0]
         no_graphs = qsa_wiring.graph_refusal(self.runner.backend)
         if self._graphs_planned and no_graphs is None:
             self.runner.enable_cuda_graphs(max_num_seqs, self.max_model_len,
