@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import os
 import uuid
 from collections.abc import Mapping, Sequence
@@ -528,7 +529,13 @@ class LLM:
         if isinstance(kv_scales, Mapping):
             found = {}
             for k, v in kv_scales.items():
-                try:  # (a string or other non-number was a TypeError from inside torch)
+                # a bool or an integer tensor is no scale (True became 1.0: the unit scale the
+                # gate exists to refuse); a string was a TypeError from inside torch
+                number = v.is_floating_point() if isinstance(v, torch.Tensor) else \
+                    isinstance(v, numbers.Real) and not isinstance(v, bool)
+                try:
+                    if not number:
+                        raise TypeError
                     found[k] = torch.as_tensor(v, dtype=torch.float32)
                 except (TypeError, ValueError, RuntimeError):
                     raise ScaleGateError(f"kv_scales[{k!r}] = {v!r} is not a number or a "

@@ -88,3 +88,18 @@ def test_serve_huge_seed_is_one_line(tiny):
                str(10**24))
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr and "seed must be an integer" in res.stderr
+
+
+@pytest.mark.parametrize("bad", [True, torch.tensor(1), torch.tensor([1], dtype=torch.int32)])
+def test_programmatic_scale_that_is_a_bool_or_an_integer_tensor_is_refused(tiny, bad):
+    """True and integer tensors became float32 1.0: the unit scale the gate exists to refuse."""
+    names = [f"model.layers.{i}.self_attn.{kv}_scale" for i in range(2) for kv in "kv"]
+    with pytest.raises(ScaleGateError, match="is not a number"):
+        LLM(model=tiny, device="cpu", num_blocks=8, kv_cache_dtype="fp8_e4m3",
+            kv_scales={n: bad for n in names})
+    # numbers of other real types still pass: a numpy float and a 0-dim float tensor
+    import numpy as np
+
+    LLM(model=tiny, device="cpu", num_blocks=8, kv_cache_dtype="fp8_e4m3",
+        kv_scales={n: (np.float32(0.01) if i % 2 else torch.tensor(0.02))
+                   for i, n in enumerate(names)})
