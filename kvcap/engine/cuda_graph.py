@@ -11,7 +11,6 @@ only picks a count suited to the batch's longest sequence. `KVCAP_ENFORCE_EAGER=
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvcap.attention.metadata import AttentionMetadata
+from kvcap.config import env_flag
 from kvcap.engine.input_batch import BlockTableRows, StagingBuffer
 from kvcap.models.llama import ForwardContext
 
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 def graphs_disabled() -> bool:
-    return os.environ.get("KVCAP_ENFORCE_EAGER", "0") == "1"
+    return env_flag("KVCAP_ENFORCE_EAGER")
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:

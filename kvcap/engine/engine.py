@@ -11,12 +11,12 @@ already run ahead of costs one discarded row. Outputs are identical to the seria
 from __future__ import annotations
 
 import logging
-import os
 import random
 from dataclasses import dataclass
 
 import torch
 
+from kvcap.config import env_flag
 from kvcap.engine.block_manager import BlockManager
 from kvcap.engine.detokenizer import IncrementalDetokenizer
 from kvcap.engine.model_runner import ModelRunner, PendingStep, RequestExtras
@@ -70,8 +70,7 @@ class Engine:
         # docs/benchmarks/speculative-2026-12-05b-h100-rows.json), so after a scheduled step
         # without drafts up to `_ahead_limit` steps run ahead before the proposer looks again:
         # 1, 2, 4 ... MAX_AHEAD_WITHOUT_DRAFTS while it keeps finding nothing, 0 once it finds.
-        self.overlap = (runner.device.type == "cuda"
-                        and os.environ.get("KVCAP_DISABLE_OVERLAP", "0") in ("", "0"))
+        self.overlap = runner.device.type == "cuda" and not env_flag("KVCAP_DISABLE_OVERLAP")
         self._ahead: tuple[SchedulerOutput, PendingStep] | None = None
         self._ahead_limit = 0  # speculative decoding: steps that may run ahead in a row ...
         self._ahead_run = 0  # ... and those that did since the proposer last looked

@@ -9,11 +9,11 @@ from the same (seed, step) up to float32 rounding at a boundary.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
+from kvcap.config import env_flag
 from kvcap.sampling.reference import reference_sample
 from kvcap.sampling_params import SamplingParams
 
@@ -119,7 +119,7 @@ class SamplingBatch:
 
 def fused_sampler_enabled(device: torch.device) -> bool:
     """True when the Triton kernel path runs on ``device`` (CUDA, triton importable, no env)."""
-    if os.environ.get("KVCAP_DISABLE_FUSED_SAMPLER", "0") not in ("", "0"):
+    if env_flag("KVCAP_DISABLE_FUSED_SAMPLER"):
         return False
     if device.type != "cuda":
         return False
