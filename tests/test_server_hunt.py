@@ -153,3 +153,14 @@ def test_switches_that_mean_nothing_are_refused(client, path, body, param):
     r = client.post(path, json={"model": "tiny", "max_tokens": 2, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_tokenize_takes_null_as_the_default(client):
+    """/tokenize refused add_generation_prompt: null (400, not a valid boolean) where the chat
+    route takes null as the default; now the same ids as without the field."""
+    body = {"model": "tiny", "messages": MSGS}
+    plain = client.post("/tokenize", json=body)
+    nulls = client.post("/tokenize", json={**body, "add_generation_prompt": None,
+                                          "continue_final_message": None})
+    assert plain.status_code == nulls.status_code == 200, nulls.text
+    assert nulls.json()["tokens"] == plain.json()["tokens"]

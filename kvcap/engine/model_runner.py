@@ -192,7 +192,7 @@ class ModelRunner:
         # contexts the rows' K/V re-reads would outweigh the graph's launch savings.
         route = os.environ.get("KVCAP_SPEC_VERIFY", "auto")
         if route not in ("auto", "chunk", "rows"):
-            raise ConfigError(f"KVCAP_SPEC_VERIFY must be chunk or rows, got {route!r}")
+            raise ConfigError(f"KVCAP_SPEC_VERIFY must be auto, chunk or rows, got {route!r}")
         self.verify_route = route
 
     def set_context_classes(self, max_model_len: int) -> None:

@@ -444,7 +444,7 @@ def _template_call(call: dict[str, Any], where: str) -> dict[str, Any]:
         raise APIError(400, str(e), param="messages") from None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_NullIsDefault):
     """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
