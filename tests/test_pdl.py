@@ -34,6 +34,9 @@ def test_release_rule(monkeypatch):
     assert common.pdl_mode(on, (1,), cpu) == 1
     monkeypatch.setenv(common.ENV_PDL_RELEASE, "start")
     assert common.pdl_mode(on, (500,), cpu) == 2 and common.pdl_mode({}, (500,), cpu) == 0
+    monkeypatch.setenv(common.ENV_PDL_RELEASE, "begin")  # a typo was ignored: the rule ran
+    with pytest.raises(ValueError, match="use end or start"):
+        common.pdl_mode(on, (1,), cpu)
 
 
 def test_this_triton_has_programmatic_launch():

@@ -224,7 +224,9 @@ def pdl_mode(launch: dict, grid: tuple[int, ...], device: torch.device) -> int:
     if not launch:
         return 0
     forced = os.environ.get(ENV_PDL_RELEASE, "").strip()
-    if forced in ("end", "start"):
+    if forced:  # (another value was ignored: a typo measured the rule, not the forced mode)
+        if forced not in ("end", "start"):
+            raise ValueError(f"{ENV_PDL_RELEASE}={forced!r}: use end or start, or unset it")
         return 1 if forced == "end" else 2
     return 2 if math.prod(grid) <= sm_count(device) else 1
 
