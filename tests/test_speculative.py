@@ -185,7 +185,7 @@ def _runner():
 
 def test_verify_route_switch(monkeypatch):
     monkeypatch.setenv("KVCAP_SPEC_VERIFY", "sometimes")
-    with pytest.raises(ConfigError, match="KVCAP_SPEC_VERIFY must be chunk or rows"):
+    with pytest.raises(ConfigError, match="KVCAP_SPEC_VERIFY must be auto, chunk or rows"):
         _runner()
     for route in ("rows", "chunk"):
         monkeypatch.setenv("KVCAP_SPEC_VERIFY", route)
