@@ -529,17 +529,10 @@ class LLM:
         if isinstance(kv_scales, Mapping):
             found = {}
             for k, v in kv_scales.items():
-                # a bool or an integer tensor is no scale (True became 1.0: the unit scale the
-                # gate exists to refuse); a string was a TypeError from inside torch
-                number = v.is_floating_point() if isinstance(v, torch.Tensor) else \
-                    isinstance(v, numbers.Real) and not isinstance(v, bool)
-                try:
-                    if not number:
-                        raise TypeError
-                    found[k] = torch.as_tensor(v, dtype=torch.float32)
-                except (TypeError, ValueError, RuntimeError):
+                found[k] = _programmatic_scale(v)
+                if found[k] is None:
                     raise ScaleGateError(f"kv_scales[{k!r}] = {v!r} is not a number or a "
-                                         "float tensor") from None
+                                         "float tensor")
             source = "programmatic scales"
         elif kv_scales is not None:
             if self.model_dir is None:
@@ -693,6 +686,20 @@ class LLM:
         outs = self.generate(ids, SamplingParams(max_tokens=1, temperature=0.0),
                              use_tqdm=use_tqdm, want_prompt_logits=True)
         return [o.prompt_logits for o in outs]
+
+
+def _programmatic_scale(v) -> torch.Tensor | None:
+    """A kv_scales value as an FP32 tensor, or None where it is no scale: a bool or an integer
+    tensor (True became 1.0, the unit scale the gate exists to refuse), a string (a TypeError
+    from inside torch) or any other non-number."""
+    number = v.is_floating_point() if isinstance(v, torch.Tensor) else \
+        isinstance(v, numbers.Real) and not isinstance(v, bool)
+    if not number:
+        return None
+    try:
+        return torch.as_tensor(v, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError):
+        return None
 
 
 def _in_tp_worker() -> bool:

@@ -85,10 +85,10 @@ def select_split(source: str, docs: Iterable[Document], split: Split) -> list[Do
     calibration split (and so the scales) stays as the groups make it."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    docs = list(docs)
-    kept = [d for d in docs if split_of(source, d.group) == split]
+    tagged = [(d, split_of(source, d.group)) for d in docs]
+    kept = [d for d, s in tagged if s == split]
     if split == "evaluation":
-        cal = [_lines(d.text) for d in docs if split_of(source, d.group) == "calibration"]
+        cal = [_lines(d.text) for d, s in tagged if s == "calibration"]
         windows = {hash("\n".join(ls[i:i + SHARED_LINES]))
                    for ls in cal for i in range(len(ls) - SHARED_LINES + 1)}
         blob = "".join("\n" + "\n".join(ls) + "\n" for ls in cal)
