@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcap.config import env_flag
+from kvcap.config import env_flag, is_integral
 from kvcap.engine.block_manager import BlockManager
 from kvcap.engine.detokenizer import IncrementalDetokenizer
 from kvcap.engine.model_runner import ModelRunner, PendingStep, RequestExtras
@@ -96,6 +96,12 @@ class Engine:
             raise ConfigError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ConfigError("the prompt is empty")
+        # Integers only (numpy's too): 3.0 and True pass the range check below, and a float
+        # then crashed every later step inside the prefix-cache hashing (the request stayed at
+        # the head of the queue); True was read as token 1.
+        if not all(is_integral(t) for t in prompt_token_ids):
+            raise ConfigError("prompt token ids must be integers")
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
         vocab = self.runner.model.spec.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
