@@ -348,6 +348,7 @@ def hf_baseline(model: str, batch: int, context: int, out_tokens: int,
 
 
 HF_CONTEXT = 1024  # the HF transformers baseline's context (--hf-baseline, --hf-only)
+MAX_NUM_BATCHED_TOKENS = 8192  # every arm's step budget (the engine takes no larger block)
 
 
 def decode_out_tokens(text: str) -> int:
@@ -405,6 +406,10 @@ def main(argv=None) -> int:
             ap.error(f"--{flag} names {', '.join(twice)} more than once")
     if args.block_size & (args.block_size - 1):
         ap.error(f"--block-size must be a power of two, got {args.block_size}")
+    if args.block_size > MAX_NUM_BATCHED_TOKENS:
+        # (EngineConfig refuses it: a ConfigError from the first LLM, after the calibration)
+        ap.error(f"--block-size {args.block_size} is larger than a step's "
+                 f"{MAX_NUM_BATCHED_TOKENS} tokens (max_num_batched_tokens of every arm)")
     if args.max_model_len is not None and args.max_model_len < max(args.context):
         ap.error(f"--max-model-len {args.max_model_len} is shorter than the longest --context "
                  f"({max(args.context)})")
@@ -426,11 +431,17 @@ def main(argv=None) -> int:
               "args": vars(args), "cells": [], "capacity": [], "hf_baseline": []}
     max_ctx = args.max_model_len or max(args.context)
     path = result_path(Path(args.out), f"throughput-{report['date']}")
+    # Take the name now (result_path picks the first one not on disk): written only with the
+    # first cell, minutes later, it was free for a run started meanwhile with the same --out,
+    # and each run's saves then replaced the other's report.
+    _save(report, path)
     runs: dict[tuple, list[dict]] = {}  # (shape, kv, c, ctx) -> one result per pass
     for shape in args.shapes:
         model = SHAPES[shape]
+        # (not for --hf-only: no arm reads them, and a calibration failure ended the run)
         scales = (calibrated_scales(model, args.dtype)
-                  if any(KV_MODES[m][0] == "fp8_e4m3" for m in args.kv) else None)
+                  if not args.hf_only and any(KV_MODES[m][0] == "fp8_e4m3" for m in args.kv)
+                  else None)
         # --passes: the arms in order, then reversed, ...: a GPU whose speed drifts during a
         # run (H200, 2026-12-02: 3% over four minutes) then biases no arm against another
         arm_passes = [] if args.hf_only else [
@@ -443,7 +454,8 @@ def main(argv=None) -> int:
                 llm = LLM(model=model, dtype=args.dtype, kv_cache_dtype=kv_dtype,
                           kv_scales=scales if kv_dtype == "fp8_e4m3" else None,
                           max_num_seqs=max(args.concurrency), max_model_len=max_ctx,
-                          max_num_batched_tokens=8192, block_size=args.block_size,
+                          max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                          block_size=args.block_size,
                           tensor_parallel_size=args.tensor_parallel_size, qsa=args.qsa,
                           fp8_weights="auto", **kw)  # the -fp8 shapes keep FP8 weights
                 if pass_i == 0:
@@ -456,12 +468,27 @@ def main(argv=None) -> int:
                         cell = {"shape": shape, "kv": mode, "concurrency": c, "context": ctx,
                                 "fp8_weights": llm.keep_fp8}
                         need = c * (-(-ctx // llm.config.block_size))
+                        # The scheduler admits a request beside running ones only while its
+                        # prompt leaves max(1% of the pool, one a running request) blocks free
+                        # (Scheduler._leaves_headroom): a pool of `need` blocks or a few more
+                        # ran the last prompts after the first ones had finished, and the cell
+                        # was reported as c sequences decoding in lockstep when it was not.
+                        prompt_blocks = -(-(ctx - args.out_tokens) // llm.config.block_size)
+                        spare = llm.pool.num_blocks - c * prompt_blocks
+                        watermark = max(-(-llm.pool.num_blocks // 100), c - 1)
                         if ctx > llm.max_model_len:  # the embedded model holds 8K tokens
                             cell["skip"] = (f"context {ctx} is over the model's maximum length "
                                             f"({llm.max_model_len} tokens)")
                         elif need > llm.pool.num_blocks:
                             cell["skip"] = (f"needs {need} KV blocks, pool has "
                                             f"{llm.pool.num_blocks}")
+                            cell["pool_tokens"] = llm.pool.num_tokens
+                        elif c > 1 and spare < watermark:
+                            cell["skip"] = (f"needs {need} KV blocks, pool has "
+                                            f"{llm.pool.num_blocks} (not all {c} at once: the "
+                                            f"scheduler's admission watermark keeps {watermark} "
+                                            f"free, {c} prompts of {prompt_blocks} blocks leave "
+                                            f"{spare})")
                             cell["pool_tokens"] = llm.pool.num_tokens
                         else:
                             key = (shape, mode, c, ctx)

@@ -127,8 +127,14 @@ def load_reports(paths: Iterable[str | Path]) -> list[tuple[str, dict]]:
     """(file name, parsed report) per path, in order: a file that cannot be read or parsed is
     one ReportError naming it (cells_from_report validates the cells)."""
     reports = []
-    for p in paths:
-        path = Path(p)
+    paths = [Path(p) for p in paths]
+    # A file is named by its base name, unless another file of the list has the same one
+    # (throughput-DATE.json of two machines, in two directories): then by its path as given.
+    # Cells are grouped into runs by that name, so two runs of one base name were taken for
+    # one -- a ratio across them judged by throughput_targets and left unmarked in the table.
+    shared = {n for n in {path.name for path in paths}
+              if len({str(path) for path in paths if path.name == n}) > 1}
+    for path in paths:
         try:
             text = path.read_text()
         except OSError as e:
@@ -137,7 +143,7 @@ def load_reports(paths: Iterable[str | Path]) -> list[tuple[str, dict]]:
             report = json.loads(text)
         except ValueError as e:
             raise ReportError(f"{path} is not valid JSON ({e})") from None
-        reports.append((path.name, report))
+        reports.append((str(path) if path.name in shared else path.name, report))
     return reports
 
 

@@ -82,10 +82,13 @@ ARM_NAMES = {"fp16": "unquantized", "fp8": "E4M3 (native)", "fp8-software": "E4M
 
 
 def json_number(x: object) -> float:
-    """A JSON number as a float; NaN for None, a bool, a string or a missing value."""
+    """A JSON number as a float; NaN for None, a bool, a string, a missing value or an
+    infinite one (JSON's Infinity: an infinite rate's ratio, or an infinite roofline
+    fraction, was judged met)."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return math.nan
-    return float(x)
+    x = float(x)
+    return x if math.isfinite(x) else math.nan
 
 
 def _ratio(a: object, b: object) -> float:
