@@ -621,9 +621,10 @@ class LLM:
                     if len(ids) == 1:
                         raise
                     raise ConfigError(f"prompt {i}: {e}") from None
+            mine = set(rids)  # (a step also reports requests an earlier call aborted)
             while self.engine.has_unfinished():
                 for out in self.engine.step():
-                    if out.finished:
+                    if out.finished and out.request_id in mine:
                         done[out.request_id] = out
                         bar.update(1)
         except BaseException:

@@ -57,3 +57,42 @@ def test_engine_takes_numpy_integer_prompt_ids(llm):
     ref = llm.generate([[3, 4, 5, 6, 7, 8, 9]], p, use_tqdm=False)[0]
     eng.add_request("np", list(np.arange(3, 10, dtype=np.int64)), p)
     assert _drain(eng) == {"np": list(ref.token_ids)}
+
+
+def test_generate_after_an_interrupted_generate_counts_only_its_own_requests(llm, monkeypatch):
+    """An interrupted generate aborts its unfinished requests; the engine reports them at its
+    next step, inside the next generate, which counted them in its progress bar (3 of 2)."""
+    import kvcap.llm as llm_module
+
+    eng, real_step = llm.engine, llm.engine.step
+    calls = []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_step()
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    monkeypatch.setattr(eng, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13]], params, use_tqdm=False)
+    monkeypatch.setattr(eng, "step", real_step)
+
+    counted = []
+
+    class CountingBar:
+        def __init__(self, *a, **k):
+            pass
+
+        def update(self, n):
+            counted.append(n)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(llm_module, "tqdm", CountingBar)
+    outs = llm.generate([[3, 4, 5, 6], [7, 8, 9, 10]], params)
+    assert sum(counted) == 2
+    assert [len(o.token_ids) for o in outs] == [6, 6]
+    assert not eng.has_unfinished() and not eng.requests
