@@ -34,7 +34,8 @@ CONFIG_DEFAULTS = {
     "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
               "num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 28},
     "qwen3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
-              "num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 28},
+              "num_key_value_heads": 32, "sliding_window": 4096, "max_window_layers": 28,
+              "head_dim": 128},
     "phi3": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
              "num_key_value_heads": None, "sliding_window": None},
 }
@@ -111,7 +112,8 @@ class ModelSpec:
     # positions p - sliding_window + 1 .. p (transformers' sliding_window_overlay).
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
-    # Linear weights stored in FP8 (E4M3) with scales, dequantized at load (fp8_weights.py).
+    # Linear weights stored in FP8 (E4M3) with scales (fp8_weights.py): kept as FP8 or
+    # dequantized at load per LLM(fp8_weights=...), whose "auto" keeps them on CUDA sm_80+.
     fp8_weights: FP8Weights | None = None
 
     @classmethod
@@ -136,11 +138,19 @@ class ModelSpec:
         try:
             num_heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
-            head_dim = int(cfg.get("head_dim") or hidden // num_heads)
-            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or None
-            # transformers 5: the rope dict's theta first, then the top-level one
+            # absent: the config class's default (Qwen3's is 128, not hidden / heads); null:
+            # hidden / heads, as transformers derives it
+            head_dim = int(cfg.get("head_dim", defaults.get("head_dim"))
+                           or hidden // num_heads)
+            # rope_scaling ahead of rope_parameters, as transformers 5 reads them: a config it
+            # saved carries rope_parameters {"rope_type": "default"}, and the rope_scaling a
+            # user adds afterwards (Qwen2.5's card: yarn for long context) was ignored
+            params = cfg.get("rope_parameters") or {}
+            rope = cfg.get("rope_scaling") or params or None
+            # the rope dict's theta first (transformers 5), then the top-level one
             rope_theta = float(
-                (rope or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0
+                (rope or {}).get("rope_theta") or params.get("rope_theta")
+                or cfg.get("rope_theta") or 10000.0
             )
             if arch == "phi3":
                 _check_phi3_rope(cfg, rope)

@@ -1,11 +1,10 @@
 """Linear layers whose weights stay FP8 (E4M3) on the device, with their FP32 scales.
 
 An FP8-weight checkpoint (kvcap.models.fp8_weights) is either dequantized to 16 bits as it
-loads (LLM's default: the FP8 GEMM below is tested in the Triton interpreter and compiled for
-sm_70-90, and waits for its first GPU run -- scripts/gpu_fp8_weights.sh -- before it becomes
-the default on CUDA) or kept (fp8_weights "keep", or "auto": on CUDA where the layout
-allows): one byte a weight instead of two -- half the weight memory, which goes to the KV
-cache, and half the bytes a decode step streams. Kept weights run through
+loads (fp8_weights "dequantize"; "auto" on the CPU and before sm_80) or kept (fp8_weights
+"keep", or "auto" on CUDA sm_80+ where the layout allows): one byte a weight instead of
+two -- half the weight memory, which goes to the KV cache, and half the bytes a decode step
+streams. Kept weights run through
 kvcap.kernels.fp8_gemm on CUDA: its streaming GEMM for up to `max_rows()` rows (decode steps),
 and for larger steps (prefill chunks, compute-bound) the weight dequantized into one shared
 scratch buffer and cuBLAS. On the CPU the same arithmetic runs in torch (the kernels' twin).

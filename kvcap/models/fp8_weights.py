@@ -7,8 +7,9 @@ A checkpoint whose linear weights are stored in FP8 -- compressed-tensors `float
 W = w_e4m3 * s (`dequantized`: fp8_weights "dequantize", and "auto" on a CPU or a GPU below
 compute capability 8.0), s broadcast over its tensor, row or block, or kept in FP8 by
 kvcap.models.fp8_linear (fp8_weights "keep", and "auto", the default, on other CUDA GPUs).
-The activation scales these formats carry (`input_scale`, `input_scale_ub`) are for FP8 x FP8
-matmuls kvcap does not run (its activations stay 16-bit), and are dropped. What is not FP8
+The activation scales these formats carry (`input_scale`, `input_scale_ub`, transformers'
+`activation_scale`) are for FP8 x FP8 matmuls kvcap does not run (its activations stay
+16-bit), and are dropped. What is not FP8
 (norms, embeddings, an `ignore`d lm_head) passes through unchanged.
 """
 
@@ -26,8 +27,13 @@ from kvcap.errors import ConfigError, ModelLoadError
 logger = logging.getLogger(__name__)
 
 WEIGHT_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")
-DROPPED_SUFFIXES = (".input_scale", ".input_scale_ub")
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# (`activation_scale`: transformers' fine-grained FP8 name for a static input scale, which
+# failed the load as an unexpected tensor)
+DROPPED_SUFFIXES = (".input_scale", ".input_scale_ub", ".activation_scale")
+# (with ROCm's FNUZ forms, which safetensors also stores: else they passed for 16-bit weights,
+# cast without their scales, and the load ended on "scales have no FP8 weight")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
+              torch.float8_e5m2fnuz)
 
 
 @dataclass(frozen=True)
@@ -67,8 +73,12 @@ def read_weight_quant(qc: Any) -> FP8Weights | None:
         return FP8Weights(method, blocks.pop(), _unquantized(qc.get("ignore")))
     if method == "fp8":
         block = qc.get("weight_block_size")
+        # AutoFP8 / vLLM-style configs name them `ignored_layers` (transformers reads it as an
+        # alias): without it "auto" kept FP8 and failed on their 16-bit weights at load
+        skip = [n for key in ("modules_to_not_convert", "ignored_layers")
+                if isinstance(qc.get(key), (list, tuple)) for n in qc[key]]
         return FP8Weights(method, _block(block, "weight_block_size") if block else None,
-                          _unquantized(qc.get("modules_to_not_convert")))
+                          _unquantized(skip))
     if method == "fbgemm_fp8":
         return FP8Weights(method, None, _unquantized(qc.get("modules_to_not_convert")))
     raise ConfigError(f"the checkpoint's weights are quantized (quantization_config quant_method "

@@ -96,6 +96,18 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (model_dir / f).exists()]
         if missing:
+            single = model_dir / "model.safetensors"
+            if single.is_file() and single.name not in files:
+                # A sharded save re-saved as one file into the same directory: transformers'
+                # save_pretrained deletes the old shards but leaves their index, and its loader
+                # reads model.safetensors ahead of any index. Refusing such a directory turned
+                # away a checkpoint transformers loads; read the file transformers reads. (An
+                # index that names model.safetensors itself -- a materialized overlay's, with
+                # its scale file -- still fails on the missing file.)
+                logger.warning("%s names files that are missing (%s, ...) but %s is there: "
+                               "reading it, as transformers does (a stale index?)", index.name,
+                               missing[0], single.name)
+                return [single]
             raise ModelLoadError(f"{index.name} names files that are missing: {missing}")
         return [model_dir / f for f in files]
     files = sorted(model_dir.glob("*.safetensors"))
