@@ -125,3 +125,18 @@ def test_an_index_naming_model_safetensors_itself_still_refuses_its_missing_file
     with pytest.raises(ModelLoadError, match="missing.*model-kvscales"):
         _init_without_tokenizer(LLM.__new__(LLM), tmp_path)
 
+
+
+def test_an_adapter_file_beside_model_safetensors_is_ignored_as_transformers_does(tmp_path):
+    """Without an index transformers reads model.safetensors alone; kvcap read every
+    *.safetensors, so a PEFT adapter_model.safetensors beside it failed the load as an
+    'unexpected tensor ... wrong architecture or config?' naming neither file nor cause."""
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(tf.LlamaConfig(**COMMON)).save_pretrained(tmp_path)
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+               torch.zeros(4, COMMON["hidden_size"])}, str(tmp_path / "adapter_model.safetensors"))
+    ids = _ids()
+    assert (_kvcap_logits(tmp_path, ids) - _hf_logits(tmp_path, ids)).abs().max().item() < 1e-4

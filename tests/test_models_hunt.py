@@ -28,23 +28,26 @@ def _save(state, path):
 
 
 def test_a_tensor_twice_with_its_fused_partner_missing_is_refused(tmp_path):
-    """gate_proj in two files (no index: every *.safetensors is read) and up_proj in none: the
-    loader counted rows per fused parameter, so the second gate filled the up rows' count and
-    the up half of gate_up_proj stayed uninitialised memory -- a model that loaded and
-    computed garbage. Each checkpoint tensor must come once."""
+    """gate_proj in two files (no index and no model.safetensors: every *.safetensors is read)
+    and up_proj in none: the loader counted rows per fused parameter, so the second gate
+    filled the up rows' count and the up half of gate_up_proj stayed uninitialised memory --
+    a model that loaded and computed garbage. Each checkpoint tensor must come once."""
     state = _llama(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
     gate = "model.layers.1.mlp.gate_proj.weight"
     _save({gate: state[gate]}, tmp_path / "extra.safetensors")
     del state["model.layers.1.mlp.up_proj.weight"]
-    _save(state, tmp_path / "model.safetensors")
+    _save(state, tmp_path / "weights.safetensors")
     with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.gate_proj\.weight.*twice"):
         _init_without_tokenizer(LLM.__new__(LLM), tmp_path)
 
 
 def test_a_second_copy_of_the_weights_is_refused_as_a_duplicate_not_as_missing(tmp_path):
-    """A stale second copy of every weight beside model.safetensors: the error said the
-    checkpoint was *missing* 15 tensors; it names the duplicate."""
+    """A stale second copy of every weight in a directory of unindexed weight files (no
+    model.safetensors, which would be read alone): the error said the checkpoint was
+    *missing* 15 tensors; it names the duplicate."""
     state = _llama(tmp_path)
+    (tmp_path / "model.safetensors").rename(tmp_path / "weights.safetensors")
     _save(state, tmp_path / "model-copy.safetensors")
     with pytest.raises(ModelLoadError, match="twice") as e:
         _init_without_tokenizer(LLM.__new__(LLM), tmp_path)

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 from kvscale_helpers import make_checkpoint, make_report
 from safetensors.torch import save_file
 
-from kvcap.errors import OverlayError
 from kvcap.models.loader import safetensors_files
 from kvcap.scales import materialize as mat
 from kvcap.scales.overlay import load_overlay_scales, write_overlay
@@ -23,24 +21,19 @@ def _extra_weights(base: Path, value: float) -> Path:
     return path
 
 
-def test_unindexed_base_with_a_second_weight_file_is_not_half_bound(tmp_path: Path) -> None:
-    """A base without an index is loaded from every *.safetensors, but the single-file binding
-    hashed model.safetensors alone: a pack stayed valid after the other weight file changed
-    (LLM(model=BASE, kv_scales=PACK) loaded it with the old scales)."""
+def test_unindexed_base_binds_the_one_file_the_loader_reads(tmp_path: Path) -> None:
+    """A base without an index: the loader reads model.safetensors alone, as transformers does
+    (a second weight file beside it, a PEFT adapter say, is ignored), and the single-file
+    binding hashes that same file -- an extra file neither breaks nor half-binds a pack.
+    (Until 2026-12-07 the loader read every *.safetensors and the binding refused the
+    layout.)"""
     base = make_checkpoint(tmp_path / "base")
-    pack = write_overlay(base, tmp_path / "pack", make_report(base))  # bound while it was clean
+    pack = write_overlay(base, tmp_path / "pack", make_report(base))
     _extra_weights(base, 1.0)
-    assert base / "extra.safetensors" in safetensors_files(base)  # what the loader reads
-    with pytest.raises(OverlayError, match="extra.safetensors"):
-        load_overlay_scales(base, pack)
-    with pytest.raises(OverlayError, match="extra.safetensors"):
-        write_overlay(base, tmp_path / "pack2", None, negative_control=True)
-    with pytest.raises(OverlayError, match="extra.safetensors"):
-        mat.materialize(base, pack, tmp_path / "derived")
-    assert not (tmp_path / "pack2").exists() and not (tmp_path / "derived").exists()
-    # the documented layouts are unchanged: one model.safetensors, or an index naming shards
-    (base / "extra.safetensors").unlink()
+    assert safetensors_files(base) == [base / "model.safetensors"]  # what the loader reads
     assert load_overlay_scales(base, pack)
+    assert mat.materialize(base, pack, tmp_path / "derived")
+    assert write_overlay(base, tmp_path / "pack2", None, negative_control=True)
     sharded = make_checkpoint(tmp_path / "sharded", sharded=True)
     assert load_overlay_scales(sharded, write_overlay(sharded, tmp_path / "p3",
                                                       make_report(sharded)))

@@ -113,6 +113,17 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{model_dir} has no *.safetensors weight files")
+    single = model_dir / "model.safetensors"
+    if single in files and len(files) > 1:
+        # Without an index transformers reads model.safetensors alone: a PEFT adapter
+        # (adapter_model.safetensors) or Mistral's consolidated.safetensors beside it failed
+        # the load as "unexpected tensor" (or loaded its weights twice). The overlay binding
+        # (scales/binding.py) hashes this same single file.
+        ignored = [f.name for f in files if f != single]
+        logger.warning("%s has no index: reading model.safetensors only, as transformers does "
+                       "(ignoring %s)", model_dir, ", ".join(ignored[:4])
+                       + (" ..." if len(ignored) > 4 else ""))
+        return [single]
     return files
 
 

@@ -167,8 +167,8 @@ def load_weights(model: LlamaModel,
             if name in seen:
                 raise ModelLoadError(f"tensor {name!r} appears twice in the checkpoint (a stale "
                                      "copy of the weights beside them? without a "
-                                     "model.safetensors.index.json every *.safetensors file "
-                                     "in the directory is read)")
+                                     "model.safetensors.index.json or a model.safetensors "
+                                     "every *.safetensors file in the directory is read)")
             seen.add(name)
             if is_scale_tensor_name(name):
                 scales[name] = tensor

@@ -111,17 +111,8 @@ class BaseCheckpoint:
             names = frozenset(weight_map)
             fp_file = INDEX_NAME
         elif (path / SINGLE_NAME).is_file():
-            # Without an index the loader reads every *.safetensors in the directory
-            # (models.loader.safetensors_files), but this binding hashes and indexes
-            # model.safetensors alone: a second weight file could change after calibration
-            # and the pack would still be accepted. Refuse the layout instead of binding half.
-            others = sorted(p.name for p in path.glob("*.safetensors") if p.name != SINGLE_NAME)
-            if others:
-                raise OverlayError(
-                    f"base checkpoint {path} has no {INDEX_NAME} but other weight files beside "
-                    f"{SINGLE_NAME} ({', '.join(others[:4])}{' ...' if len(others) > 4 else ''})"
-                    ", which kvcap's loader also reads; add an index naming every weight file "
-                    "(or remove the extra files) so the overlay can bind all of them")
+            # Without an index the loader reads model.safetensors alone, as transformers does
+            # (models.loader.safetensors_files), whatever other *.safetensors lie beside it.
             weight_files = [SINGLE_NAME]
             names = frozenset(safetensors_names(path / SINGLE_NAME))
             fp_file = SINGLE_NAME
