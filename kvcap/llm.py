@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import numbers
 import os
 import uuid
@@ -36,7 +37,7 @@ from kvcap.engine.ngram import NgramProposer
 from kvcap.engine.scheduler import Scheduler
 from kvcap.errors import ConfigError, ScaleGateError
 from kvcap.kv_cache.pool import KVCachePool
-from kvcap.kv_cache.spec import KVCacheSpec, peak_blocks
+from kvcap.kv_cache.spec import KVCacheSpec, admissible_concurrency, peak_blocks
 from kvcap.models import loader
 from kvcap.models.fp8_linear import large_batch_note, resolve_keep
 from kvcap.models.registry import load_model
@@ -425,19 +426,33 @@ class LLM:
     def _pool_blocks(self, cspec: KVCacheSpec) -> int:
         """Blocks of this rank's pool: num_blocks as given, else what the KV budget holds."""
         if self.config.num_blocks is not None:
-            return self.config.num_blocks
+            return self._addressable(cspec, int(self.config.num_blocks))
         gib = self.config.kv_cache_memory_gib
         # the knob that set the budget (the CPU default always holds a block)
         knob = "kv_cache_memory_gib" if gib is not None else "gpu_memory_utilization"
         if gib is None:
             gib = self._default_kv_gib(cspec)
-        budget = int(gib * 2**30)
+        # (kv_cache_memory_gib=1e300: gib * 2**30 is inf, and int() an OverflowError)
+        budget = gib * 2**30
+        budget = int(budget) if math.isfinite(budget) else 2**64
         num_blocks = cspec.num_blocks_for(budget)
         if num_blocks < 1:
             raise ConfigError(f"the KV cache budget ({budget / 2**20:.2f} MiB) holds no block "
                               f"({self.config.block_size} tokens x {cspec.bytes_per_token} B = "
                               f"{cspec.bytes_per_block / 2**20:.2f} MiB): raise {knob} or "
                               "lower block_size")
+        return self._addressable(cspec, num_blocks)
+
+    def _addressable(self, cspec: KVCacheSpec, num_blocks: int) -> int:
+        """num_blocks, or the "does not fit" ConfigError for a pool past 2^63 bytes: torch
+        cannot even describe its tensors (kv_cache_memory_gib=1e30 or num_blocks=2**63 was a
+        TypeError from torch.zeros, num_blocks=2**62 "Storage size calculation overflowed",
+        not the one-line error of a pool too large for memory)."""
+        if (num_blocks + 1) * cspec.bytes_per_block >= 2**63:
+            raise ConfigError(f"the KV cache ({num_blocks} blocks, "
+                              f"{num_blocks * cspec.bytes_per_block / 2**30:.3g} GiB) does not "
+                              f"fit in {self.device.type} memory: lower num_blocks or "
+                              "kv_cache_memory_gib")
         return num_blocks
 
     def _make_pool(self) -> KVCachePool:
@@ -461,11 +476,13 @@ class LLM:
                               f"{num_blocks * cspec.bytes_per_block / 2**30:.2f} GiB) does not "
                               f"fit in {self.device.type} memory: lower num_blocks or "
                               "kv_cache_memory_gib") from None
+        # Max concurrency: the max_model_len sequences the scheduler runs at once, its
+        # admission watermark counted (num_blocks // need promised one more than ran, e.g.
+        # 2 for a pool of exactly two sequences that ran one after the other).
         logger.info("KV cache: %d tokens (%.2f GiB, %s, block size %d); max concurrency at %d "
                     "tokens: %d", pool.num_tokens, num_blocks * cspec.bytes_per_block / 2**30,
                     self.kv_dtype, self.config.block_size, self.max_model_len,
-                    cspec.max_concurrency(num_blocks * cspec.bytes_per_block, self.max_model_len,
-                                          self.config.max_num_batched_tokens))
+                    admissible_concurrency(num_blocks, need))
         return pool
 
     def _longest_sequence_blocks(self, cspec: KVCacheSpec) -> int:

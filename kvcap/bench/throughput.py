@@ -467,6 +467,10 @@ def main(argv=None) -> int:
                     for c in args.concurrency:
                         cell = {"shape": shape, "kv": mode, "concurrency": c, "context": ctx,
                                 "fp8_weights": llm.keep_fp8}
+                        # Every block of the context, also under a sliding window whose
+                        # blocks behind it the engine releases: the decode phase reads its
+                        # prompts from the prefix cache, which must hold all of them (with
+                        # fewer blocks it would prefill again inside the timed decode).
                         need = c * (-(-ctx // llm.config.block_size))
                         # The scheduler admits a request beside running ones only while its
                         # prompt leaves max(1% of the pool, one a running request) blocks free

@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from kvcap.commands.common import positive_float, positive_int, refuse_dummy, set_threads
+from kvcap.commands.common import memory_gib, positive_int, refuse_dummy, set_threads
 
 HELP = ("run the whole calibrated-E4M3 chain on the embedded model (calibrate, overlay, "
         "materialize, gate, generate, compare --quick, capacity) and summarize it")
@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib-tokens", type=positive_int, default=None,
                    help=f"calibration tokens (default {CPU_CALIB_TOKENS} on CPU, "
                         f"{GPU_CALIB_TOKENS} on GPU)")
-    p.add_argument("--memory-gib", type=positive_float, default=8.0,
+    p.add_argument("--memory-gib", type=memory_gib, default=8.0,
                    help="KV memory budget for the capacity table")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch")
