@@ -80,3 +80,20 @@ def hf_default_model(default_model_dir):
 
     return AutoModelForCausalLM.from_pretrained(str(default_model_dir),
                                                 dtype=torch.float32).eval()
+
+
+# 2 layers x 2 KV heads x head_dim 16 (FP32 on CPU: 512 B/token, 8 KiB a 16-token block);
+# 256 positions = 16 blocks a max_model_len sequence
+TINY_LLAMA = dict(architectures=["LlamaForCausalLM"], vocab_size=320, hidden_size=64,
+                  intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+                  eos_token_id=2)
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    """TINY_LLAMA as a dummy model (random weights): "dummy:PATH/config.json"."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return f"dummy:{tmp_path / 'config.json'}"

@@ -3,7 +3,6 @@ its fix."""
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 
@@ -11,21 +10,6 @@ import pytest
 
 from kvcap import LLM, SamplingParams
 from kvcap.errors import ConfigError
-
-# 2 layers x 2 KV heads x head_dim 16 (FP32 on CPU: 512 B/token, 8 KiB a 16-token block);
-# 256 positions = 16 blocks a max_model_len sequence
-TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=320, hidden_size=64,
-            intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
-            eos_token_id=2)
-
-
-@pytest.fixture
-def tiny(tmp_path):
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(TINY))
-    return f"dummy:{path}"
-
 
 # --- budgets and block counts past what a tensor can address ------------------------------
 

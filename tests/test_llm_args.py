@@ -4,27 +4,18 @@ silently accepted."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import TINY_LLAMA
 
 from kvcap import LLM
 from kvcap.config import EngineConfig
 from kvcap.errors import ConfigError, ScaleGateError
 
-TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=320, hidden_size=64,
-            intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
-            eos_token_id=2)
-
-
-@pytest.fixture
-def tiny(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(TINY))
-    return f"dummy:{tmp_path / 'config.json'}"
+TINY = TINY_LLAMA  # (tests/conftest.py, with its `tiny` fixture)
 
 
 @pytest.mark.parametrize("field, bad", [
