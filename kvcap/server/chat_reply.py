@@ -26,6 +26,8 @@ def chat_message(text: str, finish: str | None, calls: ToolPlan | None,
         content, found = parsed_reply(tool_parser, text)
         if not found:
             return plain
+        if not calls.parallel:  # parallel_tool_calls: false -- the first call alone
+            found = found[:1]
         return {"message": P.ChatResponseMessage(content=content, tool_calls=found,
                                                  reasoning_content=reasoning),
                 "finish_reason": "tool_calls"}

@@ -45,6 +45,9 @@ class ToolPlan:
     name: str | None = None  # the named function
     schema: dict[str, Any] | None = None  # what the output must follow
     parameters: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # parallel_tool_calls: false -- "auto" keeps only the first call the model wrote (as vLLM
+    # does); it was read for "required" only, and agents asking for one call got several
+    parallel: bool = True
 
     @property
     def constrains(self) -> bool:
@@ -106,7 +109,7 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool) -> Too
         params[name] = schema
     choice = "auto" if tool_choice is None else tool_choice
     if choice in ("none", "auto"):
-        return ToolPlan(choice, tools, parameters=params)
+        return ToolPlan(choice, tools, parameters=params, parallel=parallel)
     if choice == "required":
         return ToolPlan("required", tools, schema=calls_schema(params, parallel),
                         parameters=params)
@@ -197,14 +200,23 @@ class ToolStream:
 
     def _delta(self, text: str, finish: str | None) -> tuple[dict[str, Any] | None, str | None]:
         if self.plan.mode == "named":
-            if finish is not None:
-                return {}, self.plan.finish_reason if finish == "stop" else finish
+            # The arguments' edge whitespace is held back (the trailing part until more
+            # follows): the non-streamed call strips it (`calls`), and the openai SDK's stream
+            # helper partially parses a strict tool's arguments after every delta -- a
+            # whitespace-only snapshot raised "EOF while parsing a value" there.
+            args = self.text.lstrip()
+            cut = len(args.rstrip())
+            text, self.sent = args[self.sent:cut], max(self.sent, cut)
+            reason = None if finish is None else (
+                self.plan.finish_reason if finish == "stop" else finish)
+            if not text:  # (the finishing event's own text goes out with it)
+                return ({} if finish is not None else None), reason
             call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
             if self.call_id is None:
                 self.call_id = new_call_id()
                 call.update(id=self.call_id, type="function")
                 call["function"] = {"name": self.plan.name, "arguments": text}
-            return {"tool_calls": [call]}, None
+            return {"tool_calls": [call]}, reason
         if self.plan.mode == "auto" and finish is None:
             cut = max(self.sent, tool_call_start(self.parser, self.text))
             out, self.sent = self.text[self.sent:cut], cut
@@ -215,7 +227,8 @@ class ToolStream:
             end, calls = parse_tool_calls(self.parser, self.text) if finish == "stop" \
                 else (len(self.text), [])
             found = [{"id": new_call_id(), "type": "function",
-                      "function": {"name": n, "arguments": a}} for n, a in calls]
+                      "function": {"name": n, "arguments": a}}
+                     for n, a in calls[:None if self.plan.parallel else 1]]
             reason = "tool_calls" if found else finish
         else:
             found = self.plan.calls(self.text) if finish == "stop" else None
