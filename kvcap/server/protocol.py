@@ -378,6 +378,15 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # extend the last (assistant) message
+    # vLLM's: true adds the tokenizer's BOS on top of the template; kvcap keeps only what the
+    # template writes, so true is refused (it was silently ignored)
+    add_special_tokens: bool = False
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.add_special_tokens:
+            bad.append("add_special_tokens")
+        return bad
 
     @property
     def max_tokens_field(self) -> str:
