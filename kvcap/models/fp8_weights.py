@@ -70,7 +70,15 @@ def read_weight_quant(qc: Any) -> FP8Weights | None:
         if len(blocks) > 1:
             raise ConfigError(f"compressed-tensors config_groups use different weight blocks "
                               f"{sorted(map(str, blocks))}: not supported")
-        return FP8Weights(method, blocks.pop(), _unquantized(qc.get("ignore")))
+        # Targets other than every Linear (e.g. only "re:.*mlp.*") leave the other linear
+        # layers 16-bit with no `ignore` entry: "auto" kept FP8 on a GPU and the load failed on
+        # the first 16-bit weight. kvcap does not resolve regexes / class names against its
+        # modules, so any other targets count as unquantized modules (auto dequantizes, "keep"
+        # is refused naming them), listed first so the refusal names the targets.
+        targets = sorted({str(t) for g in groups.values()
+                          for t in (g.get("targets") or ()) if str(t) not in ("Linear", "re:.*")})
+        partial = (f"Linear modules outside config_groups targets {targets}",) if targets else ()
+        return FP8Weights(method, blocks.pop(), partial + _unquantized(qc.get("ignore")))
     if method == "fp8":
         block = qc.get("weight_block_size")
         # AutoFP8 / vLLM-style configs name them `ignored_layers` (transformers reads it as an
@@ -102,6 +110,13 @@ def _compressed_tensors_group(name: str, group: Any) -> tuple[int, int] | None:
         raise ConfigError(f"compressed-tensors config_groups.{name}: {w.get('num_bits')}-bit "
                           f"{w.get('type')} weights; kvcap loads only 8-bit float (FP8 E4M3) "
                           "weight groups -- use the unquantized checkpoint")
+    # `symmetric: false` stores a weight_zero_point per scale, W = (w - z) * s, which kvcap
+    # does not compute: refused here, not after streaming as an "unexpected tensor"
+    if w.get("symmetric", True) is not True:
+        raise ConfigError(f"compressed-tensors config_groups.{name}: asymmetric FP8 weights "
+                          f"(symmetric {w.get('symmetric')!r}, with weight_zero_point tensors); "
+                          "kvcap loads only symmetric FP8 weights -- use the unquantized "
+                          "checkpoint")
     strategy = w.get("strategy", "tensor")
     if strategy in ("tensor", "channel"):
         return None
@@ -247,6 +262,10 @@ def fp8_tensors(tensors: Iterable[tuple[str, torch.Tensor]], fmt: FP8Weights,
         if suffix is not None:
             prefix, part, tensor = name[: -len(suffix)], "scale", (name, tensor)
         elif tensor.dtype == torch.float8_e4m3fn and name.endswith(".weight"):
+            # (a 1-D or 3-D one failed in _scale_kind as a bare "ValueError: ... to unpack")
+            if tensor.dim() != 2:
+                raise ModelLoadError(f"{name}: an FP8 weight of shape {tuple(tensor.shape)}; "
+                                     "kvcap loads FP8 weights as [out, in] matrices only")
             prefix, part = name[: -len(".weight")], "weight"
         elif tensor.dtype in FP8_DTYPES:
             raise ModelLoadError(f"{name}: an FP8 ({tensor.dtype}) tensor kvcap cannot dequantize")
