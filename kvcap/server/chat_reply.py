@@ -14,13 +14,15 @@ from kvcap.server.tools import ToolPlan, ToolStream, parsed_reply
 def chat_message(text: str, finish: str | None, calls: ToolPlan | None,
                  tool_parser: str | None, reasoning_parser: str | None) -> dict[str, Any]:
     """The choice's message and finish_reason: tool calls where the request asked for them
-    and the answer parses (an output cut by max_tokens stays text)."""
+    and the answer parses (an output cut by max_tokens stays text), or the named function's
+    call, cut short or not (as ChoiceStream streams it)."""
     reasoning = None
     if reasoning_parser is not None:
         reasoning, text = split_reasoning(reasoning_parser, text)
     plain = {"message": P.ChatResponseMessage(content=text, reasoning_content=reasoning),
              "finish_reason": finish}
-    if calls is None or finish != "stop":
+    # a named call cut by max_tokens is still the call (ToolPlan.calls), as streamed
+    if calls is None or (finish != "stop" and calls.mode != "named"):
         return plain
     if calls.mode == "auto":
         content, found = parsed_reply(tool_parser, text)
@@ -34,9 +36,11 @@ def chat_message(text: str, finish: str | None, calls: ToolPlan | None,
     parsed = calls.calls(text)
     if parsed is None:
         return plain
+    # (a cut named call keeps its "length"; whitespace alone: no call and, as streamed, no
+    # content)
     return {"message": P.ChatResponseMessage(content=None, tool_calls=parsed,
                                              reasoning_content=reasoning),
-            "finish_reason": calls.finish_reason}
+            "finish_reason": calls.finish_reason if finish == "stop" else finish}
 
 
 class ChoiceStream:

@@ -2,7 +2,9 @@
 
   - `tool_choice: {"type": "function", "function": {"name": F}}` (named): the output is F's
     arguments, one JSON value valid under F's `parameters` schema; the reply is one tool call
-    and finish_reason "stop" (as OpenAI answers a named choice).
+    and finish_reason "stop" (as OpenAI answers a named choice). Cut short (max_tokens: finish
+    "length"; or a stop string) it is still that call, with the arguments written so far, as
+    OpenAI and vLLM answer it and as it streams (no call if none of them was written).
   - `"required"`: the output is a JSON array of one or more `{"name": ..., "parameters": ...}`
     objects, each valid under its tool's schema (at most one with `parallel_tool_calls: false`);
     the reply lists them as tool calls, finish_reason "tool_calls".
@@ -12,7 +14,8 @@
     without one the request is refused with a 400 that says so, rather than answered as text
     that silently ignores the tools.
 The tools always reach the chat template (`tools=`), so a model trained on tool use sees them.
-An output cut by max_tokens cannot be parsed: it is returned as content, finish_reason "length".
+A "required" or "auto" output cut by max_tokens cannot be parsed: it is returned as content,
+finish_reason "length" (a named call's is its truncated arguments: above).
 """
 
 from __future__ import annotations
@@ -58,14 +61,20 @@ class ToolPlan:
         return "stop" if self.mode == "named" else "tool_calls"
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
-        """The tool calls an output spells, or None when it does not parse (cut short)."""
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return None
+        """The tool calls an output spells, or None when it does not parse (cut short). A
+        named function's output is its call even cut short: [] only when none of the
+        arguments was written (whitespace alone)."""
         if self.mode == "named":  # the arguments as the model wrote them (as streamed)
-            pairs = [(self.name, text.strip())]
+            # not parsed: a named call cut by max_tokens was streamed as a tool call (its
+            # partial arguments, ToolStream) but answered whole as content; OpenAI and vLLM
+            # answer it as the call, arguments truncated, finish_reason "length"
+            args = text.strip()
+            pairs = [(self.name, args)] if args else []
         else:
+            try:
+                value = json.loads(text)
+            except ValueError:
+                return None
             pairs = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
                      for c in value]
         return [{"id": new_call_id(), "type": "function",
