@@ -332,8 +332,12 @@ def run_info() -> dict:
             # arms run the software decoder, and "software within 1.15x" holds trivially
             "native_arm_decoder": ("software" if use_software_fp8(torch.device("cuda", 0))
                                    else "native"),
+            # (no secret -- KVCAP_API_KEY, `kvcap serve`'s, or any *KEY* / *TOKEN* /
+            # *SECRET* / *PASSWORD* name: these files are committed and --summary prints them
+            # -- nor KVCAP_CACHE, a local path)
             "switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVCAP_")
-                         and k != "KVCAP_COMMIT"},
+                         and k not in ("KVCAP_COMMIT", "KVCAP_CACHE")
+                         and not any(w in k for w in ("KEY", "TOKEN", "SECRET", "PASSWORD"))},
             **stamp()}
 
 
