@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="default")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda if present)")
     ap.add_argument("--k", type=non_negative_int_list, default="0,2,4,8",
-                    help="draft tokens per step to compare (0 first)")
+                    help="draft tokens per step to compare, comma-separated, 0 (no drafts) first "
+                         "(default 0,2,4,8)")
     ap.add_argument("--concurrency", type=positive_int_list, default="1,4",
                     help="requests decoded together")
     ap.add_argument("--max-tokens", type=positive_int, default=128)

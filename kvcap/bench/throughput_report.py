@@ -321,7 +321,9 @@ def plot(cells: list[dict], out_png: str | Path, shape: str = DEFAULT_SHAPE) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvcap.bench.throughput_report",
+    # (`kvcap bench` puts the suite's name in sys.argv[0]; under `python -m` it is a path)
+    ap = argparse.ArgumentParser(prog=sys.argv[0] if sys.argv[0].startswith("kvcap bench")
+                                 else "python -m kvcap.bench.throughput_report",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("files", nargs="+", metavar="FILE.json", help="kvcap.bench.throughput JSONs")
     ap.add_argument("--png", default=None, metavar="OUT.png", help="also write the bar chart")

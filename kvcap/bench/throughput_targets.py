@@ -351,7 +351,9 @@ def markdown(verdicts: list[Verdict], shape: str | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvcap.bench.throughput_targets",
+    # (`kvcap bench` puts the suite's name in sys.argv[0]; under `python -m` it is a path)
+    ap = argparse.ArgumentParser(prog=sys.argv[0] if sys.argv[0].startswith("kvcap bench")
+                                 else "python -m kvcap.bench.throughput_targets",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("files", nargs="+", metavar="FILE.json", help="kvcap.bench.throughput JSONs")
     ap.add_argument("--shape", default=DEFAULT_SHAPE, help=f"default {DEFAULT_SHAPE}")
