@@ -32,6 +32,7 @@ import torch
 from kvcap.bench.provenance import result_path, stamp
 from kvcap.bench.telemetry import Sampler
 from kvcap.commands.common import positive_float, positive_int, require_cuda
+from kvcap.kv_cache.spec import admissible_concurrency
 
 CONFIGS = Path(__file__).parent / "configs"
 SHAPES = {"llama-3.1-8b": f"dummy:{CONFIGS / 'llama-3.1-8b.json'}",
@@ -473,13 +474,12 @@ def main(argv=None) -> int:
                         # fewer blocks it would prefill again inside the timed decode).
                         need = c * (-(-ctx // llm.config.block_size))
                         # The scheduler admits a request beside running ones only while its
-                        # prompt leaves max(1% of the pool, one a running request) blocks free
-                        # (Scheduler._leaves_headroom): a pool of `need` blocks or a few more
-                        # ran the last prompts after the first ones had finished, and the cell
-                        # was reported as c sequences decoding in lockstep when it was not.
+                        # prompt leaves the admission watermark free: a pool of `need` blocks
+                        # or a few more ran the last prompts after the first ones had
+                        # finished, and the cell was reported as c sequences decoding in
+                        # lockstep when it was not.
                         prompt_blocks = -(-(ctx - args.out_tokens) // llm.config.block_size)
-                        spare = llm.pool.num_blocks - c * prompt_blocks
-                        watermark = max(-(-llm.pool.num_blocks // 100), c - 1)
+                        together = admissible_concurrency(llm.pool.num_blocks, prompt_blocks)
                         if ctx > llm.max_model_len:  # the embedded model holds 8K tokens
                             cell["skip"] = (f"context {ctx} is over the model's maximum length "
                                             f"({llm.max_model_len} tokens)")
@@ -487,12 +487,11 @@ def main(argv=None) -> int:
                             cell["skip"] = (f"needs {need} KV blocks, pool has "
                                             f"{llm.pool.num_blocks}")
                             cell["pool_tokens"] = llm.pool.num_tokens
-                        elif c > 1 and spare < watermark:
+                        elif c > 1 and together < c:
                             cell["skip"] = (f"needs {need} KV blocks, pool has "
                                             f"{llm.pool.num_blocks} (not all {c} at once: the "
-                                            f"scheduler's admission watermark keeps {watermark} "
-                                            f"free, {c} prompts of {prompt_blocks} blocks leave "
-                                            f"{spare})")
+                                            f"scheduler's admission watermark runs {together} "
+                                            f"prompts of {prompt_blocks} blocks together)")
                             cell["pool_tokens"] = llm.pool.num_tokens
                         else:
                             key = (shape, mode, c, ctx)

@@ -99,9 +99,9 @@ class Engine:
         # Integers only (numpy's too): 3.0 and True pass the range check below, and a float
         # then crashed every later step inside the prefix-cache hashing (the request stayed at
         # the head of the queue); True was read as token 1.
-        if not all(type(t) is int or is_integral(t) for t in prompt_token_ids):
-            raise ConfigError("prompt token ids must be integers")
-        if not all(type(t) is int for t in prompt_token_ids):  # (plain ints: no copy)
+        if not all(type(t) is int for t in prompt_token_ids):  # (plain ints: one pass)
+            if not all(is_integral(t) for t in prompt_token_ids):
+                raise ConfigError("prompt token ids must be integers")
             prompt_token_ids = [int(t) for t in prompt_token_ids]
         vocab = self.runner.model.spec.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):

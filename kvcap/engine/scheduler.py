@@ -54,6 +54,7 @@ from kvcap.engine.block_manager import BlockManager
 from kvcap.engine.ngram import NgramProposer
 from kvcap.engine.request import Request, RequestStatus
 from kvcap.errors import ConfigError
+from kvcap.kv_cache.spec import admission_watermark
 
 logger = logging.getLogger(__name__)
 
@@ -301,7 +302,7 @@ class Scheduler:
         """Once `req` took blocks for its whole prompt, would the watermark (1% of the pool,
         at least one block per running request) stay free?"""
         bm = self.block_manager
-        watermark = max(-(-bm.num_total_blocks // 100), len(self.running))
+        watermark = admission_watermark(bm.num_total_blocks, len(self.running))
         need = bm.blocks_to_admit(req, use_prefix_cache, self.max_num_batched_tokens)
         return bm.num_free_blocks - need >= watermark
 

@@ -20,15 +20,20 @@ def peak_blocks(num_tokens: int, block_size: int, window: int | None, chunk: int
     return min(whole, -(-(window - 1 + chunk) // block_size) + 1)
 
 
+def admission_watermark(num_blocks: int, running: int) -> int:
+    """Free blocks the scheduler keeps after admitting a prompt beside `running` requests
+    (Scheduler._leaves_headroom): 1% of the pool, at least one block per running request."""
+    return max(-(-num_blocks // 100), running)
+
+
 def admissible_concurrency(num_blocks: int, per_seq: int) -> int:
     """Sequences of `per_seq` blocks each that the scheduler runs at once in a pool of
     `num_blocks`: the first may take the whole pool, each later one is admitted only while
-    its blocks leave the admission watermark free (Scheduler._leaves_headroom: max(1% of the
-    pool, one block per running request)). `num_blocks // per_seq` promised more: a pool of
-    exactly two sequences ran them one after the other."""
+    its blocks leave the admission watermark free. `num_blocks // per_seq` promised more: a
+    pool of exactly two sequences ran them one after the other."""
     if num_blocks < per_seq:
         return 0
-    reserve = -(-num_blocks // 100)
+    reserve = admission_watermark(num_blocks, 0)
     # c-th admission, c - 1 running: num_blocks - c * per_seq >= max(reserve, c - 1)
     return max(1, min((num_blocks - reserve) // per_seq, (num_blocks + 1) // (per_seq + 1)))
 

@@ -84,6 +84,7 @@ def read_hf_config(model_dir: Path) -> dict:
 def safetensors_files(model_dir: Path) -> list[Path]:
     """The checkpoint's weight files, from its index when there is one."""
     index = model_dir / "model.safetensors.index.json"
+    single = model_dir / "model.safetensors"  # what transformers reads without an index
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -96,7 +97,6 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (model_dir / f).exists()]
         if missing:
-            single = model_dir / "model.safetensors"
             if single.is_file() and single.name not in files:
                 # A sharded save re-saved as one file into the same directory: transformers'
                 # save_pretrained deletes the old shards but leaves their index, and its loader
@@ -113,7 +113,6 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{model_dir} has no *.safetensors weight files")
-    single = model_dir / "model.safetensors"
     if single in files and len(files) > 1:
         # Without an index transformers reads model.safetensors alone: a PEFT adapter
         # (adapter_model.safetensors) or Mistral's consolidated.safetensors beside it failed

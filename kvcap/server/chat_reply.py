@@ -28,9 +28,7 @@ def chat_message(text: str, finish: str | None, calls: ToolPlan | None,
         content, found = parsed_reply(tool_parser, text)
         if not found:
             return plain
-        if not calls.parallel:  # parallel_tool_calls: false -- the first call alone
-            found = found[:1]
-        return {"message": P.ChatResponseMessage(content=content, tool_calls=found,
+        return {"message": P.ChatResponseMessage(content=content, tool_calls=calls.kept(found),
                                                  reasoning_content=reasoning),
                 "finish_reason": "tool_calls"}
     parsed = calls.calls(text)
@@ -40,7 +38,7 @@ def chat_message(text: str, finish: str | None, calls: ToolPlan | None,
     # content)
     return {"message": P.ChatResponseMessage(content=None, tool_calls=parsed,
                                              reasoning_content=reasoning),
-            "finish_reason": calls.finish_reason if finish == "stop" else finish}
+            "finish_reason": calls.call_finish(finish)}
 
 
 class ChoiceStream:

@@ -60,6 +60,16 @@ class ToolPlan:
     def finish_reason(self) -> str:
         return "stop" if self.mode == "named" else "tool_calls"
 
+    def call_finish(self, finish: str) -> str:
+        """The finish_reason of a reply answered as this plan's calls: the plan's own where
+        the output ended ("stop"), else the engine's ("length": a named call cut short)."""
+        return self.finish_reason if finish == "stop" else finish
+
+    def kept(self, calls: list) -> list:
+        """The calls an "auto" reply answers: all, or with `parallel_tool_calls: false` the
+        first alone."""
+        return calls if self.parallel else calls[:1]
+
     def calls(self, text: str) -> list[dict[str, Any]] | None:
         """The tool calls an output spells, or None when it does not parse (cut short). A
         named function's output is its call even cut short: [] only when none of the
@@ -77,8 +87,13 @@ class ToolPlan:
                 return None
             pairs = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
                      for c in value]
-        return [{"id": new_call_id(), "type": "function",
-                 "function": {"name": name, "arguments": args}} for name, args in pairs]
+        return tool_call_dicts(pairs)
+
+
+def tool_call_dicts(pairs) -> list[dict[str, Any]]:
+    """OpenAI's tool_calls entries, a fresh id each, for (name, arguments) pairs."""
+    return [{"id": new_call_id(), "type": "function", "function": {"name": n, "arguments": a}}
+            for n, a in pairs]
 
 
 def new_call_id() -> str:
@@ -185,9 +200,7 @@ def parsed_reply(parser: str, text: str) -> tuple[str | None, list[dict[str, Any
     end, calls = parse_tool_calls(parser, text)
     if not calls:
         return text, []
-    return text[:end].strip() or None, [
-        {"id": new_call_id(), "type": "function", "function": {"name": n, "arguments": a}}
-        for n, a in calls]
+    return text[:end].strip() or None, tool_call_dicts(calls)
 
 
 class ToolStream:
@@ -216,8 +229,7 @@ class ToolStream:
             args = self.text.lstrip()
             cut = len(args.rstrip())
             text, self.sent = args[self.sent:cut], max(self.sent, cut)
-            reason = None if finish is None else (
-                self.plan.finish_reason if finish == "stop" else finish)
+            reason = None if finish is None else self.plan.call_finish(finish)
             if not text:  # (the finishing event's own text goes out with it)
                 return ({} if finish is not None else None), reason
             call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
@@ -235,9 +247,7 @@ class ToolStream:
         if self.plan.mode == "auto":
             end, calls = parse_tool_calls(self.parser, self.text) if finish == "stop" \
                 else (len(self.text), [])
-            found = [{"id": new_call_id(), "type": "function",
-                      "function": {"name": n, "arguments": a}}
-                     for n, a in calls[:None if self.plan.parallel else 1]]
+            found = tool_call_dicts(self.plan.kept(calls))
             reason = "tool_calls" if found else finish
         else:
             found = self.plan.calls(self.text) if finish == "stop" else None
