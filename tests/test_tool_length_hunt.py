@@ -14,6 +14,7 @@ import random
 import openai
 import pytest
 from fastapi.testclient import TestClient
+from test_tools_hunt import join_choice_stream
 
 from kvcap import LLM
 from kvcap.server.app import create_app
@@ -134,20 +135,7 @@ def _whole(plan, text, finish, rp):
 
 
 def _streamed(plan, pieces, finish, rp):
-    s = ChoiceStream(plan, None, rp)
-    content, reasoning, calls, fin = "", "", {}, None
-    for k, piece in enumerate(pieces):
-        d, f, _ = s.event(piece, finish if k == len(pieces) - 1 else None, (0, 0))
-        if d is None:
-            continue
-        content += d.get("content") or ""
-        reasoning += d.get("reasoning_content") or ""
-        for tc in d.get("tool_calls", []):
-            c = calls.setdefault(tc["index"], ["", ""])
-            c[0] += tc["function"].get("name") or ""
-            c[1] += tc["function"].get("arguments") or ""
-        fin = f if f is not None else fin
-    return content, reasoning, [tuple(calls[i]) for i in sorted(calls)], fin
+    return join_choice_stream(ChoiceStream(plan, None, rp), pieces, finish)
 
 
 CUT = [

@@ -94,7 +94,14 @@ def _whole(text, finish, tp, rp):
 
 
 def _streamed(pieces, finish, tp, rp):
-    s = ChoiceStream(ToolPlan("auto", []) if tp else None, tp, rp)
+    content, reasoning, calls, fin = join_choice_stream(
+        ChoiceStream(ToolPlan("auto", []) if tp else None, tp, rp), pieces, finish)
+    return content.strip(), reasoning, calls, fin
+
+
+def join_choice_stream(s, pieces, finish):
+    """(content, reasoning, [(name, arguments)], finish_reason) that a client joins from a
+    ChoiceStream fed `pieces`, the last with `finish`; each call's id comes once."""
     content, reasoning, calls, ids, fin = "", "", {}, set(), None
     for k, piece in enumerate(pieces):
         d, f, _ = s.event(piece, finish if k == len(pieces) - 1 else None, (0, 0))
@@ -111,7 +118,7 @@ def _streamed(pieces, finish, tp, rp):
             c[1] += tc["function"].get("arguments") or ""
         fin = f if f is not None else fin
     assert len(ids) == len(calls)
-    return (content.strip(), reasoning, [tuple(calls[i]) for i in sorted(calls)], fin)
+    return content, reasoning, [tuple(calls[i]) for i in sorted(calls)], fin
 
 
 HERMES = ('<tool_call>\n{"name": "f", "arguments": {"x": "a{b}\\"c</tool", "é": [1, {"n": null}]}}'
