@@ -135,7 +135,12 @@ def run(args: argparse.Namespace) -> int:
     parse_policy(args.policy)  # fail before any work
     set_threads(args.threads)
     names = corpora.resolve_names(args.corpus)
-    if args.out.exists():
+    if args.record_tokens < corpora.MIN_RECORD_TOKENS:
+        # (build_shards refuses it too, but only after minutes of model load)
+        raise CalibrationError(f"--record-tokens {args.record_tokens} is below the "
+                               f"{corpora.MIN_RECORD_TOKENS} tokens a corpus record needs")
+    if args.out.exists() or args.out.is_symlink():  # (a dangling link too: staged_dir
+        # refuses it, but only after the model load and the corpora)
         raise CalibrationError(f"output {args.out} already exists; refusing to overwrite it")
     check_can_create(args.out, CalibrationError)  # before minutes of model load and forwards
     tp = {"tensor_parallel_size": args.tensor_parallel_size} \

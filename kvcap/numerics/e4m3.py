@@ -125,6 +125,9 @@ def decode(q: torch.Tensor, scale: float | torch.Tensor = 1.0,
         raise ValueError(
             f"unknown E4M3 decode method {method!r}; one of {DECODE_METHODS}"
         ) from None
+    if q.dtype != torch.uint8:  # (the packed decoder has no _fields check: an int8 view of
+        # the cache, sign-extended into its 32-bit words, decoded to garbage without a word)
+        raise ValueError(f"E4M3 codes must be uint8 raw bytes, got {q.dtype}")
     val = fn(q)
     if isinstance(scale, torch.Tensor) or scale != 1.0:
         val = val * _scale_tensor(scale, q.device)

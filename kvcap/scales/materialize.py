@@ -115,7 +115,7 @@ def materialize(base_dir: Path | str, pack_dir: Path | str, out_dir: Path | str)
         if missing:
             raise OverlayError(f"derived index names missing files {missing}")
     logger.info("materialized %s: %d base entries linked, %d scale tensors, base %s=%s%s", out,
-                len(entries) - (base.index is not None), len(tensors),
+                sum(e.name != INDEX_NAME for e in entries), len(tensors),
                 base.fingerprint["scheme"], base.fingerprint["sha256"][:16],
                 " (NEGATIVE CONTROL)" if manifest["negative_control"] else "")
     return out

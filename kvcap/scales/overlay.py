@@ -268,6 +268,14 @@ def describe_scale_source(model_dir: Path | str) -> str:
     except OverlayError:
         return f"checkpoint {model_dir}"
     nc = ", NEGATIVE CONTROL" if manifest.get("negative_control") else ""
-    return (f"checkpoint {model_dir} (overlay sha256 "
-            f"{str(manifest.get('scale_file', {}).get('sha256'))[:16]}, base "
-            f"{str(manifest.get('base', {}).get('fingerprint', {}).get('sha256'))[:16]}{nc})")
+
+    def field(*keys: str) -> str:
+        # A log line only: a hand-edited manifest (a list or null where an object belongs)
+        # must not turn the load it describes into an AttributeError traceback.
+        value: Any = manifest
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        return str(value)[:16]
+
+    return (f"checkpoint {model_dir} (overlay sha256 {field('scale_file', 'sha256')}, base "
+            f"{field('base', 'fingerprint', 'sha256')}{nc})")
