@@ -35,6 +35,17 @@ def capacity_rows(spec: ModelSpec, memory_gib: float, block_size: int,
     return rows
 
 
+def check_holds_a_block(spec: ModelSpec, memory_gib: float, block_size: int) -> None:
+    """Refuse a budget that holds no FP16 block (the E4M3 / FP16 ratio would divide by
+    nothing); `kvcap demo` checks its --memory-gib with it before its first step."""
+    cs = KVCacheSpec.for_model(spec, block_size, "fp16")
+    if cs.tokens_for(int(memory_gib * 2**30)) == 0:
+        block = cs.bytes_per_token * block_size
+        raise ConfigError(f"--memory-gib {memory_gib:g} holds no FP16 block "
+                          f"({block_size} tokens x {cs.bytes_per_token} B = "
+                          f"{block / 2**20:.2f} MiB): raise --memory-gib or lower --block-size")
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.measure import Measurement
@@ -46,12 +57,8 @@ def run(args: argparse.Namespace) -> int:
         spec = ModelSpec.from_hf_config(loader.dummy_config(args.model))
     else:
         spec = loader.read_spec(loader.resolve_model_dir(args.model))
+    check_holds_a_block(spec, args.memory_gib, args.block_size)
     rows = capacity_rows(spec, args.memory_gib, args.block_size, args.context)
-    if rows[0]["tokens"] == 0:  # (the E4M3 / FP16 ratio below would divide by nothing)
-        block = rows[0]["bytes_per_token"] * args.block_size
-        raise ConfigError(f"--memory-gib {args.memory_gib:g} holds no FP16 block "
-                          f"({args.block_size} tokens x {rows[0]['bytes_per_token']} B = "
-                          f"{block / 2**20:.2f} MiB): raise --memory-gib or lower --block-size")
     limit = spec.position_limit
     table = Table(title=f"KV capacity at {args.memory_gib:g} GiB ({spec.num_layers} layers, "
                         f"{spec.num_kv_heads} KV heads x {spec.head_dim})")

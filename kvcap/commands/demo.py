@@ -118,6 +118,12 @@ def run(args: argparse.Namespace) -> int:
     if lies_within(args.out.resolve(), Path(base).resolve()):
         raise ConfigError(f"--out {args.out} lies inside the base checkpoint {base}; give a "
                           "directory of its own")
+    # the capacity table is the last step: a --memory-gib that holds no KV block was refused
+    # there, after minutes of calibration and comparison, and the summary never printed
+    from kvcap.commands.capacity import check_holds_a_block
+    from kvcap.models.loader import read_spec
+
+    check_holds_a_block(read_spec(base), args.memory_gib, 16)
     console = Console()
     set_threads(args.threads)
     device = _device_default(args.device)

@@ -45,8 +45,14 @@ def next_token_nll(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Tens
 
 
 def perplexity(nll_sum: float, count: int) -> float:
-    """exp(mean NLL); nan for no tokens."""
-    return math.exp(nll_sum / count) if count else float("nan")
+    """exp(mean NLL); nan for no tokens, inf past float range (a mean NLL over ~709.8 nats,
+    a broken arm's: math.exp raised OverflowError there, after every arm had been scored)."""
+    if not count:
+        return float("nan")
+    try:
+        return math.exp(nll_sum / count)
+    except OverflowError:
+        return math.inf
 
 
 @dataclass(frozen=True)

@@ -107,14 +107,16 @@ def _resolve(cfg: CompareConfig) -> tuple[Path, Any, Budget]:
             if t not in retrieval.TASKS:
                 raise ConfigError(f"unknown retrieval task {t!r}: choose from "
                                   f"{', '.join(retrieval.TASKS)}")
-    if budget.record_tokens >= window:  # (a record is scored with one position after it)
-        raise ConfigError(f"record length {budget.record_tokens} does not fit below the "
-                          f"model's position limit {window}: pass --record-tokens "
-                          f"{min(budget.record_tokens, window) // 2} or fewer")
     # (build_shards refuses shorter records only after every arm has loaded; a held-out
     # budget below one record scored nothing and reported the goals as "not run")
     least = corpora.MIN_RECORD_TOKENS
     if "heldout" in cfg.tasks or "internals" in cfg.tasks:
+        # (only where records are scored: --tasks generation on a 256-token model was refused
+        # for the default record length of a task it did not run)
+        if budget.record_tokens >= window:  # (a record is scored with one position after it)
+            raise ConfigError(f"record length {budget.record_tokens} does not fit below the "
+                              f"model's position limit {window}: pass --record-tokens "
+                              f"{min(budget.record_tokens, window) // 2} or fewer")
         for flag, value in (("--record-tokens", budget.record_tokens),
                             ("--heldout-tokens", budget.heldout_tokens)):
             if value < least:
@@ -122,12 +124,24 @@ def _resolve(cfg: CompareConfig) -> tuple[Path, Any, Budget]:
                                   f"({least} tokens): pass {least} or more")
     if QSA_TASK in cfg.tasks and cfg.qsa is None:
         raise ConfigError("the qsa task needs a QSA preset (kvcap compare --qsa PRESET)")
+    # (without --qsa these were dropped without a word, and --qsa-context still sized every
+    # arm's KV pool: --qsa-context 1000000 allocated a million-token pool per arm)
+    stray = [f"--{k.replace('_', '-')}" for k in ("qsa_context", "qsa_records")
+             if k in cfg.overrides]
+    if cfg.qsa is None and stray:
+        raise ConfigError(f"{' and '.join(stray)} need --qsa PRESET (they size the QSA "
+                          "records only)")
     if cfg.qsa is not None:
         from kvcap.qsa.enable import parse_preset
 
-        ctx = budget.qsa_context or min(2 * parse_preset(cfg.qsa).token_budget, window)
-        if ctx > window:
-            raise ConfigError(f"QSA context {ctx} exceeds the window {window}")
+        # a QSA record is scored like a held-out one, with one position after it: a record of
+        # the whole window (the default where twice the budget reaches it) passed here and
+        # failed after every arm had loaded ("prompt of N tokens does not fit")
+        ctx = budget.qsa_context or min(2 * parse_preset(cfg.qsa).token_budget, window - 1)
+        if ctx >= window:
+            raise ConfigError(f"QSA context {ctx} exceeds the window {window} (a record is "
+                              f"scored with one position after it): pass --qsa-context "
+                              f"{window - 1} or fewer")
         if ctx < least:
             raise ConfigError(f"--qsa-context {ctx} is below the shortest record ({least} "
                               "tokens)")
@@ -159,8 +173,10 @@ def run_compare(cfg: CompareConfig) -> tuple[dict[str, Any], dict[str, Path]]:
             # (the control pack and corpus manifest went into it)
             raise ConfigError(f"--out {out} lies inside {what} {d}: give a directory of its "
                               "own")
+    # wrong checkpoint (or no pack at all): fail before any write, --out's mkdir included (it
+    # ran first and left an empty report directory behind each refused run)
+    ab.overlay_fingerprint(base, Path(cfg.overlay))
     make_dirs(out, ConfigError)  # --out under a file: one line, not a mkdir traceback
-    ab.overlay_fingerprint(base, Path(cfg.overlay))  # wrong checkpoint: fail before any write
     control = None if cfg.no_control else (
         cfg.control or ab.make_unit_overlay(base, out / "unit-scale-control"))
     arms = ab.arm_specs(base, Path(cfg.overlay), control, cfg.baseline_kv)
@@ -172,8 +188,13 @@ def run_compare(cfg: CompareConfig) -> tuple[dict[str, Any], dict[str, Path]]:
                             if cal_path else (None, None))
     timings: dict[str, float] = {"validate": time.time() - t0}
 
-    need = max([budget.record_tokens, 512 + budget.max_new_tokens, budget.qsa_context or 0]
-               + [2 * c for c in budget.contexts])
+    # the KV pool every arm allocates, sized by the tasks that run: the retrieval contexts
+    # (FULL: 2 x 8192 tokens) sized it for --tasks heldout too, 32x its 512-token records
+    tasks = set(cfg.tasks)
+    need = max([budget.record_tokens if tasks & {"heldout", "internals"} else 0,
+                512 + budget.max_new_tokens if "generation" in tasks else 0,
+                (budget.qsa_context or 0) if QSA_TASK in tasks else 0]
+               + [2 * c for c in budget.contexts if "retrieval" in tasks])
     t = time.time()
     llms = ab.build_llms(base, arms, cfg.device, need, qsa=cfg.qsa)
     timings["load_arms"] = time.time() - t
