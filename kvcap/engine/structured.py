@@ -62,7 +62,9 @@ class StructuredOutput:
         if grammar.must_end(state):
             if self.eos is None:
                 raise ValueError("structured output needs an EOS token to end the output with")
-            return self.eos, state
+            if tok in self.eos_ids:  # the model's own end: kept (as next_state would)
+                return tok, state
+            return self._likeliest_eos(logits), state
         nxt = self.next_state(grammar, state, tok)
         row = None
         for _ in range(MAX_REJECTIONS):
@@ -84,6 +86,17 @@ class StructuredOutput:
             raise NoContinuation(f"structured output ({grammar.description}): no token of the "
                                  f"vocabulary continues the output")
         return tok, nxt
+
+    def _likeliest_eos(self, logits: torch.Tensor) -> int:
+        """The end-of-sequence id the model ranks highest (lowest id on ties). min(eos_ids)
+        replaced the model's own: Llama 3 instruct's <|eot_id|> (128009) became
+        <|end_of_text|> (128001), Qwen2.5's <|im_end|> <|endoftext|>, in the token ids, the
+        logprobs and an include_stop_str_in_output text."""
+        ids = sorted(t for t in self.eos_ids if 0 <= t < logits.shape[-1])
+        if len(ids) < 2:
+            return ids[0] if ids else self.eos
+        values = logits.detach()[torch.tensor(ids, device=logits.device)].float().tolist()
+        return ids[max(range(len(ids)), key=lambda i: (values[i], -i))]
 
     def mask(self, grammar: Grammar, state: State) -> torch.Tensor:
         """[V] bool: the tokens that fit after `state`."""

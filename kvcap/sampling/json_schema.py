@@ -76,7 +76,19 @@ class SchemaError(ValueError):
 
 
 def json_dumps(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return _utf8(text, "the schema")
+
+
+def _utf8(text: str, what: str) -> bytes:
+    """`text` as UTF-8, or a SchemaError: a lone surrogate ("\\ud800" in a JSON request, a
+    byte of argv that is not UTF-8) has no UTF-8 form, so no output can spell it (and the
+    grammar refuses surrogate escapes); was a UnicodeEncodeError traceback, a server 500."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError as e:
+        raise SchemaError(f"{what}: {text[:60]!r} holds a lone surrogate "
+                          f"{text[e.start]!r}, which no UTF-8 output can hold") from None
 
 
 def _spellings(value: Any) -> list[bytes]:
@@ -148,6 +160,8 @@ def choice_grammar(choices: list[str]) -> Grammar:
         raise SchemaError(f"choices must be a list of strings, got {choices!r}")
     if not choices or any(not isinstance(c, str) or not c for c in choices):
         raise SchemaError("choices must be a non-empty list of non-empty strings")
+    for c in choices:
+        _utf8(c, "choices")
     return _choice_grammar(tuple(dict.fromkeys(choices)))
 
 
@@ -615,7 +629,9 @@ def _finite_node(node: tuple, finite: list[bool]) -> bool:
         return any(finite[j] for j in node[1])
     if kind == "arr":
         _, items, lo, _, prefix = node
-        return all(finite[prefix[i] if i < len(prefix) else items] for i in range(lo))
+        # (the prefix's nodes, then `items` once: a loop over all `lo` items took minutes
+        # for a minItems of 10**9, a server request that blocked every other)
+        return all(finite[p] for p in prefix[:lo]) and (lo <= len(prefix) or finite[items])
     if kind == "obj":
         _, props, req, extra, _, lo, _, keys, _ = node
         if not all(finite[props[k]] for k in req):

@@ -134,6 +134,7 @@ class Nfa:
         hit = self._fits.get(key)
         if hit is None:
             hit, seen, i = False, set(), 0
+            first: dict[frozenset[int], int] = {}  # before at_least: set -> where first seen
             while states and (at_most is None or i <= at_most):
                 if i >= at_least:
                     if self.accepts(states):
@@ -142,6 +143,15 @@ class Nfa:
                     if states in seen:
                         break
                     seen.add(states)
+                else:
+                    # a set seen before repeats with its period: skip whole periods towards
+                    # at_least (a minLength of 10**9 took 10**9 steps, once per character
+                    # of the output while it is under minLength)
+                    j = first.setdefault(states, i)
+                    skip = (at_least - i) // (i - j) * (i - j) if j < i else 0
+                    if skip:
+                        i += skip  # the same set, read again at its new index
+                        continue
                 states, i = self.step_any(states), i + 1
             if len(self._fits) > 1 << 16:
                 self._fits.clear()
