@@ -136,12 +136,15 @@ class ModelSpec:
         fp8_weights = read_weight_quant(cfg.get("quantization_config"))
         defaults = CONFIG_DEFAULTS[arch]
         try:
-            num_heads = int(cfg["num_attention_heads"])
-            hidden = int(cfg["hidden_size"])
+            num_heads = _positive_int("num_attention_heads", cfg["num_attention_heads"])
+            hidden = _positive_int("hidden_size", cfg["hidden_size"])
+            num_layers = _positive_int("num_hidden_layers", cfg["num_hidden_layers"])
             # absent: the config class's default (Qwen3's is 128, not hidden / heads); null:
             # hidden / heads, as transformers derives it
-            head_dim = int(cfg.get("head_dim", defaults.get("head_dim"))
-                           or hidden // num_heads)
+            head_dim = _positive_int("head_dim", cfg.get("head_dim", defaults.get("head_dim"))
+                                     or hidden // num_heads)
+            if head_dim % 2:  # (transformers refuses it too; rotate_half failed mid-forward)
+                raise ValueError(f"head_dim {head_dim} is odd: RoPE rotates pairs of dimensions")
             # rope_scaling ahead of rope_parameters, as transformers 5 reads them: a config it
             # saved carries rope_parameters {"rope_type": "default"}, and the rope_scaling a
             # user adds afterwards (Qwen2.5's card: yarn for long context) was ignored
@@ -161,6 +164,15 @@ class ModelSpec:
                 rope = {**rope, "original_max_position_embeddings": cfg.get(
                     "original_max_position_embeddings", cfg.get("max_position_embeddings",
                                                                 defaults["max_position_embeddings"]))}
+            if rope is not None and rope.get("rope_type", rope.get("type")) == "yarn":
+                # position_limit multiplies these when the engine starts, before the RoPE
+                # tables (which name a bad value) are built: "factor": "x" was a bare
+                # ValueError traceback there
+                for key in ("factor", "original_max_position_embeddings"):
+                    value = rope.get(key)
+                    if not is_number(value) and not (key == "factor" and value is None):
+                        raise ValueError(f"rope_scaling of type 'yarn': {key} {value!r} is not "
+                                         "a number")
             # (Qwen2's q/k/v biases are its architecture's, not a config switch)
             for key, what in (("attention_bias", "attention's output projection"),
                               ("mlp_bias", "MLP projections")):
@@ -173,23 +185,27 @@ class ModelSpec:
                                   "SiLU-gated one of Llama, Mistral and Qwen (hidden_act 'silu')")
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            window, sliding_layers = _sliding_window(cfg, arch, int(cfg["num_hidden_layers"]),
-                                                     defaults)
+            if not all(is_integral(i) for i in eos_ids):
+                # (a dict or string id was a TypeError when the engine started, or an id that
+                # never matched a token: generation that never stopped)
+                raise ValueError(f"eos_token_id {eos!r} is not a token id or a list of them")
+            window, sliding_layers = _sliding_window(cfg, arch, num_layers, defaults)
             spec = cls(
                 architecture=arch,
                 hidden_size=hidden,
-                num_layers=int(cfg["num_hidden_layers"]),
+                num_layers=num_layers,
                 num_heads=num_heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads",
-                                         defaults["num_key_value_heads"]) or num_heads),
+                num_kv_heads=_positive_int("num_key_value_heads", cfg.get(
+                    "num_key_value_heads", defaults["num_key_value_heads"]) or num_heads),
                 head_dim=head_dim,
-                intermediate_size=int(cfg["intermediate_size"]),
-                vocab_size=int(cfg["vocab_size"]),
+                intermediate_size=_positive_int("intermediate_size",
+                                                cfg["intermediate_size"]),
+                vocab_size=_positive_int("vocab_size", cfg["vocab_size"]),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", defaults["rms_norm_eps"])),
                 rope_theta=rope_theta,
                 rope_scaling=dict(rope) if rope else None,
-                max_position_embeddings=int(cfg.get("max_position_embeddings",
-                                                    defaults["max_position_embeddings"])),
+                max_position_embeddings=_positive_int("max_position_embeddings", cfg.get(
+                    "max_position_embeddings", defaults["max_position_embeddings"])),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 qkv_bias=arch == "qwen2",
                 qk_norm=arch == "qwen3",
@@ -233,6 +249,17 @@ class ModelSpec:
             names.append(f"{self.layer_prefix}.{layer}.self_attn.k_scale")
             names.append(f"{self.layer_prefix}.{layer}.self_attn.v_scale")
         return names
+
+
+def _positive_int(key: str, value: Any) -> int:
+    """A size or count of config.json (`value`, read from `key`) as a positive integer, as
+    transformers' config classes type them. A bool, a float, a string or a value < 1 used to
+    pass through int() (True as 1, 1.5 as 1) or fail far from the config: a division by zero
+    sizing the KV cache, an IndexError building it. A plain ValueError: read_spec and the
+    overlay binding turn it into their one-line errors naming the file."""
+    if not is_integral(value) or value < 1:
+        raise ValueError(f"{key} is {value!r}, not a positive integer")
+    return int(value)
 
 
 def _check_phi3_rope(cfg: dict[str, Any], rope: dict[str, Any] | None) -> None:

@@ -33,7 +33,11 @@ DUMMY_PREFIX = "dummy:"
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("KVCAP_CACHE", Path.home() / ".cache" / "kvcap"))
+    # "~" expanded and "" read as unset, as HF_HOME is: KVCAP_CACHE="~/kvcap" (a tilde the
+    # shell leaves alone inside quotes) or KVCAP_CACHE= converted the embedded model into a
+    # directory literally named "~", or into ./models, under whatever directory kvcap ran in
+    root = os.environ.get("KVCAP_CACHE", "").strip()
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "kvcap"
 
 
 def resolve_model_dir(model: str | os.PathLike) -> Path:
@@ -59,13 +63,21 @@ def resolve_model_dir(model: str | os.PathLike) -> Path:
 
 
 def read_spec(model_dir: Path) -> ModelSpec:
+    return _spec_of(_read_config(model_dir / "config.json"), model_dir / "config.json")
+
+
+def _read_config(path: Path) -> Any:
     try:
-        cfg = json.loads((model_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {e}") from None
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from None
+
+
+def _spec_of(cfg: Any, path: Path) -> ModelSpec:
+    """The ModelSpec of config `cfg` read from `path`, or a one-line ModelLoadError naming it."""
     if not isinstance(cfg, dict):  # (a list or string was an AttributeError inside the spec)
-        raise ModelLoadError(f"{model_dir / 'config.json'} holds a JSON {type(cfg).__name__}, "
-                             "not an object: not an HF model config")
+        raise ModelLoadError(f"{path} holds a JSON {type(cfg).__name__}, not an object: not an "
+                             "HF model config")
     try:
         return ModelSpec.from_hf_config(cfg)
     except KvcapError:
@@ -73,8 +85,8 @@ def read_spec(model_dir: Path) -> ModelSpec:
     except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
         # a field of the wrong type or value (null, a string for a number, 0 heads): one line,
         # not a traceback from inside the spec
-        raise ModelLoadError(f"{model_dir / 'config.json'}: a field holds a value kvcap cannot "
-                             f"read ({type(e).__name__}: {e})") from None
+        raise ModelLoadError(f"{path}: a field holds a value kvcap cannot read "
+                             f"({type(e).__name__}: {e})") from None
 
 
 def read_hf_config(model_dir: Path) -> dict:
@@ -243,7 +255,11 @@ def dummy_config(arg: str) -> dict:
         path = path / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"dummy model config {str(path)!r} does not exist")
-    return json.loads(path.read_text())
+    cfg = _read_config(path)
+    # refused as read_spec refuses an HF directory's config: its callers build the spec
+    # themselves, and invalid JSON or a field of the wrong type was a traceback there
+    _spec_of(cfg, path)
+    return cfg
 
 
 # --- the embedded default model -------------------------------------------------------------
