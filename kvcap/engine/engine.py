@@ -94,6 +94,16 @@ class Engine:
         detokenizing along the way: what a caller that waits for the end wants)."""
         if request_id in self.requests:
             raise ConfigError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):  # (an AttributeError further down)
+            raise ConfigError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(prompt_token_ids, list):
+            # a tuple or a numpy array of ids: `not array` below raised numpy's "truth value
+            # of an array is ambiguous"
+            try:
+                prompt_token_ids = list(prompt_token_ids)
+            except TypeError:
+                raise ConfigError(f"prompt token ids must be a list of integers, got "
+                                  f"{type(prompt_token_ids).__name__}") from None
         if not prompt_token_ids:
             raise ConfigError("the prompt is empty")
         # Integers only (numpy's too): 3.0 and True pass the range check below, and a float

@@ -278,7 +278,11 @@ class ModelRunner:
             qlens.append(n)
             seq_lens.append(start + n)
             tables.append(req.block_ids)
-            if (req.sampling_params.prompt_logprobs is not None
+            # Only a chunk with prompt rows needs the eager path: a request in decode that
+            # asked for prompt logprobs / logits has none, and used to keep the whole batch
+            # off the decode graphs until it finished.
+            if start < req.num_prompt_tokens and (
+                    req.sampling_params.prompt_logprobs is not None
                     or extras[req.request_id].want_prompt_logits):
                 eager_only = True
         max_q = max(qlens)
@@ -300,9 +304,10 @@ class ModelRunner:
                 ends = list(range(len(chunks) + 1))
             for i, ch in enumerate(chunks):
                 req = ch.request
-                if (not extras[req.request_id].want_prompt_logits
+                if ch.start >= req.num_prompt_tokens or (
+                        not extras[req.request_id].want_prompt_logits
                         and req.sampling_params.prompt_logprobs is None):
-                    continue
+                    continue  # (no prompt rows in this chunk)
                 end = min(ch.start + ch.num_tokens, req.num_prompt_tokens)
                 plan.prompt_rows.append((i, ends[i], ends[i] + end - ch.start))
         return plan
