@@ -2,34 +2,16 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
+import test_scheduler_hunt
 
-from kvcap import LLM, SamplingParams
+from kvcap import SamplingParams
 from kvcap.errors import ConfigError
 
-CFG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 64,
-       "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-       "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
-       "tie_word_embeddings": False, "rope_theta": 10000.0, "eos_token_id": 1}
-
-
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory) -> LLM:
-    path = tmp_path_factory.mktemp("hunt3") / "config.json"
-    path.write_text(json.dumps(CFG))
-    return LLM(model=f"dummy:{path}", device="cpu", num_blocks=64, block_size=4)
-
-
-def _drain(eng) -> dict[str, list[int]]:
-    done = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = list(o.token_ids)
-    return done
+# test_scheduler_hunt's tiny random Llama (64 blocks of 4 tokens) and its step loop
+llm = test_scheduler_hunt.llm
+_drain = test_scheduler_hunt._drain
 
 
 # --- prompt logits keep the decode graphs once the prompt is done ------------------------------
