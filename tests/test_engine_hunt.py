@@ -252,31 +252,43 @@ class _Chars:
         return "".join(chr(0x100 + i) for i in ids)
 
 
-def test_stop_string_under_min_tokens_then_a_draft_step_keeps_min_tokens(model):
-    """A stop string that a token under min_tokens completes is found one step later, once
-    min_tokens tokens exist (the search looks a few characters back): one-token steps then
-    stop with min_tokens tokens. A step with drafts (kept or not) cut the output after the
-    token that completed the string instead, shorter than min_tokens."""
+def test_stop_string_under_min_tokens_is_passed_over_with_or_without_drafts(model):
+    """Text made under min_tokens is passed over, as vLLM does: a stop string must end past
+    it. The search's look-back (a few characters, for strings that straddle the last search's
+    end) found a string that lay wholly in that text on the first search at min_tokens, so
+    the output stopped there (one-token steps) or after the token that completed it, shorter
+    than min_tokens (a step of drafts). A string straddling into the min_tokens-th token
+    still stops it."""
     plain = _llm(model)
     drafting = _llm(model, num_speculative_tokens=3, prompt_lookup_min=1)
     plain.engine.tokenizer = drafting.engine.tokenizer = _Chars()
     prompt = list(range(2, 64, 3))
-    ref = list(plain.generate([prompt], SamplingParams(temperature=0, max_tokens=16,
+    n = 16
+    ref = list(plain.generate([prompt], SamplingParams(temperature=0, max_tokens=n,
                                                        ignore_eos=True),
                               use_tqdm=False)[0].token_ids)
-    compared = 0
+    chars = _Chars().decode
+    compared = passed_over = 0
     for j in range(1, 12):
         if ref[j] in ref[:j]:
             continue
-        p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
-                           stop=[chr(0x100 + ref[j])], min_tokens=j + 2)
-        want = plain.generate([prompt], p, use_tqdm=False)[0]
-        got = drafting.generate([prompt], p, use_tqdm=False)[0]
-        assert len(want.token_ids) == j + 2 and want.finish_reason == "stop"
-        assert (list(got.token_ids), got.text, got.finish_reason) == (
-            list(want.token_ids), want.text, want.finish_reason), j
-        compared += 1
-    assert compared >= 3 and drafting.engine.num_draft_tokens > 0
+        cases = [([chars(ref[j:j + 1])], j + 2),       # wholly under min_tokens = j + 2
+                 ([chars(ref[j - 1:j + 1])], j + 1)]   # ends in the (j + 1)-th token
+        for stop, least in cases:
+            p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, stop=stop,
+                               min_tokens=least)
+            # one-token steps: the first match that ends in a token at index >= least - 1
+            ends = [k for k in range(least - 1, n) if chars(ref[:k + 1]).endswith(stop[0])]
+            size = ends[0] + 1 if ends else n
+            want = plain.generate([prompt], p, use_tqdm=False)[0]
+            got = drafting.generate([prompt], p, use_tqdm=False)[0]
+            assert (len(want.token_ids), want.finish_reason) == (
+                size, "stop" if ends else "length"), (j, stop)
+            assert (list(got.token_ids), got.text, got.finish_reason) == (
+                list(want.token_ids), want.text, want.finish_reason), (j, stop)
+            passed_over += least == j + 2 and size != j + 2
+            compared += 1
+    assert compared >= 6 and passed_over >= 2 and drafting.engine.num_draft_tokens > 0
 
 
 def test_first_stop_string_completed_in_a_step_of_kept_drafts_wins(model):

@@ -59,6 +59,8 @@ class Engine:
         self._rng = random.Random(seed)
         self._truncated: dict[str, str] = {}  # text cut at a stop string
         self._stop_scanned: dict[str, int] = {}  # text length already searched for stops
+        # text length under min_tokens: a stop string must end past it (vLLM passes that text over)
+        self._stop_floor: dict[str, int] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.timer = None  # kvcap.engine.timing.StepTimer while step timing is on
         # Queue the next decode step before reading this one's tokens (see the module doc), when
@@ -297,25 +299,28 @@ class Engine:
         # Search only text that can hold a stop string not seen before: from where the last
         # search ended, less the longest stop string (it may straddle the boundary) and a few
         # characters the detokenizer may still rewrite. Linear in the output's length; text
-        # generated under min_tokens is passed over, as vLLM does.
+        # generated under min_tokens is passed over, as vLLM does: a stop string must end past
+        # it (the look-back above found one that lay wholly in it once min_tokens was reached).
         rid = req.request_id
         longest = max(map(len, stops))
         start = max(0, self._stop_scanned.get(rid, 0) - longest - 3)
         self._stop_scanned[rid] = len(text)
         if len(req.output_token_ids) < req.sampling_params.min_tokens:
+            self._stop_floor[rid] = len(text)
             return
-        hits = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
+        floor = self._stop_floor.get(rid, 0)
+        hits = _stop_hits(text, stops, start, floor)
         if not hits:
             return
         found = None
         if before is not None:  # (no stop in the step's text: none in any shorter text)
-            found, start, m = self._stop_before_last(req, before, start, longest)
+            found, start, m, floor = self._stop_before_last(req, before, start, longest)
             if found is not None:
                 self._drop_after_stop(req, m)
             elif req.status == RequestStatus.FINISHED_STOPPED:
                 return  # a stop token ended it before a one-token step's last search
             else:  # the step's last token searched as a one-token step would, from `start`
-                hits = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
+                hits = _stop_hits(text, stops, start, floor)
                 if not hits:
                     return
         idx, s = found if found is not None else min(hits)
@@ -339,25 +344,28 @@ class Engine:
         self._attention_mode = mode
 
     def _stop_before_last(self, req: Request, before: int, start: int, longest: int
-                          ) -> tuple[tuple[int, str] | None, int, int]:
+                          ) -> tuple[tuple[int, str] | None, int, int, int]:
         """The searches one-token steps would have made after each of this step's tokens but
         the last (each from where the one before ended, none under min_tokens): the first
-        stop string found, (offset, string), where it starts its search and the output length
-        m it was found at; else None, where the last token's search starts, and len(output).
+        stop string found, (offset, string), where it starts its search, the output length
+        m it was found at and the text length under min_tokens; else None, where the last
+        token's search starts, len(output) and that length.
         One decode per new token, only in steps whose text holds a stop string."""
         ids = req.output_token_ids
         sp = req.sampling_params
-        detok = self._detok[req.request_id]  # (made by the _decode that gave the step's text)
+        rid = req.request_id
+        detok = self._detok[rid]  # (made by the _decode that gave the step's text)
+        floor = self._stop_floor.get(rid, 0)
         for m in range(before + 1, len(ids)):
             # as the detokenizer renders the output: offsets are into that text (a plain
             # decode drops a SentencePiece output's first space, one character off)
             text = detok.decode(ids[:m])
-            if m >= sp.min_tokens:
-                hits = [(i, s) for s in sp.stop if (i := text.find(s, start)) >= 0]
-                if hits:
-                    return min(hits), start, m
+            if m < sp.min_tokens:
+                floor = len(text)
+            elif hits := _stop_hits(text, sp.stop, start, floor):
+                return min(hits), start, m, floor
             start = max(0, len(text) - longest - 3)
-        return None, start, len(ids)
+        return None, start, len(ids), floor
 
     def _drop_after_stop(self, req: Request, m: int) -> None:
         """Cut the output after its m-th token (the one that completed a stop string): one-
@@ -419,8 +427,15 @@ class Engine:
         self.extras.pop(req.request_id, None)
         self._truncated.pop(req.request_id, None)
         self._stop_scanned.pop(req.request_id, None)
+        self._stop_floor.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)
 
     def sync(self) -> None:
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)
+
+
+def _stop_hits(text: str, stops: list[str], start: int, floor: int) -> list[tuple[int, str]]:
+    """(offset, string) of each stop string's first match in `text` that starts at `start` or
+    later and ends past `floor` (the text made under min_tokens, which vLLM passes over)."""
+    return [(i, s) for s in stops if (i := text.find(s, max(start, floor - len(s) + 1))) >= 0]
