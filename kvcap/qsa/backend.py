@@ -61,19 +61,20 @@ def attend_masked_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """GQA attention of q [n, Hq, D] over k/v FP32 [Hkv, S, D] where query row r of head h
     sees key s iff mask[r, h', s] (mask [n, Hs, S] bool, Hs = 1 or Hkv; h' = h's KV head).
     Same operations as kvcap.attention.torch_ref.attend_reference. Returns FP32 [n, Hq, D]."""
-    _, hq, _ = q.shape
+    n, hq, d = q.shape
     hkv = k.shape[0]
     group = hq // hkv
-    qf = q.float().transpose(0, 1)
-    kf = k.repeat_interleave(group, dim=0)
-    vf = v.repeat_interleave(group, dim=0)
-    scores = torch.matmul(qf, kf.transpose(1, 2)) * softmax_scale  # [Hq, n, S]
-    m = mask.transpose(0, 1)  # [Hs, n, S]
-    if m.shape[0] != 1:
-        m = m.repeat_interleave(group, dim=0)
+    # Query heads grouped by their KV head, [Hkv, group * n, D], exactly as attend_reference
+    # lays them out: the same matmul shapes round the same, so a selection of every token is
+    # the dense result bit for bit (per-query-head [Hq, n, D] matmuls differed in the last
+    # bit at some row counts, e.g. a 3- or 4-token prompt).
+    qf = q.float().reshape(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
+    scores = torch.matmul(qf, k.transpose(1, 2)) * softmax_scale  # [Hkv, group * n, S]
+    m = mask.transpose(0, 1).repeat(1, group, 1)  # [Hs, group * n, S]; Hs = 1 broadcasts
     scores = scores.masked_fill(~m, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, vf).transpose(0, 1)
+    o = torch.matmul(probs, v)  # [Hkv, group * n, D]
+    return o.reshape(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
 
 
 class QSABackend(AttentionBackend):

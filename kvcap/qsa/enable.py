@@ -43,7 +43,9 @@ PRESET_HELP = ("QSA preset: 'every<N>' (every Nth layer, e.g. every4) or 'all-bu
                f"budget (a multiple of 4, at most the context or {DEFAULT_BUDGET}; default "
                f"{DEFAULT_BUDGET}, e.g. every4:1024); "
                "training-free indexer, min/max group bounds")
-_PRESET = re.compile(r"^(?:every(\d+)|all-but-(\d+))(?::(\d+))?$")
+# ASCII digits only: \d alone took any Unicode digit (Arabic-Indic "every\u0664", full-width
+# "every\uff14:\uff11\uff10\uff12\uff14" were read as every4 / every4:1024), outside the grammar
+_PRESET = re.compile(r"^(?:every(\d+)|all-but-(\d+))(?::(\d+))?$", re.ASCII)
 
 
 def parse_preset(name: str) -> QSAConfig:

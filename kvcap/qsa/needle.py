@@ -20,7 +20,9 @@ import logging
 from pathlib import Path
 
 from kvcap.commands.common import non_negative_int, percent_list, positive_int
+from kvcap.errors import ConfigError
 from kvcap.qsa.config import QSAConfig
+from kvcap.qsa.enable import check_budget
 from kvcap.qsa.quality import MassRecallProbe
 from kvcap.scales.fsutil import atomic_write_text
 
@@ -59,7 +61,10 @@ def run_needle(dense, qsa, config: QSAConfig, context: int, depths: list[int],
             "summary": config.summary, "head_reduce": config.head_reduce, "cases": rows,
             "dense_passed": sum(r["dense"]["pass"] for r in rows),
             "qsa_passed": sum(r["qsa"]["pass"] for r in rows),
-            "recall": recall, "recall_mean": sum(recall.values()) / max(len(recall), 1)}
+            # no counted row (a budget covering the context: QSA selected everything) is no
+            # measurement, not a recall of 0
+            "recall": recall,
+            "recall_mean": sum(recall.values()) / len(recall) if recall else None}
 
 
 def build_pair(model: str, context: int, config: QSAConfig):
@@ -93,13 +98,23 @@ def main(argv: list[str] | None = None) -> int:
         cfg = QSAConfig(layer_rule="all_but_first", first_dense=args.first_dense,
                         topk_groups=args.topk, summary=args.summary,
                         head_reduce=args.head_reduce).validate()
+        # enable_qsa refuses a budget past build_pair's max_model_len: a traceback after
+        # both models had loaded
+        check_budget(cfg, args.context + 16)
     except ValueError as e:
         ap.error(str(e))
-    dense, qsa = build_pair(args.model, args.context, cfg)
-    res = run_needle(dense, qsa, cfg, args.context, args.depths, args.every)
+    try:
+        dense, qsa = build_pair(args.model, args.context, cfg)
+        res = run_needle(dense, qsa, cfg, args.context, args.depths, args.every)
+    except ConfigError as e:
+        # --first-dense past the model's layers, a --context too short for a passkey case:
+        # one usage line, not a traceback
+        ap.error(str(e))
     res["date"] = datetime.date.today().isoformat()
-    logger.info("dense %d/%d, qsa %d/%d, mean mass recall %.4f", res["dense_passed"],
-                len(res["cases"]), res["qsa_passed"], len(res["cases"]), res["recall_mean"])
+    mean = res["recall_mean"]
+    logger.info("dense %d/%d, qsa %d/%d, mean mass recall %s", res["dense_passed"],
+                len(res["cases"]), res["qsa_passed"], len(res["cases"]),
+                "n/a (no row had more than --topk groups)" if mean is None else f"{mean:.4f}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(args.out), json.dumps(res, indent=1))

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from kvcap.commands.common import percent_list, positive_int, positive_int_list
+from kvcap.errors import ConfigError
 from kvcap.qsa.config import QSAConfig
 from kvcap.qsa.indexer import QSASideCaches
 from kvcap.qsa.quality import MassRecallProbe, ShadowSelect
@@ -73,6 +74,13 @@ def measure(llm, prompts: list[list[int]], budgets: list[int], every: int) -> di
     res = {}
     for name, pr in probes.items():
         per = {int(k): v for k, v in pr.report().items()}
+        if not per:
+            # recall is counted only on rows with more than k groups to choose from: a budget
+            # covering every prompt has none (this was a ZeroDivisionError)
+            k = cands[name].config.topk_groups
+            raise ConfigError(f"budget {k} groups ({4 * k} tokens) covers every row of the "
+                              f"prompts (longest {max(map(len, prompts), default=0)} tokens): "
+                              "nothing to measure; use a smaller budget or a longer context")
         vals = [per[k] for k in sorted(per)]
         late = [per[k] for k in sorted(per) if k >= 2]
         res[name] = {"layers": per, "mean": sum(vals) / len(vals),
@@ -91,6 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=positive_int, default=8)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    # rows choose only past k complete groups: refuse budgets covering the context before
+    # the model loads (measure() checks the real prompts too)
+    covering = [k for k in args.budgets if args.context // 4 <= k]
+    if covering:
+        ap.error(f"--budgets {','.join(map(str, covering))} (groups of 4) cover the whole "
+                 f"--context {args.context}: no row would choose; use budgets below "
+                 f"{args.context // 4}")
     logging.basicConfig(level=logging.INFO)
     from kvcap import LLM
     from kvcap.eval.retrieval import build_cases
@@ -100,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
               max_num_batched_tokens=args.context, max_model_len=args.context + 16,
               num_blocks=-(-(args.context + 16) // 16) + 1)
     depths, budgets = args.depths, args.budgets
-    cases = build_cases(llm.tokenizer, ["passkey"], [args.context], depths)
-    res = measure(llm, [c.prompt_ids for c in cases], budgets, args.every)
+    try:
+        cases = build_cases(llm.tokenizer, ["passkey"], [args.context], depths)
+        res = measure(llm, [c.prompt_ids for c in cases], budgets, args.every)
+    except ConfigError as e:  # a context too short for a passkey case, a budget covering
+        ap.error(str(e))      # the real prompts: one usage line, not a traceback
     for name, r in res.items():
         logger.info("%-18s mean %.4f  mean(layers>=2) %.4f  min %.4f", name, r["mean"],
                     r["mean_from_layer_2"], r["min"])

@@ -149,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    # Only rows with more than --topk complete groups choose (the report scores those): a
+    # budget covering the whole run left none, and both arms ran before the empty selection
+    # overlap raised a bare RuntimeError.
+    ratio = QSAConfig().compress_ratio
+    if (args.prompt + args.decode) // ratio <= args.topk:
+        ap.error(f"--topk {args.topk} groups of {ratio} cover all {args.prompt + args.decode} "
+                 f"tokens of --prompt + --decode: no row would choose; use --topk below "
+                 f"{(args.prompt + args.decode) // ratio} or a longer --prompt")
     dev = torch.device(args.device)
     if dev.type == "cuda":
         from kvcap.attention.triton_backend import TritonBackend as Inner
