@@ -79,3 +79,33 @@ def test_engine_refuses_params_that_are_not_sampling_params(llm, params):
     with pytest.raises(ConfigError, match="SamplingParams"):
         llm.engine.add_request("bad-params", [5, 9, 13], params)
     assert "bad-params" not in llm.engine.requests and not llm.engine.has_unfinished()
+
+
+# --- a waiting prompt's prefix hashes are computed once -------------------------------------
+def test_a_waiting_prompt_is_not_rehashed_every_lookup():
+    """A prompt waiting for blocks is looked up twice a step (blocks_to_admit, then
+    allocate_prompt): each lookup re-hashed its whole cached prefix, ~12 ms a call for a
+    128K-token one, a stall of every decode step beside it. The chained hashes are kept while
+    it waits; a new request under a finished one's id gets its own."""
+    from test_block_manager import BS, make_req, run_prompt
+
+    from kvcap.engine.block_manager import BlockManager
+
+    bm = BlockManager(64, BS)
+    tokens = list(range(100, 165))  # 16 full blocks and a token
+    first = make_req("first", tokens)
+    run_prompt(bm, first)
+    bm.free(first)  # its blocks stay cached
+    calls = []
+    plain_hash = bm._hash
+    bm._hash = lambda parent, toks: calls.append(1) or plain_hash(parent, toks)
+    again = make_req("again", tokens + [7])
+    for _ in range(3):
+        assert bm.blocks_to_admit(again) == 17  # the 16 cached blocks (on the free list) + 1
+    assert len(calls) == 16
+    assert bm.allocate_prompt(again) and again.num_computed_tokens == 16 * BS
+    assert len(calls) == 16 and len(again.block_ids) == 16
+    bm.free(again)
+    other = make_req("again", list(range(300, 365)))  # same id, other tokens: no hit
+    assert bm.allocate_prompt(other) and other.num_computed_tokens == 0
+    bm.check_invariants([other])
