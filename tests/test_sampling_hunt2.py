@@ -132,3 +132,11 @@ def test_complete_structured_output_ends_with_the_models_own_eos():
     assert so.choose(g, done, 3, logits, never) == (5, done)  # ties: the lower id
     one = StructuredOutput(TokenTexts(None), vocab_size=16, eos_ids={9})
     assert one.choose(g, done, 3, logits, never) == (9, done)
+
+
+@pytest.mark.parametrize("regex", [["a"], {"a": 1}])
+def test_a_regex_that_is_not_a_string_is_a_clear_error_offline_too(regex):
+    """regex_grammar's cache hashed its argument before the function checked its type: a list
+    was "unhashable type" from inside functools (the server now answers 400 through it too)."""
+    with pytest.raises(ConfigError, match="regex must be a non-empty string"):
+        SamplingParams(regex=regex).validate()

@@ -138,11 +138,16 @@ def _choice_grammar(choices: tuple[str, ...]) -> Grammar:
     return Grammar(nodes, len(choices), raw=True, description=f"one of {len(choices)} choices")
 
 
-@lru_cache(maxsize=COMPILED_SCHEMAS)
 def regex_grammar(pattern: str) -> Grammar:
     """Text that the regular expression matches whole (vLLM's `guided_regex`)."""
+    # (checked before the cache, which hashes its argument: a list was a TypeError, a 500)
     if not isinstance(pattern, str) or not pattern:
-        raise SchemaError("the regex must be a non-empty string")
+        raise SchemaError(f"the regex must be a non-empty string, got {pattern!r}")
+    return _regex_grammar(pattern)
+
+
+@lru_cache(maxsize=COMPILED_SCHEMAS)
+def _regex_grammar(pattern: str) -> Grammar:
     try:
         nfa = compile_regex(pattern)
     except RegexError as e:

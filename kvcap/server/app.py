@@ -203,6 +203,9 @@ def create_app(
         req = P.parse_request(await request.body(), P.TokenizeRequest)
         if req.model is not None:
             serving.check_model(req.model)
+        if req.chat_template is not None:  # (was ignored: tokens of another prompt counted)
+            raise P.APIError(400, "chat_template: only the default value is supported by kvcap",
+                             param="chat_template", code="unsupported_parameter")
         if (req.prompt is None) == (req.messages is None):
             raise P.APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:

@@ -8,9 +8,11 @@ accepted as extensions (vLLM style); penalties and `logit_bias` as in
 kvcap/sampling/penalties.py. Structured output (`response_format` json_object / json_schema,
 vLLM's `guided_json` / `guided_choice` / `structured_outputs`) as in
 kvcap/server/structured_request.py. vLLM extensions kvcap does not implement (beam search,
-regex and grammar guidance, ...) are named so that a request using them is refused rather than
-silently served without them, as are OpenAI's deprecated `functions` / `function_call` (tools
-replace them). A field with a default that the API declares nullable takes null as that default.
+grammar guidance, allowed_token_ids, bad_words, truncate_prompt_tokens, prompt_logprobs; chat's
+own chat_template, documents and echo) are named so that a request using them is refused
+rather than silently served without them, as are OpenAI's deprecated `functions` /
+`function_call` (tools replace them). A field with a default that the API declares nullable
+takes null as that default.
 `n` choices per prompt run as n engine requests; with a `seed`, choice j samples with seed + j.
 Log-probabilities (`logprobs`, chat's `top_logprobs`, up to MAX_LOGPROBS alternatives) and
 completions' `echo` are formatted by `kvcap.server.logprobs`.
@@ -158,11 +160,20 @@ class _SamplingFields(_NullIsDefault):
     # vLLM extensions not implemented: refused unless neutral (see `unsupported`)
     use_beam_search: bool = False
     guided_grammar: Any = None
+    # (these change the answer too, and were dropped as unknown fields: a request with
+    # allowed_token_ids or bad_words was sampled without them, one with
+    # truncate_prompt_tokens was not truncated, prompt_logprobs came back without any)
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
 
     def unsupported(self) -> list[str]:
         bad = ["guided_grammar"] if self.guided_grammar is not None else []
         if self.use_beam_search:
             bad.append("use_beam_search")
+        bad += [name for name in ("allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+                                  "prompt_logprobs") if getattr(self, name) not in (None, [])]
         return bad
 
     @property
@@ -381,11 +392,21 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: true adds the tokenizer's BOS on top of the template; kvcap keeps only what the
     # template writes, so true is refused (it was silently ignored)
     add_special_tokens: bool = False
+    # vLLM's, not implemented, refused unless neutral: a request's own chat template (the
+    # prompt was rendered with the server's instead, without a word), RAG documents for the
+    # template, and echo (the reply prefixed with the last message)
+    chat_template: Any = None
+    documents: Any = None
+    echo: bool = False
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
         if self.add_special_tokens:
             bad.append("add_special_tokens")
+        bad += [name for name in ("chat_template", "documents")
+                if getattr(self, name) not in (None, [])]
+        if self.echo:
+            bad.append("echo")
         return bad
 
     @property
@@ -440,7 +461,9 @@ def conversation(messages: list[ChatMessage] | None) -> list[dict[str, Any]]:
                                   for j, c in enumerate(m.tool_calls)]
         if m.tool_call_id is not None:
             turn["tool_call_id"] = m.tool_call_id
-        if m.name is not None and m.role == "tool":
+        # a participant's name on any turn, as vLLM and LLM.chat pass it (it reached the
+        # template on tool turns only: a template that renders names lost the user's)
+        if m.name is not None:
             turn["name"] = m.name
         out.append(turn)
     return out
@@ -467,6 +490,7 @@ class TokenizeRequest(_NullIsDefault):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False
+    chat_template: Any = None  # vLLM's own template per request: refused, as on the chat route
 
 
 class DetokenizeRequest(BaseModel):
