@@ -20,8 +20,10 @@ def _load(name: str):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvcap", description="Calibrated FP8 E4M3 KV-cache inference engine.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    # one or the other (`kvcap [-v | -q]`): both were taken and -q silently ignored
+    level = parser.add_mutually_exclusive_group()
+    level.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    level.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         try:

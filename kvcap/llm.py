@@ -269,6 +269,7 @@ class LLM:
             raise ConfigError("chat_template: dummy models have no tokenizer")
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
+        _check_kv_scales_arg(kv_scales, self.kv_dtype, self.model_dir)
         if tensor_parallel_size > 1:
             from kvcap.distributed.launch import attach_llm
 
@@ -312,9 +313,6 @@ class LLM:
                 self._run_gate(found_scales, kv_scales)
             else:  # every rank runs the gate on its own copy; all must pass
                 self.tp.agree(lambda: self._run_gate(found_scales, kv_scales))
-        elif kv_scales is not None:
-            raise ConfigError(f"kv_scales were given but kv_cache_dtype is {self.kv_dtype}; "
-                              "pass kv_cache_dtype='fp8_e4m3' to use them")
         if self.kv_dtype == "fp8_e4m3" and backend.name == "triton" \
                 and self.device.type == "cuda":
             from kvcap.kernels.common import hardware_e4m3_encode
@@ -678,10 +676,23 @@ class LLM:
             except ConfigError as e:
                 raise ConfigError(f"chat: conversation {k}: {e}" if len(convs) > 1
                                   else f"chat: {e}") from None
-        ids = [self.apply_chat_template(c) for c in norm]
+        ids = [self._template_ids(c) for c in norm]
         return self.generate(ids, params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, conversation) -> list[int]:
+        """The prompt ids `chat` generates from for one conversation. It reads the messages as
+        `chat` does (text content parts, `developer`, tool calls' JSON arguments): it rendered
+        them raw, so content parts were refused and `developer` reached the template as an
+        unknown role -- other ids than `chat` and the server sent the model."""
+        if self.tokenizer is None:
+            raise ConfigError("chat: dummy models have no tokenizer; pass token ids to generate")
+        if not _is_seq(conversation) or not all(isinstance(m, Mapping) for m in conversation):
+            raise ConfigError("chat: a conversation must be a list of {'role', 'content'} "
+                              f"dicts, got {conversation!r}"[:200])
+        return self._template_ids(chat_messages(conversation))
+
+    def _template_ids(self, conversation: list[dict]) -> list[int]:
+        """A conversation already read by chat_messages, through the chat template."""
         if self.tokenizer is None:
             raise ConfigError("chat: dummy models have no tokenizer; pass token ids to generate")
         if not getattr(self.tokenizer, "chat_template", None):
@@ -718,6 +729,23 @@ def _programmatic_scale(v) -> torch.Tensor | None:
         return torch.as_tensor(v, dtype=torch.float32)
     except (TypeError, ValueError, RuntimeError):
         return None
+
+
+def _check_kv_scales_arg(kv_scales, kv_dtype: str, model_dir: Path | None) -> None:
+    """What can be said of kv_scales before the weights load (minutes for a large model, and
+    the workers started under tensor parallelism): these were refused only after the load and
+    the KV pool's allocation, and a scale argument of the wrong type was a TypeError from
+    inside pathlib there."""
+    if kv_scales is None:
+        return
+    if not isinstance(kv_scales, (str, os.PathLike, Mapping)):
+        raise ConfigError(f"kv_scales must be an overlay pack directory or a dict of scale "
+                          f"name -> scale, got {type(kv_scales).__name__}")
+    if kv_dtype != "fp8_e4m3":
+        raise ConfigError(f"kv_scales were given but kv_cache_dtype is {kv_dtype}; pass "
+                          "kv_cache_dtype='fp8_e4m3' to use them")
+    if model_dir is None and not isinstance(kv_scales, Mapping):
+        raise ConfigError("a scale overlay needs a real checkpoint, not dummy weights")
 
 
 def _in_tp_worker() -> bool:

@@ -139,16 +139,19 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--served-model-name is empty: give the name clients send, or leave "
                           "it out to use the --model value")
     check_listen_address(args.host, args.port)
-    llm = LLM(**engine_kwargs(args))  # runs the gate; raises before the port is bound
     defaults = {}
     if args.generation_config == "auto":
-        from kvcap.models.loader import read_sampling_defaults
+        from kvcap.models.loader import DUMMY_PREFIX, read_sampling_defaults, resolve_model_dir
 
-        defaults = read_sampling_defaults(llm.model_dir)
-        if defaults:
-            logger.info("sampling defaults from the checkpoint's generation_config.json: %s "
-                        "(requests override them; --generation-config none ignores them)",
-                        defaults)
+        # read before the model loads (minutes for a large one): a generation_config.json
+        # value out of range was refused only after the load
+        if not str(args.model).startswith(DUMMY_PREFIX):
+            defaults = read_sampling_defaults(resolve_model_dir(args.model))
+    llm = LLM(**engine_kwargs(args))  # runs the gate; raises before the port is bound
+    if defaults:
+        logger.info("sampling defaults from the checkpoint's generation_config.json: %s "
+                    "(requests override them; --generation-config none ignores them)",
+                    defaults)
     app = create_app(
         llm,
         served_model_name=args.served_model_name or args.model,
