@@ -7,7 +7,8 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -35,6 +36,19 @@ def make_tiny_model(src: Path, dst: Path, max_position_embeddings: int = 256) ->
         if (src / name).exists():
             shutil.copy(src / name, dst / name)
     return dst
+
+
+@contextmanager
+def tiny_client(llm) -> Iterator:
+    """An in-process TestClient of `llm`'s OpenAI app as the server tests run it (model name
+    "tiny", 8 pending requests, 0.2 s polls); a server error comes back as a response."""
+    from fastapi.testclient import TestClient
+
+    from kvcap.server.app import create_app
+
+    app = create_app(llm, served_model_name="tiny", max_pending=8, poll_s=0.2)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
 
 
 class StepDelay:

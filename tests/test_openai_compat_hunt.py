@@ -11,6 +11,7 @@ import openai
 import pydantic
 import pytest
 from fastapi.testclient import TestClient
+from server_helpers import tiny_client
 
 from kvcap import LLM
 from kvcap.server.app import create_app
@@ -22,8 +23,7 @@ MSGS = [{"role": "user", "content": "Say hi"}]
 @pytest.fixture(scope="module")
 def http(tiny_dir):
     llm = LLM(model=str(tiny_dir), device="cpu", num_blocks=32, max_num_seqs=4)
-    app = create_app(llm, served_model_name="tiny", max_pending=8, poll_s=0.2)
-    with TestClient(app, raise_server_exceptions=False) as c:
+    with tiny_client(llm) as c:
         yield c
 
 

@@ -8,10 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.testclient import TestClient
+from server_helpers import tiny_client
 
 from kvcap import LLM
-from kvcap.server.app import create_app
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "Say hi"}]
@@ -20,8 +19,7 @@ MSGS = [{"role": "user", "content": "Say hi"}]
 @pytest.fixture(scope="module")
 def client(tiny_dir):
     llm = LLM(model=str(tiny_dir), device="cpu", num_blocks=32, max_num_seqs=4)
-    app = create_app(llm, served_model_name="tiny", max_pending=8, poll_s=0.2)
-    with TestClient(app, raise_server_exceptions=False) as c:
+    with tiny_client(llm) as c:
         yield c
 
 

@@ -5,11 +5,10 @@ template that renders each turn's `name`."""
 from __future__ import annotations
 
 import pytest
-from fastapi.testclient import TestClient
+from server_helpers import tiny_client
 
 from kvcap import LLM
 from kvcap.models.text_prompt import chat_messages
-from kvcap.server.app import create_app
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "Say hi"}]
@@ -27,8 +26,7 @@ def llm(tiny_dir):
 
 @pytest.fixture(scope="module")
 def client(llm):
-    app = create_app(llm, served_model_name="tiny", max_pending=8, poll_s=0.2)
-    with TestClient(app, raise_server_exceptions=False) as c:
+    with tiny_client(llm) as c:
         yield c
 
 

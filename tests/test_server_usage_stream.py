@@ -12,11 +12,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.testclient import TestClient
-from server_helpers import make_tiny_model
+from server_helpers import make_tiny_model, tiny_client
 
 from kvcap import LLM
-from kvcap.server.app import create_app
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "Say hi"}]
@@ -33,8 +31,7 @@ def client(default_model_dir, tmp_path_factory):
     tiny = make_tiny_model(default_model_dir, tmp_path_factory.mktemp("tiny") / "model",
                            max_position_embeddings=1024)
     llm = LLM(model=str(tiny), device="cpu", num_blocks=96, max_num_seqs=4)
-    with TestClient(create_app(llm, served_model_name="tiny", max_pending=8, poll_s=0.2),
-                    raise_server_exceptions=False) as c:
+    with tiny_client(llm) as c:
         yield c
 
 

@@ -13,11 +13,10 @@ import random
 
 import openai
 import pytest
-from fastapi.testclient import TestClient
+from server_helpers import tiny_client
 from test_tools_hunt import join_choice_stream
 
 from kvcap import LLM
-from kvcap.server.app import create_app
 from kvcap.server.chat_reply import ChoiceStream, chat_message
 from kvcap.server.tools import ToolPlan, plan_tools
 
@@ -33,8 +32,7 @@ MSGS = [{"role": "user", "content": "Weather in Paris?"}]
 @pytest.fixture(scope="module")
 def client(tiny_dir):
     llm = LLM(model=str(tiny_dir), device="cpu", num_blocks=32, max_num_seqs=4)
-    app = create_app(llm, served_model_name="tiny", max_pending=8, poll_s=0.2)
-    with TestClient(app, raise_server_exceptions=False) as http:
+    with tiny_client(llm) as http:
         yield openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http,
                             max_retries=0)
 
