@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,7 @@ def resolve_model_dir(model: str | os.PathLike) -> Path:
 
 
 def read_spec(model_dir: Path) -> ModelSpec:
-    return _spec_of(_read_config(model_dir / "config.json"), model_dir / "config.json")
+    return spec_of_config(_read_config(model_dir / "config.json"), model_dir / "config.json")
 
 
 def _read_config(path: Path) -> Any:
@@ -73,8 +73,9 @@ def _read_config(path: Path) -> Any:
         raise ModelLoadError(f"cannot read {path}: {e}") from None
 
 
-def _spec_of(cfg: Any, path: Path) -> ModelSpec:
-    """The ModelSpec of config `cfg` read from `path`, or a one-line ModelLoadError naming it."""
+def spec_of_config(cfg: Any, path: Path) -> ModelSpec:
+    """The ModelSpec of config `cfg` read from `path`, or a one-line error naming it (a
+    ModelLoadError, or the spec's own ConfigError); the overlay binding reads bases with it."""
     if not isinstance(cfg, dict):  # (a list or string was an AttributeError inside the spec)
         raise ModelLoadError(f"{path} holds a JSON {type(cfg).__name__}, not an object: not an "
                              "HF model config")
@@ -93,6 +94,19 @@ def read_hf_config(model_dir: Path) -> dict:
     return json.loads((model_dir / "config.json").read_text())
 
 
+def stale_index(model_dir: Path, files: Iterable[str]) -> bool:
+    """The index (naming `files`) is stale: it names files that are missing while a
+    model.safetensors it does not name lies beside it -- a sharded save re-saved as one file
+    into the same directory (transformers' save_pretrained deletes the old shards but leaves
+    their index, and its loader reads model.safetensors ahead of any index). Refusing such a
+    directory turned away a checkpoint transformers loads: the loader reads that file and the
+    overlay binding binds it. (An index that names model.safetensors itself -- a materialized
+    overlay's, with its scale file -- still fails on the missing file.)"""
+    files = set(files)
+    return ("model.safetensors" not in files and (model_dir / "model.safetensors").is_file()
+            and any(not (model_dir / f).exists() for f in files))
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     """The checkpoint's weight files, from its index when there is one."""
     index = model_dir / "model.safetensors.index.json"
@@ -107,19 +121,12 @@ def safetensors_files(model_dir: Path) -> list[Path]:
             raise ModelLoadError(f"{index}: weight_map is not an object of tensor name -> file "
                                  "name")
         files = sorted(set(weight_map.values()))
+        if stale_index(model_dir, files):
+            logger.warning("%s names files that are missing but %s is there: reading it, as "
+                           "transformers does (a stale index?)", index.name, single.name)
+            return [single]
         missing = [f for f in files if not (model_dir / f).exists()]
         if missing:
-            if single.is_file() and single.name not in files:
-                # A sharded save re-saved as one file into the same directory: transformers'
-                # save_pretrained deletes the old shards but leaves their index, and its loader
-                # reads model.safetensors ahead of any index. Refusing such a directory turned
-                # away a checkpoint transformers loads; read the file transformers reads. (An
-                # index that names model.safetensors itself -- a materialized overlay's, with
-                # its scale file -- still fails on the missing file.)
-                logger.warning("%s names files that are missing (%s, ...) but %s is there: "
-                               "reading it, as transformers does (a stale index?)", index.name,
-                               missing[0], single.name)
-                return [single]
             raise ModelLoadError(f"{index.name} names files that are missing: {missing}")
         return [model_dir / f for f in files]
     files = sorted(model_dir.glob("*.safetensors"))
@@ -258,7 +265,7 @@ def dummy_config(arg: str) -> dict:
     cfg = _read_config(path)
     # refused as read_spec refuses an HF directory's config: its callers build the spec
     # themselves, and invalid JSON or a field of the wrong type was a traceback there
-    _spec_of(cfg, path)
+    spec_of_config(cfg, path)
     return cfg
 
 

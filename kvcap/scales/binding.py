@@ -21,7 +21,8 @@ from typing import Any
 from safetensors import safe_open
 
 from kvcap.config import ModelSpec
-from kvcap.errors import ConfigError, OverlayError
+from kvcap.errors import ConfigError, ModelLoadError, OverlayError
+from kvcap.models.loader import spec_of_config, stale_index
 from kvcap.scales.fsutil import sha256_file
 from kvcap.scales.gate import is_kv_scale_name
 
@@ -97,19 +98,10 @@ class BaseCheckpoint:
         path = Path(path)
         if not path.is_dir():
             raise OverlayError(f"base checkpoint {path} is not a directory")
-        cfg = read_json(path / CONFIG_NAME)
-        if not isinstance(cfg, dict):  # (a list or string was an AttributeError in the spec)
-            raise OverlayError(f"{path / CONFIG_NAME} holds a JSON {type(cfg).__name__}, not "
-                               "an object: not an HF model config")
-        try:
-            spec = ModelSpec.from_hf_config(cfg)
-        except ConfigError as e:
+        try:  # as the loader reads it: a list, null heads, "x" layers are one line each
+            spec = spec_of_config(read_json(path / CONFIG_NAME), path / CONFIG_NAME)
+        except (ConfigError, ModelLoadError) as e:
             raise OverlayError(f"base checkpoint {path}: {e}") from None
-        except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
-            # a field of the wrong type or value (null heads, "x" layers, 0 heads): one line,
-            # as models.loader.read_spec refuses it, not a traceback from inside the spec
-            raise OverlayError(f"{path / CONFIG_NAME}: a field holds a value kvcap cannot read "
-                               f"({type(e).__name__}: {e})") from None
         index: dict[str, Any] | None = None
         if (path / INDEX_NAME).is_file():
             index = read_json(path / INDEX_NAME)
@@ -118,10 +110,10 @@ class BaseCheckpoint:
                     not all(isinstance(f, str) for f in weight_map.values()):
                 raise OverlayError(f"{path / INDEX_NAME} has no weight_map of tensor name -> "
                                    "file name")
-            if _stale_index(path, weight_map):
-                # The loader reads model.safetensors alone here, as transformers does
-                # (models.loader.safetensors_files): bind that file, not the stale index, or
-                # a checkpoint that loads could never be calibrated or overlaid.
+            if stale_index(path, weight_map.values()):
+                # The loader reads model.safetensors alone here, as transformers does: bind
+                # that file, not the stale index, or a checkpoint that loads could never be
+                # calibrated or overlaid.
                 logger.warning("%s names missing files but %s is there: binding %s (a stale "
                                "index, as the loader reads it)", INDEX_NAME, SINGLE_NAME,
                                SINGLE_NAME)
@@ -163,14 +155,6 @@ class BaseCheckpoint:
         """The JSON record of this base (stored in reports and manifests)."""
         return {"fingerprint": dict(self.fingerprint), "files": self.files,
                 "layer_prefix": self.spec.layer_prefix, "num_layers": self.spec.num_layers}
-
-
-def _stale_index(path: Path, weight_map: dict[str, str]) -> bool:
-    """The index names files that are missing while a model.safetensors it does not name lies
-    beside it: a sharded save re-saved as one file (models.loader.safetensors_files)."""
-    files = set(weight_map.values())
-    return (SINGLE_NAME not in files and (path / SINGLE_NAME).is_file()
-            and any(not (path / f).exists() for f in files))
 
 
 def check_same_base(recorded: dict[str, Any], base: BaseCheckpoint, what: str) -> None:
