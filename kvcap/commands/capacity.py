@@ -9,6 +9,8 @@ from kvcap.config import ModelSpec
 from kvcap.errors import ConfigError
 from kvcap.kv_cache.spec import KVCacheSpec, peak_blocks
 
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block (the engine's default too)
+
 HELP = "print KV-cache capacity (tokens, max concurrency) for FP16 vs E4M3 at a memory budget"
 
 
@@ -17,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="'default', an HF directory, or dummy:/path/config.json")
     p.add_argument("--memory-gib", type=memory_gib, required=True,
                    help="KV-cache memory budget (up to 2^30 GiB)")
-    p.add_argument("--block-size", type=block_size, default=16,
+    p.add_argument("--block-size", type=block_size, default=DEFAULT_BLOCK_SIZE,
                    help="tokens per KV block (a power of two)")
     p.add_argument("--context", type=positive_int, nargs="+",
                    default=[1024, 4096, 16384, 32768, 131072])

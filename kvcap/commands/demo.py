@@ -96,7 +96,7 @@ def _capacity(model: str, gib: float) -> str:
 
     capacity.run(_command_args(capacity, ["--model", model, "--memory-gib", str(gib)]))
     spec = loader.read_spec(loader.resolve_model_dir(model))
-    rows = capacity.capacity_rows(spec, gib, 16, [4096])
+    rows = capacity.capacity_rows(spec, gib, capacity.DEFAULT_BLOCK_SIZE, [4096])
     return (f"{rows[0]['tokens']:,} fp16 vs {rows[1]['tokens']:,} E4M3 tokens at {gib:g} GiB "
             f"({rows[1]['tokens'] / max(rows[0]['tokens'], 1):.2f}x)")
 
@@ -120,10 +120,10 @@ def run(args: argparse.Namespace) -> int:
                           "directory of its own")
     # the capacity table is the last step: a --memory-gib that holds no KV block was refused
     # there, after minutes of calibration and comparison, and the summary never printed
-    from kvcap.commands.capacity import check_holds_a_block
+    from kvcap.commands.capacity import DEFAULT_BLOCK_SIZE, check_holds_a_block
     from kvcap.models.loader import read_spec
 
-    check_holds_a_block(read_spec(base), args.memory_gib, 16)
+    check_holds_a_block(read_spec(base), args.memory_gib, DEFAULT_BLOCK_SIZE)
     console = Console()
     set_threads(args.threads)
     device = _device_default(args.device)
