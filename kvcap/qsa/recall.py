@@ -77,10 +77,12 @@ def measure(llm, prompts: list[list[int]], budgets: list[int], every: int) -> di
         if not per:
             # recall is counted only on rows with more than k groups to choose from: a budget
             # covering every prompt has none (this was a ZeroDivisionError)
-            k = cands[name].config.topk_groups
-            raise ConfigError(f"budget {k} groups ({4 * k} tokens) covers every row of the "
-                              f"prompts (longest {max(map(len, prompts), default=0)} tokens): "
-                              "nothing to measure; use a smaller budget or a longer context")
+            cfg = cands[name].config
+            k = cfg.topk_groups
+            longest = max(map(len, prompts), default=0)
+            raise ConfigError(f"budget {k} groups ({cfg.compress_ratio * k} tokens) covers "
+                              f"every row of the prompts (longest {longest} tokens): nothing "
+                              "to measure; use a smaller budget or a longer context")
         vals = [per[k] for k in sorted(per)]
         late = [per[k] for k in sorted(per) if k >= 2]
         res[name] = {"layers": per, "mean": sum(vals) / len(vals),
@@ -101,11 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     # rows choose only past k complete groups: refuse budgets covering the context before
     # the model loads (measure() checks the real prompts too)
-    covering = [k for k in args.budgets if args.context // 4 <= k]
+    ratio = QSAConfig().compress_ratio
+    covering = [k for k in args.budgets if args.context // ratio <= k]
     if covering:
-        ap.error(f"--budgets {','.join(map(str, covering))} (groups of 4) cover the whole "
-                 f"--context {args.context}: no row would choose; use budgets below "
-                 f"{args.context // 4}")
+        ap.error(f"--budgets {','.join(map(str, covering))} (groups of {ratio}) cover the "
+                 f"whole --context {args.context}: no row would choose; use budgets below "
+                 f"{args.context // ratio}")
     logging.basicConfig(level=logging.INFO)
     from kvcap import LLM
     from kvcap.eval.retrieval import build_cases
