@@ -73,6 +73,9 @@ def test_a_users_name_reaches_the_chat_template(client, llm):
     (CHAT, {"documents": [{"title": "t", "text": "x"}]}, "documents"),
     (CHAT, {"echo": True}, "echo"),
     ("/tokenize", {"chat_template": "{{ messages[0].content }}"}, "chat_template"),
+    (CMPL, {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    (CHAT, {"modalities": ["text", "audio"]}, "modalities"),
+    (CHAT, {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
 ])
 def test_vllm_fields_that_change_the_answer_are_refused_not_ignored(client, route, extra,
                                                                      param):
@@ -91,8 +94,38 @@ def test_vllm_fields_that_change_the_answer_are_refused_not_ignored(client, rout
             "prompt_logprobs": None}),
     (CHAT, {"chat_template": None, "documents": None, "echo": False, "bad_words": []}),
     (CHAT, {"echo": None}),
+    (CHAT, {"modalities": ["text"], "audio": None, "return_tokens_as_token_ids": False}),
 ])
 def test_those_fields_at_their_neutral_value_are_taken(client, route, extra):
     body = {"prompt": "hi"} if route == CMPL else {"messages": MSGS}
     r = client.post(route, json={"model": "tiny", "max_tokens": 2, **body, **extra})
     assert r.status_code == 200, r.text
+
+
+# ----------------------------------------------------------------------------- HTTP details
+def test_a_405_says_which_methods_the_route_takes(client):
+    """The error handler rebuilt every HTTP error without the exception's headers: a GET on a
+    POST route answered 405 without `Allow`, which HTTP requires of a 405."""
+    r = client.get(CMPL)
+    assert r.status_code == 405
+    assert r.headers["allow"] == "POST"
+    assert r.json()["error"]["message"] == "Method Not Allowed"
+
+
+def test_metrics_name_every_route_and_bound_the_rest(client):
+    """/version, /tokenize, /detokenize and /v1/models/<name> were all counted as "other",
+    the label of unknown paths, so their traffic and errors could not be told apart."""
+    client.get("/version")
+    client.post("/tokenize", json={"model": "tiny", "prompt": "hi"})
+    client.post("/detokenize", json={"model": "tiny", "tokens": [1, 2]})
+    client.get("/v1/models/tiny")
+    client.get("/v1/models/someone-elses")
+    client.get("/no/such/route")
+    text = client.get("/metrics").text
+    lines = [ln for ln in text.splitlines() if ln.startswith("kvcap_http_requests_total{")]
+    for endpoint, status in (("/version", 200), ("/tokenize", 200), ("/detokenize", 200),
+                             ("/v1/models/{model}", 200), ("/v1/models/{model}", 404),
+                             ("other", 404)):
+        assert any(f'endpoint="{endpoint}"' in ln and f'status="{status}"' in ln
+                   for ln in lines), (endpoint, status, lines)
+    assert not any("someone-elses" in ln for ln in lines)

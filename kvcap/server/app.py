@@ -141,8 +141,11 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        # Keep the exception's headers: a 405 must say which methods the route takes (Allow).
         return JSONResponse(
-            P.APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code
+            P.APIError(e.status_code, str(e.detail)).body(),
+            status_code=e.status_code,
+            headers=getattr(e, "headers", None),
         )
 
     @app.exception_handler(ClientDisconnect)

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from kvcap.server.async_engine import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+             "/version", "/tokenize", "/detokenize")
+MODEL_ROUTE = "/v1/models/{model}"  # one label for every model name (bounded label values)
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,12 @@ class ServerMetrics:
         self._lock = threading.Lock()
 
     def count_http(self, path: str, status: int) -> None:
-        endpoint = path if path in ENDPOINTS else "other"
+        if path in ENDPOINTS:
+            endpoint = path
+        elif path.startswith("/v1/models/"):
+            endpoint = MODEL_ROUTE
+        else:  # unknown paths (404s): one label, so scanners cannot grow the series set
+            endpoint = "other"
         with self._lock:
             self._http[(endpoint, status)] += 1
 

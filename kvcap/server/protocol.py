@@ -8,9 +8,10 @@ accepted as extensions (vLLM style); penalties and `logit_bias` as in
 kvcap/sampling/penalties.py. Structured output (`response_format` json_object / json_schema,
 vLLM's `guided_json` / `guided_choice` / `structured_outputs`) as in
 kvcap/server/structured_request.py. vLLM extensions kvcap does not implement (beam search,
-grammar guidance, allowed_token_ids, bad_words, truncate_prompt_tokens, prompt_logprobs; chat's
-own chat_template, documents and echo) are named so that a request using them is refused
-rather than silently served without them, as are OpenAI's deprecated `functions` /
+grammar guidance, allowed_token_ids, bad_words, truncate_prompt_tokens, prompt_logprobs,
+return_tokens_as_token_ids; chat's own chat_template, documents and echo) and OpenAI's audio
+output (`modalities` other than ["text"], `audio`) are named so that a request using them is
+refused rather than silently served without them, as are OpenAI's deprecated `functions` /
 `function_call` (tools replace them). A field with a default that the API declares nullable
 takes null as that default.
 `n` choices per prompt run as n engine requests; with a `seed`, choice j samples with seed + j.
@@ -167,11 +168,15 @@ class _SamplingFields(_NullIsDefault):
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
     prompt_logprobs: Any = None
+    # vLLM's: tokens written as "token_id:N" in logprobs (were answered as text, unasked)
+    return_tokens_as_token_ids: bool = False
 
     def unsupported(self) -> list[str]:
         bad = ["guided_grammar"] if self.guided_grammar is not None else []
         if self.use_beam_search:
             bad.append("use_beam_search")
+        if self.return_tokens_as_token_ids:
+            bad.append("return_tokens_as_token_ids")
         bad += [name for name in ("allowed_token_ids", "bad_words", "truncate_prompt_tokens",
                                   "prompt_logprobs") if getattr(self, name) not in (None, [])]
         return bad
@@ -398,13 +403,18 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: Any = None
     documents: Any = None
     echo: bool = False
+    # OpenAI's audio output: a text model answers text only ("text" alone is the neutral ask)
+    modalities: Any = None
+    audio: Any = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
         if self.add_special_tokens:
             bad.append("add_special_tokens")
-        bad += [name for name in ("chat_template", "documents")
+        bad += [name for name in ("chat_template", "documents", "audio")
                 if getattr(self, name) not in (None, [])]
+        if self.modalities not in (None, [], ["text"]):
+            bad.append("modalities")
         if self.echo:
             bad.append("echo")
         return bad
