@@ -384,6 +384,10 @@ class EngineConfig:
                          else self.kv_cache_memory_gib)):
             if not isinstance(v, numbers.Real) or isinstance(v, bool):
                 raise ConfigError(f"{name} must be a number, got {v!r}")
+        if self.num_blocks is not None and self.kv_cache_memory_gib is not None:
+            # (num_blocks won and the GiB budget was dropped without a word)
+            raise ConfigError(f"num_blocks ({self.num_blocks}) and kv_cache_memory_gib "
+                              f"({self.kv_cache_memory_gib}) both size the KV pool: give one")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1 (or unset to size the pool from "
                               f"memory), got {self.num_blocks}")

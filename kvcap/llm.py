@@ -744,6 +744,12 @@ def _check_kv_scales_arg(kv_scales, kv_dtype: str, model_dir: Path | None) -> No
                           "kv_cache_dtype='fp8_e4m3' to use them")
     if model_dir is None and not isinstance(kv_scales, Mapping):
         raise ConfigError("a scale overlay needs a real checkpoint, not dummy weights")
+    if not isinstance(kv_scales, Mapping):
+        from kvcap.scales.overlay import read_manifest
+
+        # a missing folder or one that is no overlay pack (a typo, the base itself) was found
+        # out by the gate after the load; its binding to the base is still checked there
+        read_manifest(Path(kv_scales))
 
 
 def _in_tp_worker() -> bool:

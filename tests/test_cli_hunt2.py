@@ -40,6 +40,26 @@ def test_kv_scales_are_refused_before_the_weights_load(tiny, monkeypatch, kwargs
         LLM(model=tiny, device="cpu", num_blocks=8, **kwargs)
 
 
+@pytest.mark.parametrize("pack", ["missing", "base"])
+def test_a_path_that_is_no_overlay_pack_is_refused_before_the_weights_load(
+        tiny_dir, tmp_path, monkeypatch, pack):
+    """A mistyped pack folder, or the base checkpoint given as its own pack, was found out by
+    the gate only after the weights loaded and the KV pool was allocated."""
+    from kvcap.errors import OverlayError
+
+    monkeypatch.setattr("kvcap.llm.load_model", lambda *a, **k: pytest.fail("model loaded"))
+    path = tmp_path / "no-such-pack" if pack == "missing" else tiny_dir
+    with pytest.raises(OverlayError, match="kvscales-manifest.json does not exist"):
+        LLM(model=str(tiny_dir), device="cpu", num_blocks=8, kv_cache_dtype="fp8_e4m3",
+            kv_scales=str(path))
+
+
+def test_two_kv_pool_sizes_are_refused_not_one_dropped(tiny):
+    """num_blocks won and kv_cache_memory_gib was dropped without a word."""
+    with pytest.raises(ConfigError, match="both size the KV pool"):
+        LLM(model=tiny, device="cpu", num_blocks=8, kv_cache_memory_gib=0.5)
+
+
 def test_programmatic_scales_still_reach_the_gate(tiny):
     scales = {f"model.layers.{i}.self_attn.{kv}_scale": 0.05 for i in range(2) for kv in "kv"}
     llm = LLM(model=tiny, device="cpu", num_blocks=8, kv_cache_dtype="fp8_e4m3",

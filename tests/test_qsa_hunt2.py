@@ -87,6 +87,21 @@ def test_recall_refuses_budgets_covering_the_context(tiny_model, capsys):
         recall.measure(llm, _prompts(1, [30]), [8], every=1)
 
 
+def test_recall_on_a_model_under_three_layers_has_no_late_mean(tmp_path):
+    """mean_from_layer_2 divided by the count of layers >= 2: a ZeroDivisionError after the
+    whole run on a 2-layer model."""
+    import json
+
+    from kvcap.qsa import recall
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**test_qsa_engine.TINY, "num_hidden_layers": 2}))
+    llm = _llm(f"dummy:{path}", attention_backend="torch")
+    res = recall.measure(llm, _prompts(1, [120]), [4], every=1)
+    assert res and all(r["mean_from_layer_2"] is None and 0.0 <= r["mean"] <= 1.0
+                       for r in res.values())
+
+
 def test_needle_recall_mean_without_counted_rows_is_none(tiny_dir):
     """With a budget covering the context no row is counted: the mean mass recall was
     reported as 0.0 (sum / max(n, 1)), i.e. as if QSA captured none of the attention."""

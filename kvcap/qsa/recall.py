@@ -54,7 +54,8 @@ def build_candidates(llm, budgets: list[int], designs=DESIGNS) -> dict:
 
 
 def measure(llm, prompts: list[list[int]], budgets: list[int], every: int) -> dict:
-    """Per candidate: {"layers": {layer: recall}, "mean": ..., "mean_from_layer_2": ...}."""
+    """Per candidate: {"layers": {layer: recall}, "mean": ..., "mean_from_layer_2": ... (None
+    without a layer past 1)}."""
     from kvcap.sampling_params import SamplingParams
 
     cands = build_candidates(llm, budgets)
@@ -85,8 +86,11 @@ def measure(llm, prompts: list[list[int]], budgets: list[int], every: int) -> di
                               "to measure; use a smaller budget or a longer context")
         vals = [per[k] for k in sorted(per)]
         late = [per[k] for k in sorted(per) if k >= 2]
+        # (None on a model under 3 layers, or with QSA on layers 0-1 only: no such layer,
+        # once a ZeroDivisionError after the whole run)
         res[name] = {"layers": per, "mean": sum(vals) / len(vals),
-                     "mean_from_layer_2": sum(late) / len(late), "min": min(vals)}
+                     "mean_from_layer_2": sum(late) / len(late) if late else None,
+                     "min": min(vals)}
     return res
 
 
@@ -124,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # a context too short for a passkey case, a budget covering
         ap.error(str(e))      # the real prompts: one usage line, not a traceback
     for name, r in res.items():
-        logger.info("%-18s mean %.4f  mean(layers>=2) %.4f  min %.4f", name, r["mean"],
-                    r["mean_from_layer_2"], r["min"])
+        late = r["mean_from_layer_2"]
+        logger.info("%-18s mean %.4f  mean(layers>=2) %s  min %.4f", name, r["mean"],
+                    "n/a" if late is None else f"{late:.4f}", r["min"])
     doc = {"date": datetime.date.today().isoformat(), "model": args.model,
            "context": args.context, "depths": depths, "every": args.every,
            "budgets_groups": budgets, "candidates": res}
