@@ -422,12 +422,22 @@ def main(argv=None) -> int:
         ap.error(f"--out-tokens {args.out_tokens} leaves the HF baseline no prompt (it runs "
                  f"at {HF_CONTEXT} tokens of context): lower --out-tokens")
     require_cuda(ap, "; the CPU path of the pipeline is `kvcap demo`")
+    # --out before any GPU work (as kernels --out): a path under an existing file was a
+    # FileExistsError / NotADirectoryError traceback after the read ceiling, and a .json that
+    # is a directory an IsADirectoryError at the first save. (The name is taken below.)
+    date = time.strftime("%Y-%m-%d")
+    try:
+        out_path = result_path(Path(args.out), f"throughput-{date}")
+    except OSError as e:
+        ap.error(f"argument --out: cannot create {args.out} ({e.filename}: {e.strerror or e})")
+    if out_path.is_dir() or not os.access(out_path.parent, os.W_OK | os.X_OK):
+        ap.error(f"argument --out: cannot write {out_path}")
     logging.basicConfig(level=logging.WARNING)
     from kvcap import LLM
 
     dev = torch.device("cuda")
     ceiling = read_ceiling_tbs(dev)
-    report = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(dev),
+    report = {"date": date, "gpu": torch.cuda.get_device_name(dev),
               **stamp(), "read_ceiling_tbs": ceiling, "torch": torch.__version__,
               "args": vars(args), "cells": [], "capacity": [], "hf_baseline": []}
     max_ctx = args.max_model_len or max(args.context)

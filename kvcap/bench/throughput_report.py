@@ -6,9 +6,9 @@
 
 Several files may cover different contexts (or concurrencies); every cell keeps the file, GPU,
 date, commit and model dtype it came from. Where two files hold the same cell, the later file's
-wins; files of different model dtypes (`--dtype` of the benchmark: the unquantized arm's KV is
-in that dtype) are never merged into one table. The markdown table goes to stdout; errors are
-one line on stderr (exit 2).
+wins (but a skip never replaces a measurement); files of different model dtypes (`--dtype` of
+the benchmark: the unquantized arm's KV is in that dtype) are never merged into one table. The
+markdown table goes to stdout; errors are one line on stderr (exit 2).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 from collections.abc import Iterable
@@ -34,6 +35,20 @@ _SKIP_BLOCKS = re.compile(r"needs (\d+) KV blocks, pool has (\d+)")
 
 class ReportError(ValueError):
     """An input that is not a usable throughput JSON, or a selection with no cells."""
+
+
+def print_report(text: str) -> None:
+    """Print `text` to stdout and flush; a reader that left (`... | head`) ends the output
+    quietly, as kernels --summary does (was a BrokenPipeError traceback): stdout then goes
+    to /dev/null so the interpreter's exit flush is quiet too."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # (a stdout with no file descriptor)
+            pass
 
 
 def cells_from_report(report: object, source: str) -> list[dict]:
@@ -158,11 +173,17 @@ def load_cells(paths: Iterable[str | Path]) -> list[dict]:
 
 
 def _select(cells: list[dict], shape: str) -> dict[tuple[str, int, int], dict]:
-    """(kv, concurrency, context) -> cell for one shape; a later cell replaces an earlier one."""
+    """(kv, concurrency, context) -> cell for one shape; a later cell replaces an earlier one,
+    except that a skip never replaces a measurement (as in throughput_targets.judge and kernels
+    --summary: a later run whose pool could not fit the cell made the table read "does not
+    fit" for a cell that the judges, from the same files, reported measured)."""
     out: dict[tuple[str, int, int], dict] = {}
     for c in cells:
         if c["shape"] == shape:
-            out[(c["kv"], c["concurrency"], c["context"])] = c
+            key = (c["kv"], c["concurrency"], c["context"])
+            if not measured(c) and measured(out.get(key)):
+                continue
+            out[key] = c
     if not out:
         shapes = sorted({c["shape"] for c in cells})
         raise ReportError(f"no cells for shape {shape!r} (the files hold: "
@@ -337,16 +358,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     replaced = sum(c["shape"] == args.shape for c in cells) - len(_select(cells, args.shape))
     if replaced:
-        print(f"note: {replaced} cell(s) appear in more than one file; the later file's are used",
-              file=sys.stderr)
-    print(table)
+        print(f"note: {replaced} cell(s) appear in more than one file; the later file's are used "
+              "(a skip never replaces a measurement)", file=sys.stderr)
+    print_report(table)
     if args.png:
         try:
             plot(cells, args.png, shape=args.shape)
         except OSError as e:
             print(f"error: cannot write {args.png}: {e.strerror or e}", file=sys.stderr)
             return 2
-        print(f"wrote {args.png}")
+        print_report(f"wrote {args.png}")
     return 0
 
 

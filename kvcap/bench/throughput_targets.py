@@ -37,6 +37,7 @@ from kvcap.bench.throughput_report import (
     load_reports,
     measured,
     pool_tokens,
+    print_report,
     report_cells,
     row_label,
 )
@@ -365,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(markdown(verdicts, args.shape))
+    print_report(markdown(verdicts, args.shape))
     return 0
 
 
