@@ -273,8 +273,10 @@ def test_peak_blocks_bound_a_windowed_sequence() -> None:
 def test_capacity_counts_a_released_window_only_where_every_layer_slides() -> None:
     """KVCacheSpec.released_window is the window when every layer slides over the same one (a
     full layer still reads every token), and max_concurrency then counts each sequence's peak
-    blocks: 1 GiB of 8B-shaped FP16 KV (8,192 tokens in blocks of 16) holds 2 sequences of 4K
-    tokens, 0 of 32K, and 15 of 32K through a 500-token window, decoding (one-token chunks)."""
+    blocks: 1 GiB of 8B-shaped FP16 KV (8,192 tokens in blocks of 16) runs 1 sequence of 4K
+    tokens at a time (two would fill it exactly, and the scheduler keeps its admission
+    watermark free), 0 of 32K, and 15 of 32K through a 500-token window, decoding (one-token
+    chunks)."""
     from kvcap.kv_cache.spec import KVCacheSpec
 
     full = KVCacheSpec(32, 8, 128, 16, "fp16")
@@ -284,7 +286,7 @@ def test_capacity_counts_a_released_window_only_where_every_layer_slides() -> No
         None, None, 500)
     gib = 2**30
     assert full.tokens_for(gib) == 8192
-    assert [full.max_concurrency(gib, c) for c in (4096, 32768)] == [2, 0]
+    assert [full.max_concurrency(gib, c) for c in (4096, 32768)] == [1, 0]
     assert mixed.max_concurrency(gib, 32768) == 0
     assert sliding.max_concurrency(gib, 32768) == 512 // 33  # ceil(500 / 16) + 1 blocks each
     assert sliding.max_concurrency(gib, 32768, chunk=2048) == 512 // (-(-2547 // 16) + 1)

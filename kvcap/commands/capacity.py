@@ -85,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         console = Console(width=need)
     console.print(table)
     console.print(f"E4M3 / FP16 tokens: {ratio:.3f}x")
+    console.print("seqs @ L: sequences of L tokens run at once, as the scheduler admits them "
+                  "(1% of the blocks kept free)")
     if max(args.context) > limit:
         console.print(f"-: longer than the model's position limit ({limit:,} tokens)")
     window = KVCacheSpec.for_model(spec, args.block_size, "fp16").released_window

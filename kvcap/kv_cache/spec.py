@@ -91,4 +91,7 @@ class KVCacheSpec:
         """Sequences of `context_len` tokens the memory holds at once (with a released window,
         each holds peak_blocks for prefill chunks of `chunk` tokens)."""
         per_seq = peak_blocks(context_len, self.block_size, self.released_window, chunk)
-        return self.num_blocks_for(memory_bytes) // per_seq
+        # as the scheduler admits them (the engine's startup line counts the same way):
+        # `num_blocks // per_seq` ignored the admission watermark, and `kvcap capacity`
+        # promised 100 sequences of a pool that runs 94
+        return admissible_concurrency(self.num_blocks_for(memory_bytes), per_seq)
