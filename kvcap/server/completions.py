@@ -12,7 +12,7 @@ from starlette.requests import Request
 from kvcap.engine.engine import RequestOutput
 from kvcap.server import protocol as P
 from kvcap.server.chat_reply import ChoiceStream, chat_message
-from kvcap.server.logprobs import chat_logprobs, completion_logprobs
+from kvcap.server.logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from kvcap.server.serving import OpenAIServing
 from kvcap.server.tool_parsers import KEEPS_SPECIAL_TOKENS, PARSERS
 
@@ -64,14 +64,12 @@ async def completion(serving: OpenAIServing, name: str, max_pending: int,
     echoes = serving.prompt_texts(req.prompt, prompts) if req.echo else None
     rid, created = P.new_id("cmpl"), P.now()
     texts = serving.token_texts
-    offsets = [0] * len(streams)  # where each choice's next token text starts
+    offsets = [TextOffsets() for _ in streams]  # where each choice's next token text starts
 
     def logprobs(i: int, ids: list[int], lps: list) -> P.CompletionLogprobs | None:
         if req.logprobs is None or not ids:
             return None
-        lp = completion_logprobs(texts, ids, lps, offsets[i])
-        offsets[i] += sum(len(t) for t in lp.tokens)
-        return lp
+        return completion_logprobs(texts, ids, lps, offsets[i])
 
     def response(choices: list[P.CompletionChoice], usage: P.UsageInfo | None = None):
         return P.CompletionResponse(id=rid, created=created, model=name, choices=choices,

@@ -9,7 +9,8 @@ distribution, before temperature and top-k/top-p/min-p, as in vLLM.
   `top_logprobs` entry holds the top N and the chosen token (so up to N + 1 entries, as the
   OpenAI API documents), keyed by token text; the first echoed prompt token has `None`s.
   `text_offset[k]` is where token k's text starts in the choice's text (the echoed prompt and
-  the completion), counting the token texts before it.
+  the completion): the characters the tokens before it decode to (`TextOffsets`; a token
+  inside a character split across tokens is at that character).
 - chat (`logprobs: true, top_logprobs: N`): `{content: [{token, logprob, bytes, top_logprobs:
   [N x {token, logprob, bytes}]}]}`.
 
@@ -21,6 +22,7 @@ infinities: a log-probability of -inf (a masked logit) is sent as -9999.0, as vL
 
 from __future__ import annotations
 
+import codecs
 import math
 
 from kvcap.engine.token_bytes import TokenTexts
@@ -38,16 +40,37 @@ def _top(d: dict[int, float], n: int) -> list[tuple[int, float]]:
     return sorted(d.items(), key=lambda kv: -kv[1])[:n]
 
 
+class TextOffsets:
+    """One choice's text offsets, token after token (kept across its stream's events). They
+    count the characters the tokens' bytes decode to, as the choice's text is decoded:
+    counting each token's own text put every offset after a character split across tokens
+    (an emoji, most CJK; each part shown as U+FFFD) past its token in the text."""
+
+    def __init__(self) -> None:
+        self.at = 0  # characters decoded so far
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def next(self, raw: list[int]) -> int:
+        """The offset of the token of bytes `raw`: where the character holding its first byte
+        starts -- the last character that the bytes held back (an unfinished character's
+        start) and that first byte decode to. Moves past the token."""
+        data = bytes(raw)
+        held = self._utf8.getstate()[0]
+        at = self.at + max(len((held + data[:1]).decode("utf-8", "replace")) - 1, 0)
+        self.at += len(self._utf8.decode(data))
+        return at
+
+
 def completion_logprobs(texts: TokenTexts, ids: list[int], lps: list[dict[int, float] | None],
-                        offset: int = 0) -> P.CompletionLogprobs:
-    """Tokens `ids` with their dicts `lps` (None: no logprob, the first prompt token); the
-    first token's text starts at character `offset` of the choice's text."""
+                        offsets: TextOffsets | None = None) -> P.CompletionLogprobs:
+    """Tokens `ids` with their dicts `lps` (None: no logprob, the first prompt token);
+    `offsets`: where the choice's text is at the first of them (a fresh one: its start)."""
+    offsets = TextOffsets() if offsets is None else offsets
     out = P.CompletionLogprobs()
     for tok, d in zip(ids, lps, strict=True):
-        text = texts(tok)[0]
+        text, raw = texts(tok)
         out.tokens.append(text)
-        out.text_offset.append(offset)
-        offset += len(text)
+        out.text_offset.append(offsets.next(raw))
         if d is None:
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)

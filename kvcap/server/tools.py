@@ -121,12 +121,14 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool) -> Too
         if name in params:
             raise ToolRequestError(f"{where}.function.name: {name!r} is given twice",
                                    param="tools")
-        schema = fn.get("parameters", EMPTY_PARAMETERS)
+        schema = fn.get("parameters")
+        if schema is None:  # left out, or null (clients that write every field; vLLM takes
+            schema = EMPTY_PARAMETERS  # it): a function without parameters
         try:
             compile_schema(schema)
         except SchemaError as e:
             raise ToolRequestError(f"{where}.function.parameters: {e}", param="tools") from None
-        for key in ("$defs", "definitions"):  # calls_schema moves them: each must be a schema
+        for key in ("$defs", "definitions"):  # each must be a schema
             if isinstance(schema, dict) and not isinstance(schema.get(key, {}), dict):
                 raise ToolRequestError(f"{where}.function.parameters: {key} must be an object "
                                        f"of schemas, got {schema[key]!r}", param="tools")
@@ -139,7 +141,9 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool) -> Too
                         parameters=params)
     fn = choice.get("function") if isinstance(choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
-    if not isinstance(choice, dict) or choice.get("type") != "function" or name is None:
+    # (a name that is no string was looked up in `params` below: a list or an object a 500)
+    if not isinstance(choice, dict) or choice.get("type") != "function" or \
+            not isinstance(name, str):
         raise ToolRequestError(f"tool_choice: must be 'none', 'auto', 'required' or {{\"type\":"
                                f" \"function\", \"function\": {{\"name\": ...}}}}, got "
                                f"{tool_choice!r}", param="tool_choice")
@@ -151,18 +155,13 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool) -> Too
 
 def calls_schema(params: dict[str, dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """A JSON array of {"name", "parameters"} calls, each under its tool's schema. Each
-    tool's schema moves under $defs ("tool<i>") with its own $defs and references renamed,
-    so that references inside one tool still resolve once it is nested in the array."""
+    tool's schema moves whole (its own $defs inside) under $defs ("tool<i>"), its references
+    rebased there, so that references inside one tool still resolve once it is nested in the
+    array, and never reach another tool's definitions."""
     defs: dict[str, Any] = {}
     branches = []
     for i, (name, schema) in enumerate(params.items()):
         key = f"tool{i}"
-        inner = schema.get("$defs", schema.get("definitions", {})) \
-            if isinstance(schema, dict) else {}
-        for sub, s in inner.items():
-            defs[f"{key}.{sub}"] = _renamed(s, key)
-        if isinstance(schema, dict):
-            schema = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
         defs[key] = _renamed(schema, key)
         branches.append({"type": "object", "properties": {
             "name": {"const": name}, "parameters": {"$ref": f"#/$defs/{key}"}},
@@ -175,8 +174,10 @@ def calls_schema(params: dict[str, dict[str, Any]], parallel: bool) -> dict[str,
 
 
 def _renamed(schema: Any, key: str) -> Any:
-    """`schema` with its references ("#", "#/$defs/X", "#/definitions/X") pointing to where
-    calls_schema puts them."""
+    """`schema` with its references ("#" and every "#/<pointer>") rebased to where
+    calls_schema puts it, "#/$defs/<key>". (Only "#", "#/$defs/X" and "#/definitions/X" were
+    renamed: a pointer such as "#/properties/a", zod-to-json-schema's default, or
+    "#/$defs/X/properties/y" then pointed into the array, and "required" refused the tool.)"""
     if isinstance(schema, list):
         return [_renamed(s, key) for s in schema]
     if not isinstance(schema, dict):
@@ -184,11 +185,8 @@ def _renamed(schema: Any, key: str) -> Any:
     out = {}
     for k, v in schema.items():
         if k == "$ref" and isinstance(v, str):
-            parts = v.split("/")
-            if v == "#":
-                v = f"#/$defs/{key}"
-            elif len(parts) == 3 and parts[0] == "#" and parts[1] in ("$defs", "definitions"):
-                v = f"#/$defs/{key}.{parts[2]}"
+            if v == "#" or v.startswith("#/"):
+                v = f"#/$defs/{key}{v[1:]}"
             out[k] = v
         else:
             out[k] = _renamed(v, key)
