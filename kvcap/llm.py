@@ -583,19 +583,22 @@ class LLM:
 
     # --- generation -------------------------------------------------------------------------
     def _to_token_ids(self, prompts) -> list[list[int]]:
-        """A text, one token-id list, or a list of texts and token-id lists -> id lists. Any
+        """A text, one token-id list, or a list of texts and token-id lists -> id lists; as
+        in vLLM, a prompt may also be {"prompt": text} or {"prompt_token_ids": ids}. Any
         other shape is refused by name (bytes were read as ids, floats truncated to them)."""
         if isinstance(prompts, torch.Tensor) or type(prompts).__module__ == "numpy":
             raise ConfigError(f"prompts: a {type(prompts).__name__}; pass token ids as a list "
                               "of ints (.tolist())")
-        if isinstance(prompts, str) or (_is_seq(prompts) and prompts
-                                        and is_integral(prompts[0])):
+        if isinstance(prompts, (str, Mapping)) or (_is_seq(prompts) and prompts
+                                                   and is_integral(prompts[0])):
             prompts = [prompts]
         if not _is_seq(prompts):
             raise ConfigError(f"prompts must be a string, a list of token ids, or a list of "
                               f"strings and token-id lists, got {_describe(prompts)}")
         out = []
         for i, p in enumerate(prompts):
+            if isinstance(p, Mapping):
+                p = _unwrap_prompt(p, i)
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise ConfigError("dummy models have no tokenizer: pass token ids")
@@ -727,6 +730,24 @@ def _programmatic_scale(v) -> torch.Tensor | None:
         return torch.as_tensor(v, dtype=torch.float32)
     except (TypeError, ValueError, RuntimeError):
         return None
+
+
+def _unwrap_prompt(prompt: Mapping, i: int):
+    """vLLM's dict prompts: {"prompt": text} or {"prompt_token_ids": ids}, and nothing else
+    (multimodal data, a cache salt ... would be dropped without a word)."""
+    keys = set(prompt)
+    kind = {"prompt", "prompt_token_ids"} & keys
+    if len(kind) != 1 or keys - kind:
+        raise ConfigError(f"prompt {i}: a dict prompt takes one key, 'prompt' (a text) or "
+                          f"'prompt_token_ids' (a list of token ids), got keys "
+                          f"{sorted(map(str, keys))}")
+    (key,) = kind
+    value = prompt[key]
+    if (key == "prompt") != isinstance(value, str):  # (a text under prompt_token_ids, ...)
+        raise ConfigError(f"prompt {i}: {key} must be "
+                          f"{'a string' if key == 'prompt' else 'a list of integer token ids'}"
+                          f", got {_describe(value)}")
+    return value
 
 
 def _check_kv_scales_arg(kv_scales, kv_dtype: str, model_dir: Path | None) -> None:

@@ -254,7 +254,10 @@ def test_generate_checkpoint_without_tokenizer_is_one_line(tiny_dir, tmp_path: P
     (torch.tensor([1, 2, 3]), "tolist"),   # a RuntimeError from the tensor's truth value
     (None, "NoneType"),                    # TypeError / KeyError from inside
     (5, "int"),
-    ({"prompt": "hi"}, "dict"),
+    ({"prompt": "hi", "multi_modal_data": {}}, "multi_modal_data"),  # (vLLM's; dropped)
+    ([{"prompt_token_ids": "hi"}], "prompt_token_ids must be a list"),
+    ([{"prompt": [1, 2]}], "prompt must be a string"),
+    ([{}], "one key"),
     ([None], "NoneType"),
     (["hi \udcff"], "UTF-8"),              # the tokenizer's TypeError
 ])

@@ -67,6 +67,20 @@ def test_programmatic_scales_still_reach_the_gate(tiny):
     assert llm.pool.scales_finalized
 
 
+# --- vLLM's dict prompts -------------------------------------------------------------------------
+
+def test_dict_prompts_run_as_the_text_or_ids_they_hold(llm):
+    """vLLM's {"prompt": text} and {"prompt_token_ids": ids} were refused ("got dict"), so
+    code written for vLLM's LLM.generate did not run on kvcap's."""
+    ids = llm.tokenizer.encode("Say hi")
+    want = [o.token_ids for o in llm.generate(["Say hi", ids], SP, use_tqdm=False)]
+    got = llm.generate([{"prompt": "Say hi"}, {"prompt_token_ids": ids}], SP, use_tqdm=False)
+    assert [o.token_ids for o in got] == want
+    assert [o.prompt_token_ids for o in got] == [ids, ids]
+    one = llm.generate({"prompt_token_ids": ids}, SP, use_tqdm=False)
+    assert [o.token_ids for o in one] == want[1:]
+
+
 # --- apply_chat_template ------------------------------------------------------------------------
 
 def test_apply_chat_template_reads_messages_as_chat_does(llm):
