@@ -35,7 +35,9 @@ two NFAs). `patternProperties` and `propertyNames` are kvcap/sampling/object_key
 Keywords that bound a value in ways this recogniser does not track (`uniqueItems` over
 open-ended items, `not`, `if` / `then` / `else`, other formats, ...) are refused by name
 rather than ignored: a schema is compiled exactly or not at all. Annotations (`title`,
-`description`, `default`, `examples`, ...) are ignored, as JSON Schema says they may be.
+`description`, `default`, `examples`, ...) are ignored, as JSON Schema says they may be;
+`$ref` resolves against the root only, so one under a subschema's own `$id` (its base) is
+refused.
 """
 
 from __future__ import annotations
@@ -191,6 +193,7 @@ class _Compiler:
         self.refs: dict[str, int] = {}
         self._any: int | None = None
         self.one_ofs: list[tuple[str, tuple[int, ...]]] = []  # (path, branches): checked last
+        self.under_id = 0  # subschemas with their own $id around the one being compiled
 
     def grammar(self) -> Grammar:
         root = self.compile(self.root, "schema")
@@ -237,6 +240,19 @@ class _Compiler:
         return self._any
 
     def compile(self, s: Any, path: str) -> int:
+        # a subschema's $id is the base its "#..." references resolve against, where kvcap
+        # resolves them against the root: a $ref under one is refused (`ref`); it was read
+        # against the root, silently another schema (allowed_values' copy of the root is
+        # compiled at "schema" too)
+        inner_id = isinstance(s, dict) and "$id" in s and s is not self.root and \
+            path != "schema"
+        self.under_id += inner_id
+        try:
+            return self._compile(s, path)
+        finally:
+            self.under_id -= inner_id
+
+    def _compile(self, s: Any, path: str) -> int:
         if s is True or s == {}:
             return self.any_value()
         if not isinstance(s, dict):
@@ -498,6 +514,10 @@ class _Compiler:
         if not isinstance(ref, str) or not ref.startswith("#"):
             raise SchemaError(f"{path}.$ref: only references inside the schema ('#/$defs/Name'"
                               f") are supported, got {ref!r}")
+        if self.under_id:
+            raise SchemaError(f"{path}.$ref: {ref!r} lies under a subschema's own $id, the "
+                              f"base JSON Schema resolves it against; kvcap resolves "
+                              f"references against the root only: drop that $id")
         if ref not in self.refs:
             target: Any = self.root
             for part in filter(None, ref[1:].split("/")):

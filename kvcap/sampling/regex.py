@@ -1,13 +1,17 @@
 """Regular expressions -> an NFA over Unicode code points, for structured output (`pattern`
 and `format` in JSON schemas, vLLM's `guided_regex`).
 
-The dialect is ECMA-262's (what JSON Schema names), where `\\d` and `\\w` are ASCII. The subset
-is the one schemas and guided decoding use: literals, `.` (any character but a
-newline), classes `[a-z0-9_]` / `[^...]`, escapes (`\\d \\w \\s` and their negations, `\\n \\t
-\\r \\f \\v`, `\\xHH`, `\\uHHHH`, escaped punctuation), groups `( )` / `(?: )`, alternation `|`,
-and quantifiers `* + ? {n} {n,} {n,m}` (lazy forms match the same language). `^` and `$` are
-accepted only at the two ends. Back-references, look-around, named groups and flags are
-refused with a RegexError that names them: a pattern is compiled exactly or not at all.
+The dialect is ECMA-262's (what JSON Schema names). The subset is the one schemas and guided
+decoding use: literals, `.` (any character but a newline), classes `[a-z0-9_]` / `[^...]`,
+escapes (`\\d \\w \\s` and their negations, `\\n \\t \\r \\f \\v`, `\\xHH`, `\\uHHHH`, escaped
+punctuation), groups `( )` / `(?: )`, alternation `|`, and quantifiers `* + ? {n} {n,} {n,m}`
+(lazy forms match the same language). `^` and `$` are accepted only at the start and end of a
+top-level alternative (`^a|b$` is `(^a)|(b$)`). The text is checked by readers of other
+dialects too (jsonschema: Python's `re`; pydantic: Rust's `regex`), which read `\\d \\w \\s` as
+Unicode classes: a class takes only the characters that every one of these readers puts in it
+(`_shorthand`), so `\\w` is ASCII and `\\W` no letter of any script. Syntax they read
+differently (`\\01`, `a{,3}`) is refused. Back-references, look-around, named groups and flags
+are refused with a RegexError that names them: a pattern is compiled exactly or not at all.
 
 An `Nfa` runs as a set of states (`start`, `step`, `accepts`); sets are frozensets, so the
 grammar's states that hold them stay hashable.
@@ -15,6 +19,8 @@ grammar's states that hold them stay hashable.
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from collections.abc import Iterable
 from functools import lru_cache
 
@@ -29,6 +35,14 @@ SPACE: Ranges = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x
                  (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000),
                  (0xFEFF, 0xFEFF))
 CONTROL_ESCAPES = {"n": 0x0A, "t": 0x09, "r": 0x0D, "f": 0x0C, "v": 0x0B, "0": 0x00}
+ANY: Ranges = ((0, MAX_CODE),)
+# Unicode's White_Space (Rust's \s)
+WHITE_SPACE: Ranges = ((0x09, 0x0D), (0x20, 0x20), (0x85, 0x85), (0xA0, 0xA0), (0x1680, 0x1680),
+                       (0x2000, 0x200A), (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F),
+                       (0x3000, 0x3000))
+# So characters that are Alphabetic (circled and squared letters: in Rust's \w)
+OTHER_ALPHABETIC: Ranges = ((0x24B6, 0x24E9), (0x1F130, 0x1F149), (0x1F150, 0x1F169),
+                            (0x1F170, 0x1F189))
 
 
 class RegexError(ValueError):
@@ -44,6 +58,67 @@ def complement(r: Ranges) -> Ranges:
     if nxt <= MAX_CODE:
         out.append((nxt, MAX_CODE))
     return tuple(out)
+
+
+def intersection(*parts: Ranges) -> Ranges:
+    return complement(union(*(complement(p) for p in parts)))
+
+
+READERS = 3  # ECMA-262, Python's re, Rust's regex: a class item's sets, one per reader
+
+
+@lru_cache(maxsize=1)
+def _unicode_classes() -> dict[str, tuple[Ranges, Ranges]]:
+    """\\d \\w \\s to Python's re (found by re itself) and to Rust's regex (Unicode's Nd;
+    Alphabetic, marks, Nd, connector punctuation and ZWNJ / ZWJ; White_Space). Rust's are
+    taken a little wide (\\w as Python's and the marks and Pc), and both readers' \\d and
+    \\w with the code points still unassigned here, which a newer Unicode may make digits or
+    letters: safe, as a class only takes what every reader's holds (so \\D and \\W never
+    write them). Planes 4-13 hold no assigned character and 15-16 only private use."""
+    code = [*range(0xD800), *range(0xE000, 0x40000), *range(0xE0000, 0xF0000)]
+    text = "".join(map(chr, code))
+
+    gaps = [i for i in range(1, len(code)) if code[i] != code[i - 1] + 1]
+
+    def found(pattern: str) -> Ranges:  # what re matches, as runs of code points
+        runs = []
+        for m in re.finditer(pattern, text):
+            cuts = [m.start(), *(g for g in gaps if m.start() < g < m.end()), m.end()]
+            runs += [(code[a], code[z - 1]) for a, z in zip(cuts, cuts[1:], strict=False)]
+        return tuple(runs)
+
+    def having(names: tuple[str, ...]) -> Ranges:  # runs of code points of these categories
+        runs: list[list[int]] = []
+        for c, k in zip(code, cats, strict=True):
+            if k in names:
+                if runs and runs[-1][1] == c - 1:
+                    runs[-1][1] = c
+                else:
+                    runs.append([c, c])
+        return tuple((a, z) for a, z in runs)
+
+    cats = list(map(unicodedata.category, text))
+    unassigned, marks = having(("Cn",)), having(("Mn", "Mc", "Me", "Pc"))
+    digit, word, space = found(r"\d+"), found(r"\w+"), found(r"\s+")
+    digit, word = union(digit, unassigned), union(word, unassigned)
+    return {"d": (digit, digit),
+            "w": (word, union(word, marks, OTHER_ALPHABETIC, ((0x200C, 0x200D),))),
+            "s": (space, WHITE_SPACE)}
+
+
+def _shorthand(c: str) -> tuple[Ranges, ...]:
+    """`\\c` (d, w, s or upper case) as each reader reads it: ECMA-262 (ASCII \\d and \\w),
+    Python's re and Rust's regex. A class takes the characters all of them put in it
+    (`intersection` of its per-reader sets), so that the text matches wherever it is checked:
+    ECMA's \\W let a model write "é" for `^\\W+$`, which jsonschema and pydantic reject."""
+    ecma = {"d": DIGIT, "w": WORD, "s": SPACE}[c.lower()]
+    sets = (ecma, *_unicode_classes()[c.lower()])
+    return tuple(complement(r) for r in sets) if c.isupper() else sets
+
+
+def _alike(r: Ranges) -> tuple[Ranges, ...]:
+    """A set every reader reads the same (a character, a range)."""
+    return (r,) * READERS
 
 
 def union(*parts: Ranges) -> Ranges:
@@ -185,18 +260,9 @@ class Nfa:
 @lru_cache(maxsize=64)
 def compile_regex(pattern: str, search: bool = False) -> Nfa:
     """The NFA of `pattern` matched whole (search=True: JSON Schema's `pattern`, which may
-    match anywhere in the string unless anchored by ^ and $)."""
-    body, anchored_start, anchored_end = pattern, False, False
-    if body.startswith("^"):
-        body, anchored_start = body[1:], True
-    if body.endswith("$") and not _escaped_at(body, len(body) - 1):
-        body, anchored_end = body[:-1], True
-    shift = int(anchored_start)  # where `body` starts in the pattern, for error offsets
-    if search:
-        head = ("" if anchored_start else "[\\s\\S]*") + "(?:"
-        body = head + body + ")" + ("" if anchored_end else "[\\s\\S]*")
-        shift -= len(head)
-    parser = _Parser(body, pattern, shift)
+    match anywhere in the string: each top-level alternative not anchored by ^ / $ is free
+    on that side)."""
+    parser = _Parser(pattern, search)
     nfa = Nfa()
     start, end = parser.parse(nfa)
     nfa.start_state, nfa.accept_state = start, end
@@ -297,26 +363,18 @@ def _prune(nfa: Nfa) -> None:
     nfa.eps = [[t for t in eps if t in live] for eps in nfa.eps]
 
 
-def _escaped_at(s: str, i: int) -> bool:
-    n = 0
-    while i - 1 - n >= 0 and s[i - 1 - n] == "\\":
-        n += 1
-    return n % 2 == 1
-
-
 class _Parser:
     """Recursive descent: alternation -> concatenation -> repeated atoms. Each piece is kept
     as a small syntax tree first, so that a counted repeat can build its copies."""
 
-    def __init__(self, body: str, original: str, shift: int):
-        self.s, self.i, self.original, self.shift = body, 0, original, shift
+    def __init__(self, pattern: str, search: bool):
+        self.s, self.i, self.search = pattern, 0, search
 
     def fail(self, why: str) -> RegexError:
-        at = min(max(self.i + self.shift, 0), len(self.original))
-        return RegexError(f"pattern {self.original!r}: {why} (at offset {at})")
+        return RegexError(f"pattern {self.s!r}: {why} (at offset {min(self.i, len(self.s))})")
 
     def parse(self, nfa: Nfa) -> tuple[int, int]:
-        tree = self.alternation()
+        tree = self.alternation(top=True)
         if self.i != len(self.s):
             raise self.fail(f"unexpected {self.s[self.i]!r}")
         return _build(tree, nfa)
@@ -324,17 +382,30 @@ class _Parser:
     def peek(self) -> str | None:
         return self.s[self.i] if self.i < len(self.s) else None
 
-    def alternation(self):
-        branches = [self.concatenation()]
+    def alternation(self, top: bool = False):
+        branches = [self.concatenation(top)]
         while self.peek() == "|":
             self.i += 1
-            branches.append(self.concatenation())
+            branches.append(self.concatenation(top))
         return ("alt", branches) if len(branches) > 1 else branches[0]
 
-    def concatenation(self):
+    def concatenation(self, top: bool = False):
+        """A top-level alternative may open with ^ and close with $, which anchor it alone
+        (`^a|b$` is (^a)|(b$): the anchors were once taken off the whole pattern, so a
+        searched one matched only "a" or "b" and `^a$|^b$` was refused). Matched whole, the
+        anchors change nothing; searched, an alternative is free on each unanchored side."""
         items = []
+        start = top and self.peek() == "^"
+        end = False
+        self.i += start
         while self.peek() is not None and self.peek() not in "|)":
+            if top and self.peek() == "$" and self.s[self.i + 1:self.i + 2] in ("", "|"):
+                self.i, end = self.i + 1, True
+                break
             items.append(self.repeat())
+        if top and self.search:
+            anything = ("rep", ("set", ANY), 0, None)
+            items = [anything] * (not start) + items + [anything] * (not end)
         return ("seq", items)
 
     def repeat(self):
@@ -347,6 +418,14 @@ class _Parser:
             elif c == "{" and self._counted():
                 lo, hi = self._counts()
             else:
+                if c == "{" and self.s[self.i + 1:self.i + 2] == ",":
+                    # a{,3} / a{,}: a{0,3} / a* to Python's re, the text "a{,3}" to ECMA-262
+                    # (which kvcap wrote, and Python's re.fullmatch then refused)
+                    j = self.s.find("}", self.i)
+                    hi = self.s[self.i + 2:j] if j > 0 else "x"
+                    if hi == "" or (hi.isascii() and hi.isdigit()):
+                        raise self.fail("{,n} is a count to Python's re and text to "
+                                        "ECMA-262; write {0,n}, or \\{ for the text")
                 return atom
             if self.peek() == "?":  # lazy: the same set of strings
                 self.i += 1
@@ -393,24 +472,29 @@ class _Parser:
         if c in ("*", "+", "?") or (c == "{" and self._counted()):
             raise self.fail(f"nothing to repeat before {c!r}")
         if c in ("^", "$"):
-            raise self.fail(f"{c!r} is supported only at the ends of the pattern")
+            raise self.fail(f"{c!r} is supported only at the ends of the pattern or of a "
+                            f"top-level alternative")
         if c == "\\":
-            return ("set", self.escape(in_class=False))
+            return ("set", intersection(*self.escape(in_class=False)))
         self.i += 1
         return ("set", ((ord(c), ord(c)),))
 
-    def escape(self, in_class: bool) -> Ranges:
+    def escape(self, in_class: bool) -> tuple[Ranges, ...]:
+        """The escaped character or class as each reader reads it (`_shorthand`)."""
         self.i += 1
         c = self.peek()
         if c is None:
             raise self.fail("a pattern cannot end with a backslash")
         self.i += 1
-        classes = {"d": DIGIT, "w": WORD, "s": SPACE}
-        if c.lower() in classes:
-            r = classes[c.lower()]
-            return complement(r) if c.isupper() else r
+        if c.lower() in ("d", "w", "s"):
+            return _shorthand(c)
+        if c == "0" and self.peek() is not None and self.peek() in "01234567":
+            # \01 is the octal escape \x01 to Python's re and ECMA-262's web reading; kvcap
+            # read NUL then "1" (\08 is NUL then "8" to all)
+            raise self.fail("octal escapes (\\0 and an octal digit) are not supported; "
+                            "write \\xHH")
         if c in CONTROL_ESCAPES:
-            return ((CONTROL_ESCAPES[c],) * 2,)
+            return _alike(((CONTROL_ESCAPES[c],) * 2,))
         if c in ("x", "u"):
             n = 2 if c == "x" else 4
             digits = self.s[self.i:self.i + n]
@@ -418,20 +502,22 @@ class _Parser:
                 raise self.fail(f"\\{c} needs {n} hex digits")
             self.i += n
             code = int(digits, 16)
-            return ((code, code),)
+            return _alike(((code, code),))
         if c == "b" and in_class:
-            return ((0x08, 0x08),)
+            return _alike(((0x08, 0x08),))
         if c.isalnum():
             raise self.fail(f"\\{c} is not supported (back-references, word boundaries and "
                             f"other assertions)")
-        return ((ord(c), ord(c)),)
+        return _alike(((ord(c), ord(c)),))
 
     def klass(self) -> Ranges:
+        """A class: its items' union (negated: the rest) as each reader reads it, then the
+        characters every reader's class holds (`_shorthand`: [\\w\\W] stays every character)."""
         self.i += 1
         negate = self.peek() == "^"
         if negate:
             self.i += 1
-        parts: list[Ranges] = []
+        parts: list[tuple[Ranges, ...]] = []
         first = True
         while True:
             c = self.peek()
@@ -445,23 +531,31 @@ class _Parser:
             if self.peek() == "-" and self.s[self.i + 1:self.i + 2] not in ("]", ""):
                 self.i += 1
                 hi = self._class_item()
-                if len(lo) != 1 or len(hi) != 1 or lo[0][0] != lo[0][1] or \
-                        hi[0][0] != hi[0][1]:
+                a, z = _single(lo), _single(hi)
+                if a is None or z is None:
                     raise self.fail("a class range needs single characters at both ends")
-                if hi[0][0] < lo[0][0]:
+                if z < a:
                     raise self.fail("a class range runs backwards")
-                parts.append(((lo[0][0], hi[0][0]),))
+                parts.append(_alike(((a, z),)))
             else:
                 parts.append(lo)
-        r = union(*parts)
-        return complement(r) if negate else r
+        per_reader = [union(*(p[k] for p in parts)) for k in range(READERS)]
+        return intersection(*(complement(r) if negate else r for r in per_reader))
 
-    def _class_item(self) -> Ranges:
+    def _class_item(self) -> tuple[Ranges, ...]:
         c = self.peek()
         if c == "\\":
             return self.escape(in_class=True)
         self.i += 1
-        return ((ord(c), ord(c)),)
+        return _alike(((ord(c), ord(c)),))
+
+
+def _single(item: tuple[Ranges, ...]) -> int | None:
+    """The character a class item is, or None for a class (\\d ...)."""
+    first = item[0]
+    if len(first) == 1 and first[0][0] == first[0][1] and all(r == first for r in item):
+        return first[0][0]
+    return None
 
 
 def _build(tree, nfa: Nfa) -> tuple[int, int]:

@@ -25,6 +25,7 @@ from kvcap.sampling.json_schema import (
 )
 
 SUPPORTED_STRUCTURED_KEYS = ("json", "choice", "regex", "json_object")
+FORMAT_KEYS = ("json", "choice", "regex")  # values, not switches
 
 
 class StructuredRequestError(ValueError):
@@ -61,7 +62,10 @@ def structured_request(req: Any) -> dict[str, Any]:
     if req.guided_regex is not None:
         asked.append({"field": "guided_regex", "regex": req.guided_regex})
     if req.structured_outputs:
-        so = {k: v for k, v in req.structured_outputs.items() if v not in (None, False)}
+        # false is a switch's neutral value, but no "none" for a format: {"json": false} (the
+        # schema nothing meets) was dropped as unset and the output ran unconstrained
+        so = {k: v for k, v in req.structured_outputs.items()
+              if v is not None and (k in FORMAT_KEYS or v not in (None, False))}
         other = sorted(set(so) - set(SUPPORTED_STRUCTURED_KEYS))
         if other:
             raise StructuredRequestError(

@@ -163,6 +163,8 @@ def calls_schema(params: dict[str, dict[str, Any]], parallel: bool) -> dict[str,
     for i, (name, schema) in enumerate(params.items()):
         key = f"tool{i}"
         defs[key] = _renamed(schema, key)
+        if isinstance(defs[key], dict):  # its references now resolve against the array's
+            defs[key].pop("$id", None)   # root (a moved $id would be refused as their base)
         branches.append({"type": "object", "properties": {
             "name": {"const": name}, "parameters": {"$ref": f"#/$defs/{key}"}},
             "required": ["name", "parameters"]})
