@@ -74,6 +74,8 @@ def test_a_users_name_reaches_the_chat_template(client, llm):
     (CHAT, {"echo": True}, "echo"),
     ("/tokenize", {"chat_template": "{{ messages[0].content }}"}, "chat_template"),
     (CMPL, {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    (CHAT, {"guided_json": {"type": "object"}, "guided_whitespace_pattern": "[ ]?"},
+     "guided_whitespace_pattern"),
     (CHAT, {"modalities": ["text", "audio"]}, "modalities"),
     (CHAT, {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
 ])

@@ -9,11 +9,11 @@ kvcap/sampling/penalties.py. Structured output (`response_format` json_object / 
 vLLM's `guided_json` / `guided_choice` / `structured_outputs`) as in
 kvcap/server/structured_request.py. vLLM extensions kvcap does not implement (beam search,
 grammar guidance, allowed_token_ids, bad_words, truncate_prompt_tokens, prompt_logprobs,
-return_tokens_as_token_ids; chat's own chat_template, documents and echo) and OpenAI's audio
-output (`modalities` other than ["text"], `audio`) are named so that a request using them is
-refused rather than silently served without them, as are OpenAI's deprecated `functions` /
-`function_call` (tools replace them). A field with a default that the API declares nullable
-takes null as that default.
+return_tokens_as_token_ids, guided_whitespace_pattern; chat's own chat_template, documents
+and echo) and OpenAI's audio output (`modalities` other than ["text"], `audio`) are named so
+that a request using them is refused rather than silently served without them, as are
+OpenAI's deprecated `functions` / `function_call` (tools replace them). A field with a
+default that the API declares nullable takes null as that default.
 `n` choices per prompt run as n engine requests; with a `seed`, choice j samples with seed + j.
 Log-probabilities (`logprobs`, chat's `top_logprobs`, up to MAX_LOGPROBS alternatives) and
 completions' `echo` are formatted by `kvcap.server.logprobs`.
@@ -170,6 +170,8 @@ class _SamplingFields(_NullIsDefault):
     prompt_logprobs: Any = None
     # vLLM's: tokens written as "token_id:N" in logprobs (were answered as text, unasked)
     return_tokens_as_token_ids: bool = False
+    # vLLM's: the whitespace a JSON output may hold (kvcap's grammar has its own)
+    guided_whitespace_pattern: Any = None
 
     def unsupported(self) -> list[str]:
         bad = ["guided_grammar"] if self.guided_grammar is not None else []
@@ -178,7 +180,8 @@ class _SamplingFields(_NullIsDefault):
         if self.return_tokens_as_token_ids:
             bad.append("return_tokens_as_token_ids")
         bad += [name for name in ("allowed_token_ids", "bad_words", "truncate_prompt_tokens",
-                                  "prompt_logprobs") if getattr(self, name) not in (None, [])]
+                                  "prompt_logprobs", "guided_whitespace_pattern")
+                if getattr(self, name) not in (None, [])]
         return bad
 
     @property
