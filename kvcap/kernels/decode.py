@@ -147,6 +147,13 @@ def attend_tiles(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, seq, lo, hi,
         else:
             valid = pmask[None, :]
         m_new, alpha, p, l_i = online_softmax_step(tl.where(valid, s, float("-inf")), m_i, l_i)
+        if CAUSAL and WINDOW > 0:
+            # Prefill through a window: a query tile starts at its first row's window, so a
+            # later row may see nothing in the first tiles, and online_softmax_step gives such
+            # a row a running max of 0. Kept, that 0 became the reference of the row's real
+            # scores (p = exp2(s - 0)): scores well below 0 underflowed (in FP16 below 2^-24)
+            # and the row's output was lost to 0. A row that has seen nothing keeps -inf.
+            m_new = tl.where(l_i > 0, m_new, float("-inf"))
         v = convert_tile(vr, FP8, SOFTWARE_V, DOT_DTYPE, True)
         acc = acc * alpha[:, None] + mm(p.to(DOT_DTYPE), v, USE_DOT, IEEE)
         m_i = m_new
