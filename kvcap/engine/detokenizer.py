@@ -96,6 +96,15 @@ class IncrementalDetokenizer:
             return hit
         return False
 
+    def holds_back(self, ids: list[int], text: str) -> bool:
+        """Would `update` keep back the text of output ids `ids` (`text`, their decode): the
+        output ends mid-character or in a byte run? One-token steps then search no new text."""
+        return text.endswith("\ufffd") or self._ends_in_byte_run(ids)
+
+    def pending(self, ids: list[int]) -> bool:
+        """Are some of output ids `ids` not yet rendered in `self.text` (kept back)?"""
+        return self.tokenizer is not None and len(ids) > self._read
+
     def update(self, ids: list[int]) -> str:
         """All text for output ids `ids` (a list that only ever grows); returns self.text."""
         if self.tokenizer is None or len(ids) <= self._read or self._ends_in_byte_run(ids):

@@ -305,22 +305,38 @@ class Engine:
         longest = max(map(len, stops))
         start = max(0, self._stop_scanned.get(rid, 0) - longest - 3)
         self._stop_scanned[rid] = len(text)
-        if len(req.output_token_ids) < req.sampling_params.min_tokens:
-            self._stop_floor[rid] = len(text)
+        # Kept drafts: when the step's last token ends mid-character the detokenizer keeps all
+        # of the step's text back, where one-token steps released each earlier token's: `text`
+        # may then lack a stop string (the next step found it, the tokens after it kept) or
+        # part of the text under min_tokens. Such a step is searched token by token too.
+        detok = self._detok.get(rid)
+        held = (before is not None and not req.is_finished and detok is not None
+                and detok.pending(req.output_token_ids))
+        under = len(req.output_token_ids) < req.sampling_params.min_tokens
+        if under and not held:
+            # (never less than a step of kept drafts found: its kept-back text may still lag
+            # behind the text one-token steps had released by now)
+            self._stop_floor[rid] = max(self._stop_floor.get(rid, 0), len(text))
             return
         floor = self._stop_floor.get(rid, 0)
-        hits = _stop_hits(text, stops, start, floor)
-        if not hits:
+        hits = [] if under else _stop_hits(text, stops, start, floor)
+        if not hits and not held:
             return
         found = None
-        if before is not None:  # (no stop in the step's text: none in any shorter text)
+        # (no stop in the step's text and none of it kept back: none in any shorter text)
+        if before is not None:
             found, start, m, floor = self._stop_before_last(req, before, start, longest)
+            # the text the step's tokens under min_tokens made: later searches pass it over
+            # too (left stale, the next step's look-back stopped on a string inside it)
+            self._stop_floor[rid] = floor
             if found is not None:
                 self._drop_after_stop(req, m)
+                # the text it was found in (the step's `text` may be kept back: see above)
+                text = detok.decode(req.output_token_ids)
             elif req.status == RequestStatus.FINISHED_STOPPED:
                 return  # a stop token ended it before a one-token step's last search
             else:  # the step's last token searched as a one-token step would, from `start`
-                hits = _stop_hits(text, stops, start, floor)
+                hits = [] if under else _stop_hits(text, stops, start, floor)
                 if not hits:
                     return
         idx, s = found if found is not None else min(hits)
@@ -360,6 +376,10 @@ class Engine:
             # as the detokenizer renders the output: offsets are into that text (a plain
             # decode drops a SentencePiece output's first space, one character off)
             text = detok.decode(ids[:m])
+            if detok.holds_back(ids[:m], text):
+                # a one-token step kept this text back (it ends mid-character): it searched
+                # nothing new here, and found a stop string this token completed one token later
+                continue
             if m < sp.min_tokens:
                 floor = len(text)
             elif hits := _stop_hits(text, sp.stop, start, floor):

@@ -252,6 +252,15 @@ class ModelRunner:
         for ch in chunks:
             req: Request = ch.request
             start, n = ch.start, ch.num_tokens
+            # Only a chunk with prompt rows needs the eager path: a request in decode that
+            # asked for prompt logprobs / logits has none, and used to keep the whole batch
+            # off the decode graphs until it finished. (Checked before the draft rows' early
+            # `continue`: drafts after a prompt's last token, verified as decode rows, lost
+            # that token's row of the prompt logits.)
+            if start < req.num_prompt_tokens and (
+                    req.sampling_params.prompt_logprobs is not None
+                    or extras[req.request_id].want_prompt_logits):
+                eager_only = True
             if ch.ahead:  # the token is still on the device: `launch` feeds it there
                 ids.append(0)
                 positions.append(start)
@@ -278,13 +287,6 @@ class ModelRunner:
             qlens.append(n)
             seq_lens.append(start + n)
             tables.append(req.block_ids)
-            # Only a chunk with prompt rows needs the eager path: a request in decode that
-            # asked for prompt logprobs / logits has none, and used to keep the whole batch
-            # off the decode graphs until it finished.
-            if start < req.num_prompt_tokens and (
-                    req.sampling_params.prompt_logprobs is not None
-                    or extras[req.request_id].want_prompt_logits):
-                eager_only = True
         max_q = max(qlens)
         plan.use_graph = (self.graphs is not None and not eager_only
                           and self.kv_observer is None and max_q == 1
