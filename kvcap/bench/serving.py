@@ -166,7 +166,10 @@ def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> {'name{labels}': value} (comments skipped)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
-        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) (\S+)$", line)
+        # label values are quoted and may hold braces (the route template
+        # endpoint="/v1/models/{model}"): `{[^}]*}` dropped such a sample
+        m = re.match(r'^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{(?:[^}"]|"(?:[^"\\]|\\.)*")*\})?) (\S+)$',
+                     line)
         if m:
             out[m.group(1)] = float(m.group(2))
     return out
