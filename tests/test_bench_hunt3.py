@@ -213,3 +213,30 @@ def test_the_runs_own_summary_leaves_out_a_native_arm_that_ran_the_software_deco
             == (decoder == "software")
         assert kb.main(["--summary", str(out)]) == 0
         assert sw_line in capsys.readouterr().out
+
+
+# --- throughput_targets: a cell whose partner arm the file lacks --------------------------------
+
+def test_a_cell_whose_partner_arm_the_file_lacks_is_listed_as_skipped(tmp_path):
+    """A run cut off between its arms (BF16 measured at 16 x 16K, the E4M3 arm stopped after
+    16 x 1K) left that cell out of every verdict: not met, yet not named in the summary. It is
+    now a skip naming the missing arm; a file that ran one arm only pairs nothing (ratios never
+    cross files)."""
+    from kvcap.bench import throughput_report as tr
+    from kvcap.bench import throughput_targets as tt
+
+    cut = _report_file(tmp_path / "cut.json", [
+        _cell("fp16", 16, 1024, 3000.0), _cell("fp8", 16, 1024, 3100.0),
+        _cell("fp16", 16, 16384, 2000.0)])
+    verdicts = tt.judge_reports(tr.load_reports([cut]))
+    long = [v for v in verdicts if v.target == tt.T_LONG]
+    assert [(v.cell, v.met) for v in long] == [("16 x 16K", False)]
+    assert "E4M3 (native): not in this file" in long[0].skip
+    assert "16 x 16K" in tt.markdown(verdicts, "llama-3.1-8b").split("skipped (not judged)")[-1]
+    # a later complete run's measurement replaces the skip
+    full = _report_file(tmp_path / "full.json", [_cell("fp16", 16, 16384, 2000.0),
+                                                  _cell("fp8", 16, 16384, 2700.0)])
+    long = [v for v in tt.judge_reports(tr.load_reports([cut, full])) if v.target == tt.T_LONG]
+    assert [(v.cell, v.met, v.skip) for v in long] == [("16 x 16K", True, None)]
+    only = _report_file(tmp_path / "only.json", [_cell("fp16", 16, 16384, 2000.0)])
+    assert not [v for v in tt.judge_reports(tr.load_reports([only])) if v.skip]

@@ -256,6 +256,21 @@ def judge(cells: list[dict], shape: str = DEFAULT_SHAPE,
                      "fp8-software": [(3, T_SOFTWARE, SOFTWARE_MIN, lambda conc, ctx: True)]}
     for source, sel in by_file.items():
         info = infos.get(source)
+        arms = {kv for kv, _, _ in sel}
+        # A cell one of whose arms the file lacks while it ran that arm at other cells (a run
+        # cut off between its arms) is a skip naming the missing arm: it was left out of
+        # every verdict, neither met nor listed.
+        for conc, ctx in dict.fromkeys((c, x) for _, c, x in sel):
+            for kv in sorted(ratio_targets.keys() & arms) if "fp16" in arms else []:
+                pair = {"fp16": sel.get(("fp16", conc, ctx)), kv: sel.get((kv, conc, ctx))}
+                missing = [arm for arm, cell in pair.items() if cell is None]
+                if len(missing) == 1:
+                    why = (f"{ARM_NAMES.get(missing[0], missing[0])}: not in this file (the "
+                           "run stopped before it?)")
+                    for rank, target, threshold, applies in ratio_targets[kv]:
+                        if applies(conc, ctx):
+                            add(rank, target, conc, ctx, row_label(conc, ctx), math.nan,
+                                threshold, source, why)
         for (kv, conc, ctx), cell in sel.items():
             label = row_label(conc, ctx)
             base = sel.get(("fp16", conc, ctx))
