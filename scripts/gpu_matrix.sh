@@ -28,10 +28,10 @@ if [ "$1" = tests ]; then
   python3 -c "import xdist" 2>/dev/null && workers="-n ${TESTS_WORKERS:-6}" || workers=
   timeout ${TESTS_S:-540} python3 -m pytest -v -m gpu tests/test_kernels_gpu.py $workers \
     -p no:cacheprovider > "$OUT/gpu-tests-log.txt" 2>&1
-  # CI's kernel hunts (not GPU-marked: interpreted there) compiled here, their small shapes
+  # CI's kernel hunt (not GPU-marked: interpreted there) compiled here, its small shapes
   # and all: a fix found under the interpreter (the windowed prefill's running max) runs
   # compiled only through this line
-  timeout 120 python3 -m pytest -v tests/test_kernels_hunt.py tests/test_kernels_hunt2.py \
+  timeout 120 python3 -m pytest -v tests/test_kernels_hunt.py \
     $workers -p no:cacheprovider >> "$OUT/gpu-tests-log.txt" 2>&1
   timeout $((${TESTS_S:-540} - SECONDS > 30 ? ${TESTS_S:-540} - SECONDS : 30)) \
     python3 -m pytest -v -m gpu tests --ignore tests/test_kernels_gpu.py -p no:cacheprovider \
